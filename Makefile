@@ -1,0 +1,25 @@
+# The two commands of the README: `make demo` (the main job, offline) and `make test`.
+# Each creates .venv itself on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) recipes/gemma_7b_to_2b.py --preset tiny --output runs/tiny
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	bash bench/run_all.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

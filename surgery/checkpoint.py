@@ -1,0 +1,273 @@
+"""Hugging Face checkpoint <-> NNX Gemma: the tensor table, streaming load and streaming save.
+
+`tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes:
+
+    same       norms, embedding             identical
+    transpose  gate/up/down, lm_head        HF [out, in]  -> Flax [in, out]
+    heads_in   q/k/v_proj                   HF [N*H, D]   -> (D, N, H)
+    heads_out  o_proj                       HF [D, N*H]   -> (N, H, D)
+
+Loading builds the model abstractly (no memory), then reads each parameter once, straight into its device
+shards with `jax.make_array_from_callback` and `get_slice`, one file at a time with `backend="pread"`. Saving
+writes tensor by tensor into a temporary folder that is renamed into place at the end.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import GemmaConfig
+from .model import Gemma, abstract_model, parameter_sharding
+from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, checkpoint_weight_map, copy_aux_files,
+                             dtype_code, iter_groups_by_file, open_safetensors, write_json, write_model_files)
+
+# Checkpoint name prefixes that belong to parts of a multimodal Gemma 3 we do not build.
+IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                 "language_model.lm_head.": "lm_head."}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    hf_name: str
+    path: tuple  # NNX state path, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+    layout: str  # same | transpose | heads_in | heads_out
+
+
+def tensor_table(config: GemmaConfig) -> list[TensorEntry]:
+    """Every tensor of an HF Gemma checkpoint for `config`, in the order transformers writes them."""
+    entries = [TensorEntry("model.embed_tokens.weight", ("embed_tokens",), "same")]
+    for i in range(config.num_hidden_layers):
+        layer, prefix = ("layers", i), f"model.layers.{i}"
+        entries.append(TensorEntry(f"{prefix}.input_layernorm.weight", layer + ("input_layernorm", "scale"), "same"))
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            entries.append(TensorEntry(f"{prefix}.self_attn.{proj}.weight",
+                                       layer + ("self_attn", proj, "kernel"), "heads_in"))
+        entries.append(TensorEntry(f"{prefix}.self_attn.o_proj.weight",
+                                   layer + ("self_attn", "o_proj", "kernel"), "heads_out"))
+        if config.uses_qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                entries.append(TensorEntry(f"{prefix}.self_attn.{norm}.weight",
+                                           layer + ("self_attn", norm, "scale"), "same"))
+        norms = ["post_attention_layernorm"]
+        if config.uses_sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            entries.append(TensorEntry(f"{prefix}.{norm}.weight", layer + (norm, "scale"), "same"))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            entries.append(TensorEntry(f"{prefix}.mlp.{proj}.weight", layer + ("mlp", proj, "kernel"), "transpose"))
+    entries.append(TensorEntry("model.norm.weight", ("norm", "scale"), "same"))
+    if not config.tie_word_embeddings:
+        entries.append(TensorEntry("lm_head.weight", ("lm_head",), "transpose"))
+    return entries
+
+
+def hf_shape(layout: str, nnx_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if layout == "same":
+        return tuple(nnx_shape)
+    if layout == "transpose":
+        return tuple(nnx_shape[::-1])
+    if layout == "heads_in":  # (D, N, H) -> [N*H, D]
+        return (nnx_shape[1] * nnx_shape[2], nnx_shape[0])
+    return (nnx_shape[2], nnx_shape[0] * nnx_shape[1])  # heads_out (N, H, D) -> [D, N*H]
+
+
+def to_hf_layout(layout: str, array: np.ndarray) -> np.ndarray:
+    if layout == "same":
+        return array
+    if layout == "transpose":
+        return array.T
+    if layout == "heads_in":
+        return array.reshape(array.shape[0], -1).T
+    return array.reshape(-1, array.shape[-1]).T
+
+
+def read_nnx_block(hf_slice, layout: str, nnx_shape: tuple[int, ...], index: tuple) -> np.ndarray:
+    """Read the block `index` (slices into the NNX shape) of a parameter from an HF `get_slice` handle."""
+    bounds = [s.indices(n)[:2] for s, n in zip(index, nnx_shape)] if index else [(0, n) for n in nnx_shape]
+    if layout == "same":
+        return hf_slice[tuple(slice(a, b) for a, b in bounds)]
+    if layout == "transpose":
+        (r0, r1), (c0, c1) = bounds
+        return np.ascontiguousarray(hf_slice[c0:c1, r0:r1].T)
+    head_dim = nnx_shape[1] if layout == "heads_out" else nnx_shape[2]
+    if layout == "heads_in":  # block (d, n, h) of (D, N, H) from [N*H, D]
+        (d0, d1), (n0, n1), (h0, h1) = bounds
+        block = hf_slice[n0 * head_dim:n1 * head_dim, d0:d1].T.reshape(d1 - d0, n1 - n0, head_dim)
+        return np.ascontiguousarray(block[:, :, h0:h1])
+    (n0, n1), (h0, h1), (d0, d1) = bounds  # heads_out: block (n, h, d) of (N, H, D) from [D, N*H]
+    block = hf_slice[d0:d1, n0 * head_dim:n1 * head_dim].T.reshape(n1 - n0, head_dim, d1 - d0)
+    return np.ascontiguousarray(block[:, h0:h1, :])
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def resolve_source(source: str | os.PathLike, revision: str | None = None) -> str:
+    """A local folder, or a Hub repo id fetched into the HF cache (honours HF_HUB_OFFLINE and HF_HOME)."""
+    source = os.fspath(source)
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source):
+        raise CheckpointError(f"{source} is a file; pass the model folder that holds config.json.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(source, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
+    except HFValidationError:
+        raise CheckpointError(f"{source!r} is neither a local folder nor a valid Hub repo id.") from None
+    except Exception as err:  # offline, missing repo, no access: say which and how to fix it
+        raise CheckpointError(f"could not fetch {source!r} (revision {revision or 'main'}) from the Hub: "
+                              f"{type(err).__name__}: {err}. Pass a local folder, log in with `hf auth login`, "
+                              "or unset HF_HUB_OFFLINE.") from None
+
+
+def canonical_names(weight_map: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Map checkpoint names to text-model HF names (`language_model.model.*` -> `model.*`); list ignored ones."""
+    canonical, ignored = {}, []
+    for name in weight_map:
+        if name.startswith(IGNORED_PREFIXES):
+            ignored.append(name)
+            continue
+        mapped = name
+        for prefix, replacement in TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                mapped = replacement + name[len(prefix):]
+                break
+        canonical[mapped] = name
+    return canonical, ignored
+
+
+def checkpoint_dtype(folder: str, config: GemmaConfig, weight_map: dict[str, str], names: dict[str, str]):
+    with open_safetensors(os.path.join(folder, weight_map[names["model.embed_tokens.weight"]])) as f:
+        code = f.get_slice(names["model.embed_tokens.weight"]).get_dtype()
+    return {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}.get(code, jnp.float32)
+
+
+def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revision: str | None = None) -> Gemma:
+    """Load an HF Gemma 1/2/3 checkpoint into an NNX `Gemma`, streaming, sharded over `mesh` when given.
+
+    `dtype` (jnp dtype or "float32"/"bfloat16"/"float16") defaults to the checkpoint's own dtype.
+    """
+    folder = resolve_source(source, revision)
+    config = GemmaConfig.from_file(folder)
+    weight_map = checkpoint_weight_map(folder)
+    names, ignored = canonical_names(weight_map)
+    table = tensor_table(config)
+    expected = {entry.hf_name for entry in table}
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        expected.add("lm_head.weight")  # some exports write the tied head too; it must equal the embedding
+    missing = sorted(expected - set(names) - {"lm_head.weight"})
+    if missing:
+        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
+                              f"{missing[:3]}; the files do not match config.json.")
+    unexpected = sorted(set(names) - expected)
+    if unexpected:
+        raise CheckpointError(f"{folder}: checkpoint has {len(unexpected)} tensor(s) a {config.model_type} model "
+                              f"with this config does not use, e.g. {unexpected[:3]} "
+                              f"(in {weight_map[names[unexpected[0]]]}).")
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or checkpoint_dtype(folder, config, weight_map, names)
+    model = abstract_model(config, dtype=dtype, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    filled = set()
+    for file_name, hf_names in iter_groups_by_file([names[e.hf_name] for e in table], weight_map).items():
+        path = os.path.join(folder, file_name)
+        with open_safetensors(path) as f:
+            by_name = {names[e.hf_name]: e for e in table}
+            for stored_name in hf_names:
+                entry = by_name[stored_name]
+                variable = variables[entry.path]
+                _fill(variable, f.get_slice(stored_name), entry, path, stored_name, dtype, mesh)
+                filled.add(entry.path)
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        _check_tied_head(folder, weight_map, names)
+    assert filled == set(variables), f"unfilled parameters: {sorted(set(variables) - filled)}"
+    return nnx.merge(graphdef, state)
+
+
+def _fill(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, mesh) -> None:
+    nnx_shape = tuple(variable.shape)
+    want = hf_shape(entry.layout, nnx_shape)
+    found = tuple(hf_slice.get_shape())
+    if found != want:
+        raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, config.json implies {list(want)}.")
+    if hf_slice.get_dtype() not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"{path}: tensor {name} has dtype {hf_slice.get_dtype()}; expected F32, BF16 or F16.")
+    np_dtype = np.dtype(dtype)
+
+    def read(index):
+        return read_nnx_block(hf_slice, entry.layout, nnx_shape, index).astype(np_dtype, copy=False)
+
+    sharding = parameter_sharding(variable, mesh)
+    variable.set_value(jax.make_array_from_callback(nnx_shape, sharding, read))
+
+
+def _check_tied_head(folder, weight_map, names) -> None:
+    with open_safetensors(os.path.join(folder, weight_map[names["lm_head.weight"]])) as f:
+        head = f.get_tensor(names["lm_head.weight"])
+    with open_safetensors(os.path.join(folder, weight_map[names["model.embed_tokens.weight"]])) as f:
+        embed = f.get_tensor(names["model.embed_tokens.weight"])
+    if head.shape != embed.shape or not np.array_equal(head, embed):
+        raise CheckpointError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from the "
+                              "embedding; set tie_word_embeddings=false in config.json to load an untied head.")
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def model_tensors(model: Gemma, dtype=None) -> list[PendingTensor]:
+    """The model's tensors in HF names and layout, each produced (gathered to host) only when written."""
+    state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = []
+    for entry in tensor_table(model.config):
+        variable = state[entry.path]
+        out_dtype = np.dtype(dtype or variable.dtype)
+
+        def produce(variable=variable, layout=entry.layout, out_dtype=out_dtype):
+            return to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))).astype(out_dtype)
+
+        tensors.append(PendingTensor(entry.hf_name, hf_shape(entry.layout, tuple(variable.shape)), out_dtype,
+                                     produce))
+    return tensors
+
+
+def torch_dtype_name(dtype) -> str:
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype_code(dtype)]
+
+
+def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTensor], *, source: str | None = None,
+                    max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None) -> str:
+    """Write config.json, safetensors and the teacher's tokenizer files into `out_dir`, atomically.
+
+    `extra_files` maps a file name to JSON data (e.g. the surgery plan) or to a callable `(path) -> None`."""
+    dtype = torch_dtype_name(tensors[0].dtype) if tensors else "float32"
+    with atomic_folder(out_dir) as tmp:
+        write_model_files(tmp, tensors, max_shard_size)
+        write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=dtype))
+        if source:
+            copy_aux_files(resolve_source(source) if not os.path.isdir(source) else source, tmp)
+        for name, content in (extra_files or {}).items():
+            if callable(content):
+                content(os.path.join(tmp, name))
+            else:
+                write_json(os.path.join(tmp, name), content)
+    return os.path.abspath(out_dir)
+
+
+def save_pretrained(model: Gemma, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
+                    dtype=None, max_shard_size: int | str = "5GB",
+                    extra_files: dict[str, object] | None = None) -> str:
+    """Write `model` as an HF folder transformers loads (`AutoModelForCausalLM.from_pretrained(out_dir)`).
+
+    `source` (the teacher's folder or repo id) supplies tokenizer and generation config. `dtype` converts on the
+    way out (default: the parameters' dtype). Returns the folder's absolute path."""
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return write_hf_folder(os.fspath(out_dir), model.config, model_tensors(model, dtype),
+                           source=os.fspath(source) if source else None, max_shard_size=max_shard_size,
+                           extra_files=extra_files)

@@ -1,0 +1,226 @@
+"""Streaming safetensors reading and writing, and atomic publication of model folders.
+
+Reads go through `safe_open(..., backend="pread")` and `get_slice`, so only the bytes asked for are resident
+(hf_nnx.md §2.3: 162 MiB peak to stream a 2 GiB file, against 4 GiB for `load_file`). Writes lay out the header
+first, then append one tensor at a time: a checkpoint is never held twice in memory. A folder is written under a
+temporary name beside its destination and renamed into place at the end, so a crash never leaves a folder that
+looks complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before reading BF16 with framework="numpy")
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+DTYPE_CODES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+             "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk that cannot be read as asked: says which file and tensor, and what was expected."""
+
+
+def dtype_code(dtype) -> str:
+    try:
+        return CODE_OF[np.dtype(dtype)]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored; use float32, bfloat16 or float16.") from None
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def checkpoint_weight_map(folder: str) -> dict[str, str]:
+    """Tensor name -> safetensors file name, for a single-file or an index-sharded checkpoint."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err!r}).") from None
+        for name in sorted(set(weight_map.values())):
+            if not os.path.exists(os.path.join(folder, name)):
+                raise CheckpointError(f"{index} names {name}, which is not in {folder}.")
+        return dict(weight_map)
+    single = os.path.join(folder, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are read "
+                              "(convert .bin files with transformers first).")
+    with open_safetensors(single) as f:
+        return {name: SINGLE_FILE for name in f.keys()}
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str):
+    """`safe_open` with `backend="pread"`, turning a corrupt or truncated file into a CheckpointError."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as raw:
+            header_len = struct.unpack("<Q", raw.read(8))[0] if size >= 8 else None
+        if header_len is None or 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file (size {size} bytes).")
+        handle = safe_open(path, framework="numpy", backend="pread")
+    except (SafetensorError, OSError, struct.error) as err:
+        raise CheckpointError(f"{path}: cannot be opened as safetensors ({err}); the file is corrupt or truncated, "
+                              "download or write it again.") from None
+    with handle as f:
+        _check_extent(path, f, size)
+        yield f
+
+
+def _check_extent(path: str, f, size: int) -> None:
+    with open(path, "rb") as raw:
+        header_len = struct.unpack("<Q", raw.read(8))[0]
+        header = json.loads(raw.read(header_len))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"{path}: truncated: its header needs {8 + header_len + end} bytes but the file has "
+                              f"{size}; download or write it again.")
+
+
+# ------------------------------------------------------------------------------------------------ writing
+@dataclass(frozen=True)
+class PendingTensor:
+    """A tensor to write: name, shape and dtype up front; `produce()` makes its numpy data when its turn comes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, scale in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                        ("KB", 10**3), ("B", 1)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+def shard_groups(tensors: list[PendingTensor], max_shard_size: int | str) -> list[list[PendingTensor]]:
+    """Split tensors, in order, into files of at most `max_shard_size` bytes (a larger tensor gets its own)."""
+    limit, groups, current, current_bytes = parse_size(max_shard_size), [], [], 0
+    for tensor in tensors:
+        if current and current_bytes + tensor.nbytes > limit:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(tensor)
+        current_bytes += tensor.nbytes
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[str, str] | None = None) -> None:
+    """Header first, then each tensor's bytes as it is produced: peak memory is one tensor."""
+    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for tensor in tensors:
+        header[tensor.name] = {"dtype": dtype_code(tensor.dtype), "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for tensor in tensors:
+            data = np.ascontiguousarray(tensor.produce(), dtype=tensor.dtype)
+            if data.shape != tuple(tensor.shape):
+                raise CheckpointError(f"{path}: tensor {tensor.name} came out {data.shape}, expected {tensor.shape}.")
+            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+            del data
+
+
+def write_model_files(folder: str, tensors: list[PendingTensor], max_shard_size: int | str) -> list[str]:
+    """Write `model.safetensors`, or numbered shards plus an index with `metadata.total_size`."""
+    groups = shard_groups(tensors, max_shard_size)
+    if len(groups) == 1:
+        write_safetensors(os.path.join(folder, SINGLE_FILE), groups[0])
+        return [SINGLE_FILE]
+    names, weight_map = [], {}
+    for number, group in enumerate(groups, start=1):
+        name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(os.path.join(folder, name), group)
+        names.append(name)
+        weight_map.update({t.name: name for t in group})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+    with open(os.path.join(folder, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    return names
+
+
+def copy_aux_files(source: str | None, folder: str) -> list[str]:
+    """Copy tokenizer and generation config files verbatim from a teacher folder, when present."""
+    copied = []
+    if source and os.path.isdir(source):
+        for name in AUX_FILES:
+            src = os.path.join(source, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(folder, name))
+                copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def atomic_folder(out_dir: str) -> Iterator[str]:
+    """Yield a fresh temporary folder beside `out_dir`; on success it replaces `out_dir` in one rename."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.exists(out_dir):
+        old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path: str, data, *, indent: int = 2) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent, sort_keys=False, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def iter_groups_by_file(names: Iterable[str], weight_map: dict[str, str]) -> dict[str, list[str]]:
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(weight_map[name], []).append(name)
+    return by_file

@@ -1,0 +1,79 @@
+"""Tiny Gemma checkpoints made with transformers (the reference nobody here wrote), and helpers to compare."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FAMILIES = ("gemma", "gemma2", "gemma3_text")
+
+
+def tiny_config(family: str, **overrides):
+    """Odd shapes on purpose: head_dim != hidden/heads, GQA, query_pre_attn_scalar != head_dim, small windows."""
+    import transformers
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if family == "gemma":
+        cls, extra = transformers.GemmaConfig, dict(hidden_act="gelu_pytorch_tanh")
+    elif family == "gemma2":
+        cls, extra = transformers.Gemma2Config, dict(query_pre_attn_scalar=20, sliding_window=5,
+                                                      attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    else:
+        cls = transformers.Gemma3TextConfig
+        extra = dict(query_pre_attn_scalar=20, sliding_window=5, sliding_window_pattern=3,
+                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                         "rope_theta": 1000000.0}})
+    extra.update(overrides)
+    return cls(**{**common, **extra})
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """A transformers model with random weights everywhere, norms included (they start at zero otherwise)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.3 if "norm" in name else 0.15
+            param.copy_(torch.randn_like(param) * scale)
+    return model.eval()
+
+
+def save_hf(model, folder, **kwargs) -> str:
+    model.save_pretrained(folder, **kwargs)
+    return str(folder)
+
+
+def hf_logits(folder_or_model, input_ids: np.ndarray, dtype=torch.float32, attention_mask=None) -> np.ndarray:
+    import transformers
+
+    if isinstance(folder_or_model, str):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=dtype).eval()
+    else:
+        model = folder_or_model
+    with torch.no_grad():
+        kwargs = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = torch.tensor(attention_mask)
+        out = model(torch.tensor(input_ids, dtype=torch.long), use_cache=False, **kwargs)
+    return out.logits.float().numpy()
+
+
+def load_with_info(folder: str, dtype=torch.float32):
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    return model.eval(), info
+
+
+def assert_clean_loading(info) -> None:
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(key), f"{key}: {info.get(key)}"
+
+
+def sample_ids(batch: int = 2, length: int = 13, vocab: int = 96, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
