@@ -30,7 +30,27 @@ from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, chec
 IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                  "language_model.lm_head.": "lm_head."}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "half": jnp.float16}
+STORED_DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}
+
+
+def resolve_dtype(dtype):
+    """None / "auto" -> None (keep the checkpoint's dtype); a name, numpy, jnp or torch dtype -> a numpy dtype
+    among float32, bfloat16, float16. Anything else is a ValueError naming the accepted values."""
+    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        return None
+    name = dtype.lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name in DTYPES:
+        return np.dtype(DTYPES[name])
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in {np.dtype(v) for v in STORED_DTYPES.values()}:
+        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16 (or None / 'auto' "
+                         "for the checkpoint's own dtype).")
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -109,7 +129,7 @@ def read_nnx_block(hf_slice, layout: str, nnx_shape: tuple[int, ...], index: tup
 # ------------------------------------------------------------------------------------------------ loading
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> str:
     """A local folder, or a Hub repo id fetched into the HF cache (honours HF_HUB_OFFLINE and HF_HOME)."""
-    source = os.fspath(source)
+    source = os.path.expanduser(os.fspath(source))
     if os.path.isdir(source):
         return source
     if os.path.exists(source):
@@ -145,16 +165,32 @@ def canonical_names(weight_map: dict[str, str]) -> tuple[dict[str, str], list[st
 
 
 def checkpoint_dtype(folder: str, config: GemmaConfig, weight_map: dict[str, str], names: dict[str, str]):
-    with open_safetensors(os.path.join(folder, weight_map[names["model.embed_tokens.weight"]])) as f:
-        code = f.get_slice(names["model.embed_tokens.weight"]).get_dtype()
-    return {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}.get(code, jnp.float32)
+    """The stored dtype of the embedding, which decides the model dtype when none is asked for."""
+    stored = names["model.embed_tokens.weight"]
+    path = os.path.join(folder, weight_map[stored])
+    with open_safetensors(path) as f:
+        code = _get_slice(f, stored, path).get_dtype()
+    if code not in STORED_DTYPES:
+        raise CheckpointError(f"{path}: tensor {stored} has dtype {code}; expected F32, BF16 or F16.")
+    return np.dtype(STORED_DTYPES[code])
+
+
+def _get_slice(f, name: str, path: str):
+    try:
+        return f.get_slice(name)
+    except Exception:  # SafetensorError; the index points at a file without the tensor
+        raise CheckpointError(f"{path}: does not contain tensor {name}, although the index says it does; "
+                              "the checkpoint is incomplete or its index is stale.") from None
 
 
 def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revision: str | None = None) -> Gemma:
     """Load an HF Gemma 1/2/3 checkpoint into an NNX `Gemma`, streaming, sharded over `mesh` when given.
 
-    `dtype` (jnp dtype or "float32"/"bfloat16"/"float16") defaults to the checkpoint's own dtype.
+    `dtype` (jnp/numpy dtype or "float32"/"bfloat16"/"float16") defaults to the checkpoint's own dtype.
+    Raises ConfigError for an unusable config.json and CheckpointError (naming file and tensor) when the
+    tensors do not match it: never returns a model with unfilled or random weights.
     """
+    dtype = resolve_dtype(dtype)
     folder = resolve_source(source, revision)
     config = GemmaConfig.from_file(folder)
     weight_map = checkpoint_weight_map(folder)
@@ -163,7 +199,7 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
     expected = {entry.hf_name for entry in table}
     if config.tie_word_embeddings and "lm_head.weight" in names:
         expected.add("lm_head.weight")  # some exports write the tied head too; it must equal the embedding
-    missing = sorted(expected - set(names) - {"lm_head.weight"})
+    missing = sorted(expected - set(names))
     if missing:
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                               f"{missing[:3]}; the files do not match config.json.")
@@ -172,20 +208,20 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
         raise CheckpointError(f"{folder}: checkpoint has {len(unexpected)} tensor(s) a {config.model_type} model "
                               f"with this config does not use, e.g. {unexpected[:3]} "
                               f"(in {weight_map[names[unexpected[0]]]}).")
-    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    dtype = dtype or checkpoint_dtype(folder, config, weight_map, names)
+    if dtype is None:
+        dtype = checkpoint_dtype(folder, config, weight_map, names)
     model = abstract_model(config, dtype=dtype, mesh=mesh)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
     filled = set()
+    by_name = {names[e.hf_name]: e for e in table}
     for file_name, hf_names in iter_groups_by_file([names[e.hf_name] for e in table], weight_map).items():
         path = os.path.join(folder, file_name)
         with open_safetensors(path) as f:
-            by_name = {names[e.hf_name]: e for e in table}
             for stored_name in hf_names:
                 entry = by_name[stored_name]
                 variable = variables[entry.path]
-                _fill(variable, f.get_slice(stored_name), entry, path, stored_name, dtype, mesh)
+                _fill(variable, _get_slice(f, stored_name, path), entry, path, stored_name, dtype, mesh)
                 filled.add(entry.path)
     if config.tie_word_embeddings and "lm_head.weight" in names:
         _check_tied_head(folder, weight_map, names)
@@ -199,24 +235,34 @@ def _fill(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, m
     found = tuple(hf_slice.get_shape())
     if found != want:
         raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, config.json implies {list(want)}.")
-    if hf_slice.get_dtype() not in ("F32", "BF16", "F16"):
+    if hf_slice.get_dtype() not in STORED_DTYPES:
         raise CheckpointError(f"{path}: tensor {name} has dtype {hf_slice.get_dtype()}; expected F32, BF16 or F16.")
     np_dtype = np.dtype(dtype)
 
-    def read(index):
+    def read(index):  # one device's block; the only host copy of it besides the device buffer
         return read_nnx_block(hf_slice, entry.layout, nnx_shape, index).astype(np_dtype, copy=False)
 
     sharding = parameter_sharding(variable, mesh)
     variable.set_value(jax.make_array_from_callback(nnx_shape, sharding, read))
 
 
-def _check_tied_head(folder, weight_map, names) -> None:
-    with open_safetensors(os.path.join(folder, weight_map[names["lm_head.weight"]])) as f:
-        head = f.get_tensor(names["lm_head.weight"])
-    with open_safetensors(os.path.join(folder, weight_map[names["model.embed_tokens.weight"]])) as f:
-        embed = f.get_tensor(names["model.embed_tokens.weight"])
-    if head.shape != embed.shape or not np.array_equal(head, embed):
-        raise CheckpointError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from the "
+def _check_tied_head(folder, weight_map, names, rows_per_read: int = 8192) -> None:
+    """A tied checkpoint that also stores lm_head.weight: it must equal the embedding (compared in row blocks,
+    so the check costs two blocks of memory, not two copies of the vocabulary matrix)."""
+    head_name, embed_name = names["lm_head.weight"], names["model.embed_tokens.weight"]
+    head_path = os.path.join(folder, weight_map[head_name])
+    embed_path = os.path.join(folder, weight_map[embed_name])
+    with open_safetensors(head_path) as fh, open_safetensors(embed_path) as fe:
+        head, embed = _get_slice(fh, head_name, head_path), _get_slice(fe, embed_name, embed_path)
+        same = head.get_shape() == embed.get_shape() and head.get_dtype() == embed.get_dtype()
+        rows = head.get_shape()[0] if same else 0
+        for start in range(0, rows, rows_per_read):
+            stop = min(start + rows_per_read, rows)  # get_slice does not clamp
+            if not np.array_equal(head[start:stop], embed[start:stop]):
+                same = False
+                break
+    if not same:
+        raise CheckpointError(f"{head_path}: tie_word_embeddings is true but {head_name} differs from the "
                               "embedding; set tie_word_embeddings=false in config.json to load an untied head.")
 
 
@@ -227,10 +273,12 @@ def model_tensors(model: Gemma, dtype=None) -> list[PendingTensor]:
     tensors = []
     for entry in tensor_table(model.config):
         variable = state[entry.path]
-        out_dtype = np.dtype(dtype or variable.dtype)
+        out_dtype = np.dtype(variable.dtype if dtype is None else dtype)
 
         def produce(variable=variable, layout=entry.layout, out_dtype=out_dtype):
-            return to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))).astype(out_dtype)
+            # One host copy: the gather; the layout change and cast happen in the single contiguous copy.
+            return np.ascontiguousarray(to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))),
+                                        dtype=out_dtype)
 
         tensors.append(PendingTensor(entry.hf_name, hf_shape(entry.layout, tuple(variable.shape)), out_dtype,
                                      produce))
@@ -267,7 +315,7 @@ def save_pretrained(model: Gemma, out_dir: str | os.PathLike, *, source: str | o
 
     `source` (the teacher's folder or repo id) supplies tokenizer and generation config. `dtype` converts on the
     way out (default: the parameters' dtype). Returns the folder's absolute path."""
-    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dtype = resolve_dtype(dtype)
     return write_hf_folder(os.fspath(out_dir), model.config, model_tensors(model, dtype),
                            source=os.fspath(source) if source else None, max_shard_size=max_shard_size,
                            extra_files=extra_files)

@@ -23,6 +23,25 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 FULL, SLIDING = "full_attention", "sliding_attention"
 ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, tie_word_embeddings=True, final_logit_softcapping=None)
+# The transformers 5 config-class defaults, used for keys a config.json leaves out (as transformers does).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": dict(_COMMON_DEFAULTS, vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16, head_dim=256),
+    "gemma2": dict(_COMMON_DEFAULTS, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0),
+    "gemma3_text": dict(_COMMON_DEFAULTS, vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        query_pre_attn_scalar=256, sliding_window=4096),
+}
+# Keys whose explicit null still means "the default" (elsewhere null means "off", e.g. a soft-cap).
+_NULL_MEANS_DEFAULT = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
+                                 "query_pre_attn_scalar"})
+# GELU with the tanh approximation under its transformers names; Gemma 1's legacy "gelu" means tanh as well.
+TANH_GELU = frozenset({"gelu_pytorch_tanh", "gelu_new"})
 
 
 class ConfigError(ValueError):
@@ -58,6 +77,7 @@ class GemmaConfig:
     raw: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # `replace(layer_types=[...])` too
         validate(self)
 
     def __hash__(self) -> int:  # `rope` and `raw` are dicts; modules holding a config must stay hashable
@@ -103,42 +123,53 @@ class GemmaConfig:
     # ---------------------------------------------------------------------------------------------- HF I/O
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], *, where: str = "config.json") -> "GemmaConfig":
+        """Read a transformers config dict. Missing keys take the transformers class defaults (FAMILY_DEFAULTS),
+        as transformers itself does: the multimodal Gemma 3 configs on the Hub list only what differs from
+        them (gemma-3-4b's `text_config` has no `vocab_size`, `num_attention_heads` or `head_dim`)."""
         data = copy.deepcopy(data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a JSON object, found {type(data).__name__}.")
         model_type = data.get("model_type")
-        if model_type == "gemma3" and isinstance(data.get("text_config"), dict):
-            text = dict(data["text_config"])
+        if model_type == "gemma3":
+            text = data.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{where}: a multimodal 'gemma3' config needs a text_config object.")
+            text = dict(text)
             text["model_type"] = "gemma3_text"
             text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", True))
             data, model_type = text, "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"{where}: model_type {model_type!r} is not supported; expected one of "
                               f"{SUPPORTED_MODEL_TYPES} (or a multimodal 'gemma3' with a text_config).")
+        given = {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
+        values = {**FAMILY_DEFAULTS[model_type], **given}
         try:
-            hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
-            num_layers = int(data["num_hidden_layers"])
+            hidden, heads = int(values["hidden_size"]), int(values["num_attention_heads"])
+            num_layers = int(values["num_hidden_layers"])
             kwargs = dict(
                 model_type=model_type,
-                vocab_size=int(data["vocab_size"]),
+                vocab_size=int(values["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(data["intermediate_size"]),
+                intermediate_size=int(values["intermediate_size"]),
                 num_hidden_layers=num_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-                head_dim=int(data.get("head_dim") or hidden // heads),
+                num_key_value_heads=int(values.get("num_key_value_heads") or heads),
+                head_dim=int(values.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(values["rms_norm_eps"]),
+                tie_word_embeddings=bool(values["tie_word_embeddings"]),
+                final_logit_softcapping=_optional_float(values.get("final_logit_softcapping")),
             )
-        except KeyError as missing:
-            raise ConfigError(f"{where}: required field {missing} is missing.") from None
-        kwargs["layer_types"] = _layer_types(data, model_type, num_layers, where)
-        kwargs["rope"] = _rope(data, model_type, where)
-        if model_type != "gemma":
-            kwargs["query_pre_attn_scalar"] = data.get("query_pre_attn_scalar") or 256  # int in transformers 5
-            kwargs["sliding_window"] = data.get("sliding_window")
-        if model_type == "gemma2":
-            kwargs["attn_logit_softcapping"] = data.get("attn_logit_softcapping")
-        kwargs["final_logit_softcapping"] = data.get("final_logit_softcapping")
-        kwargs["rms_norm_eps"] = float(data.get("rms_norm_eps", 1e-6))
-        kwargs["tie_word_embeddings"] = bool(data.get("tie_word_embeddings", True))
-        if data.get("use_bidirectional_attention"):
+            if model_type != "gemma":
+                kwargs["query_pre_attn_scalar"] = values["query_pre_attn_scalar"]  # int in transformers 5
+                kwargs["sliding_window"] = None if values["sliding_window"] is None else int(values["sliding_window"])
+            if model_type == "gemma2":
+                kwargs["attn_logit_softcapping"] = _optional_float(values.get("attn_logit_softcapping"))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: a size field is not a number ({err}).") from None
+        _check_activation(values, model_type, where)
+        kwargs["layer_types"] = _layer_types(values, model_type, num_layers, where)
+        kwargs["rope"] = _rope(values, model_type, where)
+        if values.get("use_bidirectional_attention"):
             raise ConfigError(f"{where}: use_bidirectional_attention=True (embedding models) is not supported.")
         return cls(**kwargs, raw=data)
 
@@ -226,8 +257,25 @@ def validate(cfg: GemmaConfig) -> None:
     unknown = set(cfg.layer_types) - {FULL, SLIDING}
     if unknown:
         raise ConfigError(f"{where}: unknown layer_types {sorted(unknown)}; expected {FULL!r} or {SLIDING!r}.")
+    needed = {FULL} | set(cfg.layer_types) | ({SLIDING} if cfg.model_type == "gemma3_text" else set())
+    if needed - set(cfg.rope):
+        raise ConfigError(f"{where}: rope has no entry for {sorted(needed - set(cfg.rope))}; give a RopeSpec "
+                          "per attention type.")
     if SLIDING in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError(f"{where}: sliding layers need a positive sliding_window.")
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _check_activation(values: dict, model_type: str, where: str) -> None:
+    key = "hidden_act" if model_type == "gemma" else "hidden_activation"
+    act = values.get(key) or "gelu_pytorch_tanh"
+    allowed = TANH_GELU | ({"gelu"} if model_type == "gemma" else set())
+    if act not in allowed:
+        raise ConfigError(f"{where}: {key}={act!r} is not supported; Gemma uses the tanh GELU "
+                          f"('gelu_pytorch_tanh').")
 
 
 def _layer_types(data: dict, model_type: str, num_layers: int, where: str) -> tuple[str, ...]:

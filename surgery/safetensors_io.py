@@ -48,7 +48,9 @@ def checkpoint_weight_map(folder: str) -> dict[str, str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> file name")
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: not a valid safetensors index ({err!r}).") from None
         for name in sorted(set(weight_map.values())):
             if not os.path.exists(os.path.join(folder, name)):
@@ -65,7 +67,10 @@ def checkpoint_weight_map(folder: str) -> dict[str, str]:
 @contextlib.contextmanager
 def open_safetensors(path: str):
     """`safe_open` with `backend="pread"`, turning a corrupt or truncated file into a CheckpointError."""
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror}).") from None
     try:
         with open(path, "rb") as raw:
             header_len = struct.unpack("<Q", raw.read(8))[0] if size >= 8 else None
@@ -81,10 +86,14 @@ def open_safetensors(path: str):
 
 
 def _check_extent(path: str, f, size: int) -> None:
-    with open(path, "rb") as raw:
-        header_len = struct.unpack("<Q", raw.read(8))[0]
-        header = json.loads(raw.read(header_len))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    """safe_open checks the header but not that the file holds all the bytes it announces (pread mode)."""
+    try:
+        with open(path, "rb") as raw:
+            header_len = struct.unpack("<Q", raw.read(8))[0]
+            header = json.loads(raw.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({err!r}).") from None
     if 8 + header_len + end > size:
         raise CheckpointError(f"{path}: truncated: its header needs {8 + header_len + end} bytes but the file has "
                               f"{size}; download or write it again.")
@@ -182,23 +191,39 @@ def copy_aux_files(source: str | None, folder: str) -> list[str]:
 
 @contextlib.contextmanager
 def atomic_folder(out_dir: str) -> Iterator[str]:
-    """Yield a fresh temporary folder beside `out_dir`; on success it replaces `out_dir` in one rename."""
+    """Yield a fresh temporary folder beside `out_dir`; on success it replaces `out_dir` in one rename.
+
+    On any failure the temporary folder is removed and an existing `out_dir` is left as it was."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not a folder; choose another output path.")
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a published model folder should not be
         yield tmp
+        old = None
+        if os.path.exists(out_dir):
+            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old:
+                os.replace(old, out_dir)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if os.path.exists(out_dir):
-        old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str, data, *, indent: int = 2) -> None:

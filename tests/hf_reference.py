@@ -77,3 +77,58 @@ def assert_clean_loading(info) -> None:
 
 def sample_ids(batch: int = 2, length: int = 13, vocab: int = 96, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------ additions
+def randomize_(model, seed: int = 0):
+    """Random weights everywhere (norms included: they start at zero, which would hide `(1 + w)` bugs)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if "norm" in name else 0.15))
+    return model.eval()
+
+
+def make_hf_multimodal(seed: int = 0, **text_overrides):
+    """A tiny Gemma3ForConditionalGeneration: the 4B+ layout (`language_model.model.*`, vision tower, projector,
+    model_type "gemma3" with a text_config)."""
+    import transformers
+
+    text = tiny_config("gemma3_text", **text_overrides).to_dict()
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return randomize_(transformers.Gemma3ForConditionalGeneration(config), seed)
+
+
+def hf_forward(model, input_ids: np.ndarray, attention_mask=None, *, hidden_states: bool = False,
+               attentions: bool = False):
+    """transformers' output object (logits, hidden_states, attentions) as float32 numpy arrays."""
+    kwargs = {} if attention_mask is None else {"attention_mask": torch.tensor(np.asarray(attention_mask))}
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(input_ids), dtype=torch.long), use_cache=False,
+                    output_hidden_states=hidden_states, output_attentions=attentions, **kwargs)
+
+    def numpy(x):
+        return None if x is None else tuple(t.float().numpy() for t in x)
+
+    return dict(logits=out.logits.float().numpy(), hidden_states=numpy(out.hidden_states),
+                attentions=numpy(out.attentions))
+
+
+def save_tiny_tokenizer(folder: str, vocab_size: int = 96) -> None:
+    """A WordLevel tokenizer (tokens "t0".."tN", whitespace split) saved the transformers way."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"t{i}": i for i in range(4, vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                      bos_token="<bos>", unk_token="<unk>")
+    wrapped.save_pretrained(folder)
+
+
+def max_abs_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))

@@ -1,0 +1,152 @@
+"""Loading a checkpoint into memory on CPU: ours vs transformers `from_pretrained` vs Tunix's safetensors loader.
+
+    python bench/load.py --shape gemma-2-2b                      # makes bench/out/ckpt/gemma-2-2b once, then measures
+    python bench/load.py --checkpoint DIR --peers ours,torch --repeats 3 --cache warm,cold
+
+Each peer loads in its own fresh process (peak RSS is per process), peers alternate within each repeat, and the
+same dtype as the checkpoint (bf16) is kept by all. Timed: from the call into the loader (imports done) until every
+parameter is materialised in memory. Peak RSS is the whole process's `ru_maxrss` (runtime included).
+
+Cache states: `warm` reads the files once before the repeats (every run then reads from the page cache, so the
+figure is the loader's own cost); `cold` evicts the checkpoint's files from the page cache (posix_fadvise
+DONTNEED on those files only) before every run, so the disk is read each time.
+
+Prints one JSON line per run, then one summary line per cache state with medians and same-run ratios.
+Target: ours faster than every peer; ours' peak RSS <= 1.15x the checkpoint's bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+PEERS = ("ours", "torch", "tunix")
+# "ours-fast": bench/fastload.py, the proposed aligned-buffer read path (not the package's code), for comparison.
+RSS_TARGET = 1.15
+
+
+def child_ours(folder: str, dtype: str | None, fast: bool = False) -> dict:
+    import jax
+    from flax import nnx
+
+    if fast:
+        from fastload import load_pretrained_fast as load_pretrained
+    else:
+        from surgery.checkpoint import load_pretrained
+
+    jax.devices()  # start the runtime outside the timed part, as the peers' imports do
+    rss_before = common.current_rss_bytes()
+    start = time.perf_counter()
+    model = load_pretrained(folder, dtype=dtype)
+    jax.block_until_ready(nnx.state(model))
+    seconds = time.perf_counter() - start
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"peer": "ours-fast" if fast else "ours", "load_s": seconds, "peak_rss_bytes": common.peak_rss_bytes(),
+            "rss_before_load_bytes": rss_before, "parameters": int(params), "versions": common.versions()}
+
+
+def peer_command(peer: str, folder: str, dtype: str) -> list[str]:
+    if peer in ("ours", "ours-fast"):
+        return [sys.executable, os.path.abspath(__file__), "--child", peer, "--checkpoint", folder, "--dtype", dtype]
+    if peer == "torch":
+        return [sys.executable, os.path.join(common.BENCH, "peers", "torch_peer.py"), "load", folder,
+                "--dtype", dtype]
+    from tunix_env import ensure_tunix_python
+
+    return [ensure_tunix_python(), os.path.join(common.BENCH, "peers", "tunix_peer.py"), "load", folder,
+            "--dtype", dtype]
+
+
+def checkpoint_dtype(folder: str) -> str:
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+
+
+def measure(folder: str, peers: list[str], repeats: int, caches: list[str], out: str | None,
+            timeout: float) -> list[dict]:
+    files = common.safetensors_files(folder)
+    size = common.checkpoint_bytes(folder)
+    dtype = checkpoint_dtype(folder)
+    commands = {peer: peer_command(peer, folder, dtype) for peer in peers}
+    summaries = []
+    for cache in caches:
+        if cache == "warm":
+            common.read_files_sequentially(files)
+        runs: dict[str, list[dict]] = {peer: [] for peer in peers}
+        for repeat in range(repeats):
+            order = peers[repeat % len(peers):] + peers[:repeat % len(peers)]  # rotate who goes first
+            for peer in order:
+                if cache == "cold":
+                    common.evict_from_page_cache(files)
+                record = common.run_child(commands[peer], timeout=timeout)
+                record.update(bench="load", peer=peer, cache=cache, repeat=repeat, checkpoint_bytes=size,
+                              checkpoint=os.path.basename(os.path.normpath(folder)))
+                if "peak_rss_bytes" in record:
+                    record["peak_rss_over_checkpoint"] = record["peak_rss_bytes"] / size
+                common.emit(common.round_floats(record), out)
+                runs[peer].append(record)
+        summaries.append(common.emit(summarise(runs, cache, size, folder), out))
+    return summaries
+
+
+def summarise(runs: dict[str, list[dict]], cache: str, size: int, folder: str) -> dict:
+    summary = {"bench": "load", "summary": True, "cache": cache, "checkpoint_bytes": size,
+               "checkpoint": os.path.basename(os.path.normpath(folder))}
+    for peer, records in runs.items():
+        ok = [r for r in records if "load_s" in r]
+        summary[f"{peer}_load_s"] = common.median(r["load_s"] for r in ok)
+        summary[f"{peer}_peak_rss_gib"] = common.median(r["peak_rss_bytes"] / common.GIB for r in ok)
+        summary[f"{peer}_rss_growth_over_checkpoint"] = common.median(
+            (r["peak_rss_bytes"] - r["rss_before_load_bytes"]) / size for r in ok)
+        summary[f"{peer}_runs"] = len(ok)
+        if len(ok) < len(records):
+            summary[f"{peer}_errors"] = [r.get("error") for r in records if "load_s" not in r]
+    ours = runs.get("ours", [])
+    for peer in runs:
+        if peer == "ours":
+            continue
+        pairs = [(o["load_s"], p["load_s"]) for o, p in zip(ours, runs[peer]) if "load_s" in o and "load_s" in p]
+        summary[f"speedup_vs_{peer}"] = common.median(p / o for o, p in pairs)  # per-repeat ratios, median
+    if ours and summary.get("ours_peak_rss_gib") is not None:
+        ratio = summary["ours_peak_rss_gib"] * common.GIB / size
+        summary["ours_peak_rss_over_checkpoint"] = ratio
+        summary["rss_target_met"] = ratio <= RSS_TARGET
+        speedups = [v for k, v in summary.items() if k.startswith("speedup_vs_") and v is not None]
+        summary["speed_target_met"] = bool(speedups) and all(v > 1.0 for v in speedups)
+    return common.round_floats(summary)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", help="an HF checkpoint folder (default: make --shape's under bench/out)")
+    parser.add_argument("--shape", default="gemma-2-2b", help="make_checkpoint shape when --checkpoint is absent")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache", default="warm,cold")
+    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--min-free-gib", type=float, default=14.0)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--child", choices=("ours", "ours-fast"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child_ours(args.checkpoint, args.dtype, fast=args.child == "ours-fast"), default=str))
+        return
+    folder = args.checkpoint
+    if not folder:
+        from make_checkpoint import ensure_checkpoint
+
+        folder = ensure_checkpoint(args.shape, os.path.join(common.CKPT_DIR, args.shape))
+    common.wait_for_memory(args.min_free_gib)
+    measure(folder, [p for p in args.peers.split(",") if p], args.repeats,
+            [c for c in args.cache.split(",") if c], args.out, args.timeout)
+
+
+if __name__ == "__main__":
+    main()

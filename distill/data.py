@@ -1,0 +1,410 @@
+"""Token batches for distillation: tokenise documents, pack them into rows, shuffle rows per epoch, resume.
+
+Documents come from text files (a file, a folder, a glob; `.jsonl` lines are records), HF `datasets` (when the
+package is installed), plain Python strings, or pre-tokenised numpy arrays. Each document becomes
+`[BOS] tokens [EOS]` (BOS only when the tokenizer adds one, as Gemma's does). A held-out set of whole documents
+is split off first (deterministic for the seed). The training documents are concatenated and cut into rows of
+`seq_len` tokens without padding; the incomplete tail is dropped unless `drop_remainder=False`, which pads it.
+
+A batch is `{"input_ids": int32 (B, T), "loss_mask": float32 (B, T)}`: `loss_mask[b, t]` weights the prediction
+made at position t of token t+1. It is 0 in the last column, where that target is padding, a BOS, or a prompt
+token (records with a prompt and a completion train only on the completion).
+
+Each epoch visits every row once in an order drawn from (seed, epoch); a batch that crosses the end of an epoch
+takes its remaining rows from the next one, so no row is dropped. `state()` / `restore()` resume exactly. With
+`process_count > 1`, every process walks the same global order and keeps its own `batch_size / process_count`
+rows of each batch.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+Record = str | tuple[str, str]  # text, or (prompt, completion)
+
+
+class DataError(ValueError):
+    """The data source, tokenizer or batch settings cannot work; the message says how to fix it."""
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+@dataclass(frozen=True)
+class TextTokenizer:
+    """What packing needs from a tokenizer: text -> ids without special tokens, and the special ids."""
+
+    encode_batch: Callable[[list[str]], list[list[int]]]
+    eos_id: int
+    bos_id: int | None = None
+    add_bos: bool = False
+    pad_id: int = 0
+
+
+def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | None = None,
+                   add_bos: bool | None = None, pad_id: int | None = None) -> TextTokenizer:
+    """Accept a folder (or tokenizer.json), a `tokenizers.Tokenizer`, a transformers tokenizer, or a callable.
+
+    A folder's tokenizer_config.json / special_tokens_map.json supply bos/eos/pad and `add_bos_token`; keyword
+    arguments override. A plain callable `text -> ids` needs `eos_id`."""
+    if isinstance(tokenizer, TextTokenizer):
+        return tokenizer
+    config: dict = {}
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise DataError(f"no tokenizer.json at {path}; pass the teacher's folder, a tokenizer object or a "
+                            "callable text -> ids.")
+        from tokenizers import Tokenizer
+
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
+            if os.path.isfile(os.path.join(folder, name)):
+                with open(os.path.join(folder, name)) as f:
+                    config.update(json.load(f))
+        tokenizer = Tokenizer.from_file(file)
+    if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer
+        return _from_tokenizers(tokenizer, config, eos_id, bos_id, add_bos, pad_id)
+    if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer
+        eos = tokenizer.eos_token_id if eos_id is None else eos_id
+        bos = tokenizer.bos_token_id if bos_id is None else bos_id
+        pad = tokenizer.pad_token_id if pad_id is None else pad_id
+        if add_bos is None:  # what transformers itself does when asked for special tokens
+            probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+            add_bos = bos is not None and bool(probe) and probe[0] == bos
+        if getattr(tokenizer, "backend_tokenizer", None) is not None:  # fast: use its `tokenizers` object
+            return _from_tokenizers(tokenizer.backend_tokenizer, {}, eos, bos, add_bos, pad)
+        return _checked(lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"], eos, bos, add_bos,
+                        pad)
+    if callable(tokenizer):
+        return _checked(lambda texts: [list(tokenizer(text)) for text in texts], eos_id, bos_id, bool(add_bos),
+                        pad_id)
+    raise DataError(f"cannot use {type(tokenizer).__name__} as a tokenizer; pass a folder with tokenizer.json, "
+                    "a tokenizers.Tokenizer, a transformers tokenizer or a callable text -> ids.")
+
+
+def _from_tokenizers(tok, config, eos_id, bos_id, add_bos, pad_id) -> TextTokenizer:
+    def token_id(key: str, fallbacks: tuple[str, ...]) -> int | None:
+        value = config.get(key)
+        names = [value.get("content") if isinstance(value, dict) else value] if value else list(fallbacks)
+        ids = [tok.token_to_id(name) for name in names if name]
+        return next((i for i in ids if i is not None), None)
+
+    eos = eos_id if eos_id is not None else token_id("eos_token", ("<eos>", "</s>", "<|endoftext|>"))
+    bos = bos_id if bos_id is not None else token_id("bos_token", ("<bos>", "<s>"))
+    pad = pad_id if pad_id is not None else token_id("pad_token", ("<pad>",))
+    if add_bos is None:
+        add_bos = config.get("add_bos_token")
+    if add_bos is None:  # ask the post-processor whether it prepends BOS
+        add_bos = bos is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos]
+    tok = _plain_text_copy(tok)
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    return _checked(encode_batch, eos, bos, add_bos, pad)
+
+
+def _plain_text_copy(tok):
+    """A copy that tokenises special-token strings inside documents as plain text (no `<eos>` injection)."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tok.to_str())
+    if hasattr(copy, "encode_special_tokens"):
+        copy.encode_special_tokens = True
+    return copy
+
+
+def _checked(encode_batch, eos, bos, add_bos, pad) -> TextTokenizer:
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token; pass eos_id= (documents are joined with EOS).")
+    if add_bos and bos is None:
+        raise DataError("add_bos is set but the tokenizer has no BOS token; pass bos_id=.")
+    return TextTokenizer(encode_batch, int(eos), None if bos is None else int(bos), bool(add_bos),
+                         int(pad) if pad is not None else 0)
+
+
+# ------------------------------------------------------------------------------------------------ sources
+def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """A file, a folder (all files below it, sorted) or a glob pattern (`**` allowed), or a list of those."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files: list[str] = []
+    for item in map(os.fspath, items):
+        if os.path.isdir(item):
+            found = sorted(p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True) if os.path.isfile(p))
+        elif any(ch in item for ch in "*?["):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+        else:
+            found = [item] if os.path.isfile(item) else []
+        if not found:
+            raise DataError(f"no files at {item!r}; pass an existing file, folder or glob pattern.")
+        files += found
+    return files
+
+
+def read_records(paths, *, separator: str | None = None, text_field: str = "text",
+                 prompt_field: str | None = None, completion_field: str | None = None) -> list[Record]:
+    """Documents from text files: one per file, or split on `separator`; a `.jsonl` line is one record."""
+    records: list[Record] = []
+    for path in expand_paths(paths):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), start=1):
+                if line.strip():
+                    try:
+                        records.append(_record(json.loads(line), text_field, prompt_field, completion_field))
+                    except (json.JSONDecodeError, DataError) as err:
+                        raise DataError(f"{path}:{number}: {err}") from None
+        else:
+            parts = text.split(separator) if separator else [text]
+            records += [part for part in parts if part.strip()]
+    return records
+
+
+def _record(row: Any, text_field: str, prompt_field: str | None, completion_field: str | None) -> Record:
+    if isinstance(row, str):
+        return row
+    if prompt_field and completion_field:
+        if prompt_field not in row or completion_field not in row:
+            raise DataError(f"record lacks {prompt_field!r} or {completion_field!r} (has {sorted(row)[:6]})")
+        return (str(row[prompt_field]), str(row[completion_field]))
+    if text_field not in row:
+        raise DataError(f"record has no {text_field!r} field (has {sorted(row)[:6]}); pass text_field=")
+    return str(row[text_field])
+
+
+def hf_dataset_records(name_or_path: str, *, split: str = "train", text_field: str = "text",
+                       prompt_field: str | None = None, completion_field: str | None = None,
+                       config_name: str | None = None, max_records: int | None = None) -> list[Record]:
+    """Records from HF `datasets`: a folder saved with `save_to_disk`, a local data folder, or a Hub name."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("reading a Hugging Face dataset needs the `datasets` package (pip install datasets); "
+                        "or export the text to .txt/.jsonl files and use TokenBatches.from_files.") from None
+    if os.path.isdir(name_or_path) and any(os.path.exists(os.path.join(name_or_path, f)) for f in
+                                           ("dataset_info.json", "state.json", "dataset_dict.json")):
+        data = datasets.load_from_disk(name_or_path)
+        data = data[split] if isinstance(data, datasets.DatasetDict) else data
+    else:
+        data = datasets.load_dataset(name_or_path, config_name, split=split)
+    rows = data if max_records is None else data.select(range(min(max_records, len(data))))
+    return [_record(row, text_field, prompt_field, completion_field) for row in rows]
+
+
+def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list[str]:
+    """The Python standard library's .py files (tests and site-packages excluded), sorted: an offline corpus.
+
+    With `max_bytes`, files are taken in sorted order (or in an order drawn from `seed`) while they fit; the
+    chosen files are returned sorted. Deterministic for a given Python installation."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib"}
+    files = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if not skip & set(os.path.relpath(p, root).split(os.sep)[:-1]))
+    if max_bytes is None:
+        return files
+    order = range(len(files)) if seed is None else np.random.default_rng(seed).permutation(len(files))
+    chosen, total = [], 0
+    for index in order:
+        size = os.path.getsize(files[index])
+        if total + size <= max_bytes:
+            chosen.append(files[index])
+            total += size
+    return sorted(chosen)
+
+
+# ------------------------------------------------------------------------------------------------ batches
+def tokenize_records(records: Sequence[Record], tokenizer: TextTokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each record -> (ids with BOS/EOS, trainable-target flags): BOS and prompt tokens are not targets."""
+    texts = [part for r in records for part in ((r,) if isinstance(r, str) else r)]
+    encoded = iter(tokenizer.encode_batch(list(texts)) if texts else [])
+    documents = []
+    for record in records:
+        prompt = [] if isinstance(record, str) else list(next(encoded))
+        body = list(next(encoded))
+        head = [tokenizer.bos_id] if tokenizer.add_bos else []
+        ids = np.asarray(head + prompt + body + [tokenizer.eos_id], dtype=np.int32)
+        trainable = np.ones(len(ids), dtype=bool)
+        trainable[:len(head) + len(prompt)] = False
+        documents.append((ids, trainable))
+    return documents
+
+
+class TokenBatches:
+    """Packed, shuffled, resumable token batches with a held-out evaluation split (see the module docstring)."""
+
+    def __init__(self, documents: Sequence[tuple[np.ndarray, np.ndarray]], *, seq_len: int, batch_size: int,
+                 seed: int = 0, eval_fraction: float = 0.05, eval_documents: int | None = None,
+                 eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
+                 pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = False):
+        if seq_len < 2 or batch_size < 1:
+            raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
+        if not 0 <= process_index < process_count or batch_size % process_count:
+            raise DataError(f"batch_size {batch_size} must split evenly over {process_count} processes and "
+                            f"process_index {process_index} must be in [0, {process_count}).")
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, int(seed), shuffle
+        self.pad_id, self.return_segments = pad_id, return_segments
+        self.process_index, self.process_count = process_index, process_count
+        self.eval_batch_size = eval_batch_size or batch_size
+        n = len(documents)
+        n_eval = eval_documents if eval_documents is not None else (
+            max(1, round(eval_fraction * n)) if eval_fraction > 0 and n >= 2 else 0)
+        if n_eval >= n:
+            raise DataError(f"{n} document(s) cannot give {n_eval} held-out ones and still leave training data; "
+                            "lower eval_fraction/eval_documents or add documents.")
+        held_out = set(np.random.default_rng([self.seed, 0xE7A1]).permutation(n)[:n_eval].tolist())
+        self.eval_indices = sorted(held_out)
+        self.train_indices = [i for i in range(n) if i not in held_out]
+        self._rows, self._weights, self._kinds = self._pack([documents[i] for i in self.train_indices],
+                                                             pad_last=not drop_remainder)
+        self.num_rows = len(self._rows)
+        if self.num_rows < batch_size:
+            raise DataError(f"the training documents give {self.num_rows} row(s) of {seq_len} tokens, fewer than "
+                            f"batch_size {batch_size}; add data or lower seq_len/batch_size.")
+        self._eval_docs = [documents[i] for i in self.eval_indices]
+        self._eval_cache: list[dict[str, np.ndarray]] | None = None
+        self.fingerprint = f"{zlib.crc32(self._rows.tobytes()) ^ zlib.crc32(self._weights.tobytes()):08x}"
+        self.epoch, self.position = 0, 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    # ---------------------------------------------------------------------------- constructors
+    @classmethod
+    def from_records(cls, records: Sequence[Record], tokenizer: Any, **kwargs) -> "TokenBatches":
+        tok = load_tokenizer(tokenizer)
+        kwargs.setdefault("pad_id", tok.pad_id)
+        return cls(tokenize_records(records, tok), **kwargs)
+
+    @classmethod
+    def from_files(cls, paths, tokenizer: Any, *, separator: str | None = None, text_field: str = "text",
+                   prompt_field: str | None = None, completion_field: str | None = None, **kwargs) -> "TokenBatches":
+        records = read_records(paths, separator=separator, text_field=text_field, prompt_field=prompt_field,
+                               completion_field=completion_field)
+        return cls.from_records(records, tokenizer, **kwargs)
+
+    @classmethod
+    def from_hf_dataset(cls, name_or_path: str, tokenizer: Any, *, split: str = "train", text_field: str = "text",
+                        prompt_field: str | None = None, completion_field: str | None = None,
+                        config_name: str | None = None, max_records: int | None = None,
+                        **kwargs) -> "TokenBatches":
+        records = hf_dataset_records(name_or_path, split=split, text_field=text_field, prompt_field=prompt_field,
+                                     completion_field=completion_field, config_name=config_name,
+                                     max_records=max_records)
+        return cls.from_records(records, tokenizer, **kwargs)
+
+    @classmethod
+    def from_arrays(cls, arrays: Iterable[np.ndarray] | np.ndarray, *, eos_id: int, bos_id: int | None = None,
+                    **kwargs) -> "TokenBatches":
+        """Pre-tokenised documents (1-D int arrays, or the rows of a 2-D array), without BOS/EOS."""
+        documents = []
+        for array in arrays:
+            ids = np.asarray(array)
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise DataError(f"each document must be a 1-D integer array, got {ids.dtype} {ids.shape}.")
+            head = [] if bos_id is None else [bos_id]
+            full = np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.int32([eos_id])])
+            trainable = np.ones(len(full), dtype=bool)
+            trainable[:len(head)] = False
+            documents.append((full, trainable))
+        return cls(documents, **kwargs)
+
+    # ---------------------------------------------------------------------------- packing
+    def _pack(self, documents, pad_last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Concatenate documents and cut rows of seq_len: ids, trainable-target flags, and a kind per token
+        (2: first token of a document, 1: other token, 0: padding)."""
+        T = self.seq_len
+        ids = np.concatenate([d[0] for d in documents] or [np.zeros(0, np.int32)])
+        weights = np.concatenate([d[1] for d in documents] or [np.zeros(0, bool)])
+        kinds = np.ones(len(ids), dtype=np.int8)
+        kinds[np.cumsum([0] + [len(d[0]) for d in documents[:-1]])[:len(documents)]] = 2
+        rows = len(ids) // T + (1 if pad_last and len(ids) % T else 0)
+        pad = rows * T - len(ids)
+        if pad > 0:
+            ids = np.concatenate([ids, np.full(pad, self.pad_id, np.int32)])
+            weights = np.concatenate([weights, np.zeros(pad, bool)])
+            kinds = np.concatenate([kinds, np.zeros(pad, np.int8)])
+        n = rows * T
+        return ids[:n].reshape(rows, T), weights[:n].reshape(rows, T), kinds[:n].reshape(rows, T)
+
+    def _batch(self, rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray) -> dict[str, np.ndarray]:
+        mask = np.zeros(rows.shape, np.float32)
+        mask[:, :-1] = weights[:, 1:]
+        batch = {"input_ids": rows.astype(np.int32), "loss_mask": mask}
+        if self.return_segments:  # for document-aware attention: which document, and the position inside it
+            starts, index = kinds == 2, np.arange(rows.shape[1])
+            first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+            batch["positions"] = np.where(kinds > 0, index - first, 0).astype(np.int32)
+            segments = np.cumsum(starts, axis=1) + (~starts[:, :1])
+            batch["segment_ids"] = np.where(kinds > 0, segments, 0).astype(np.int32)
+        return batch
+
+    def _local(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        per = len(batch["input_ids"]) // self.process_count
+        lo = self.process_index * per
+        return {k: v[lo:lo + per] for k, v in batch.items()}
+
+    # ---------------------------------------------------------------------------- training stream
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of `epoch` (a permutation drawn from (seed, epoch), or 0..R-1 without shuffle)."""
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+                                   if self.shuffle else np.arange(self.num_rows))
+        return self._orders[epoch]
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        picked: list[np.ndarray] = []
+        need = self.batch_size
+        while need:
+            take = self.order(self.epoch)[self.position:self.position + need]
+            picked.append(take)
+            need -= len(take)
+            self.position += len(take)
+            if self.position == self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+        index = np.concatenate(picked)
+        return self._local(self._batch(self._rows[index], self._weights[index], self._kinds[index]))
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        while True:
+            yield self.next_batch()
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.num_rows * self.seq_len
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
+                "fingerprint": self.fingerprint}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "num_rows", "fingerprint"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"cannot resume: the saved data state has {key}={state[key]!r} but this pipeline "
+                                f"has {getattr(self, key)!r}; build it from the same data and settings.")
+        if not 0 <= int(state["position"]) < self.num_rows or int(state["epoch"]) < 0:
+            raise DataError(f"cannot resume: position {state['position']} / epoch {state['epoch']} out of range.")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    # ---------------------------------------------------------------------------- evaluation
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        """The held-out documents, packed (tail padded, masked), in batches of `eval_batch_size` rows; the last
+        batch is filled with fully masked padding rows so every batch has the same shape."""
+        if self._eval_cache is None:
+            rows, weights, kinds = self._pack(self._eval_docs, pad_last=True)
+            size = self.eval_batch_size
+            if size % self.process_count:
+                raise DataError(f"eval_batch_size {size} must split evenly over {self.process_count} processes.")
+            fill = -len(rows) % size
+            rows = np.concatenate([rows, np.full((fill, self.seq_len), self.pad_id, np.int32)])
+            weights = np.concatenate([weights, np.zeros((fill, self.seq_len), bool)])
+            kinds = np.concatenate([kinds, np.zeros((fill, self.seq_len), np.int8)])
+            self._eval_cache = [self._local(self._batch(rows[i:i + size], weights[i:i + size], kinds[i:i + size]))
+                                for i in range(0, len(rows), size)]
+        return self._eval_cache

@@ -1,0 +1,117 @@
+"""What distillation needs from a model, and the teacher -> student correspondence, as plain data.
+
+`distill` never imports a model class. A teacher or student is anything shaped like `DistillModel` (the NNX
+`surgery.model.Gemma` is one): a callable NNX module returning an object with `final_hidden`, and on request
+`residual` (embeddings, then each layer's output) and `attention_probs` (per layer, (B, N, T, S) probabilities).
+
+The layer map says which teacher layer output a student layer output should imitate. A student made by the
+surgery keeps teacher layers `kept_layers` in order, so student layer j is teacher layer `kept_layers[j]`; a width
+pruned student keeps the teacher hidden channels `kept_hidden`. `correspondence_from_plan` reads both from any
+object or dict that has them (duck typing: `surgery.plan.Plan` or its JSON form).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import jax
+
+
+@runtime_checkable
+class ModelOutput(Protocol):
+    final_hidden: jax.Array  # (B, T, D), input of the LM head (after the final norm)
+    residual: tuple[jax.Array, ...] | None  # L + 1 entries: embeddings, then each layer's output
+    attention_probs: tuple[jax.Array, ...] | None  # per layer (B, N, T, S)
+
+
+@runtime_checkable
+class DistillModel(Protocol):
+    """The only surface of a model that `distill` uses.
+
+    `logits_from_hidden(hidden, head)` must return float32 logits (soft-cap applied) and must depend on trainable
+    parameters only through `head` when `head` is given: the fused logit loss differentiates it with respect to
+    `hidden` and `head` only.
+    """
+
+    def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
+                 capture: Iterable[str] = (), return_logits: bool = True) -> ModelOutput: ...
+
+    def head_matrix(self) -> jax.Array: ...
+
+    def logits_from_hidden(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array: ...
+
+
+def check_model(model: Any, role: str) -> None:
+    """Fail early, naming what is missing, instead of deep inside a traced step."""
+    missing = [name for name in ("head_matrix", "logits_from_hidden") if not callable(getattr(model, name, None))]
+    if not callable(model):
+        missing.insert(0, "__call__")
+    if missing:
+        raise TypeError(f"The {role} ({type(model).__name__}) lacks {missing}; distill needs the DistillModel "
+                        "interface of distill/interface.py (the surgery's Gemma has it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Correspondence:
+    """Teacher -> student mapping used by the feature and attention losses.
+
+    `layer_map`: pairs (teacher_layer, student_layer) of layer outputs to match (0-based decoder layers).
+    `kept_hidden`: teacher hidden channels the student kept, in student channel order, or None (same width).
+    `head_map`: optional, per pair of `layer_map`, the teacher query heads kept by the student layer, in order.
+    """
+
+    layer_map: tuple[tuple[int, int], ...] = ()
+    kept_hidden: tuple[int, ...] | None = None
+    head_map: tuple[tuple[int, ...] | None, ...] | None = None
+
+    def __post_init__(self):
+        pairs = tuple((int(t), int(s)) for t, s in self.layer_map)
+        object.__setattr__(self, "layer_map", pairs)
+        if self.kept_hidden is not None:
+            object.__setattr__(self, "kept_hidden", tuple(int(c) for c in self.kept_hidden))
+        if self.head_map is not None:
+            if len(self.head_map) != len(pairs):
+                raise ValueError(f"head_map has {len(self.head_map)} entries but layer_map has {len(pairs)}; "
+                                 "give one list of teacher heads (or None) per mapped layer pair.")
+            object.__setattr__(self, "head_map", tuple(None if h is None else tuple(int(i) for i in h)
+                                                       for h in self.head_map))
+
+    def validate(self, teacher_layers: int, student_layers: int) -> None:
+        for teacher_layer, student_layer in self.layer_map:
+            if not 0 <= teacher_layer < teacher_layers or not 0 <= student_layer < student_layers:
+                raise ValueError(f"layer_map pair ({teacher_layer}, {student_layer}) is out of range: the teacher "
+                                 f"has {teacher_layers} layers and the student {student_layers}.")
+
+
+def _field(plan: Any, name: str) -> Any:
+    if isinstance(plan, dict):
+        return plan.get(name)
+    return getattr(plan, name, None)
+
+
+def correspondence_from_plan(plan: Any, *, layer_map: Sequence[tuple[int, int]] | None = None) -> Correspondence:
+    """Read `kept_layers` (teacher layer index of each student layer) and `kept_hidden` from a surgery plan.
+
+    Optional `kept_heads` (per student layer, the teacher query heads kept) becomes `head_map`. `layer_map`
+    overrides the pairs (e.g. to match only a few layers) while `kept_hidden` still comes from the plan.
+    """
+    kept_layers = _field(plan, "kept_layers")
+    if kept_layers is None and layer_map is None:
+        raise ValueError("The plan has no 'kept_layers' (teacher layer of each student layer); pass layer_map= "
+                         "explicitly, e.g. [(0, 0), (2, 1)].")
+    pairs = tuple(layer_map) if layer_map is not None else tuple((int(t), s) for s, t in enumerate(kept_layers))
+    kept_hidden = _field(plan, "kept_hidden")
+    kept_heads = _field(plan, "kept_heads")
+    head_map = None
+    if kept_heads is not None and layer_map is None:
+        head_map = tuple(kept_heads[s] if kept_heads[s] is not None else None for _, s in pairs)
+    return Correspondence(layer_map=pairs, kept_hidden=None if kept_hidden is None else tuple(kept_hidden),
+                          head_map=head_map)
+
+
+def identity_correspondence(num_layers: int) -> Correspondence:
+    return Correspondence(layer_map=tuple((i, i) for i in range(num_layers)))
+
+
+__all__ = ["DistillModel", "ModelOutput", "Correspondence", "correspondence_from_plan", "identity_correspondence",
+           "check_model"]

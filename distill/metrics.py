@@ -1,0 +1,170 @@
+"""Run metrics: FLOP accounting and MFU, a JSONL log, a progress bar, TensorBoard when installed, PNG curves.
+
+FLOPs per step (matmuls only, the convention of research/peers_270m.md §4):
+
+    tokens * (6 N_student + 2 N_teacher) + tokens * (3 A_student + A_teacher)
+
+N is the number of parameters in matrices (ndim >= 2). With tied embeddings the table is counted once, as the LM
+head matmul (the input lookup is a gather); an untied model's input table is counted too, overstating by V*D.
+A is attention score and value FLOPs per token, 4 * T * heads * head_dim per layer for the full T x T block as
+computed (read from `model.config` when it has Gemma-like fields; 0 otherwise). The student term uses 6 N even for
+frozen parameters (their weight gradients are skipped, so MFU is a slight overestimate when much is frozen).
+MFU = FLOPs / (step time * devices * peak), with the peak per device from the config or the table below (dense
+bf16); unknown devices (CPU) get no MFU unless `peak_flops` is configured.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+
+log = logging.getLogger("distill")
+
+PEAK_BF16_FLOPS = {  # per device, dense
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
+    "TPU v6 lite": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
+}
+
+
+def matrix_parameters(model: nnx.Module) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.ndim >= 2))
+
+
+def attention_flops_per_token(model: Any, seq_len: int) -> float:
+    cfg = getattr(model, "config", None)
+    try:
+        return 4.0 * seq_len * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    except AttributeError:
+        return 0.0
+
+
+def step_flops(student: nnx.Module, teacher: nnx.Module, tokens: int, seq_len: int) -> float:
+    per_token = 6 * matrix_parameters(student) + 2 * matrix_parameters(teacher)
+    per_token += 3 * attention_flops_per_token(student, seq_len) + attention_flops_per_token(teacher, seq_len)
+    return float(tokens) * per_token
+
+
+def device_peak_flops(configured: float | None = None) -> float | None:
+    if configured:
+        return float(configured)
+    kind = jax.devices()[0].device_kind
+    for name, peak in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak
+    return None
+
+
+def _tensorboard_writer(folder: str):
+    try:
+        from tensorboardX import SummaryWriter  # type: ignore
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # type: ignore  # needs the tensorboard package
+        except ImportError:
+            return None
+    return SummaryWriter(folder)
+
+
+class MetricsLogger:
+    """One record per step (and per evaluation or event) to `run_dir/metrics.jsonl`, TensorBoard and a bar."""
+
+    def __init__(self, run_dir: str | None, total_steps: int, *, start_step: int = 0, progress: bool = True):
+        self.run_dir = run_dir
+        self.records: list[dict[str, Any]] = []
+        self._file = None
+        self._tb = None
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="distill", dynamic_ncols=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if self._tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        if self._bar:
+            self._bar.update(1)
+            self._bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "kl", "student_ce", "tokens_per_s")
+                                   if k in record}, refresh=False)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if self._tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "eval"):
+                    self._tb.add_scalar(f"eval/{key}", value, record["step"])
+        self.message(f"eval @ step {record['step']}: " + ", ".join(
+            f"{k} {record[k]:.4g}" for k in ("loss", "student_ce", "perplexity", "kl") if k in record))
+
+    def rewind(self, step: int) -> None:
+        if self._bar:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def message(self, text: str, *, event: str | None = None, **fields: Any) -> None:
+        """A clear line on the terminal (above the bar) and in the log; `event` also records it in the JSONL."""
+        if self._bar:
+            self._bar.write(text)
+        log.warning(text) if event else log.info(text)
+        if event:
+            self._write({"event": event, "message": text, **fields})
+
+    def close(self) -> None:
+        if self._bar:
+            self._bar.close()
+        if self._tb:
+            self._tb.close()
+        if self._file:
+            self._file.close()
+
+
+def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
+    """PNG curves of the loss terms, KL, cross-entropy / perplexity and throughput; None without step records."""
+    steps = [r for r in records if "event" not in r and not r.get("eval")]
+    evals = [r for r in records if r.get("eval")]
+    if not steps:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("losses", [k for k in steps[-1] if k == "loss" or k.startswith("loss/")]),
+              ("divergence", [k for k in ("kl", "reverse_kl", "jsd") if k in steps[-1]]),
+              ("cross-entropy", [k for k in ("student_ce", "teacher_ce") if k in steps[-1]]),
+              ("throughput", [k for k in ("tokens_per_s",) if k in steps[-1]])]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for axis, (title, keys) in zip(axes, panels):
+        for key in keys:
+            axis.plot([r["step"] for r in steps], [r.get(key, float("nan")) for r in steps], label=key)
+        if title == "cross-entropy" and evals:
+            axis.plot([r["step"] for r in evals], [r["student_ce"] for r in evals], "o-", label="eval student_ce")
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        if keys:
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+__all__ = ["MetricsLogger", "plot_history", "step_flops", "matrix_parameters", "device_peak_flops",
+           "attention_flops_per_token", "PEAK_BF16_FLOPS"]

@@ -1,0 +1,279 @@
+"""The step loop of `distill.run`: stages, logging, the divergence guard, checkpoints, resume and evaluation.
+
+Divergence guard: a step whose loss or gradient norm is not finite (the step itself then leaves the parameters
+unchanged) or whose loss exceeds `spike_factor` x the running median of recent good steps triggers a rollback to
+the last good state (the latest checkpoint, or an in-memory copy taken at the same cadence when no checkpoint
+directory is set) and multiplies the learning rate by `lr_backoff`. The data stream is not rewound: the batches
+around the divergence are skipped. After `max_rollbacks` the run stops with DivergenceError; with the guard
+disabled a non-finite loss stops the run at once. It never continues on NaNs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import freeze
+from .checkpointing import Checkpointer
+from .config import DistillConfig
+from .mesh import put_batch
+from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
+from .step import hyper_values
+from .trainer import DivergenceError
+
+
+def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np.ndarray]:
+    keys = set(batches[0])
+    if "input_ids" not in keys:
+        raise KeyError(f"a batch needs 'input_ids' (B, T) int32; it has {sorted(keys)}.")
+    stacked = {key: np.stack([np.asarray(b[key]) for b in batches])
+               for key in ("input_ids", "loss_mask", "attention_mask") if key in keys}
+    shape = stacked["input_ids"].shape[1:]
+    expected = (config.batch_size or shape[0], config.seq_len or shape[1])
+    if shape != expected or any(v.shape[1:] != shape for v in stacked.values()):
+        raise ValueError(f"batch arrays have shapes { {k: v.shape[1:] for k, v in stacked.items()} }; the config "
+                         f"expects (batch_size, seq_len) = {expected} for every key.")
+    stacked["input_ids"] = stacked["input_ids"].astype(np.int32)
+    return stacked
+
+
+def _host(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(values).items()}
+
+
+def _eval_source(eval_data: Any, data_source: Any, count: int) -> list[dict[str, Any]]:
+    if eval_data is None and hasattr(data_source, "eval_batches"):
+        eval_data = data_source.eval_batches
+        if callable(eval_data):
+            try:
+                eval_data = eval_data(count)
+            except TypeError:
+                eval_data = eval_data()
+    if eval_data is None:
+        return []
+    batches = []
+    for batch in eval_data:
+        if len(batches) >= count:
+            break
+        batches.append(batch)
+    return batches
+
+
+class Loop:
+    def __init__(self, session, data, config: DistillConfig, mesh, eval_data, teacher, student):
+        self.session, self.data, self.config, self.mesh = session, data, config, mesh
+        self.step, self.lr_scale, self.rollbacks = 0, 1.0, 0
+        self.good_losses: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        ckpt = config.checkpoint
+        self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
+        self.snapshot: dict[str, Any] | None = None
+        self.eval_batches = [put_batch({k: np.asarray(v) for k, v in b.items()}, mesh)
+                             for b in _eval_source(eval_data, data.source, config.eval_batches)]
+        self.teacher, self.student = teacher, student
+        self.peak = device_peak_flops(config.peak_flops)
+        self.devices = mesh.size if mesh is not None else 1
+        self.flops: float | None = None
+        self.logger: MetricsLogger | None = None
+        self._last_eval_step = -1
+
+    # ------------------------------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        config = self.config
+        resumed = self._resume()
+        if not resumed:
+            self._enter(config.stage_at(0)[0], carry=False)
+        self.logger = MetricsLogger(config.run_dir, config.total_steps, start_step=self.step,
+                                    progress=config.progress)
+        if resumed:
+            self._event("resume", f"resumed from step {self.step} (stage {self.session.stage_index}) in "
+                                  f"{self.checkpointer.directory}")
+        else:
+            self._event("stage", self._stage_line(self.session.stage_index, 0))
+            self._mark_good()
+            self._evaluate()
+        while self.step < config.total_steps:
+            index, in_stage = config.stage_at(self.step)
+            if index != self.session.stage_index:
+                carried = self._enter(index, carry=True)
+                self.good_losses = []  # the loss scale changes with the weights
+                self._event("stage", self._stage_line(index, carried))
+            batch = self._next_batch()
+            stage = config.stages[index]
+            hyper = hyper_values(stage, in_stage, config.optimizer.weight_decay, self.lr_scale)
+            started = time.perf_counter()
+            values = _host(self.session.train_step(batch, hyper))
+            elapsed = time.perf_counter() - started
+            reason = self._divergence(values)
+            if reason:
+                self._rollback(reason, values)
+                continue
+            self.step += 1
+            self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
+            self._log_step(values, hyper, elapsed, index, batch)
+            if self.step % config.checkpoint.every == 0 or self.step == config.total_steps:
+                self._mark_good()
+            if config.eval_every and self.step % config.eval_every == 0:
+                self._evaluate()
+            if config.halt_after is not None and self.step >= config.halt_after:
+                self._mark_good()
+                self._event("halt", f"halted after step {self.step} (halt_after={config.halt_after})")
+                return
+        if self._last_eval_step != self.step:
+            self._evaluate()
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            if self.config.run_dir and self.config.plots:
+                plot_history(self.logger.records, os.path.join(self.config.run_dir, "curves.png"))
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _enter(self, index: int, *, carry: bool) -> int:
+        return self.session.enter_stage(index, carry=carry)
+
+    def _stage_line(self, index: int, carried: int) -> str:
+        stage, session = self.config.stages[index], self.session
+        counts = freeze.describe_split(session.params["student"], session.frozen)
+        active = {k: v for k, v in stage.weights.as_dict().items() if v}
+        return (f"stage {index}{' (' + stage.name + ')' if stage.name else ''}: {stage.steps} steps, "
+                f"{counts['trainable']:,} trainable / {counts['frozen']:,} frozen parameters, lr "
+                f"{stage.learning_rate:g}, weights {active}, temperature {stage.temperature.start:g}->"
+                f"{stage.temperature.end:g}; carried {carried} optimizer-state leaves")
+
+    def _event(self, kind: str, message: str, **fields: Any) -> None:
+        record = {"event": kind, "step": self.step, "message": message, **fields}
+        self.events.append(record)
+        self.logger.message(message, event=kind, step=self.step, **fields)
+
+    def _next_batch(self) -> dict[str, Any]:
+        batches = [self.data.next() for _ in range(self.config.grad_accum)]
+        return put_batch(_stack(batches, self.config), self.mesh, leading=1)
+
+    def _log_step(self, values, hyper, elapsed: float, index: int, batch) -> None:
+        accum, batch_size, seq_len = batch["input_ids"].shape
+        tokens = accum * batch_size * seq_len
+        if self.flops is None:
+            self.flops = step_flops(self.student, self.teacher, tokens, seq_len)
+        record = {"step": self.step, "stage": index, **values, "perplexity": math.exp(min(values["student_ce"], 80)),
+                  "lr": float(hyper["lr"]), "temperature": float(hyper["temperature"]), "step_time_s": elapsed,
+                  "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12}
+        if self.peak:
+            record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
+        self.history.append(record)
+        self.logger.step(record)
+
+    def _evaluate(self) -> None:
+        if not self.eval_batches:
+            return
+        index, in_stage = self.config.stage_at(max(0, self.step - 1))
+        hyper = hyper_values(self.config.stages[index], in_stage, self.config.optimizer.weight_decay, self.lr_scale)
+        totals: dict[str, float] = {}
+        count = 0.0
+        for batch in self.eval_batches:
+            values = _host(self.session.evaluate(batch, hyper))
+            tokens = values.pop("supervised_tokens")
+            count += tokens
+            for key, value in values.items():
+                totals[key] = totals.get(key, 0.0) + value * tokens
+        record = {"step": self.step, "eval": True, **{k: v / count for k, v in totals.items()}}
+        record["perplexity"] = math.exp(min(record["student_ce"], 80))
+        self.evals.append(record)
+        self.logger.evaluation(record)
+        self._last_eval_step = self.step
+
+    # ------------------------------------------------------------------------------------------ guard
+    def _divergence(self, values: dict[str, float]) -> str | None:
+        guard, loss = self.config.guard, values["loss"]
+        finite = math.isfinite(loss) and values.get("finite", 1.0) == 1.0
+        if not guard.enabled:
+            if not finite:
+                raise DivergenceError(f"step {self.step + 1}: non-finite loss {loss} (the guard is disabled; "
+                                      "parameters were left at their last finite values).")
+            return None
+        if not finite:
+            return f"non-finite loss or gradient (loss {loss}, grad norm {values.get('grad_norm')})"
+        if len(self.good_losses) >= guard.min_history:
+            median = statistics.median(self.good_losses)
+            if median > 0 and loss > guard.spike_factor * median:
+                return f"loss {loss:.4g} exceeds {guard.spike_factor:g} x the running median {median:.4g}"
+        return None
+
+    def _rollback(self, reason: str, values: dict[str, float]) -> None:
+        guard = self.config.guard
+        self.rollbacks += 1
+        if self.rollbacks > guard.max_rollbacks:
+            raise DivergenceError(f"step {self.step + 1}: {reason}; giving up after {guard.max_rollbacks} rollbacks "
+                                  f"(learning rate already scaled by {self.lr_scale:g}). Lower the learning rate, "
+                                  "raise warmup, or check the data for corrupt batches.")
+        failed_step = self.step + 1
+        restored = self._restore_last_good()
+        self.lr_scale *= guard.lr_backoff
+        if self.logger is not None:
+            self.logger.rewind(self.step)
+        self._event("rollback", f"DIVERGENCE at step {failed_step}: {reason}. Rolled back to step {restored} and "
+                                f"scaled the learning rate by {guard.lr_backoff:g} (now x{self.lr_scale:g}); "
+                                f"rollback {self.rollbacks} of {guard.max_rollbacks}.",
+                    failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"step": self.step, "stage": self.session.stage_index, "data_state": self.data.state(),
+                "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
+                "seed": self.config.seed, "total_steps": self.config.total_steps}
+
+    def _mark_good(self) -> None:
+        """Record the current state as the rollback target (checkpoint, else host copy)."""
+        session = self.session
+        if self.checkpointer is not None:
+            if self.checkpointer.latest_step() != self.step:
+                self.checkpointer.save(self.step, student=session.full_state(), optimizer=session.opt,
+                                       projections=session.params["proj"], meta=self._meta())
+        elif self.config.guard.enabled:
+            self.snapshot = {"step": self.step, "stage": session.stage_index,
+                             "student": jax.device_get(session.full_state()), "opt": jax.device_get(session.opt),
+                             "proj": jax.device_get(session.params["proj"])}
+
+    def _restore_last_good(self) -> int:
+        session = self.session
+        if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
+            meta = self._restore_checkpoint(self.checkpointer.latest_step())
+            return int(meta["step"])
+        if self.snapshot is None:
+            raise DivergenceError("diverged before any good state was recorded.")
+        snap = self.snapshot
+        session.load(snap["stage"], snap["student"], snap["opt"], snap["proj"])
+        self.step = snap["step"]
+        return self.step
+
+    def _restore_checkpoint(self, step: int) -> dict[str, Any]:
+        session, checkpointer = self.session, self.checkpointer
+        meta = checkpointer.read_meta(step)
+        session.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
+        student_state, opt_state, projections = checkpointer.restore(
+            step, student=session.full_state(), optimizer=session.opt, projections=session.params["proj"])
+        session.load(int(meta["stage"]), student_state, opt_state, projections)
+        self.step = int(meta["step"])
+        return meta
+
+    def _resume(self) -> bool:
+        checkpointer = self.checkpointer
+        if checkpointer is None or not self.config.checkpoint.resume or checkpointer.latest_step() is None:
+            return False
+        meta = self._restore_checkpoint(checkpointer.latest_step())
+        self.data.restore(meta["data_state"])
+        self.lr_scale, self.rollbacks = float(meta["lr_scale"]), int(meta["rollbacks"])
+        self.good_losses = [float(x) for x in meta["good_losses"]]
+        self._last_eval_step = self.step
+        return True
+
+
+__all__ = ["Loop"]

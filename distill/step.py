@@ -1,0 +1,199 @@
+"""The jitted distillation step: teacher and student forwards, all losses, gradient accumulation, AdamW update.
+
+Functional style (research/hf_nnx.md §5.2): models are split once into graphdef + states; the step is a pure
+`jax.jit` function of arrays, so dispatch costs no graph traversal. Arguments:
+
+    params   {"student": trainable nnx.State, "proj": {layer: (D_s, D_t)}}   float32 master weights (donated)
+    opt      optax state of `params` only (frozen parameters have none)      (donated)
+    frozen   the rest of the student (not differentiated, no gradient computed for it)
+    teacher  the teacher's state, any dtype, never differentiated
+    batch    {"input_ids", ["loss_mask"], ["attention_mask"]}, each (A, B, T) for A accumulated micro-batches
+    hyper    traced scalars: lr, weight_decay, temperature and the loss weights (no recompile when they change)
+
+Losses are normalised by the supervised-token count of the whole step (all micro-batches), so accumulating A
+micro-batches gives the same update as one batch A times larger. A non-finite loss or gradient leaves params and
+optimizer state unchanged inside the step (`finite` = 0 in the metrics); the trainer then rolls back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from .interface import Correspondence
+from .logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from .losses import attention_transfer_loss, feature_loss
+
+HYPER_KEYS = ("lr", "weight_decay", "temperature", "kl", "reverse_kl", "jsd", "ce", "attention", "feature")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about a stage's step (a change means a new compilation)."""
+
+    logit: LogitLossSpec
+    attention: bool = False
+    feature: bool = False
+    correspondence: Correspondence = Correspondence()
+    feature_kind: str = "nmse"
+    logit_impl: str = "fused"
+    compute_dtype: Any = jnp.float32
+    remat: str | None = None
+    clip_norm: float | None = 1.0
+    decay_matrices_only: bool = True
+
+    @property
+    def logit_terms(self) -> bool:
+        return self.logit.kl or self.logit.reverse_kl or self.logit.jsd or self.logit.ce
+
+
+def _cast(tree: Any, dtype) -> Any:
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+    return jax.tree.map(cast, tree)
+
+
+def _captures(spec: StepSpec) -> tuple[str, ...]:
+    return ("residual",) * spec.feature + ("attention_probs",) * spec.attention
+
+
+def _normalisers(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Supervised tokens and real positions over all micro-batches (each at least 1)."""
+    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
+    _, weights = labels_and_weights(flat["input_ids"], flat.get("loss_mask"), flat.get("attention_mask"))
+    real = flat.get("attention_mask", jnp.ones(flat["input_ids"].shape)).astype(jnp.float32)
+    return {"tokens": jnp.maximum(weights.sum(), 1.0), "positions": jnp.maximum(real.sum(), 1.0)}
+
+
+def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
+    """loss(params, frozen, teacher, micro_batch, norms, hyper) -> (total, metric sums) for one micro-batch."""
+    captures = _captures(spec)
+
+    def student_forward(trainable, frozen, input_ids, attention_mask):
+        student = nnx.merge(student_graph, trainable, frozen)
+        out = student(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False)
+        residual = out.residual if spec.feature else None
+        probs = out.attention_probs if spec.attention else None
+        return out.final_hidden, residual, probs, student.head_matrix()
+
+    if spec.remat == "dots":
+        student_forward = jax.checkpoint(student_forward, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    elif spec.remat == "full":
+        student_forward = jax.checkpoint(student_forward, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def loss_fn(params, frozen, teacher_state, batch, norms, hyper):
+        trainable = _cast(params["student"], spec.compute_dtype)
+        frozen = _cast(frozen, spec.compute_dtype)
+        teacher = nnx.merge(teacher_graph, teacher_state)
+        student = nnx.merge(student_graph, trainable, frozen)
+        input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        labels, weights = labels_and_weights(input_ids, batch.get("loss_mask"), attention_mask)
+        weights = weights / norms["tokens"]
+        real = jnp.ones(input_ids.shape, jnp.float32) if attention_mask is None else attention_mask.astype(jnp.float32)
+        query_weights = real / norms["positions"]
+
+        t_out = teacher(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False)
+        t_hidden = jax.lax.stop_gradient(t_out.final_hidden)
+        t_head = jax.lax.stop_gradient(teacher.head_matrix())
+        s_hidden, s_residual, s_probs, s_head = student_forward(trainable, frozen, input_ids, attention_mask)
+
+        coeffs = {k: hyper[k] for k in ("temperature", "kl", "reverse_kl", "jsd", "ce")}
+        if spec.logit.unit_temperature:
+            coeffs["temperature"] = 1.0
+        terms = {}
+        if spec.logit_impl == "reference":
+            logit_loss, sums = reference_logit_loss(student.logits_from_hidden(s_hidden, s_head),
+                                                    teacher.logits_from_hidden(t_hidden, t_head),
+                                                    labels, weights, coeffs, spec.logit)
+        else:
+            logit_loss, sums = fused_logit_loss(s_hidden, s_head, t_hidden, t_head, labels, weights, coeffs,
+                                                student_logits=student.logits_from_hidden,
+                                                teacher_logits=teacher.logits_from_hidden, spec=spec.logit)
+        total = logit_loss if spec.logit_terms else jnp.zeros((), jnp.float32)
+        terms["loss/logit"] = logit_loss
+        if spec.attention:
+            terms["loss/attention"] = attention_transfer_loss(t_out.attention_probs, s_probs, spec.correspondence,
+                                                              query_weights)
+            total = total + hyper["attention"] * terms["loss/attention"]
+        if spec.feature:
+            projections = params["proj"] if params.get("proj") else None
+            terms["loss/feature"] = feature_loss(t_out.residual, s_residual, spec.correspondence, query_weights,
+                                                 spec.feature_kind, projections)
+            total = total + hyper["feature"] * terms["loss/feature"]
+        metrics = {**{k: jax.lax.stop_gradient(v) for k, v in terms.items()}, **sums}
+        return total, metrics
+
+    return loss_fn
+
+
+def build_train_step(student_graph, teacher_graph, spec: StepSpec, adam: optax.GradientTransformation,
+                     out_shardings: Any = None) -> Callable:
+    """The jitted step `(params, opt, frozen, teacher, batch, hyper) -> (params, opt, metrics)`."""
+    loss_fn = make_loss_fn(student_graph, teacher_graph, spec)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(params, opt_state, frozen, teacher_state, batch, hyper):
+        norms = _normalisers(batch)
+
+        def accumulate(carry, micro_batch):
+            grads_acc, metrics_acc = carry
+            (loss, metrics), grads = grad_fn(params, frozen, teacher_state, micro_batch, norms, hyper)
+            metrics = {"loss": loss, **metrics}
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics) if metrics_acc is not None else metrics
+            return (grads_acc, metrics_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        first = jax.tree.map(lambda x: x[0], batch)
+        (grads, metrics), _ = accumulate((zeros, None), first)
+        if batch["input_ids"].shape[0] > 1:
+            rest = jax.tree.map(lambda x: x[1:], batch)
+            (grads, metrics), _ = jax.lax.scan(accumulate, (grads, metrics), rest)
+
+        grad_norm = optax.global_norm(grads)
+        if spec.clip_norm is not None:
+            scale = jnp.minimum(1.0, spec.clip_norm / jnp.maximum(grad_norm, 1e-12))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, new_opt = adam.update(grads, opt_state, params)
+        decay = jax.tree.map(lambda p: float(p.ndim >= 2 or not spec.decay_matrices_only), params)
+        new_params = jax.tree.map(
+            lambda p, u, d: (p - hyper["lr"] * (u + hyper["weight_decay"] * d * p)).astype(p.dtype),
+            params, updates, decay)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        metrics = {**metrics, "grad_norm": grad_norm, "finite": finite.astype(jnp.float32),
+                   "supervised_tokens": norms["tokens"]}
+        return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+    if out_shardings is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+
+def build_eval_step(student_graph, teacher_graph, spec: StepSpec) -> Callable:
+    """`(params, frozen, teacher, batch (B, T), hyper) -> metrics` on one held-out batch: no gradient work."""
+    loss_fn = make_loss_fn(student_graph, teacher_graph, spec)
+
+    @jax.jit
+    def evaluate(params, frozen, teacher_state, batch, hyper):
+        norms = _normalisers(jax.tree.map(lambda x: x[None], batch))
+        loss, metrics = loss_fn(params, frozen, teacher_state, batch, norms, hyper)
+        return {"loss": loss, **metrics, "supervised_tokens": norms["tokens"]}
+
+    return evaluate
+
+
+def hyper_values(stage, step_in_stage: int, default_weight_decay: float, lr_scale: float = 1.0) -> dict[str, Any]:
+    """Host-side schedule values for one step, as float32 scalars."""
+    weights = stage.weights.as_dict()
+    values = {"lr": stage.learning_rate_at(step_in_stage) * lr_scale,
+              "weight_decay": default_weight_decay if stage.weight_decay is None else stage.weight_decay,
+              "temperature": stage.temperature_at(step_in_stage), **weights}
+    return {k: jnp.asarray(values[k], jnp.float32) for k in HYPER_KEYS}
+
+
+__all__ = ["StepSpec", "build_train_step", "build_eval_step", "make_loss_fn", "hyper_values", "HYPER_KEYS"]

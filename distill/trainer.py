@@ -1,0 +1,243 @@
+"""`distill.run(teacher, student, data, config)`: the training loop around the jitted step.
+
+Per step: take `grad_accum` micro-batches from `data`, place them on the mesh, compute host-side schedule values
+(learning rate, temperature, loss weights) for the current stage, run the step, log metrics, apply the divergence
+guard, checkpoint, evaluate. Stages switch by re-splitting the student with the new trainable set; Adam moments of
+parameters that stay trainable (and the step counter) carry over (freeze.carry_matching).
+
+Buffer ownership: the step donates the trainable parameters, so the student module's own arrays are consumed by
+the first step; the module is written back (nnx.update) at stage switches, checkpoints and the end of the run,
+also when the run stops with an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import freeze
+from .config import DistillConfig
+from .interface import Correspondence, check_model, correspondence_from_plan
+from .logit_loss import LogitLossSpec
+from .losses import init_projections
+from .mesh import make_mesh, model_on_mesh, shard_model
+from .step import StepSpec, build_eval_step, build_train_step
+
+log = logging.getLogger("distill")
+
+
+class DivergenceError(RuntimeError):
+    """The loss kept diverging after the configured number of rollbacks."""
+
+
+@dataclasses.dataclass
+class DistillResult:
+    student: nnx.Module  # the same module that was passed in, trained in place
+    history: list[dict[str, Any]]  # one record per optimizer step
+    evals: list[dict[str, Any]]  # held-out evaluations
+    events: list[dict[str, Any]]  # stage switches, rollbacks, resumes
+    projections: dict[str, jax.Array]  # learned feature projections (empty unless feature_projection)
+    steps: int
+    run_dir: str | None = None
+
+
+class DataStream:
+    """Uniform view of the data: an object with `next_batch()` (and optionally `state()` / `restore(state)`), or
+    any iterable of batch dicts (its position is the number of batches taken; restoring re-iterates and skips)."""
+
+    def __init__(self, data: Any):
+        self.source = data
+        self.taken = 0
+        self._iterator = None if hasattr(data, "next_batch") else iter(data)
+
+    def next(self) -> dict[str, Any]:
+        self.taken += 1
+        if self._iterator is None:
+            return self.source.next_batch()
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise RuntimeError(f"the data ran out after {self.taken - 1} batches; give more batches or fewer "
+                               "steps.") from None
+
+    def state(self) -> Any:
+        if hasattr(self.source, "state"):
+            return self.source.state()
+        return {"batches_taken": self.taken}
+
+    def restore(self, state: Any) -> None:
+        if hasattr(self.source, "restore"):
+            self.source.restore(state)
+            return
+        if self._iterator is None or iter(self.source) is self.source:
+            raise RuntimeError("cannot restore the data position: the data is a one-shot iterator without "
+                               "restore(); pass a re-iterable (list, dataset) or an object with state()/restore().")
+        self._iterator, self.taken = iter(self.source), 0
+        for _ in range(int(state["batches_taken"])):
+            self.next()
+
+
+def _depth(model: Any) -> int | None:
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "num_hidden_layers"):
+        return int(cfg.num_hidden_layers)
+    layers = getattr(model, "layers", None)
+    return len(layers) if layers is not None else None
+
+
+def resolve_correspondence(config: DistillConfig, teacher: Any, student: Any) -> Correspondence:
+    """From the config, else the plan, else identity (same depth) or a uniform map ending at the last layers."""
+    if config.correspondence is not None:
+        corr = config.correspondence
+    elif config.plan is not None:
+        corr = correspondence_from_plan(config.plan)
+    else:
+        t_depth, s_depth = _depth(teacher), _depth(student)
+        if t_depth is None or s_depth is None:
+            raise ValueError("attention/feature losses need a layer map: set DistillConfig.correspondence or plan.")
+        corr = Correspondence(tuple((round((j + 1) * t_depth / s_depth) - 1, j) for j in range(s_depth)))
+    t_depth, s_depth = _depth(teacher), _depth(student)
+    if t_depth is not None and s_depth is not None:
+        corr.validate(t_depth, s_depth)
+    return corr
+
+
+def _replicated(mesh):
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _shardings(tree: Any, mesh) -> Any:
+    return jax.tree.map(lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else _replicated(mesh), tree)
+
+
+def _put_like(values: Any, template: Any) -> Any:
+    """Host or device values onto the devices/shardings of `template` (same structure)."""
+    return jax.tree.map(lambda v, t: jax.device_put(jnp.asarray(v, dtype=t.dtype), t.sharding), values, template)
+
+
+class Session:
+    """Holds the split student, optimizer state and compiled steps of the current stage."""
+
+    def __init__(self, teacher, student, config: DistillConfig, mesh, correspondence, projections):
+        self.config, self.mesh, self.student = config, mesh, student
+        self.correspondence = correspondence
+        self.teacher_graph, self.teacher_state = nnx.split(teacher)
+        self._teacher_ids = {id(x) for x in jax.tree.leaves(self.teacher_state)}
+        opt = config.optimizer
+        self.adam = optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps)
+        self.stage_index: int | None = None
+        self.params: dict[str, Any] | None = None
+        self.frozen = self.opt = self.graph = None
+        self.projections = projections
+        self._compiled: dict[int, tuple[Any, Any]] = {}
+
+    def spec(self, index: int) -> StepSpec:
+        config, weights = self.config, self.config.stages[index].weights
+        logit = LogitLossSpec(kl=weights.kl != 0, reverse_kl=weights.reverse_kl != 0, jsd=weights.jsd != 0,
+                              ce=weights.ce != 0, jsd_beta=config.jsd_beta, top_k=config.top_k,
+                              chunk=max(1, config.logit_chunk // max(1, config.batch_size or 1)),
+                              unit_temperature=config.unit_temperature)
+        return StepSpec(logit=logit, attention=weights.attention != 0, feature=weights.feature != 0,
+                        correspondence=self.correspondence, feature_kind=config.feature_kind,
+                        logit_impl=config.logit_impl, compute_dtype=jnp.dtype(config.compute_dtype),
+                        remat=config.remat, clip_norm=config.optimizer.clip_norm,
+                        decay_matrices_only=config.optimizer.decay_matrices_only)
+
+    def sync_student(self) -> None:
+        """Write the current trainable values back into the student module."""
+        if self.params is not None:
+            nnx.update(self.student, self.params["student"])
+
+    def enter_stage(self, index: int, *, carry: bool) -> int:
+        """Split the student for stage `index`; returns how many optimizer-state leaves were carried over."""
+        self.sync_student()
+        stage = self.config.stages[index]
+        self.graph, trainable, self.frozen = freeze.split_trainable(self.student, stage.trainable, stage.frozen)
+        if any(id(x) in self._teacher_ids for x in jax.tree.leaves(trainable)):
+            trainable = jax.tree.map(jnp.copy, trainable)  # shared with the teacher: never donate teacher buffers
+        projections = self.params["proj"] if self.params is not None else self.projections
+        params = {"student": trainable, "proj": projections}
+        opt_state = self.adam.init(params)
+        carried = 0
+        if carry and self.opt is not None:
+            opt_state, carried = freeze.carry_matching(opt_state, self.opt)
+        if self.mesh is not None:
+            params = _put_like(params, _shardings(params, self.mesh))
+            opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s), opt_state, _shardings(opt_state, self.mesh))
+        self.params, self.opt, self.stage_index = params, opt_state, index
+        if index not in self._compiled:
+            spec = self.spec(index)
+            out = None
+            if self.mesh is not None:
+                out = (_shardings(params, self.mesh), _shardings(opt_state, self.mesh), _replicated(self.mesh))
+            self._compiled[index] = (build_train_step(self.graph, self.teacher_graph, spec, self.adam, out),
+                                     build_eval_step(self.graph, self.teacher_graph, spec))
+        return carried
+
+    def train_step(self, batch, hyper) -> dict[str, Any]:
+        train_fn = self._compiled[self.stage_index][0]
+        self.params, self.opt, step_metrics = train_fn(self.params, self.opt, self.frozen, self.teacher_state,
+                                                       batch, hyper)
+        return step_metrics
+
+    def evaluate(self, batch, hyper) -> dict[str, Any]:
+        return self._compiled[self.stage_index][1](self.params, self.frozen, self.teacher_state, batch, hyper)
+
+    # ---- snapshots (checkpoints, rollback) ---------------------------------------------------------------
+    def full_state(self) -> nnx.State:
+        self.sync_student()
+        return nnx.state(self.student)
+
+    def load(self, stage_index: int, student_state: Any, opt_state: Any, projections: dict) -> None:
+        """Install saved values (host or device) for stage `stage_index`, on the current devices."""
+        self.sync_student()
+        nnx.update(self.student, _put_like(student_state, nnx.state(self.student)))
+        self.params = None
+        if projections:
+            self.projections = _put_like(projections, self.projections)
+        self.enter_stage(stage_index, carry=False)
+        self.opt = _put_like(opt_state, self.opt)
+
+
+def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConfig, *,
+        eval_data: Any = None) -> DistillResult:
+    """Distil `teacher` into `student` (trained in place) following `config`; see the package docstring."""
+    from .run_loop import Loop  # imports DivergenceError from here
+
+    check_model(teacher, "teacher")
+    check_model(student, "student")
+    mesh = make_mesh(config.mesh) if config.mesh is not None else None
+    if mesh is not None:
+        for model in (teacher, student):
+            if not model_on_mesh(model, mesh):
+                shard_model(model, mesh)
+    needs_map = any(s.weights.attention or s.weights.feature for s in config.stages)
+    corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
+    projections: dict[str, jax.Array] = {}
+    if config.feature_projection and any(s.weights.feature for s in config.stages):
+        d_s, d_t = student.head_matrix().shape[1], teacher.head_matrix().shape[1]
+        projections = init_projections(corr, d_s, d_t, config.seed)
+        if mesh is not None:
+            projections = jax.device_put(projections, _replicated(mesh))
+    session = Session(teacher, student, config, mesh, corr, projections)
+    loop = Loop(session, DataStream(data), config, mesh, eval_data, teacher, student)
+    try:
+        with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+            loop.run()
+    finally:
+        session.sync_student()
+        loop.close()
+    return DistillResult(student=student, history=loop.history, evals=loop.evals, events=loop.events,
+                         projections=session.params["proj"] if session.params else projections,
+                         steps=loop.step, run_dir=config.run_dir)
+
+
+__all__ = ["run", "DistillResult", "DivergenceError", "DataStream", "Session", "resolve_correspondence"]

@@ -1,0 +1,137 @@
+"""`apply_plan`: a new NNX student initialised from slices of an in-memory teacher (which is left untouched).
+
+Kept slices are gathered on the teacher's devices (`jnp.take`, exact), brought to the host, finished by the
+recipes of `surgery.slices` (the same numpy float32 arithmetic `prune_checkpoint` uses) and placed with the
+sharding the student's parameters get on the teacher's mesh.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .checkpoint import read_nnx_block, save_pretrained, tensor_table
+from .model import Gemma, abstract_model, parameter_sharding
+from .plan import PLAN_FILE, Plan
+from .slices import Reader, build, recipes
+
+REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
+
+
+def memory_reader(model: Gemma) -> Reader:
+    """`read(hf_name, rows, cols)` over an NNX model's parameters, in HF layout and the model's dtype."""
+    state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    table = {entry.hf_name: entry for entry in tensor_table(model.config)}
+    head_dim = model.config.head_dim
+
+    def heads_of(index):
+        if index is None:
+            return None
+        index = np.asarray(index, dtype=np.int64).reshape(-1, head_dim)
+        heads = index[:, 0] // head_dim
+        if not np.array_equal(index, heads[:, None] * head_dim + np.arange(head_dim)):
+            raise ValueError("head-structured tensors are read in whole heads")
+        return heads
+
+    def take(array, index, axis):
+        return array if index is None else jnp.take(array, jnp.asarray(index), axis=axis)
+
+    def read(name, rows, cols):
+        entry = table[name]
+        array = state[entry.path][...]
+        if entry.layout == "same":
+            block = take(take(array, rows, 0), cols, 1) if array.ndim == 2 else take(array, rows, 0)
+            return np.asarray(jax.device_get(block))
+        if entry.layout == "transpose":  # NNX (in, out) = HF [out, in].T
+            return np.asarray(jax.device_get(take(take(array, rows, 1), cols, 0))).T
+        if entry.layout == "heads_in":  # NNX (D, N, H), HF [N*H, D]
+            block = np.asarray(jax.device_get(take(take(array, heads_of(rows), 1), cols, 0)))
+            return block.reshape(block.shape[0], -1).T
+        block = np.asarray(jax.device_get(take(take(array, heads_of(cols), 0), rows, 2)))  # heads_out (N, H, D)
+        return block.reshape(-1, block.shape[-1]).T
+
+    return read
+
+
+def teacher_mesh(model: Gemma):
+    """The mesh the model's parameters are sharded over, or None when they are not NamedSharding-placed."""
+    for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        sharding = getattr(variable[...], "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None) -> Gemma:
+    """The student `plan` describes, as a new NNX Gemma in the teacher's dtype, sharded like the teacher.
+
+    `mesh` defaults to the teacher's own (read from its parameters' NamedSharding)."""
+    plan.check_teacher(teacher.config)
+    plan.validate()
+    mesh = mesh if mesh is not None else teacher_mesh(teacher)
+    dtype = teacher.dtype
+    student = abstract_model(plan.student, dtype=dtype, mesh=mesh)
+    graphdef, state = nnx.split(student)
+    variables = dict(nnx.to_flat_state(state))
+    read = memory_reader(teacher)
+    for recipe in recipes(plan):
+        variable = variables[recipe.path]
+        hf_array = build(recipe, read, dtype)
+        value = read_nnx_block(hf_array, recipe.layout, tuple(variable.shape), ())
+        variable.set_value(jax.device_put(np.ascontiguousarray(value), parameter_sharding(variable, mesh)))
+    return nnx.merge(graphdef, state)
+
+
+def student_files(plan: Plan, report: bool = True) -> dict[str, object]:
+    """Files written beside a student's weights: the plan, and (optionally) its report as text and PNG."""
+    files: dict[str, object] = {PLAN_FILE: lambda path: plan.save(path)}
+    if report:
+        from .report import format_report, plot_report
+
+        def write_text(path):
+            with open(path, "w") as f:
+                f.write(format_report(plan) + "\n")
+
+        files[REPORT_TXT] = write_text
+        files[REPORT_PNG] = lambda path: plot_report(plan, path)
+    return files
+
+
+def save_student(student: Gemma, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
+                 dtype=None, max_shard_size: int | str = "5GB", report: bool = True) -> str:
+    """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
+    plan's teacher source (for tokenizer files) when that is a local folder."""
+    if source is None and plan.teacher.get("source") and os.path.isdir(str(plan.teacher["source"])):
+        source = plan.teacher["source"]
+    return save_pretrained(student, out_dir, source=source, dtype=dtype, max_shard_size=max_shard_size,
+                           extra_files=student_files(plan, report))
+
+
+def logit_distance(teacher: Gemma, student: Gemma, batches) -> dict[str, float]:
+    """Mean KL(teacher || student) per token and mean squared logit difference on `batches` of token ids."""
+    kl_sum = mse_sum = 0.0
+    count = 0
+    for ids in batches:
+        ids = jnp.asarray(ids)
+        kl, mse = _distance(teacher, student, ids)
+        kl_sum, mse_sum, count = kl_sum + float(kl), mse_sum + float(mse), count + ids.size
+    return {"kl": kl_sum / count, "logit_mse": mse_sum / count}
+
+
+@nnx.jit
+def _distance(teacher: Gemma, student: Gemma, ids):
+    t = teacher(ids).logits
+    s = student(ids).logits
+    t_logp, s_logp = jax.nn.log_softmax(t, -1), jax.nn.log_softmax(s, -1)
+    kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp))
+    return kl, jnp.sum(jnp.mean((t - s) ** 2, axis=-1))
+
+
+def compensation_effect(teacher: Gemma, plan: Plan, batches) -> dict[str, dict[str, float]]:
+    """How far the student starts from the teacher with the plan's compensation and without it."""
+    with_comp = logit_distance(teacher, apply_plan(teacher, plan), batches)
+    without = logit_distance(teacher, apply_plan(teacher, plan.without_compensation()), batches)
+    return {"compensated": with_comp, "plain": without}

@@ -1,0 +1,285 @@
+"""`plan_student`: decide which layers, channels, neurons and heads a student keeps, and how its KV heads form.
+
+It only decides; `apply_plan` and `prune_checkpoint` carry the decision out. Every choice can be overridden by an
+explicit index list, and every score that drove a choice is stored in the plan.
+
+Depth (`depth=`): "block_influence" (1 - cos(layer input, layer output) on calibration data), "loss" (increase of
+the calibration LM loss when the layer is skipped), or "uniform" (evenly spaced, data-free); the layers with the
+lowest scores go. Width (`width=`): "activation" (Minitron) or "magnitude" (data-free weight norms). Widths are
+uniform across layers. KV heads: see `surgery.spec` ("select" or "merge", `kv_merge` "mean" or "importance").
+
+Compensation (`compensate=True`): Gemma multiplies embeddings by sqrt(hidden), so a narrower student would start
+its residual stream sqrt(H_s / H_t) smaller than the teacher's. The kept embedding columns are scaled by
+c = sqrt(H_t / H_s), restoring the teacher's values, and since the embedding is also the (tied) LM head, 1 / c is
+folded into the final norm: (1 + w') = (1 + w) / c. Measured on tiny teachers of all three families (hidden
+2/3 and 1/2 of the teacher's), this lowered KL(teacher || student) in every case (by 2-13%), so it is on by default.
+
+`norm_correction=True` (needs calibration) also multiplies every RMSNorm's (1 + w) by
+r = sqrt(H_t / H_s * share of its input energy in the kept channels), undoing the change of its mean-square
+statistic when it averages over fewer channels. It is exact when the removed channels carry no energy, but on
+random teachers it raised the starting KL by ~1-3% (mostly through the final norm), so it is off by default.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .checkpoint import load_pretrained, resolve_source
+from .config import GemmaConfig
+from .importance import (activation_stats, calibration_batches, layer_removal_loss, magnitude_scores)
+from .model import Gemma
+from .plan import FORMAT_VERSION, Plan, PlanError, norm_names
+from .spec import SpecError, StudentSpec
+
+DEPTH_METHODS = ("auto", "block_influence", "loss", "uniform")
+WIDTH_METHODS = ("auto", "activation", "magnitude")
+KV_MERGES = ("mean", "importance")
+
+
+def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *, calibration=None,
+                 batch_size: int = 8, num_samples: int | None = None, seed: int = 0, depth: str = "auto",
+                 width: str = "auto", kv_mode: str = "auto", kv_merge: str = "mean",
+                 layers: Sequence[int] | None = None, hidden: Sequence[int] | None = None,
+                 mlp: Sequence | None = None, heads: Sequence | None = None, kv_groups: Sequence | None = None,
+                 compensate: bool = True, norm_correction: bool = False, measure_compensation: bool = False,
+                 source: str | None = None, revision: str | None = None, mesh=None) -> Plan:
+    """Decide a student of shape `spec` (a StudentSpec or a named shape such as "gemma-2b") for `teacher`.
+
+    `teacher` is an NNX Gemma or an HF folder / repo id. From a folder without calibration data, scores are
+    computed tensor by tensor from disk (the teacher is never loaded); with calibration it is loaded (over `mesh`).
+    `calibration`: token ids (N, T) or an iterable of (B, T) batches; `num_samples` picks a `seed`ed subset.
+    Explicit overrides (teacher indices): `layers`; `hidden`; `mlp` (one list for every layer, or one per student
+    layer); `heads` (teacher query heads in student order, one list or one per layer); `kv_groups` (per student KV
+    head, the teacher KV heads it is formed from; one list of lists or one per layer).
+    `compensate`: embedding rescale with the final-norm fold (module docstring). `norm_correction` (needs
+    calibration; off by default, it raised the student's starting KL slightly in our measurements): also rescale
+    every RMSNorm for its fewer channels. `measure_compensation`: build the student with and without compensation
+    and store both KL(teacher || student) values on the calibration data in `scores["compensation"]`.
+    """
+    spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
+    model, config, read = _teacher(teacher, calibration, revision, mesh)
+    if source is None and not isinstance(teacher, Gemma):
+        source = os.fspath(teacher)
+    formation = spec.check_against(config, kv_mode)
+    if depth not in DEPTH_METHODS or width not in WIDTH_METHODS or kv_merge not in KV_MERGES:
+        raise SpecError(f"depth={depth!r}, width={width!r}, kv_merge={kv_merge!r}: choose depth from "
+                        f"{DEPTH_METHODS}, width from {WIDTH_METHODS}, kv_merge from {KV_MERGES}.")
+    batches = calibration_batches(calibration, batch_size, num_samples, seed) if calibration is not None else None
+    depth = ("block_influence" if batches else "uniform") if depth == "auto" else depth
+    width = ("activation" if batches else "magnitude") if width == "auto" else width
+    if batches is None and (depth in ("block_influence", "loss") or width == "activation") and layers is None:
+        raise SpecError(f"depth={depth!r} / width={width!r} need calibration token ids; pass calibration=..., or "
+                        "use depth='uniform' and width='magnitude' (data-free), or give explicit indices.")
+
+    scores: dict[str, Any] = {}
+    stats = activation_stats(model, batches) if batches is not None else None
+    if stats is not None:
+        scores["block_influence"] = _rounded(stats.block_influence)
+    if depth == "loss" and layers is None:
+        base, increase = layer_removal_loss(model, batches)
+        scores["base_loss"], scores["loss_increase"] = _rounded(base), _rounded(increase)
+    if width == "activation":
+        width_scores = {"mlp": stats.mlp, "heads": stats.heads, "hidden": stats.hidden}
+    else:
+        width_scores = magnitude_scores(config, read)
+    scores.update({name: _rounded(value) for name, value in width_scores.items()})
+
+    kept_layers = _choose_layers(config, spec, depth, layers, scores)
+    kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
+        _explicit("hidden", hidden, spec.hidden_size, config.hidden_size)
+    mlp_lists = _per_layer("mlp", mlp, len(kept_layers))
+    kept_mlp = [_top(np.asarray(scores["mlp"][t]), spec.intermediate_size) if mlp_lists[s] is None else
+                _explicit(f"mlp[{s}]", mlp_lists[s], spec.intermediate_size, config.intermediate_size)
+                for s, t in enumerate(kept_layers)]
+    head_lists = _per_layer("heads", heads, len(kept_layers))
+    group_lists = _per_layer("kv_groups", kv_groups, len(kept_layers), depth_of_item=2)
+    attention = [_attention(config, spec, formation, kv_merge, np.asarray(scores["heads"][t]), head_lists[s],
+                            group_lists[s], f"student layer {s}") for s, t in enumerate(kept_layers)]
+
+    student = spec.student_config(config, kept_layers)
+    if norm_correction and stats is None:
+        raise SpecError("norm_correction=True measures each norm's input on calibration data; pass calibration=.")
+    embed_scale, norm_scales = _compensation(config, student, kept_layers, kept_hidden,
+                                             stats if norm_correction else None, compensate)
+    plan = Plan(
+        teacher={"source": source, "revision": revision, "config": config.to_hf_dict(),
+                 "num_parameters": config.num_parameters()},
+        spec=spec.to_dict(), student_config=student.to_hf_dict(), kept_layers=kept_layers,
+        layer_types=list(student.layer_types), kept_hidden=kept_hidden, kept_mlp=kept_mlp,
+        kv_groups=[a[0] for a in attention], kv_weights=[a[1] for a in attention],
+        kept_heads=[a[2] for a in attention], embed_scale=embed_scale, norm_scales=norm_scales,
+        methods={"depth": "explicit" if layers is not None else depth, "width": width,
+                 "kv": formation if formation == "select" else f"merge-{kv_merge}",
+                 "aggregation": "sequence mean, batch L2" if width == "activation" else None,
+                 "compensation": ("embedding+norms" if norm_correction else "embedding") if compensate
+                 else "none"},
+        scores=scores, calibration=_calibration_record(batches, batch_size, num_samples, seed),
+        format_version=FORMAT_VERSION)
+    plan.validate()
+    if measure_compensation and batches is not None and embed_scale != 1.0:
+        from .apply import compensation_effect
+        effect = compensation_effect(model, plan, batches)
+        plan.scores["compensation"] = {k: {m: _rounded(v) for m, v in d.items()} for k, d in effect.items()}
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------ teacher access
+def _teacher(teacher, calibration, revision, mesh):
+    """(model or None, config, read) for an NNX teacher or an HF source."""
+    if isinstance(teacher, Gemma):
+        from .apply import memory_reader
+        return teacher, teacher.config, memory_reader(teacher)
+    folder = resolve_source(teacher, revision)
+    if calibration is not None:
+        model = load_pretrained(folder, mesh=mesh)
+        from .apply import memory_reader
+        return model, model.config, memory_reader(model)
+    from .prune_disk import disk_reader
+    config = GemmaConfig.from_file(folder)
+    return None, config, disk_reader(folder, np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ choices
+def _choose_layers(config: GemmaConfig, spec: StudentSpec, depth: str, layers, scores) -> list[int]:
+    total, keep = config.num_hidden_layers, spec.num_layers
+    if layers is not None:
+        chosen = _explicit("layers", layers, keep, total)
+        if chosen != sorted(chosen):
+            raise SpecError(f"layers={list(layers)} must be in increasing order; a student keeps the teacher's "
+                            "layer order.")
+        return chosen
+    if depth == "uniform":
+        return [int(round(x)) for x in np.linspace(0, total - 1, keep)] if keep > 1 else [0]
+    key = "block_influence" if depth == "block_influence" else "loss_increase"
+    return _top(np.asarray(scores[key]), keep)
+
+
+def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge: str, importance: np.ndarray,
+               heads, groups, where: str) -> tuple[list, list, list]:
+    """(kv_groups, kv_weights, kept_heads) for one student layer."""
+    k_t, g_t = config.num_key_value_heads, config.num_query_groups
+    k_s = spec.num_key_value_heads
+    g_s = spec.num_attention_heads // k_s
+    members = lambda group: [h for g in group for h in range(g * g_t, (g + 1) * g_t)]  # noqa: E731
+    if heads is not None:
+        heads = _explicit(f"heads of {where}", heads, spec.num_attention_heads, config.num_attention_heads,
+                          keep_order=True)
+        chunks = [heads[j * g_s:(j + 1) * g_s] for j in range(k_s)]
+    if groups is not None:
+        groups = [sorted(int(g) for g in group) for group in groups]
+        if len(groups) != k_s:
+            raise SpecError(f"kv_groups of {where}: {len(groups)} groups for {k_s} student KV heads.")
+    elif formation == "merge":
+        size = k_t // k_s
+        groups = [list(range(j * size, (j + 1) * size)) for j in range(k_s)]
+    elif heads is not None:
+        groups = []
+        for chunk in chunks:
+            owners = sorted({h // g_t for h in chunk})
+            if len(owners) != 1:
+                raise SpecError(f"heads of {where}: query heads {chunk} share student KV head {len(groups)} but "
+                                f"belong to teacher KV heads {owners}; with kv_mode='select' each run of {g_s} "
+                                "heads must come from one teacher group (or use kv_mode='merge').")
+            groups.append(owners)
+    else:  # select: the groups whose best g_s query heads carry the most importance
+        value = [np.sort(importance[g * g_t:(g + 1) * g_t])[::-1][:g_s].sum() for g in range(k_t)]
+        groups = [[g] for g in _top(np.asarray(value), k_s)]
+    if heads is None:
+        chunks = [sorted(_pick(importance, members(group), g_s)) for group in groups]
+    for j, (group, chunk) in enumerate(zip(groups, chunks)):
+        if any(h // g_t not in group for h in chunk):
+            raise SpecError(f"heads of {where}: student KV head {j} is formed from teacher KV heads {group}, but "
+                            f"query heads {chunk} include heads of other groups; each query head must stay with "
+                            f"its KV group (teacher query head h uses KV head h // {g_t}).")
+    if kv_merge == "importance":
+        weights = [[max(float(importance[g * g_t:(g + 1) * g_t].sum()), 0.0) or 1.0 for g in group]
+                   for group in groups]
+        weights = [[_round(w / sum(ws)) for w in ws] if len(ws) > 1 else [1.0] for ws in weights]
+    else:
+        weights = [[1.0] * len(group) for group in groups]
+    return groups, weights, [list(chunk) for chunk in chunks]
+
+
+def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_hidden, stats, compensate):
+    if not compensate or student.hidden_size == teacher.hidden_size:
+        return 1.0, {}
+    c = math.sqrt(teacher.hidden_size / student.hidden_size)
+    ratio = teacher.hidden_size / student.hidden_size
+    kept = np.asarray(kept_hidden)
+
+    def factor(share: np.ndarray) -> float:
+        return _round(math.sqrt(ratio * float(share[kept].sum()))) if stats is not None else 1.0
+
+    scales: dict[str, Any] = {}
+    if stats is not None:
+        scales["layers"] = [{name: factor(stats.norm_energy[name][t]) for name in norm_names(teacher)}
+                            for t in kept_layers]
+    final = factor(stats.norm_energy["final"]) if stats is not None else 1.0
+    scales["final"] = _round(final / c) if teacher.tie_word_embeddings else final
+    return _round(c), scales
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _top(values: np.ndarray, count: int) -> list[int]:
+    """Indices of the `count` largest values (ties: lower index first), in increasing order."""
+    order = np.lexsort((np.arange(len(values)), -np.asarray(values, dtype=np.float64)))
+    return sorted(int(i) for i in order[:count])
+
+
+def _pick(importance: np.ndarray, candidates: list[int], count: int) -> list[int]:
+    values = np.asarray([importance[h] for h in candidates])
+    return [candidates[i] for i in _top(values, count)]
+
+
+def _explicit(name: str, values, count: int, bound: int, keep_order: bool = False) -> list[int]:
+    values = [int(v) for v in values]
+    if len(values) != count:
+        raise SpecError(f"{name}: {len(values)} indices given, the spec needs exactly {count}.")
+    bad = [v for v in values if not 0 <= v < bound]
+    if bad or len(set(values)) != len(values):
+        raise SpecError(f"{name}: indices must be distinct and in [0, {bound}); got {values[:8]}"
+                        f"{'...' if len(values) > 8 else ''}.")
+    return values if keep_order else sorted(values)
+
+
+def _per_layer(name: str, value, num_layers: int, depth_of_item: int = 1) -> list:
+    """An override given once for every layer, or once per student layer -> one entry per student layer."""
+    if value is None:
+        return [None] * num_layers
+    value = list(value)
+    nested = value and isinstance(value[0], (list, tuple, np.ndarray))
+    if depth_of_item == 2:
+        nested = nested and len(value[0]) and isinstance(value[0][0], (list, tuple, np.ndarray))
+    if not nested:
+        return [value] * num_layers
+    if len(value) != num_layers:
+        raise SpecError(f"{name}: {len(value)} per-layer entries for {num_layers} student layers; give one list "
+                        "for all layers or one per student layer.")
+    return value
+
+
+def _calibration_record(batches, batch_size, num_samples, seed) -> dict | None:
+    if batches is None:
+        return None
+    tokens = np.concatenate([b.reshape(-1) for b in batches])
+    return {"sequences": int(sum(len(b) for b in batches)), "length": int(batches[0].shape[1]),
+            "batch_size": batch_size, "num_samples": num_samples, "seed": seed,
+            "sha256": hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:16]}
+
+
+def _round(x: float) -> float:
+    return float(f"{float(x):.9g}")
+
+
+def _rounded(value):
+    """Scores as short floats (6 significant digits) so plan.json stays small and round-trips exactly."""
+    if np.ndim(value) == 0:
+        return float(f"{float(value):.6g}")
+    return [_rounded(v) for v in value]
+
+
+__all__ = ["plan_student", "PlanError"]

@@ -1,0 +1,96 @@
+"""Peak host memory of `load_pretrained` stays near the model's own bytes (never a second copy of the checkpoint).
+
+A ~200 MB float32 checkpoint (written by our streaming writer, three shard files) is loaded in a fresh process.
+Growth = peak RSS (ru_maxrss) minus the RSS after imports and JAX start-up; it must stay below 1.5x the bytes of
+the loaded model. A loader that held a file's worth of numpy copies, or read whole tensors for each device block,
+would reach ~2x. The upcast case (bf16 file -> float32 model) bounds it by the model's float32 bytes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from surgery import GemmaConfig, abstract_model, tensor_table
+from surgery.checkpoint import hf_shape, write_hf_folder
+from surgery.safetensors_io import PendingTensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np, jax, jax.numpy as jnp
+    from flax import nnx
+    from surgery import load_pretrained
+
+    jax.block_until_ready(jnp.ones(8) + 1)  # start the runtime before the baseline
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    baseline = rss()
+    model = load_pretrained(sys.argv[1], dtype=sys.argv[2])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    leaves = jax.tree.leaves(nnx.state(model))
+    print("REPORT " + json.dumps(dict(
+        growth=peak - baseline, model_bytes=sum(x.nbytes for x in leaves),
+        embed_row0=np.asarray(model.embed_tokens[...][0, :4], np.float32).tolist())))
+""")
+
+# hidden 512, 12 layers, vocab 8192: ~51 M parameters, 206 MB in float32; the largest tensor is 16 MB
+CONFIG = dict(model_type="gemma", vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+
+
+def _write_checkpoint(folder: str, dtype) -> tuple[int, list[float]]:
+    config = GemmaConfig.from_hf_dict(CONFIG)
+    shapes = {path: tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract_model(config)))}
+    rng = np.random.default_rng(0)
+    embed_row0 = []
+
+    def produce(shape, name):
+        data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+        if name == "model.embed_tokens.weight":
+            embed_row0.extend(data[0, :4].astype(np.float32).tolist())
+        return data
+
+    tensors = [PendingTensor(e.hf_name, hf_shape(e.layout, shapes[e.path]), np.dtype(dtype),
+                             lambda s=hf_shape(e.layout, shapes[e.path]), n=e.hf_name: produce(s, n))
+               for e in tensor_table(config)]
+    write_hf_folder(folder, config, tensors, max_shard_size="100MB")
+    return sum(t.nbytes for t in tensors), embed_row0
+
+
+def _load_in_child(folder: str, dtype: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([sys.executable, "-c", CHILD, folder, dtype], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.split("REPORT ", 1)[1])
+
+
+@pytest.mark.parametrize("stored, loaded", [("float32", "float32"), ("bfloat16", "float32")])
+def test_peak_memory_of_loading(tmp_path, stored, loaded):
+    import ml_dtypes
+
+    folder = str(tmp_path / "big")
+    file_bytes, embed_row0 = _write_checkpoint(folder, np.float32 if stored == "float32" else ml_dtypes.bfloat16)
+    try:
+        assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) >= file_bytes
+        report = _load_in_child(folder, loaded)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert report["model_bytes"] == file_bytes * (2 if stored == "bfloat16" else 1)
+    np.testing.assert_allclose(report["embed_row0"], embed_row0)  # really loaded, not just allocated
+    ratio = report["growth"] / report["model_bytes"]
+    print(f"{stored}->{loaded}: RSS growth {ratio:.2f}x the model bytes")
+    assert ratio < 1.5, f"loading grew RSS by {ratio:.2f}x the model's bytes"
+    assert ratio > 0.8  # the measurement does see the model itself
