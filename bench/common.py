@@ -58,7 +58,9 @@ def wait_for_memory(gib: float, *, timeout_s: float = 1800, poll_s: float = 30) 
 
 
 def emit(record: dict, out_path: str | None = None) -> dict:
-    """Print one JSON line (and append it to `out_path`)."""
+    """Print one JSON line (and append it to `out_path`), tagged with the run id of bench/run_all.sh if set."""
+    if os.environ.get("BENCH_RUN") and "run" not in record:
+        record = {**record, "run": os.environ["BENCH_RUN"]}
     line = json.dumps(record, sort_keys=False, default=_plain)
     print(line, flush=True)
     if out_path:
@@ -89,7 +91,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def round_floats(record: dict, digits: int = 4) -> dict:
-    return {k: (round(v, digits) if isinstance(v, float) else v) for k, v in record.items()}
+    """Round float fields for readability; losses keep full precision (peers are compared on them)."""
+    return {k: (round(v, digits) if isinstance(v, float) and "loss" not in k else v) for k, v in record.items()}
 
 
 def evict_from_page_cache(paths: Iterable[str]) -> None:
@@ -199,3 +202,8 @@ def machine() -> dict:
 
 def python_of_this_venv() -> str:
     return sys.executable
+
+
+if __name__ == "__main__":  # the environment line that bench/run_all.sh writes first
+    emit({"bench": "environment", "machine": machine(), "versions": versions()},
+         sys.argv[1] if len(sys.argv) > 1 else None)

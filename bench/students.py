@@ -19,8 +19,8 @@ PAIRS = {
     "tiny": ("tiny-gemma3", {}, (3, 64, 128, 4, 2)),
     # the peer study's setting (peers_270m.md): Gemma3-270M, 262k vocabulary, 9 of its 18 layers
     "270m": ("gemma-3-270m", {}, (9, 640, 2048, 4, 1)),
-    # GPU check: Gemma-2-2B teacher, a pruned ~1B student (depth 13/26, MLP 9216 -> 4608): 1.01B parameters
-    "2b": ("gemma-2-2b", {}, (13, 2304, 4608, 8, 4)),
+    # GPU check: Gemma-2-2B teacher, a pruned ~1B student (depth 13/26, MLP 9216 -> 3072): 1.05B parameters
+    "2b": ("gemma-2-2b", {}, (13, 2304, 3072, 8, 4)),
     # its CPU stand-in for gpu.sh's smoke run (same family and code path, tiny sizes)
     "tiny2": ("tiny-gemma2", {}, (2, 64, 64, 4, 2)),
 }

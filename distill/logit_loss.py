@@ -46,7 +46,7 @@ class LogitLossSpec:
     ce: bool = False
     jsd_beta: float = 0.5
     top_k: int | None = None
-    chunk: int = 16  # sequence positions per chunk; rows per chunk = batch * chunk
+    chunk: int = 32  # rows (batch x sequence positions) per chunk; the sequence is cut in chunk // batch positions
     unit_temperature: bool = False  # the temperature is 1 for the whole run: reuse log-probs for the CE
 
     def __post_init__(self):
@@ -59,12 +59,13 @@ class LogitLossSpec:
             raise ValueError("reverse_kl with top_k is infinite (the truncated teacher has zero mass where the student "
                              "has some); use kl or jsd with top_k, or drop top_k.")
         if self.chunk < 1:
-            raise ValueError(f"chunk={self.chunk} must be at least 1 sequence position.")
+            raise ValueError(f"chunk={self.chunk} must be at least 1 row.")
 
 
 def metric_names(spec: LogitLossSpec) -> tuple[str, ...]:
     """Metric sums returned with the loss (weighted means when weights sum to one)."""
-    return BASE_METRICS + ("reverse_kl",) * spec.reverse_kl + ("jsd",) * spec.jsd
+    terms = [name for name in ("kl", "reverse_kl", "jsd", "ce") if getattr(spec, name)]
+    return BASE_METRICS + tuple(f"term/{name}" for name in terms)
 
 
 def _xlogy_diff(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
@@ -87,38 +88,44 @@ def _logit_correlation(s: jax.Array, t: jax.Array) -> jax.Array:
 
 def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.Array, coeffs: dict,
                     spec: LogitLossSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...)."""
+    """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...).
+
+    Metrics: `term/<name>` is each active logit term at the current temperature (before its weight and tau^2);
+    `kl` is KL(teacher || student) at temperature 1 over the full vocabulary, comparable across a temperature
+    schedule and with top-k; `student_ce`, `teacher_ce` are next-token cross-entropies; `logit_corr` is the
+    Pearson correlation of the two logit vectors."""
     s, t = s.astype(jnp.float32), jax.lax.stop_gradient(t.astype(jnp.float32))
     tau = coeffs["temperature"]
     log_q = jax.nn.log_softmax(s / tau, axis=-1)
     t_scaled = t / tau if spec.top_k is None else _keep_top_k(t / tau, spec.top_k)
     log_p = jax.nn.log_softmax(t_scaled, axis=-1)
     p = jnp.exp(log_p)
-    kl = _xlogy_diff(p, log_p, log_q)
-    soft, extra = jnp.zeros_like(kl), {}
+    terms = {}
     if spec.kl:
-        soft = soft + coeffs["kl"] * kl
+        terms["kl"] = _xlogy_diff(p, log_p, log_q)
     if spec.reverse_kl or spec.jsd:
         q = jnp.exp(log_q)
     if spec.reverse_kl:
-        extra["reverse_kl"] = _xlogy_diff(q, log_q, log_p)
-        soft = soft + coeffs["reverse_kl"] * extra["reverse_kl"]
+        terms["reverse_kl"] = _xlogy_diff(q, log_q, log_p)
     if spec.jsd:
         beta = spec.jsd_beta
         log_m = jnp.logaddexp(math.log(beta) + log_p, math.log(1.0 - beta) + log_q)
-        jsd = beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
-        soft = soft + coeffs["jsd"] * jsd
-        extra["jsd"] = jsd
+        terms["jsd"] = beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
+    soft = sum((coeffs[name] * value for name, value in terms.items()), jnp.zeros(s.shape[:-1], jnp.float32))
     per_token = tau * tau * soft
+    same_as_unit = spec.unit_temperature and spec.top_k is None
     log_q1 = log_q if spec.unit_temperature else jax.nn.log_softmax(s, axis=-1)
+    log_p1 = log_p if same_as_unit else jax.nn.log_softmax(t, axis=-1)
+    kl1 = terms["kl"] if same_as_unit and spec.kl else _xlogy_diff(jnp.exp(log_p1), log_p1, log_q1)
     labels = labels[..., None].astype(jnp.int32)
     student_ce = -jnp.take_along_axis(log_q1, labels, axis=-1)[..., 0]
     if spec.ce:
+        terms["ce"] = student_ce
         per_token = per_token + coeffs["ce"] * student_ce
-    teacher_ce = jax.nn.logsumexp(t, axis=-1) - jnp.take_along_axis(t, labels, axis=-1)[..., 0]
+    teacher_ce = -jnp.take_along_axis(log_p1, labels, axis=-1)[..., 0]
     weights = weights.astype(jnp.float32)
-    metrics = {"kl": kl, "student_ce": student_ce, "teacher_ce": teacher_ce,
-               "logit_corr": _logit_correlation(s, t), **extra}
+    metrics = {"kl": kl1, "student_ce": student_ce, "teacher_ce": teacher_ce, "logit_corr": _logit_correlation(s, t),
+               **{f"term/{name}": value for name, value in terms.items()}}
     metric_sums = {name: jax.lax.stop_gradient(jnp.sum(weights * value)) for name, value in metrics.items()}
     return jnp.sum(weights * per_token), metric_sums
 
@@ -147,8 +154,8 @@ def _unchunked(x: jax.Array, length: int) -> jax.Array:
 def _scan_chunks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_logits: LogitsFn,
                  teacher_logits: LogitsFn, spec: LogitLossSpec, grad_hidden: bool, grad_head: bool):
     """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1."""
-    length = h_s.shape[1]
-    chunk = min(spec.chunk, length)
+    batch, length = h_s.shape[:2]
+    chunk = max(1, min(length, spec.chunk // batch))
     xs = (_chunked(h_s, chunk), _chunked(h_t, chunk), _chunked(labels, chunk), _chunked(weights, chunk))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in metric_names(spec)}
     d_head0 = jnp.zeros(head_s.shape, jnp.float32) if grad_head else None

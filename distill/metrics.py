@@ -122,7 +122,10 @@ class MetricsLogger:
         """A clear line on the terminal (above the bar) and in the log; `event` also records it in the JSONL."""
         if self._bar:
             self._bar.write(text)
-        log.warning(text) if event else log.info(text)
+        if event == "rollback":
+            log.warning(text)
+        else:
+            log.info(text)
         if event:
             self._write({"event": event, "message": text, **fields})
 

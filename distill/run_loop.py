@@ -96,7 +96,8 @@ class Loop:
             self._event("resume", f"resumed from step {self.step} (stage {self.session.stage_index}) in "
                                   f"{self.checkpointer.directory}")
         else:
-            self._event("stage", self._stage_line(self.session.stage_index, 0))
+            self._event("stage", self._stage_line(self.session.stage_index, 0), stage=self.session.stage_index,
+                        carried=0)
             self._mark_good()
             self._evaluate()
         while self.step < config.total_steps:
@@ -104,7 +105,7 @@ class Loop:
             if index != self.session.stage_index:
                 carried = self._enter(index, carry=True)
                 self.good_losses = []  # the loss scale changes with the weights
-                self._event("stage", self._stage_line(index, carried))
+                self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
             batch = self._next_batch()
             stage = config.stages[index]
             hyper = hyper_values(stage, in_stage, config.optimizer.weight_decay, self.lr_scale)
@@ -167,6 +168,9 @@ class Loop:
         record = {"step": self.step, "stage": index, **values, "perplexity": math.exp(min(values["student_ce"], 80)),
                   "lr": float(hyper["lr"]), "temperature": float(hyper["temperature"]), "step_time_s": elapsed,
                   "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12}
+        if self.session.warmup:
+            record["warmup"] = True  # first step after entering a stage: may include compilation
+            self.session.warmup = False
         if self.peak:
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
         self.history.append(record)

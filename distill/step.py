@@ -17,6 +17,7 @@ optimizer state unchanged inside the step (`finite` = 0 in the metrics); the tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -49,6 +50,18 @@ class StepSpec:
     @property
     def logit_terms(self) -> bool:
         return self.logit.kl or self.logit.reverse_kl or self.logit.jsd or self.logit.ce
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamSettings:
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def transform(self) -> optax.GradientTransformation:
+        """Adam moments only: clipping, decoupled weight decay and the learning rate are applied in the step
+        with traced values, so schedules and stage changes never recompile."""
+        return optax.scale_by_adam(b1=self.b1, b2=self.b2, eps=self.eps)
 
 
 def _cast(tree: Any, dtype) -> Any:
@@ -130,9 +143,19 @@ def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
     return loss_fn
 
 
-def build_train_step(student_graph, teacher_graph, spec: StepSpec, adam: optax.GradientTransformation,
+def build_train_step(student_graph, teacher_graph, spec: StepSpec, adam: AdamSettings,
                      out_shardings: Any = None) -> Callable:
-    """The jitted step `(params, opt, frozen, teacher, batch, hyper) -> (params, opt, metrics)`."""
+    """The jitted step `(params, opt, frozen, teacher, batch, hyper) -> (params, opt, metrics)`.
+
+    Memoised on its (hashable) arguments, so reruns, rollbacks and resumes of the same structure in one process
+    reuse the compiled program. `out_shardings` pins the output placement to the inputs' (None on one device)."""
+    key = None if out_shardings is None else (jax.tree.structure(out_shardings), tuple(jax.tree.leaves(out_shardings)))
+    return _train_step(student_graph, teacher_graph, spec, adam, key)
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step(student_graph, teacher_graph, spec: StepSpec, adam_settings: AdamSettings, shardings_key):
+    adam = adam_settings.transform()
     loss_fn = make_loss_fn(student_graph, teacher_graph, spec)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -169,11 +192,12 @@ def build_train_step(student_graph, teacher_graph, spec: StepSpec, adam: optax.G
                    "supervised_tokens": norms["tokens"]}
         return keep(new_params, params), keep(new_opt, opt_state), metrics
 
-    if out_shardings is None:
+    if shardings_key is None:
         return jax.jit(step, donate_argnums=(0, 1))
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=jax.tree.unflatten(*shardings_key))
 
 
+@functools.lru_cache(maxsize=16)
 def build_eval_step(student_graph, teacher_graph, spec: StepSpec) -> Callable:
     """`(params, frozen, teacher, batch (B, T), hyper) -> metrics` on one held-out batch: no gradient work."""
     loss_fn = make_loss_fn(student_graph, teacher_graph, spec)
@@ -196,4 +220,4 @@ def hyper_values(stage, step_in_stage: int, default_weight_decay: float, lr_scal
     return {k: jnp.asarray(values[k], jnp.float32) for k in HYPER_KEYS}
 
 
-__all__ = ["StepSpec", "build_train_step", "build_eval_step", "make_loss_fn", "hyper_values", "HYPER_KEYS"]
+__all__ = ["StepSpec", "AdamSettings", "build_train_step", "build_eval_step", "make_loss_fn", "hyper_values", "HYPER_KEYS"]

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -28,7 +27,7 @@ from .interface import Correspondence, check_model, correspondence_from_plan
 from .logit_loss import LogitLossSpec
 from .losses import init_projections
 from .mesh import make_mesh, model_on_mesh, shard_model
-from .step import StepSpec, build_eval_step, build_train_step
+from .step import AdamSettings, StepSpec, build_eval_step, build_train_step
 
 log = logging.getLogger("distill")
 
@@ -132,7 +131,8 @@ class Session:
         self.teacher_graph, self.teacher_state = nnx.split(teacher)
         self._teacher_ids = {id(x) for x in jax.tree.leaves(self.teacher_state)}
         opt = config.optimizer
-        self.adam = optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps)
+        self.adam_settings = AdamSettings(b1=opt.b1, b2=opt.b2, eps=opt.eps)
+        self.adam = self.adam_settings.transform()
         self.stage_index: int | None = None
         self.params: dict[str, Any] | None = None
         self.frozen = self.opt = self.graph = None
@@ -143,7 +143,7 @@ class Session:
         config, weights = self.config, self.config.stages[index].weights
         logit = LogitLossSpec(kl=weights.kl != 0, reverse_kl=weights.reverse_kl != 0, jsd=weights.jsd != 0,
                               ce=weights.ce != 0, jsd_beta=config.jsd_beta, top_k=config.top_k,
-                              chunk=max(1, config.logit_chunk // max(1, config.batch_size or 1)),
+                              chunk=config.logit_chunk,
                               unit_temperature=config.unit_temperature)
         return StepSpec(logit=logit, attention=weights.attention != 0, feature=weights.feature != 0,
                         correspondence=self.correspondence, feature_kind=config.feature_kind,
@@ -173,12 +173,13 @@ class Session:
             params = _put_like(params, _shardings(params, self.mesh))
             opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s), opt_state, _shardings(opt_state, self.mesh))
         self.params, self.opt, self.stage_index = params, opt_state, index
+        self.warmup = True  # the next step may include compilation
         if index not in self._compiled:
             spec = self.spec(index)
             out = None
             if self.mesh is not None:
                 out = (_shardings(params, self.mesh), _shardings(opt_state, self.mesh), _replicated(self.mesh))
-            self._compiled[index] = (build_train_step(self.graph, self.teacher_graph, spec, self.adam, out),
+            self._compiled[index] = (build_train_step(self.graph, self.teacher_graph, spec, self.adam_settings, out),
                                      build_eval_step(self.graph, self.teacher_graph, spec))
         return carried
 

@@ -19,6 +19,7 @@ from .plan import PLAN_FILE, Plan
 from .slices import Reader, build, recipes
 
 REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
+HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
 
 
 def memory_reader(model: Gemma) -> Reader:
@@ -79,7 +80,7 @@ def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None) -> Gemma:
     read = memory_reader(teacher)
     for recipe in recipes(plan):
         variable = variables[recipe.path]
-        hf_array = build(recipe, read, dtype)
+        hf_array = build(recipe, read, dtype, HOST_CHUNK_BYTES)
         value = read_nnx_block(hf_array, recipe.layout, tuple(variable.shape), ())
         variable.set_value(jax.device_put(np.ascontiguousarray(value), parameter_sharding(variable, mesh)))
     return nnx.merge(graphdef, state)

@@ -172,7 +172,7 @@ def checkpoint_dtype(folder: str, config: GemmaConfig, weight_map: dict[str, str
         code = _get_slice(f, stored, path).get_dtype()
     if code not in STORED_DTYPES:
         raise CheckpointError(f"{path}: tensor {stored} has dtype {code}; expected F32, BF16 or F16.")
-    return np.dtype(STORED_DTYPES[code])
+    return STORED_DTYPES[code]
 
 
 def _get_slice(f, name: str, path: str):
@@ -208,6 +208,8 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
         raise CheckpointError(f"{folder}: checkpoint has {len(unexpected)} tensor(s) a {config.model_type} model "
                               f"with this config does not use, e.g. {unexpected[:3]} "
                               f"(in {weight_map[names[unexpected[0]]]}).")
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        _check_tied_head(folder, weight_map, names)
     if dtype is None:
         dtype = checkpoint_dtype(folder, config, weight_map, names)
     model = abstract_model(config, dtype=dtype, mesh=mesh)
@@ -223,8 +225,6 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
                 variable = variables[entry.path]
                 _fill(variable, _get_slice(f, stored_name, path), entry, path, stored_name, dtype, mesh)
                 filled.add(entry.path)
-    if config.tie_word_embeddings and "lm_head.weight" in names:
-        _check_tied_head(folder, weight_map, names)
     assert filled == set(variables), f"unfilled parameters: {sorted(set(variables) - filled)}"
     return nnx.merge(graphdef, state)
 

@@ -171,7 +171,10 @@ class GemmaConfig:
         kwargs["rope"] = _rope(values, model_type, where)
         if values.get("use_bidirectional_attention"):
             raise ConfigError(f"{where}: use_bidirectional_attention=True (embedding models) is not supported.")
-        return cls(**kwargs, raw=data)
+        try:
+            return cls(**kwargs, raw=data)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
 
     def to_hf_dict(self, *, dtype: str | None = None) -> dict[str, Any]:
         """A config.json that transformers 5 and 4.5x both read the same way (hf_nnx.md §1.5)."""

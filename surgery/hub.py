@@ -2,7 +2,8 @@
 
 `push_to_hub` checks everything it can before the first upload: the folder is a complete HF model folder, a
 token exists, the Hub is reachable, the token's user may write to the repo's namespace (`whoami` name and
-orgs), and a repo that already exists is private when `private=True`. Any failure is raised as `HubError` with a message that says what to do, never containing the token.
+orgs), and a repo that already exists is private when `private=True`. Any failure is raised as `HubError`
+with a message that says what to do, never containing the token.
 
 Uses `HfApi.create_repo(exist_ok=True)`, `create_branch` (a branch must exist before uploading to it) and
 `upload_folder` (with hf_xet installed it streams and resumes; huggingface_hub 2.x has no `upload_large_folder`).
@@ -19,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 # Local leftovers that must never reach the Hub: our atomic-write temporaries and hidden files.
 IGNORE_PATTERNS = [".*", "*.tmp-*", "*.partial-*", "*.old-*", "__pycache__/*"]
+# Weight files already on the branch that the folder does not have are deleted in the same commit: a branch
+# that kept main's `model.safetensors` next to a new sharded index would load the stale file.
+STALE_WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json"]
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -70,7 +74,8 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
 
     `repo_id` without a namespace goes to the token's user. The token comes from `token=`, HF_TOKEN or the file
     written by `hf auth login`. Returns the commit URL; it is a huggingface_hub `CommitInfo` (a `str`) whose
-    `.oid` is the commit hash, usable as `revision=` when loading.
+    `.oid` is the commit hash, usable as `revision=` when loading. Weight files on the branch that the folder
+    lacks (e.g. an old single `model.safetensors` when the folder is sharded) are deleted in the same commit.
     """
     folder = os.path.abspath(os.fspath(folder))
     check_model_folder(folder)
@@ -111,7 +116,8 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
         commit = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
                                    commit_message=commit_message or f"Upload {os.path.basename(folder)} "
                                                                     "(nnx-surgery student)",
-                                   ignore_patterns=list(IGNORE_PATTERNS))
+                                   ignore_patterns=list(IGNORE_PATTERNS),
+                                   delete_patterns=list(STALE_WEIGHT_PATTERNS))
     logger.info("pushed %s to %s", folder, commit)
     return commit
 

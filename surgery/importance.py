@@ -166,7 +166,7 @@ def layer_removal_loss(teacher: Gemma, batches: list[np.ndarray]) -> tuple[float
 
 
 # ------------------------------------------------------------------------------------------------ magnitude
-def magnitude_scores(config: GemmaConfig, read: Reader, chunk_bytes: int = 64 << 20) -> dict[str, np.ndarray]:
+def magnitude_scores(config: GemmaConfig, read: Reader, chunk_bytes: int = 16 << 20) -> dict[str, np.ndarray]:
     """Data-free scores from weight norms, one tensor (or row block) at a time.
 
     MLP neuron: ||gate row|| * ||up row|| * ||down column||; query head: ||q rows|| * ||o columns||; hidden

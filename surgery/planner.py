@@ -21,6 +21,7 @@ random teachers it raised the starting KL by ~1-3% (mostly through the final nor
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -61,32 +62,23 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
     and store both KL(teacher || student) values on the calibration data in `scores["compensation"]`.
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
-    model, config, read = _teacher(teacher, calibration, revision, mesh)
-    if source is None and not isinstance(teacher, Gemma):
-        source = os.fspath(teacher)
-    formation = spec.check_against(config, kv_mode)
     if depth not in DEPTH_METHODS or width not in WIDTH_METHODS or kv_merge not in KV_MERGES:
         raise SpecError(f"depth={depth!r}, width={width!r}, kv_merge={kv_merge!r}: choose depth from "
                         f"{DEPTH_METHODS}, width from {WIDTH_METHODS}, kv_merge from {KV_MERGES}.")
     batches = calibration_batches(calibration, batch_size, num_samples, seed) if calibration is not None else None
     depth = ("block_influence" if batches else "uniform") if depth == "auto" else depth
     width = ("activation" if batches else "magnitude") if width == "auto" else width
-    if batches is None and (depth in ("block_influence", "loss") or width == "activation") and layers is None:
+    if batches is None and ((depth in ("block_influence", "loss") and layers is None) or width == "activation"):
         raise SpecError(f"depth={depth!r} / width={width!r} need calibration token ids; pass calibration=..., or "
                         "use depth='uniform' and width='magnitude' (data-free), or give explicit indices.")
-
-    scores: dict[str, Any] = {}
-    stats = activation_stats(model, batches) if batches is not None else None
-    if stats is not None:
-        scores["block_influence"] = _rounded(stats.block_influence)
-    if depth == "loss" and layers is None:
-        base, increase = layer_removal_loss(model, batches)
-        scores["base_loss"], scores["loss_increase"] = _rounded(base), _rounded(increase)
-    if width == "activation":
-        width_scores = {"mlp": stats.mlp, "heads": stats.heads, "hidden": stats.hidden}
-    else:
-        width_scores = magnitude_scores(config, read)
-    scores.update({name: _rounded(value) for name, value in width_scores.items()})
+    if norm_correction and batches is None:
+        raise SpecError("norm_correction=True measures each norm's input on calibration data; pass calibration=.")
+    if source is None and not isinstance(teacher, Gemma):
+        source = os.fspath(teacher)
+    with contextlib.ExitStack() as stack:  # checkpoint files stay open while scores are read from disk
+        model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
+        formation = spec.check_against(config, kv_mode)
+        scores, stats = _scores(model, config, read, batches, depth if layers is None else "explicit", width)
 
     kept_layers = _choose_layers(config, spec, depth, layers, scores)
     kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
@@ -99,12 +91,10 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
     group_lists = _per_layer("kv_groups", kv_groups, len(kept_layers), depth_of_item=2)
     attention = [_attention(config, spec, formation, kv_merge, np.asarray(scores["heads"][t]), head_lists[s],
                             group_lists[s], f"student layer {s}") for s, t in enumerate(kept_layers)]
-
     student = spec.student_config(config, kept_layers)
-    if norm_correction and stats is None:
-        raise SpecError("norm_correction=True measures each norm's input on calibration data; pass calibration=.")
     embed_scale, norm_scales = _compensation(config, student, kept_layers, kept_hidden,
                                              stats if norm_correction else None, compensate)
+    merged = any(len(group) > 1 for groups, _, _ in attention for group in groups)
     plan = Plan(
         teacher={"source": source, "revision": revision, "config": config.to_hf_dict(),
                  "num_parameters": config.num_parameters()},
@@ -113,10 +103,9 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
         kv_groups=[a[0] for a in attention], kv_weights=[a[1] for a in attention],
         kept_heads=[a[2] for a in attention], embed_scale=embed_scale, norm_scales=norm_scales,
         methods={"depth": "explicit" if layers is not None else depth, "width": width,
-                 "kv": formation if formation == "select" else f"merge-{kv_merge}",
+                 "kv": f"merge-{kv_merge}" if merged else "select",
                  "aggregation": "sequence mean, batch L2" if width == "activation" else None,
-                 "compensation": ("embedding+norms" if norm_correction else "embedding") if compensate
-                 else "none"},
+                 "compensation": ("embedding+norms" if norm_correction else "embedding") if compensate else "none"},
         scores=scores, calibration=_calibration_record(batches, batch_size, num_samples, seed),
         format_version=FORMAT_VERSION)
     plan.validate()
@@ -127,8 +116,25 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
     return plan
 
 
+def _scores(model, config, read, batches, depth: str, width: str) -> tuple[dict[str, Any], Any]:
+    """Every score the plan records (rounded for JSON), and the raw calibration statistics (or None)."""
+    scores: dict[str, Any] = {}
+    stats = activation_stats(model, batches) if batches is not None else None
+    if stats is not None:
+        scores["block_influence"] = _rounded(stats.block_influence)
+    if depth == "loss":
+        base, increase = layer_removal_loss(model, batches)
+        scores["base_loss"], scores["loss_increase"] = _rounded(base), _rounded(increase)
+    if width == "activation":
+        width_scores = {"mlp": stats.mlp, "heads": stats.heads, "hidden": stats.hidden}
+    else:
+        width_scores = magnitude_scores(config, read)
+    scores.update({name: _rounded(value) for name, value in width_scores.items()})
+    return scores, stats
+
+
 # ------------------------------------------------------------------------------------------------ teacher access
-def _teacher(teacher, calibration, revision, mesh):
+def _teacher(teacher, calibration, revision, mesh, stack):
     """(model or None, config, read) for an NNX teacher or an HF source."""
     if isinstance(teacher, Gemma):
         from .apply import memory_reader
@@ -140,14 +146,14 @@ def _teacher(teacher, calibration, revision, mesh):
         return model, model.config, memory_reader(model)
     from .prune_disk import disk_reader
     config = GemmaConfig.from_file(folder)
-    return None, config, disk_reader(folder, np.float32)
+    return None, config, disk_reader(folder, np.float32, stack, config)
 
 
 # ------------------------------------------------------------------------------------------------ choices
 def _choose_layers(config: GemmaConfig, spec: StudentSpec, depth: str, layers, scores) -> list[int]:
     total, keep = config.num_hidden_layers, spec.num_layers
     if layers is not None:
-        chosen = _explicit("layers", layers, keep, total)
+        chosen = _explicit("layers", layers, keep, total, keep_order=True)
         if chosen != sorted(chosen):
             raise SpecError(f"layers={list(layers)} must be in increasing order; a student keeps the teacher's "
                             "layer order.")
@@ -173,6 +179,13 @@ def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge:
         groups = [sorted(int(g) for g in group) for group in groups]
         if len(groups) != k_s:
             raise SpecError(f"kv_groups of {where}: {len(groups)} groups for {k_s} student KV heads.")
+        flat = [g for group in groups for g in group]
+        if not all(0 <= g < k_t for g in flat) or len(set(flat)) != len(flat):
+            raise SpecError(f"kv_groups of {where}: {groups} must use distinct teacher KV heads in [0, {k_t}).")
+        small = [group for group in groups if len(group) * g_t < g_s]
+        if small:
+            raise SpecError(f"kv_groups of {where}: {small[0]} has {len(small[0]) * g_t} query heads, but each "
+                            f"student KV head needs {g_s}; merge more teacher KV heads into it.")
     elif formation == "merge":
         size = k_t // k_s
         groups = [list(range(j * size, (j + 1) * size)) for j in range(k_s)]

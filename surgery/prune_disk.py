@@ -16,22 +16,26 @@ import os
 
 import numpy as np
 
-from .checkpoint import DTYPES, canonical_names, checkpoint_dtype, resolve_source, write_hf_folder
+from .checkpoint import (DTYPES, canonical_names, checkpoint_dtype, hf_shape, resolve_source, tensor_table,
+                         write_hf_folder)
 from .config import GemmaConfig
 from .plan import Plan
 from .safetensors_io import CheckpointError, PendingTensor, checkpoint_weight_map, open_safetensors
-from .slices import Reader, build, read_runs, recipes
+from .slices import Reader, build, nnx_shape, read_runs, recipes
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
-def disk_reader(folder: str, dtype, stack: contextlib.ExitStack | None = None) -> Reader:
+def disk_reader(folder: str, dtype, stack: contextlib.ExitStack | None = None,
+                config: GemmaConfig | None = None) -> Reader:
     """`read(hf_name, rows, cols)` from a checkpoint folder, in HF layout, cast to `dtype`.
 
     Files are opened on first use (pread backend: no mapping) and kept open in `stack` when given (closed
-    with it), else reopened per read."""
+    with it), else reopened per read. With `config`, every tensor's stored shape is checked against it."""
     weight_map = checkpoint_weight_map(folder)
     names, _ = canonical_names(weight_map)
+    expected = {e.hf_name: hf_shape(e.layout, nnx_shape(config, e.path)) for e in tensor_table(config)} \
+        if config is not None else {}
     handles: dict[str, object] = {}
     dtype = np.dtype(dtype)
 
@@ -52,6 +56,9 @@ def disk_reader(folder: str, dtype, stack: contextlib.ExitStack | None = None) -
         with handle(weight_map[stored]) as f:
             hf_slice = f.get_slice(stored)
             shape = hf_slice.get_shape()
+            if name in expected and tuple(shape) != expected[name]:
+                raise CheckpointError(f"{folder}: tensor {stored} has shape {list(shape)}, config.json implies "
+                                      f"{list(expected[name])}.")
             if len(shape) == 1:
                 return read_runs(lambda a, b: hf_slice[a:b], rows, shape[0]).astype(dtype, copy=False)
             if cols is None:
@@ -85,7 +92,7 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     dtype = np.dtype(dtype or checkpoint_dtype(folder, config, weight_map, names))
     with contextlib.ExitStack() as stack:
-        read = disk_reader(folder, dtype, stack)
+        read = disk_reader(folder, dtype, stack, config)
         tensors = [PendingTensor(r.hf_name, r.shape, dtype,
                                  functools.partial(build, r, read, dtype, chunk_bytes)) for r in recipes(plan)]
         return write_hf_folder(os.fspath(dst), plan.student, tensors, source=folder, max_shard_size=max_shard_size,

@@ -59,8 +59,7 @@ def recipes(plan: Plan) -> list[Recipe]:
     tied = student.tie_word_embeddings
     out = []
     for entry in tensor_table(student):
-        nnx_shape = _nnx_shape(student, entry.path)
-        shape = hf_shape(entry.layout, nnx_shape)
+        shape = hf_shape(entry.layout, nnx_shape(student, entry.path))
         common = dict(hf_name=entry.hf_name, path=entry.path, layout=entry.layout, shape=shape)
         if entry.path[0] == "embed_tokens":
             out.append(Recipe(**common, source=entry.hf_name, kind="scale", cols=hidden, factor=plan.embed_scale))
@@ -154,7 +153,7 @@ def read_runs(get_rows: Callable[[int, int], np.ndarray], rows: np.ndarray | Non
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
 
-def _nnx_shape(config: GemmaConfig, path: tuple) -> tuple[int, ...]:
+def nnx_shape(config: GemmaConfig, path: tuple) -> tuple[int, ...]:
     d, f, n, k, h, v = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                         config.num_key_value_heads, config.head_dim, config.vocab_size)
     if path[0] == "embed_tokens":

@@ -186,7 +186,7 @@ def test_byte_tokenizer_round_trips_through_transformers(tmp_path):
     assert tok.encode_batch(["a<eos>"])[0] == [4 + b for b in b"a<eos>"]
     from_hf = load_tokenizer(hf)
     assert (from_hf.eos_id, from_hf.bos_id, from_hf.add_bos) == (EOS_ID, BOS_ID, True)
-    assert from_hf.encode_batch([text]) == tok.encode_batch([text])
+    assert from_hf.encode_batch([text, "a<eos>"]) == tok.encode_batch([text, "a<eos>"])
 
 
 def test_text_files_match_arrays_and_jsonl_prompts_are_masked(tmp_path):

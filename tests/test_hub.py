@@ -21,6 +21,7 @@ from fake_hub import FakeHub
 
 TOKEN = "hf_fakeTokenForTests7f3a9c2e41b8d6"  # alice, member of org acme
 OTHER_TOKEN = "hf_fakeTokenOfBob55e2d1c0a9f8b7"  # bob: read-only member of acme
+READ_TOKEN = "hf_fakeReadOnlyTokenOfAlice0c4e9"  # alice, but a read-only token
 REPO = "alice/tiny-student"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ------------------------------------------------------------------------------------------------ harness
 @pytest.fixture(scope="module")
 def hub():
-    with FakeHub({TOKEN: ("alice", ["acme"]), OTHER_TOKEN: ("bob", ["acme:read"])}, lifetime_s=300) as server:
+    with FakeHub({TOKEN: ("alice", ["acme"]), OTHER_TOKEN: ("bob", ["acme:read"]),
+                  READ_TOKEN: ("alice", ["acme"], "read")}, lifetime_s=300) as server:
         yield server
 
 
@@ -46,7 +48,7 @@ def run_scenario(name: str, workdir, env: dict[str, str]) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), name, str(workdir)], env={**base, **env},
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     output = proc.stdout + proc.stderr
-    for secret in (TOKEN, OTHER_TOKEN):
+    for secret in (TOKEN, OTHER_TOKEN, READ_TOKEN):
         assert secret not in output, f"scenario {name} printed a token"
     assert proc.returncode == 0, f"scenario {name} failed:\n{output[-6000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -56,7 +58,7 @@ def run_scenario(name: str, workdir, env: dict[str, str]) -> dict:
 
 def online_env(hub, workdir) -> dict[str, str]:
     return {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HOME": str(workdir / "hf_home"),
-            "TEST_OTHER_TOKEN": OTHER_TOKEN}
+            "TEST_OTHER_TOKEN": OTHER_TOKEN, "TEST_READ_TOKEN": READ_TOKEN}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,11 @@ def test_model_card_metadata_round_trips(published):
 
 def test_branch_revision_holds_the_second_version(published, hub):
     assert hub.repos[REPO].branches.keys() >= {"main", "step-1"}
+    shards = [f for f in published["branch_files"] if f.endswith(".safetensors")]
+    assert len(shards) >= 3 and "model.safetensors.index.json" in published["branch_files"]
+    # The branch started from main's files; main's single model.safetensors would shadow the new index in
+    # transformers, so the push deleted it.
+    assert "model.safetensors" not in published["branch_files"]
     assert published["branch_vs_perturbed"] <= 1e-4
     assert published["branch_differs_from_main"] > 1e-3  # the branch really holds other weights
     assert published["main_after_branch_push"] <= 1e-4  # and main was not touched
@@ -109,6 +116,7 @@ def test_push_errors_online(published, hub):
     assert "HubError" in errors["other_namespace"] and "bob" in errors["other_namespace"]
     assert "403" in errors["foreign_repo_server"] and "no write access" in errors["foreign_repo_server"]
     assert "401" in errors["bad_token"] and "rejected" in errors["bad_token"]
+    assert "read-only" in errors["read_only_token"]
     assert "no .safetensors" in errors["incomplete_folder"]
     assert "is public" in errors["existing_public_repo"] and not hub.repos["alice/public-student"].private
     assert "bob/tiny-student" not in hub.repos  # refused before anything was created
@@ -133,7 +141,8 @@ def test_no_token_and_unreachable_hub(published, hub, workdir):
     result = run_scenario("no_token", workdir, env)
     assert "no Hugging Face token" in result["no_token"]
     assert "cannot reach" in result["unreachable"]
-    assert len(hub.requests) == before  # the tokenless push never called the Hub
+    # The tokenless push never called the Hub (the client's own agent-registry fetch aside).
+    assert [r for r in hub.requests[before:] if r[1] != "/api/agent-harnesses"] == []
 
 
 # ------------------------------------------------------------------------------------------------ scenarios
@@ -210,9 +219,11 @@ def scenario_publish(workdir: str) -> dict:
     model.norm.scale.set_value(model.norm.scale[...] + 0.25)
     perturbed = _nnx_logits(model, ids)
     np.save(os.path.join(workdir, "branch_logits.npy"), perturbed)
-    second = surgery.save_pretrained(model, os.path.join(workdir, "student_step1"), source=teacher)
+    second = surgery.save_pretrained(model, os.path.join(workdir, "student_step1"), source=teacher,
+                                     max_shard_size="60KB")  # several LFS files, uploaded in parallel
     push_to_hub(second, REPO, revision="step-1", commit_message="step 1")
     branch = transformers.AutoModelForCausalLM.from_pretrained(REPO, revision="step-1", dtype=torch.float32)
+    out["branch_files"] = list_repo_files(REPO, revision="step-1")
     out["branch_vs_perturbed"] = float(np.abs(hf_logits(branch.eval(), ids) - perturbed).max())
     out["branch_differs_from_main"] = float(np.abs(perturbed - expected).max())
     main = transformers.AutoModelForCausalLM.from_pretrained(REPO, dtype=torch.float32).eval()
@@ -231,6 +242,7 @@ def scenario_publish(workdir: str) -> dict:
         "other_namespace": _error(lambda: push_to_hub(student, "bob/tiny-student")),
         # bob may read acme but not write: our whoami check passes, the server answers 403.
         "foreign_repo_server": _error(lambda: push_to_hub(second, "acme/tiny-student", token=other)),
+        "read_only_token": _error(lambda: push_to_hub(student, REPO, token=os.environ["TEST_READ_TOKEN"])),
         "bad_token": _error(lambda: push_to_hub(student, REPO, token="hf_notAValidToken000")),
         "incomplete_folder": _error(lambda: push_to_hub(incomplete, REPO)),
         "existing_public_repo": _error(lambda: push_to_hub(student, "alice/public-student")),  # private=True

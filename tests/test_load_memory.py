@@ -1,9 +1,11 @@
 """Peak host memory of `load_pretrained` stays near the model's own bytes (never a second copy of the checkpoint).
 
 A ~200 MB float32 checkpoint (written by our streaming writer, three shard files) is loaded in a fresh process.
-Growth = peak RSS (ru_maxrss) minus the RSS after imports and JAX start-up; it must stay below 1.5x the bytes of
-the loaded model. A loader that held a file's worth of numpy copies, or read whole tensors for each device block,
-would reach ~2x. The upcast case (bf16 file -> float32 model) bounds it by the model's float32 bytes."""
+Growth = peak RSS minus the RSS after imports and JAX start-up; it must stay below 1.5x the bytes of the loaded
+model. The peak is the process's VmHWM, not `ru_maxrss`: Linux carries the parent's high-water mark into
+`ru_maxrss` across fork+exec, so under a 1 GB pytest process (torch + transformers) it reads ~4x here.
+A loader that kept a second host copy of what it reads reaches ~2.1x (checked by hand); ours measures ~1.1x.
+The upcast case (bf16 file -> float32 model) is bounded by the model's float32 bytes."""
 from __future__ import annotations
 
 import json
@@ -24,20 +26,25 @@ from surgery.safetensors_io import PendingTensor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import numpy as np, jax, jax.numpy as jnp
     from flax import nnx
     from surgery import load_pretrained
 
     jax.block_until_ready(jnp.ones(8) + 1)  # start the runtime before the baseline
 
-    def rss():
+    def status(key):
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
-    baseline = rss()
+    try:  # reset the high-water mark to the current RSS, so the peak is the loader's own
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    baseline = status("VmRSS")
     model = load_pretrained(sys.argv[1], dtype=sys.argv[2])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM")
     leaves = jax.tree.leaves(nnx.state(model))
     print("REPORT " + json.dumps(dict(
         growth=peak - baseline, model_bytes=sum(x.nbytes for x in leaves),
@@ -91,6 +98,5 @@ def test_peak_memory_of_loading(tmp_path, stored, loaded):
     assert report["model_bytes"] == file_bytes * (2 if stored == "bfloat16" else 1)
     np.testing.assert_allclose(report["embed_row0"], embed_row0)  # really loaded, not just allocated
     ratio = report["growth"] / report["model_bytes"]
-    print(f"{stored}->{loaded}: RSS growth {ratio:.2f}x the model bytes")
     assert ratio < 1.5, f"loading grew RSS by {ratio:.2f}x the model's bytes"
     assert ratio > 0.8  # the measurement does see the model itself

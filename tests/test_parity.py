@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -184,10 +185,15 @@ def test_low_precision_native(low_precision, family, torch_dtype):
     folder = low_precision(family, torch_dtype)
     model = load_pretrained(folder)
     assert model.dtype == {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}[torch_dtype]
-    ours = logits(model)
-    ref_low, ref32 = hf_logits(folder, IDS, dtype=torch_dtype), hf_logits(folder, IDS, dtype=torch.float32)
+    out = model(jnp.asarray(IDS), capture=("residual",))
+    ours = np.asarray(out.logits)
+    hf_low = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    ref = hf_forward(hf_low, IDS, hidden_states=True)
+    ref_low, ref32 = ref["logits"], hf_logits(folder, IDS, dtype=torch.float32)
     assert max_abs_diff(ours, ref_low) <= 3 * max_abs_diff(ref_low, ref32) + 1e-3
     assert np.mean(ours.argmax(-1) == ref_low.argmax(-1)) >= 0.9
+    # embeddings bit-exact: the sqrt(hidden) scale is rounded to the weight dtype first, as transformers does
+    np.testing.assert_array_equal(np.asarray(out.residual[0], np.float32), ref["hidden_states"][0])
 
 
 @pytest.mark.parametrize("dtype, expected", [

@@ -213,3 +213,15 @@ def test_overwrite_replaces_whole_folder(teacher, tmp_path):
     assert os.listdir(tmp_path) == ["out"]
     with pytest.raises(CheckpointError, match="not a folder"):
         save_pretrained(model, os.path.join(out, "config.json"))
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CASES))
+def test_config_survives_its_own_json_and_the_legacy_keys_alone(teacher, name):
+    """What we write reads back equal; so does the same dict with only the legacy (transformers 4) rope keys."""
+    from surgery import GemmaConfig
+
+    config = teacher(name)[1].config
+    written = config.to_hf_dict(dtype="float32")
+    assert GemmaConfig.from_hf_dict(written) == config
+    legacy = {k: v for k, v in written.items() if k != "rope_parameters"}
+    assert GemmaConfig.from_hf_dict(legacy) == config

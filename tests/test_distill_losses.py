@@ -1,0 +1,186 @@
+"""Distillation losses on hand-computable inputs, and the fused chunked logit loss against the plain one."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distill.interface import Correspondence, correspondence_from_plan
+from distill.logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from distill.losses import attention_transfer_loss, feature_distance, feature_loss, group_heads
+
+COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
+
+
+def _one_token(s, t, label=0, **spec):
+    coeffs = {**COEFFS, **spec.pop("coeffs", {})}
+    spec = LogitLossSpec(**{"kl": False, **spec})
+    loss, sums = reference_logit_loss(jnp.asarray([s], jnp.float32), jnp.asarray([t], jnp.float32),
+                                      jnp.asarray([label]), jnp.ones(1), coeffs, spec)
+    return float(loss), {k: float(v) for k, v in sums.items()}
+
+
+P, Q = np.array([0.75, 0.25]), np.array([0.5, 0.5])  # teacher logits [ln 3, 0], student logits [0, 0]
+T_LOGITS, S_LOGITS = [math.log(3.0), 0.0], [0.0, 0.0]
+
+
+def kl(a, b):
+    return float(np.sum(a * np.log(a / b)))
+
+
+def test_forward_kl_reverse_kl_jsd_and_ce_by_hand():
+    assert _one_token(S_LOGITS, T_LOGITS, kl=True)[0] == pytest.approx(kl(P, Q), abs=1e-6)
+    assert _one_token(S_LOGITS, T_LOGITS, reverse_kl=True)[0] == pytest.approx(kl(Q, P), abs=1e-6)
+    m = 0.5 * (P + Q)
+    assert _one_token(S_LOGITS, T_LOGITS, jsd=True)[0] == pytest.approx(0.5 * kl(P, m) + 0.5 * kl(Q, m), abs=1e-6)
+    m = 0.2 * P + 0.8 * Q
+    assert _one_token(S_LOGITS, T_LOGITS, jsd=True, jsd_beta=0.2)[0] == pytest.approx(
+        0.2 * kl(P, m) + 0.8 * kl(Q, m), abs=1e-6)
+    loss, sums = _one_token(S_LOGITS, T_LOGITS, label=1, ce=True)
+    assert loss == pytest.approx(math.log(2.0), abs=1e-6)
+    assert sums["teacher_ce"] == pytest.approx(-math.log(0.25), abs=1e-6)
+    assert sums["kl"] == pytest.approx(kl(P, Q), abs=1e-6)  # the KL metric is reported whatever the weights
+    assert sums["term/ce"] == pytest.approx(math.log(2.0), abs=1e-6) and "term/kl" not in sums
+
+
+def test_temperature_scales_logits_and_multiplies_by_t_squared():
+    # teacher logits [2 ln 3, 0] at temperature 2 give p = (0.75, 0.25); the divergence is multiplied by 4
+    loss, sums = _one_token([0.0, 0.0], [2 * math.log(3.0), 0.0], kl=True, ce=True, coeffs={"temperature": 2.0})
+    assert sums["term/kl"] == pytest.approx(kl(P, Q), abs=1e-6)
+    assert sums["kl"] == pytest.approx(kl(np.array([0.9, 0.1]), Q), abs=1e-6)  # the metric stays at temperature 1
+    assert loss == pytest.approx(4 * kl(P, Q) + math.log(2.0), abs=1e-5)  # CE stays at temperature 1
+
+
+def test_weights_combine_terms_linearly():
+    both, _ = _one_token(S_LOGITS, T_LOGITS, kl=True, ce=True, coeffs={"kl": 0.3, "ce": 0.7})
+    assert both == pytest.approx(0.3 * kl(P, Q) + 0.7 * math.log(2.0), abs=1e-6)
+
+
+def test_top_k_renormalises_the_teacher_over_its_top_logits():
+    loss, sums = _one_token([0.0, 0.0, 0.0], [math.log(3.0), 0.0, -1.0], kl=True, top_k=2)
+    assert loss == pytest.approx(0.75 * math.log(0.75 * 3) + 0.25 * math.log(0.25 * 3), abs=1e-6)
+    full = np.array([3.0, 1.0, math.exp(-1.0)]) / (4.0 + math.exp(-1.0))
+    assert sums["kl"] == pytest.approx(kl(full, np.full(3, 1 / 3)), abs=1e-6)  # metric: full teacher
+    jsd_loss, _ = _one_token([0.0, 0.0, 0.0], [math.log(3.0), 0.0, -1.0], jsd=True, top_k=2)
+    assert math.isfinite(jsd_loss)
+    with pytest.raises(ValueError, match="reverse_kl with top_k"):
+        LogitLossSpec(reverse_kl=True, top_k=4)
+
+
+def test_logit_correlation_metric():
+    t = [1.0, -2.0, 0.5, 3.0]
+    assert _one_token(t, t, kl=True)[1]["logit_corr"] == pytest.approx(1.0, abs=1e-5)
+    assert _one_token([-x for x in t], t, kl=True)[1]["logit_corr"] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_labels_and_weights_exclude_last_position_padding_and_prompt():
+    ids = jnp.asarray([[5, 6, 7, 8, 0]])
+    labels, weights = labels_and_weights(ids, jnp.asarray([[0, 1, 1, 1, 1]]), jnp.asarray([[1, 1, 1, 1, 0]]))
+    np.testing.assert_array_equal(labels, [[6, 7, 8, 0, 0]])
+    # position 0 is a prompt token (loss_mask 0), position 3 predicts padding, position 4 is padding and last
+    np.testing.assert_array_equal(weights, [[0, 1, 1, 0, 0]])
+
+
+def _softcapped(cap):
+    return lambda h, w: jnp.tanh(jnp.einsum("...d,vd->...v", h, w.astype(h.dtype),
+                                            preferred_element_type=jnp.float32) / cap) * cap
+
+
+CASES = [(dict(kl=True), 64), (dict(kl=True), 6), (dict(kl=False, reverse_kl=True, ce=True), 6),
+         (dict(kl=True, jsd=True, ce=True, top_k=5), 6), (dict(kl=False, jsd=True, jsd_beta=0.3), 4)]
+
+
+@pytest.mark.parametrize("spec_kwargs,chunk", CASES)  # chunk in rows: 6 rows = 3 positions, the sequence is padded
+def test_fused_chunked_equals_reference_values_and_gradients(spec_kwargs, chunk):
+    batch, length, d_s, d_t, vocab = 2, 7, 6, 8, 23
+    keys = jax.random.split(jax.random.key(0), 6)
+    h_s, head_s = jax.random.normal(keys[0], (batch, length, d_s)), jax.random.normal(keys[1], (vocab, d_s))
+    h_t, head_t = jax.random.normal(keys[2], (batch, length, d_t)), jax.random.normal(keys[3], (vocab, d_t))
+    labels = jax.random.randint(keys[4], (batch, length), 0, vocab)
+    weights = jax.random.uniform(keys[5], (batch, length)) * (jnp.arange(length) < length - 1)
+    coeffs = dict(temperature=jnp.float32(2.5), kl=0.7, reverse_kl=0.4, jsd=1.3, ce=0.2)
+    spec = LogitLossSpec(**spec_kwargs, chunk=chunk)
+    student, teacher = _softcapped(3.0), _softcapped(5.0)
+
+    def reference(h, w):
+        return reference_logit_loss(student(h, w), teacher(h_t, head_t), labels, weights, coeffs, spec)
+
+    def fused(h, w):
+        return fused_logit_loss(h, w, h_t, head_t, labels, weights, coeffs, student_logits=student,
+                                teacher_logits=teacher, spec=spec)
+
+    @jax.jit
+    def everything(h, w):
+        return (jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(h, w),
+                jax.value_and_grad(fused, argnums=(0, 1), has_aux=True)(h, w),
+                jax.grad(lambda h: fused(h, w)[0])(h),  # a frozen head: only d(hidden) is computed
+                fused(h, w)[0])  # no gradient requested: the primal path
+
+    ((ref_loss, ref_sums), ref_grads), ((loss, sums), grads), grad_h, primal = everything(h_s, head_s)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(primal, ref_loss, rtol=1e-5)
+    for name in ref_sums:
+        np.testing.assert_allclose(sums[name], ref_sums[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grad_h, ref_grads[0], rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(ref_grads[1]).max()) > 1e-3  # the comparison is not between zeros
+
+
+def test_attention_transfer_by_hand_with_masked_keys_and_padding_queries():
+    teacher = jnp.asarray([[[[1.0, 0.0], [0.5, 0.5]]]])  # (B=1, N=1, T=2, S=2); row 0 has one allowed key
+    student = jnp.asarray([[[[1.0, 0.0], [0.75, 0.25]]]])
+    corr = Correspondence(layer_map=((0, 0),))
+    loss = attention_transfer_loss([teacher], [student], corr, jnp.asarray([[0.5, 0.5]]))
+    assert float(loss) == pytest.approx(0.5 * kl(np.array([0.5, 0.5]), np.array([0.75, 0.25])), abs=1e-6)
+    loss = attention_transfer_loss([teacher], [student], corr, jnp.asarray([[1.0, 0.0]]))  # row 1 is padding
+    assert float(loss) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_attention_transfer_groups_heads_when_counts_differ():
+    rng = np.random.default_rng(0)
+    teacher = jax.nn.softmax(jnp.asarray(rng.normal(size=(1, 4, 3, 3))), axis=-1)
+    student = jax.nn.softmax(jnp.asarray(rng.normal(size=(1, 2, 3, 3))), axis=-1)
+    weights = jnp.full((1, 3), 1 / 3)
+    grouped = np.asarray(group_heads(teacher, 2))
+    np.testing.assert_allclose(grouped[0, 0], (teacher[0, 0] + teacher[0, 1]) / 2, rtol=1e-6)
+    expected = np.mean([[kl(grouped[0, g, t], np.asarray(student[0, g, t])) for t in range(3)] for g in range(2)])
+    corr = Correspondence(layer_map=((1, 0),))
+    loss = attention_transfer_loss([teacher * 0, teacher], [student], corr, weights)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    # with a head map, the kept teacher heads are compared one to one
+    mapped = Correspondence(layer_map=((1, 0),), head_map=((3, 0),))
+    expected = np.mean([[kl(np.asarray(teacher[0, h, t]), np.asarray(student[0, g, t])) for t in range(3)]
+                        for g, h in enumerate((3, 0))])
+    assert float(attention_transfer_loss([teacher * 0, teacher], [student], mapped, weights)) == pytest.approx(
+        expected, rel=1e-5)
+
+
+def test_feature_distances_by_hand():
+    s, t = jnp.asarray([1.0, 2.0]), jnp.asarray([0.0, 0.0])
+    assert float(feature_distance(s, t, "mse")) == pytest.approx(2.5)
+    assert float(feature_distance(jnp.asarray([1.0, 0.0]), jnp.asarray([0.0, 3.0]), "cosine")) == pytest.approx(1.0)
+    assert float(feature_distance(jnp.asarray([2.0, 0.0]), jnp.asarray([1.0, 0.0]), "cosine")) == pytest.approx(0.0)
+    assert float(feature_distance(jnp.asarray([3.0, 4.0]), jnp.asarray([0.0, 4.0]), "nmse")) == pytest.approx(
+        9 / 16, rel=1e-5)
+    zero = feature_distance(jnp.zeros(2), jnp.zeros(2), "cosine")
+    assert float(zero) == pytest.approx(1.0)  # not NaN
+
+
+def test_feature_loss_uses_kept_channels_layer_map_and_projections():
+    teacher_out = jnp.asarray([[[1.0, 5.0, 2.0]]])  # (B=1, T=1, D_t=3), output of teacher layer 1
+    student_out = jnp.asarray([[[1.0, 3.0]]])  # (B=1, T=1, D_s=2), output of student layer 0
+    teacher_residual = [jnp.zeros((1, 1, 3)), jnp.zeros((1, 1, 3)), teacher_out]
+    student_residual = [jnp.zeros((1, 1, 2)), student_out]
+    plan = {"kept_layers": [1], "kept_hidden": [0, 2]}
+    corr = correspondence_from_plan(plan)
+    assert corr.layer_map == ((1, 0),) and corr.kept_hidden == (0, 2)
+    loss = feature_loss(teacher_residual, student_residual, corr, jnp.ones((1, 1)), "mse")
+    assert float(loss) == pytest.approx((0 + 1) / 2)  # student [1, 3] vs teacher channels [1, 2]
+    projection = {"0": jnp.asarray([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])}  # student -> teacher space: [1, 6, 0]
+    loss = feature_loss(teacher_residual, student_residual, Correspondence(((1, 0),)), jnp.ones((1, 1)), "mse",
+                        projection)
+    assert float(loss) == pytest.approx((0 + 1 + 4) / 3)
+    with pytest.raises(ValueError, match="kept_hidden"):
+        feature_loss(teacher_residual, student_residual, Correspondence(((1, 0),)), jnp.ones((1, 1)), "mse")
