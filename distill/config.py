@@ -166,6 +166,7 @@ class DistillConfig:
     compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
     remat: str | None = None  # None, "full" or "dots": rematerialise the student forward
     mesh: Any = None  # "fsdp=4,tp=2", {"fsdp": 4, "tp": 2}, a jax Mesh, or None (one device)
+    compiler_options: dict | None = None  # XLA options for the step, e.g. {"xla_backend_optimization_level": 0}
     # bookkeeping
     checkpoint: CheckpointConfig = CheckpointConfig()
     guard: GuardConfig = GuardConfig()

@@ -392,6 +392,15 @@ class TokenBatches:
             raise DataError(f"cannot resume: position {state['position']} / epoch {state['epoch']} out of range.")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
+    def calibration_ids(self, num_samples: int, seed: int | None = None) -> np.ndarray:
+        """`num_samples` packed training rows (N, seq_len), drawn without replacement from (seed, "calibration"):
+        the calibration set for importance scoring. It does not move the training stream."""
+        if num_samples < 1:
+            raise DataError(f"num_samples={num_samples} must be at least 1.")
+        rng = np.random.default_rng([self.seed if seed is None else int(seed), 0xCA1B])
+        index = np.sort(rng.permutation(self.num_rows)[:min(num_samples, self.num_rows)])
+        return self._rows[index].astype(np.int32)
+
     # ---------------------------------------------------------------------------- evaluation
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         """The held-out documents, packed (tail padded, masked), in batches of `eval_batch_size` rows; the last

@@ -179,12 +179,10 @@ class Loop:
     def _evaluate(self) -> None:
         if not self.eval_batches:
             return
-        index, in_stage = self.config.stage_at(max(0, self.step - 1))
-        hyper = hyper_values(self.config.stages[index], in_stage, self.config.optimizer.weight_decay, self.lr_scale)
         totals: dict[str, float] = {}
         count = 0.0
         for batch in self.eval_batches:
-            values = _host(self.session.evaluate(batch, hyper))
+            values = _host(self.session.evaluate(batch))
             tokens = values.pop("supervised_tokens")
             count += tokens
             for key, value in values.items():

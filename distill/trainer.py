@@ -137,7 +137,7 @@ class Session:
         self.params: dict[str, Any] | None = None
         self.frozen = self.opt = self.graph = None
         self.projections = projections
-        self._compiled: dict[int, tuple[Any, Any]] = {}
+        self._compiled: dict[int, Any] = {}
 
     def spec(self, index: int) -> StepSpec:
         config, weights = self.config, self.config.stages[index].weights
@@ -179,18 +179,21 @@ class Session:
             out = None
             if self.mesh is not None:
                 out = (_shardings(params, self.mesh), _shardings(opt_state, self.mesh), _replicated(self.mesh))
-            self._compiled[index] = (build_train_step(self.graph, self.teacher_graph, spec, self.adam_settings, out),
-                                     build_eval_step(self.graph, self.teacher_graph, spec))
+            self._compiled[index] = build_train_step(self.graph, self.teacher_graph, spec, self.adam_settings, out,
+                                                     self.config.compiler_options)
         return carried
 
     def train_step(self, batch, hyper) -> dict[str, Any]:
-        train_fn = self._compiled[self.stage_index][0]
+        train_fn = self._compiled[self.stage_index]
         self.params, self.opt, step_metrics = train_fn(self.params, self.opt, self.frozen, self.teacher_state,
                                                        batch, hyper)
         return step_metrics
 
-    def evaluate(self, batch, hyper) -> dict[str, Any]:
-        return self._compiled[self.stage_index][1](self.params, self.frozen, self.teacher_state, batch, hyper)
+    def evaluate(self, batch) -> dict[str, Any]:
+        """Held-out logit metrics of the current student (temperature 1, stage independent)."""
+        evaluate = build_eval_step(self.graph, self.teacher_graph, self.config.logit_chunk,
+                                   self.config.compiler_options)
+        return evaluate(self.full_state(), self.teacher_state, batch)
 
     # ---- snapshots (checkpoints, rollback) ---------------------------------------------------------------
     def full_state(self) -> nnx.State:

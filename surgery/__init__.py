@@ -1,8 +1,25 @@
-"""nnx-surgery: exact Gemma 1/2/3 in Flax NNX, and the surgery that turns a large one into a smaller one."""
+"""nnx-surgery: exact Gemma 1/2/3 in Flax NNX, and the surgery that turns a large one into a smaller one.
+
+    teacher = load_pretrained("google/gemma-7b")              # config.json decides everything
+    plan = plan_student(teacher, StudentSpec.named("gemma-2b"), calibration=token_ids)
+    student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
+    save_student(student, plan, "out/student", source="google/gemma-7b")
+"""
 from .config import ConfigError, GemmaConfig
 from .model import Gemma, GemmaOutput, abstract_model, create_model
 from .safetensors_io import CheckpointError
-from .checkpoint import load_pretrained, save_pretrained, tensor_table
+from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
+from .spec import NAMED_SHAPES, SpecError, StudentSpec
+from .plan import Plan, PlanError
+from .planner import plan_student
+from .apply import apply_plan, compensation_effect, logit_distance, save_student
+from .prune_disk import prune_checkpoint
+from .report import format_report, plot_report
+from .hub import HubError, push_to_hub
+from .card import write_model_card
 
 __all__ = ["ConfigError", "CheckpointError", "GemmaConfig", "Gemma", "GemmaOutput", "abstract_model",
-           "create_model", "load_pretrained", "save_pretrained", "tensor_table"]
+           "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
+           "SpecError", "StudentSpec", "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
+           "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
+           "push_to_hub", "write_model_card"]

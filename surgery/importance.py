@@ -20,7 +20,6 @@ works from a checkpoint on disk without ever holding the teacher.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from flax import nnx
 from .config import GemmaConfig
 from .model import Gemma
 from .plan import norm_names
-from .slices import Reader, head_rows
+from .slices import Reader
 
 CAPTURE = ("residual", "head_outputs", "mlp_activations", "normed_inputs")
 
@@ -214,4 +213,4 @@ def _sq_norms(read: Reader, name: str, nrows: int, ncols: int, chunk_bytes: int)
 
 
 __all__ = ["ActivationStats", "calibration_batches", "activation_stats", "layer_removal_loss",
-           "magnitude_scores", "head_rows"]
+           "magnitude_scores"]

@@ -160,6 +160,10 @@ class Plan:
             raise PlanError("plan layer_types must be the kept teacher layers' attention types, in order, and "
                             "match the student config's layer_types.")
         _check_indices("kept_hidden", self.kept_hidden, student.hidden_size, teacher.hidden_size)
+        layer_scales = self.norm_scales.get("layers")
+        if not self.embed_scale > 0 or (layer_scales is not None and len(layer_scales) != student.num_hidden_layers):
+            raise PlanError("plan embed_scale must be positive and norm_scales['layers'] needs one entry per student "
+                            "layer.")
         per_layer = {"kept_mlp": self.kept_mlp, "kv_groups": self.kv_groups, "kv_weights": self.kv_weights,
                      "kept_heads": self.kept_heads}
         for name, value in per_layer.items():

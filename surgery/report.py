@@ -45,8 +45,7 @@ def format_report(plan: Plan) -> str:
     rows = _layer_rows(plan)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    name = plan.teacher.get("source") or "teacher"
-    out = [f"Surgery plan: {name} -> {plan.spec.get('name') or 'student'}  "
+    out = [f"Surgery plan: {_title(plan)}  "
            f"(depth: {plan.methods.get('depth')}, width: {plan.methods.get('width')}, "
            f"kv: {plan.methods.get('kv')}, compensation: {plan.methods.get('compensation')})",
            "", line(header), line(["-" * w for w in widths])]
@@ -93,10 +92,18 @@ def plot_report(plan: Plan, path: str) -> str:
                         c=np.where(mask, "tab:blue", "lightgray"))
         axes[2].set(title="hidden channel importance (sorted)", xlabel="rank", yscale="log"
                     if min(hidden) > 0 else "linear")
-    fig.suptitle(f"{plan.teacher.get('source') or 'teacher'} -> {plan.spec.get('name') or 'student'}")
+    fig.suptitle(_title(plan))
     fig.tight_layout()
     fig.savefig(path, dpi=80, format="png", metadata={"Software": None})
     return path
+
+
+def _title(plan: Plan) -> str:
+    spec = plan.spec
+    shape = (f"{spec['num_layers']} layers, hidden {spec['hidden_size']}, mlp {spec['intermediate_size']}, "
+             f"{spec['num_attention_heads']} heads / {spec['num_key_value_heads']} KV")
+    student = f"{spec['name']} ({shape})" if spec.get("name") else shape
+    return f"{plan.teacher.get('source') or 'teacher'} -> {student}"
 
 
 def _sums(table) -> list[float] | None:

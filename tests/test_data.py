@@ -244,3 +244,18 @@ def test_stdlib_corpus_is_sorted_bounded_and_deterministic():
     assert seeded == stdlib_corpus(max_bytes=200_000, seed=1) == sorted(seeded)
     assert seeded != stdlib_corpus(max_bytes=200_000, seed=2)
     assert set(files) <= set(stdlib_corpus())
+
+
+def test_calibration_ids_are_seeded_training_rows_and_leave_the_stream_alone():
+    from distill.data import TokenBatches
+
+    docs = [(np.arange(1, 50 + i, dtype=np.int32), np.ones(49 + i, bool)) for i in range(12)]
+    data = TokenBatches(docs, seq_len=8, batch_size=2, seed=3, eval_documents=2)
+    first = data.calibration_ids(5)
+    assert first.shape == (5, 8) and first.dtype == np.int32
+    assert np.array_equal(first, data.calibration_ids(5))
+    assert not np.array_equal(first, data.calibration_ids(5, seed=4))
+    rows = {tuple(r) for r in data._rows.tolist()}
+    assert all(tuple(r) in rows for r in first.tolist())
+    assert data.state()["position"] == 0
+    assert len(data.calibration_ids(10_000)) == data.num_rows

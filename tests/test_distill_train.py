@@ -2,6 +2,7 @@
 loss and held-out perplexity go down, frozen parameters stay bit-identical, stages switch, resume is bit-exact,
 the divergence guard rolls back, gradient accumulation equals a big batch. Helpers here are reused by the mesh test.
 """
+import functools
 import json
 import os
 
@@ -19,6 +20,7 @@ from surgery.config import GemmaConfig
 from surgery.model import create_model
 
 VOCAB, LENGTH, BATCH = 96, 16, 4
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile time of these tiny programs
 KEPT_LAYERS = (0, 3)
 
 
@@ -57,7 +59,7 @@ def teacher_samples(teacher, count: int, seed: int = 0) -> list[dict[str, np.nda
     """`count` batches of (BATCH, LENGTH) token sequences sampled from the teacher (temperature 1)."""
     graph, state = nnx.split(teacher)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
     def sample(state, key):
         model = nnx.merge(graph, state)
         key, first = jax.random.split(key)
@@ -111,7 +113,8 @@ def test_progressive_run_lowers_loss_and_perplexity_with_frozen_parameters_intac
               Stage(steps=6, frozen=["embed_tokens", "*norm*"], learning_rate=1e-2, temperature=(2.0, 1.0),
                     weights=LossWeights(kl=1.0, attention=0.2, feature=0.05), name="all but embeddings"))
     config = DistillConfig(stages=stages, batch_size=BATCH, seq_len=LENGTH, plan={"kept_layers": list(KEPT_LAYERS)},
-                           run_dir=str(tmp_path / "run"), progress=False, logit_chunk=16)
+                           run_dir=str(tmp_path / "run"), progress=False, logit_chunk=16,
+                           compiler_options=FAST_COMPILE)
     result = run(teacher, student, corpus["train"], config, eval_data=corpus["eval"])
     after = params_numpy(student)
 
@@ -136,7 +139,7 @@ def test_progressive_run_lowers_loss_and_perplexity_with_frozen_parameters_intac
 
 def _short_config(**changes):
     base = dict(stages=(Stage(steps=6, learning_rate=5e-3, weights=LossWeights.mixed(0.8)),), batch_size=BATCH,
-                seq_len=LENGTH, progress=False, logit_chunk=16)
+                seq_len=LENGTH, progress=False, logit_chunk=16, compiler_options=FAST_COMPILE)
     return DistillConfig(**{**base, **changes})
 
 
@@ -217,8 +220,8 @@ def test_gradients_reach_only_trainable_parameters():
     batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH)), jnp.int32)}
     hyper = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=1.0)), 0, 0.0)
     norms = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
-    grads = jax.grad(lambda p: loss_fn(p, frozen, teacher_state, batch, norms, hyper)[0])(
-        {"student": trainable, "proj": {}})
+    loss = jax.grad(lambda p: loss_fn(p, frozen, teacher_state, batch, norms, hyper)[0])
+    grads = jax.jit(loss, compiler_options=FAST_COMPILE)({"student": trainable, "proj": {}})
     paths = sorted(path_string(p) for p, _ in nnx.to_flat_state(grads["student"]))
     assert paths == ["layers.0.mlp.down_proj.kernel", "layers.0.mlp.gate_proj.kernel", "layers.0.mlp.up_proj.kernel",
                      "layers.1.self_attn.k_proj.kernel", "layers.1.self_attn.q_proj.kernel"]

@@ -30,7 +30,7 @@ CASES = [
     ("GQA -> MQA merge, loss depth, untied head", 2, StudentSpec(3, 32, 40, 4, 1),
      dict(calibration=CALIBRATION, depth="loss", kv_merge="importance", untied=True)),
     ("7B:2B ratios on an MHA teacher", 4, StudentSpec.scaled_like, dict(calibration=CALIBRATION)),
-    ("data-free from disk, bf16, sharded files", 4, StudentSpec(2, 20, 24, 2, 2), dict(bf16=True, report=True)),
+    ("data-free from disk, bf16, sharded files", 4, StudentSpec(2, 20, 24, 2, 1), dict(bf16=True, report=True)),
 ]
 
 
