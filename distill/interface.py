@@ -92,7 +92,8 @@ def _field(plan: Any, name: str) -> Any:
 def correspondence_from_plan(plan: Any, *, layer_map: Sequence[tuple[int, int]] | None = None) -> Correspondence:
     """Read `kept_layers` (teacher layer index of each student layer) and `kept_hidden` from a surgery plan.
 
-    Optional `kept_heads` (per student layer, the teacher query heads kept) becomes `head_map`. `layer_map`
+    Optional `kept_heads` (per student layer, the teacher query heads kept, flat or grouped per student KV head
+    as `surgery.plan.Plan` stores them) becomes `head_map`. `layer_map`
     overrides the pairs (e.g. to match only a few layers) while `kept_hidden` still comes from the plan.
     """
     kept_layers = _field(plan, "kept_layers")
@@ -104,9 +105,17 @@ def correspondence_from_plan(plan: Any, *, layer_map: Sequence[tuple[int, int]] 
     kept_heads = _field(plan, "kept_heads")
     head_map = None
     if kept_heads is not None and layer_map is None:
-        head_map = tuple(kept_heads[s] if kept_heads[s] is not None else None for _, s in pairs)
+        head_map = tuple(_flat_heads(kept_heads[s]) for _, s in pairs)
     return Correspondence(layer_map=pairs, kept_hidden=None if kept_hidden is None else tuple(kept_hidden),
                           head_map=head_map)
+
+
+def _flat_heads(heads: Any) -> tuple[int, ...] | None:
+    """Teacher query heads of one student layer in student head order. A plan stores them per student KV head
+    (`kept_heads[s][j]`); student query head n belongs to KV head n // groups, so the flat order is the order."""
+    if heads is None:
+        return None
+    return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
 def identity_correspondence(num_layers: int) -> Correspondence:

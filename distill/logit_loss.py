@@ -79,11 +79,16 @@ def _keep_top_k(logits: jax.Array, k: int) -> jax.Array:
 
 
 def _logit_correlation(s: jax.Array, t: jax.Array) -> jax.Array:
-    s_centred = s - jnp.mean(s, axis=-1, keepdims=True)
-    t_centred = t - jnp.mean(t, axis=-1, keepdims=True)
-    covariance = jnp.sum(s_centred * t_centred, axis=-1)
-    variance = jnp.sum(s_centred * s_centred, axis=-1) * jnp.sum(t_centred * t_centred, axis=-1)
-    return covariance * jax.lax.rsqrt(jnp.maximum(variance, 1e-30))
+    """Pearson correlation over the vocabulary, from raw moments of max-shifted logits: one fused pass over the
+    (rows, V) block (the shift keeps the moments well conditioned in float32)."""
+    s = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    t = t - jnp.max(t, axis=-1, keepdims=True)
+    n = s.shape[-1]
+    sum_s, sum_t = jnp.sum(s, axis=-1), jnp.sum(t, axis=-1)
+    covariance = jnp.sum(s * t, axis=-1) - sum_s * sum_t / n
+    var_s = jnp.sum(s * s, axis=-1) - sum_s * sum_s / n
+    var_t = jnp.sum(t * t, axis=-1) - sum_t * sum_t / n
+    return covariance * jax.lax.rsqrt(jnp.maximum(var_s * var_t, 1e-30))
 
 
 def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.Array, coeffs: dict,

@@ -101,7 +101,7 @@ def feature_loss(teacher_residual: Sequence[jax.Array], student_residual: Sequen
     for teacher_layer, student_layer in pairs:
         teacher = jax.lax.stop_gradient(teacher_residual[teacher_layer + 1])
         student = student_residual[student_layer + 1]
-        if kept is not None:
+        if kept is not None and correspondence.kept_hidden != tuple(range(teacher.shape[-1])):
             teacher = jnp.take(teacher, kept, axis=-1)
         if projections is not None:
             weight = projections[str(student_layer)]

@@ -168,18 +168,16 @@ def _train_step(student_graph, teacher_graph, spec: StepSpec, adam_settings: Ada
     def step(params, opt_state, frozen, teacher_state, batch, hyper):
         norms = _normalisers(batch)
 
-        def accumulate(carry, micro_batch):
-            grads_acc, metrics_acc = carry
+        def micro_step(micro_batch):
             (loss, metrics), grads = grad_fn(params, frozen, teacher_state, micro_batch, norms, hyper)
-            metrics = {"loss": loss, **metrics}
-            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-            metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics) if metrics_acc is not None else metrics
-            return (grads_acc, metrics_acc), None
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), {"loss": loss, **metrics}
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        first = jax.tree.map(lambda x: x[0], batch)
-        (grads, metrics), _ = accumulate((zeros, None), first)
-        if batch["input_ids"].shape[0] > 1:
+        def accumulate(carry, micro_batch):
+            grads, metrics = micro_step(micro_batch)
+            return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+        grads, metrics = micro_step(jax.tree.map(lambda x: x[0], batch))
+        if batch["input_ids"].shape[0] > 1:  # gradient accumulation: the other micro-batches, summed in float32
             rest = jax.tree.map(lambda x: x[1:], batch)
             (grads, metrics), _ = jax.lax.scan(accumulate, (grads, metrics), rest)
 

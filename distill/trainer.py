@@ -170,8 +170,8 @@ class Session:
         if carry and self.opt is not None:
             opt_state, carried = freeze.carry_matching(opt_state, self.opt)
         if self.mesh is not None:
-            params = _put_like(params, _shardings(params, self.mesh))
-            opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s), opt_state, _shardings(opt_state, self.mesh))
+            params = jax.tree.map(jax.device_put, params, _shardings(params, self.mesh))
+            opt_state = jax.tree.map(jax.device_put, opt_state, _shardings(opt_state, self.mesh))
         self.params, self.opt, self.stage_index = params, opt_state, index
         self.warmup = True  # the next step may include compilation
         if index not in self._compiled:

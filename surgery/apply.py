@@ -102,13 +102,14 @@ def student_files(plan: Plan, report: bool = True) -> dict[str, object]:
 
 
 def save_student(student: Gemma, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
-                 dtype=None, max_shard_size: int | str = "5GB", report: bool = True) -> str:
+                 dtype=None, max_shard_size: int | str = "5GB", report: bool = True,
+                 extra_files: dict[str, object] | None = None) -> str:
     """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
-    plan's teacher source (for tokenizer files) when that is a local folder."""
+    plan's teacher source (for tokenizer files) when that is a local folder. `extra_files` as in save_pretrained."""
     if source is None and plan.teacher.get("source") and os.path.isdir(str(plan.teacher["source"])):
         source = plan.teacher["source"]
     return save_pretrained(student, out_dir, source=source, dtype=dtype, max_shard_size=max_shard_size,
-                           extra_files=student_files(plan, report))
+                           extra_files={**student_files(plan, report), **(extra_files or {})})
 
 
 def logit_distance(teacher: Gemma, student: Gemma, batches) -> dict[str, float]:

@@ -185,3 +185,35 @@ def test_feature_loss_uses_kept_channels_layer_map_and_projections():
     assert float(loss) == pytest.approx((0 + 1 + 4) / 3)
     with pytest.raises(ValueError, match="kept_hidden"):
         feature_loss(teacher_residual, student_residual, Correspondence(((1, 0),)), jnp.ones((1, 1)), "mse")
+
+
+def test_fused_loss_memory_does_not_grow_with_sequence_length():
+    """Compiled temporary memory of loss + gradient (XLA's memory analysis; nothing runs): the reference holds
+    several (B, T, V) float32 arrays, the fused loss a few (chunk rows, V) blocks and the (V, D) head gradient,
+    the same for T = 64 and T = 256."""
+    batch, dim, vocab = 2, 16, 8192
+    coeffs = dict(temperature=1.0, kl=1.0, reverse_kl=0.0, jsd=0.0, ce=0.0)
+    spec = LogitLossSpec(kl=True, chunk=32)
+    logits = _softcapped(30.0)
+
+    def temp_bytes(length, implementation):
+        labels, weights = jnp.zeros((batch, length), jnp.int32), jnp.ones((batch, length), jnp.float32)
+
+        def reference(h_s, w_s, h_t, w_t):
+            return reference_logit_loss(logits(h_s, w_s), logits(h_t, w_t), labels, weights, coeffs, spec)[0]
+
+        def fused(h_s, w_s, h_t, w_t):
+            return fused_logit_loss(h_s, w_s, h_t, w_t, labels, weights, coeffs, student_logits=logits,
+                                    teacher_logits=logits, spec=spec)[0]
+
+        h = jax.ShapeDtypeStruct((batch, length, dim), jnp.float32)
+        head = jax.ShapeDtypeStruct((vocab, dim), jnp.float32)
+        fn = {"reference": reference, "fused": fused}[implementation]
+        compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(h, head, h, head).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    full_logits = batch * 256 * vocab * 4
+    assert temp_bytes(256, "reference") > 2 * full_logits
+    fused_long = temp_bytes(256, "fused")
+    assert fused_long < 0.4 * full_logits  # measured 0.32
+    assert fused_long < 1.2 * temp_bytes(64, "fused")

@@ -107,20 +107,27 @@ def corpus():
 
 
 def test_progressive_run_lowers_loss_and_perplexity_with_frozen_parameters_intact(corpus, tmp_path):
-    teacher, student = tiny_teacher(), student_from(tiny_teacher())
+    """A student cut by the surgery (4 -> 2 layers, hidden 32 -> 24, 4 -> 2 query heads): the plan supplies the
+    layer map, the kept hidden channels (feature loss) and the kept heads (attention transfer)."""
+    from surgery import StudentSpec, apply_plan, plan_student
+
+    teacher = tiny_teacher()
+    calibration = np.concatenate([b["input_ids"] for b in corpus["train"][:4]])
+    plan = plan_student(teacher, StudentSpec(2, 24, 32, 2, 1), calibration=calibration)
+    student = apply_plan(teacher, plan)
     before = params_numpy(student)
     stages = (Stage(steps=6, trainable=["layers.1"], learning_rate=2e-2, name="last layer"),
               Stage(steps=6, frozen=["embed_tokens", "*norm*"], learning_rate=1e-2, temperature=(2.0, 1.0),
                     weights=LossWeights(kl=1.0, attention=0.2, feature=0.05), name="all but embeddings"))
-    config = DistillConfig(stages=stages, batch_size=BATCH, seq_len=LENGTH, plan={"kept_layers": list(KEPT_LAYERS)},
+    config = DistillConfig(stages=stages, batch_size=BATCH, seq_len=LENGTH, plan=plan,
                            run_dir=str(tmp_path / "run"), progress=False, logit_chunk=16,
                            compiler_options=FAST_COMPILE)
     result = run(teacher, student, corpus["train"], config, eval_data=corpus["eval"])
     after = params_numpy(student)
 
     first, last = result.evals[0], result.evals[-1]
-    assert last["kl"] < 0.85 * first["kl"], (first, last)  # measured 0.59 -> 0.46
-    assert last["perplexity"] < 0.97 * first["perplexity"], (first, last)  # measured 44.0 -> 41.3
+    assert last["kl"] < 0.9 * first["kl"], (first, last)  # measured 0.72 -> 0.61
+    assert last["perplexity"] < 0.95 * first["perplexity"], (first, last)  # measured 50.4 -> 45.4
     assert [r["stage"] for r in result.history] == [0] * 6 + [1] * 6
     assert all("loss/attention" in r for r in result.history[6:]) and "loss/attention" not in result.history[0]
     for path in before:

@@ -1,0 +1,130 @@
+"""What the recipe shows a person: the dry-run summary, the results table, training curves and the model card."""
+from __future__ import annotations
+
+import json
+import os
+
+import surgery
+
+BYTES = {"bf16": 2, "fp32": 4}
+
+
+def _mesh_sizes(mesh: str | None) -> dict[str, int]:
+    if not mesh:
+        return {}
+    return {k.strip(): int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+
+
+def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec) -> str:
+    """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan."""
+    from surgery.spec import NAMED_SHAPES  # noqa: F401  (named shapes are listed in --help of StudentSpec)
+
+    student = spec.student_config(teacher, list(range(spec.num_layers)))
+    devices = 1
+    for size in _mesh_sizes(args.mesh).values():
+        devices *= size
+    n_t, n_s = teacher.num_parameters(), student.num_parameters()
+    t_bytes = n_t * BYTES[args.precision]
+    s_bytes = n_s * 4 * 4  # float32 master weights, gradients and two Adam moments
+    act = args.batch_size * args.seq_len * student.hidden_size * student.num_hidden_layers * 4 * 16
+    act += args.batch_size * args.seq_len * teacher.hidden_size * 4 * 4  # teacher forward, one layer live
+    logits = 32 * student.vocab_size * 4 * 6  # fused KL chunk: both models' logits, probabilities, gradient
+    rows = [("", "teacher", "student"),
+            ("family", teacher.model_type, student.model_type),
+            ("layers", teacher.num_hidden_layers, student.num_hidden_layers),
+            ("hidden", teacher.hidden_size, student.hidden_size),
+            ("intermediate", teacher.intermediate_size, student.intermediate_size),
+            ("query heads", teacher.num_attention_heads, student.num_attention_heads),
+            ("KV heads", teacher.num_key_value_heads, student.num_key_value_heads),
+            ("head_dim", teacher.head_dim, student.head_dim),
+            ("parameters", f"{n_t / 1e9:.3f}B", f"{n_s / 1e9:.3f}B  ({n_s / n_t:.0%} of the teacher)")]
+    width = max(len(str(r[0])) for r in rows)
+    lines = [f"{str(a).ljust(width)}  {str(b).rjust(14)}  {c}" for a, b, c in rows]
+    gib = 2**30
+    lines += ["", f"mesh {args.mesh or 'one device'} ({devices} device(s)), precision {args.precision}, "
+              f"batch {args.batch_size} x {args.seq_len} per step",
+              f"memory per device (FSDP shards parameters and optimizer state over all devices):",
+              f"  teacher weights ({args.precision})                 {t_bytes / devices / gib:8.2f} GiB",
+              f"  student weights+grads+Adam (float32)     {s_bytes / devices / gib:8.2f} GiB",
+              f"  activations (rough, no remat), logit chunk {(act / devices + logits) / gib:8.2f} GiB",
+              f"  total                                    {(t_bytes / devices + s_bytes / devices + act / devices + logits) / gib:8.2f} GiB"]
+    lines += ["", "plan:"]
+    if os.path.exists(os.path.join(args.teacher_folder, "config.json")) and _has_weights(args.teacher_folder):
+        stage_a = surgery.StudentSpec(spec.num_layers, teacher.hidden_size, spec.intermediate_size,
+                                      teacher.num_attention_heads, teacher.num_key_value_heads)
+        target = stage_a if args.compression == "staged" else spec
+        plan = surgery.plan_student(args.teacher_folder, target)  # data-free, tensor by tensor from disk
+        lines.append(f"  ({'stage A of staged compression; ' if args.compression == 'staged' else ''}"
+                     "data-free magnitude scores read from disk; the run uses calibration data)")
+        lines.append(surgery.format_report(plan))
+    else:
+        lines.append("  the teacher's weights are not on disk yet; the plan is computed at run time")
+    return "\n".join(lines)
+
+
+def _has_weights(folder: str) -> bool:
+    return any(name.endswith(".safetensors") for name in os.listdir(folder))
+
+
+def results_table(results: dict) -> str:
+    head = "| model | parameters | held-out loss | perplexity | tokens used |"
+    lines = [head, "|---|---|---|---|---|"]
+    for row in results["rows"]:
+        lines.append(f"| {row['model']} | {row['parameters'] / 1e6:.2f}M | {row['loss']:.4f} | "
+                     f"{row['perplexity']:.3f} | {row['tokens']:,} |")
+    by_name = {r["model"]: r for r in results["rows"]}
+    distilled = by_name.get("distilled student")
+    scratch = by_name.get("scratch student (same shape)")
+    if distilled and scratch:
+        gap = scratch["loss"] - distilled["loss"]
+        verdict = "beats" if gap > 0 else "does NOT beat"
+        lines.append("")
+        lines.append(f"The distilled student {verdict} the scratch student at equal tokens by {gap:+.4f} nats/token "
+                     f"(perplexity {scratch['perplexity']:.3f} -> {distilled['perplexity']:.3f}).")
+    lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
+    return "\n".join(lines)
+
+
+def write_results(out: str, results: dict, table: str) -> None:
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table + "\n")
+
+
+def plot_curves(path: str, distilled: list[dict], scratch: list[dict]) -> str:
+    """Student cross-entropy on the training batches against tokens seen, distilled vs scratch."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    for label, history in (("distilled student (stages A + B)", distilled), ("scratch student", scratch)):
+        points = [(r.get("tokens_seen", i), r["student_ce"]) for i, r in enumerate(history) if "student_ce" in r]
+        if points:
+            ax.plot(*zip(*points), label=label)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("student cross-entropy (nats/token)")
+    ax.set_title("training curves")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def card_writer(args, plan, plan_a, results: dict, tokens: int):
+    """A callable for `save_student(extra_files={"README.md": ...})`: the model card with the lineage."""
+    def write(path: str) -> None:
+        teacher = plan_a.teacher_config if plan_a is not None else plan.teacher_config
+        student = plan.student
+        summary = {axis: f"{getattr(teacher, axis)} -> {getattr(student, axis)}"
+                   for axis in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_key_value_heads")}
+        summary["compression"] = args.compression
+        summary["KV heads"] = plan.methods.get("kv")
+        evaluation = {"held-out loss": {r["model"]: round(r["loss"], 4) for r in results["rows"]},
+                      "perplexity": {r["model"]: round(r["perplexity"], 3) for r in results["rows"]}}
+        surgery.write_model_card(os.path.dirname(path), teacher_id=str(args.teacher), teacher_revision=args.revision,
+                                 plan_summary=summary, data_description=args.data_description, steps=args.steps,
+                                 tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,
+                                 repo_id=args.push_to_hub)
+    return write

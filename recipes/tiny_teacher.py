@@ -1,0 +1,84 @@
+"""The tiny preset's teacher and data, made offline: a small Gemma with Gemma 7B's architecture and shape ratios,
+trained here on the Python standard library's source with byte-level tokens, cached after the first run.
+
+Gemma 7B is a Gemma 1 model: 28 layers, hidden 3072, MLP 8x hidden, 16 query heads and 16 KV heads (multi-head
+attention), head_dim larger than hidden/heads. The tiny teacher keeps those ratios at 14 layers and hidden 96,
+so `StudentSpec.scaled_like` gives it a Gemma-2B-shaped student: 9 layers, hidden 64, MLP 512, 2 query heads and
+1 KV head (multi-query), exactly as 7B -> 2B.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import distill
+import surgery
+from distill.data import stdlib_corpus
+from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
+from surgery.safetensors_io import atomic_folder, write_json
+
+TEACHER_CONFIG = {
+    "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 96,
+    "intermediate_size": 768, "num_hidden_layers": 14, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "pad_token_id": PAD_ID,
+    "eos_token_id": EOS_ID, "bos_token_id": BOS_ID,
+}
+TEACHER_LEARNING_RATE = 3e-3
+
+
+def corpus_files(args) -> list[str]:
+    files = stdlib_corpus(max_bytes=args.corpus_bytes, seed=args.seed)
+    if not files:
+        raise SystemExit("the Python standard library's source was not found; pass --data with text files.")
+    return files
+
+
+def batches(args, files: list[str], tokenizer_folder: str | None = None) -> distill.TokenBatches:
+    """Packed byte-token batches of the corpus with a held-out split (5% of the files, fixed by the seed)."""
+    return distill.TokenBatches.from_files(files, tokenizer_folder or args.teacher_folder,
+                                           batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                                           eval_batch_size=args.batch_size)
+
+
+def prepare(args) -> tuple[str, list[str]]:
+    """Return (teacher folder, corpus files), training and caching the teacher when it is not cached yet."""
+    files = corpus_files(args)
+    key = json.dumps({"config": TEACHER_CONFIG, "steps": args.teacher_steps, "batch": args.batch_size,
+                      "seq": args.seq_len, "seed": args.seed, "lr": TEACHER_LEARNING_RATE,
+                      "files": [os.path.basename(f) for f in files]}, sort_keys=True)
+    folder = os.path.join(args.cache_dir, "tiny-teacher-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+    if os.path.exists(os.path.join(folder, "training.json")):
+        print(f"[teacher] cached: {folder}")
+        return folder, files
+    if getattr(args, "dry_run", False):  # no training in a dry run: describe the teacher from its config alone
+        os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
+        write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
+        return os.path.join(args.cache_dir, "dry-run"), files
+    print(f"[teacher] training a tiny Gemma-7B-shaped teacher for {args.teacher_steps} steps "
+          f"({len(files)} stdlib files); cached in {folder}")
+    config = surgery.GemmaConfig.from_hf_dict(TEACHER_CONFIG)
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer_folder = os.path.join(scratch, "tokenizer")
+        save_byte_tokenizer(tokenizer_folder)
+        write_json(os.path.join(tokenizer_folder, "generation_config.json"),
+                   {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
+        data = batches(args, files, tokenizer_folder)
+        model = surgery.create_model(config, seed=args.seed)
+        stage = distill.Stage(steps=args.teacher_steps, name="teacher", learning_rate=TEACHER_LEARNING_RATE,
+                              warmup_steps=max(1, args.teacher_steps // 20),
+                              weights=distill.LossWeights(kl=0.0, ce=1.0))
+        result = distill.run(None, model, data, distill.DistillConfig(
+            stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, plots=False,
+            eval_every=max(1, args.teacher_steps // 2), eval_batches=4))
+        record = {"steps": args.teacher_steps, "tokens": args.teacher_steps * args.batch_size * args.seq_len,
+                  "heldout": result.evals[-1] if result.evals else None, "corpus_files": len(files)}
+        os.makedirs(args.cache_dir, exist_ok=True)
+        surgery.save_pretrained(result.student, folder, source=tokenizer_folder,
+                                extra_files={"training.json": record})
+    return folder, files
+
+
+__all__ = ["prepare", "batches", "corpus_files", "TEACHER_CONFIG"]
