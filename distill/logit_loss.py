@@ -48,8 +48,12 @@ class LogitLossSpec:
     top_k: int | None = None
     chunk: int = 32  # rows (batch x sequence positions) per chunk; the sequence is cut in chunk // batch positions
     unit_temperature: bool = False  # the temperature is 1 for the whole run: reuse log-probs for the CE
+    teacher: bool = True  # False: no teacher at all (plain cross-entropy training), no teacher metrics
 
     def __post_init__(self):
+        if not self.teacher and (self.kl or self.reverse_kl or self.jsd or self.top_k):
+            raise ValueError("without a teacher only the hard-label ce term is possible; set kl/reverse_kl/jsd "
+                             "weights to 0 and top_k to None, or pass a teacher.")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"jsd_beta={self.jsd_beta} must lie strictly between 0 and 1 (0.5 is the symmetric JSD);"
                              " use the kl / reverse_kl terms for the end points.")
@@ -65,7 +69,7 @@ class LogitLossSpec:
 def metric_names(spec: LogitLossSpec) -> tuple[str, ...]:
     """Metric sums returned with the loss (weighted means when weights sum to one)."""
     terms = [name for name in ("kl", "reverse_kl", "jsd", "ce") if getattr(spec, name)]
-    return BASE_METRICS + tuple(f"term/{name}" for name in terms)
+    return (BASE_METRICS if spec.teacher else ("student_ce",)) + tuple(f"term/{name}" for name in terms)
 
 
 def _xlogy_diff(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
@@ -98,7 +102,16 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     Metrics: `term/<name>` is each active logit term at the current temperature (before its weight and tau^2);
     `kl` is KL(teacher || student) at temperature 1 over the full vocabulary, comparable across a temperature
     schedule and with top-k; `student_ce`, `teacher_ce` are next-token cross-entropies; `logit_corr` is the
-    Pearson correlation of the two logit vectors."""
+    Pearson correlation of the two logit vectors. Without a teacher (`t` None) only the CE and its metric."""
+    if t is None:
+        labels = labels[..., None].astype(jnp.int32)
+        student_ce = -jnp.take_along_axis(jax.nn.log_softmax(s.astype(jnp.float32), axis=-1), labels, axis=-1)[..., 0]
+        weights = weights.astype(jnp.float32)
+        per_token = coeffs["ce"] * student_ce if spec.ce else jnp.zeros_like(student_ce)
+        metric_sums = {"student_ce": jax.lax.stop_gradient(jnp.sum(weights * student_ce))}
+        if spec.ce:
+            metric_sums["term/ce"] = metric_sums["student_ce"]
+        return jnp.sum(weights * per_token), metric_sums
     s, t = s.astype(jnp.float32), jax.lax.stop_gradient(t.astype(jnp.float32))
     tau = coeffs["temperature"]
     log_q = jax.nn.log_softmax(s / tau, axis=-1)
@@ -161,14 +174,15 @@ def _scan_chunks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
     """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1."""
     batch, length = h_s.shape[:2]
     chunk = max(1, min(length, spec.chunk // batch))
-    xs = (_chunked(h_s, chunk), _chunked(h_t, chunk), _chunked(labels, chunk), _chunked(weights, chunk))
+    h_t_chunks = None if h_t is None else _chunked(h_t, chunk)
+    xs = (_chunked(h_s, chunk), h_t_chunks, _chunked(labels, chunk), _chunked(weights, chunk))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in metric_names(spec)}
     d_head0 = jnp.zeros(head_s.shape, jnp.float32) if grad_head else None
 
     def body(carry, x):
         loss_acc, metrics_acc, d_head = carry
         hs, ht, lab, w = x
-        t_logits = jax.lax.stop_gradient(teacher_logits(ht, head_t))
+        t_logits = None if ht is None else jax.lax.stop_gradient(teacher_logits(ht, head_t))
 
         def objective(s_logits):
             return token_objective(s_logits, t_logits, lab, w, coeffs, spec)
@@ -197,7 +211,8 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
                      weights: jax.Array, coeffs: dict, *, student_logits: LogitsFn, teacher_logits: LogitsFn,
                      spec: LogitLossSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
-    labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients."""
+    labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are
+    None without a teacher (spec.teacher False)."""
     kwargs = dict(student_logits=student_logits, teacher_logits=teacher_logits, spec=spec)
 
     @jax.custom_vjp
@@ -209,9 +224,9 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
     def loss_fwd(h_s, head_s, h_t, head_t, labels, weights, coeffs):
         # With symbolic_zeros, each argument says whether it is being differentiated: a frozen head costs no
         # (V, D) gradient matmul.
-        values = [a.value for a in (h_s, head_s, h_t, head_t, labels, weights)]
-        coeff_values = jax.tree.map(lambda a: a.value, coeffs, is_leaf=lambda a: hasattr(a, "perturbed"))
-        loss, metrics, d_hidden, d_head = _scan_chunks(*values, coeff_values, grad_hidden=h_s.perturbed,
+        values = jax.tree.map(lambda a: a.value, (h_s, head_s, h_t, head_t, labels, weights, coeffs),
+                              is_leaf=lambda a: hasattr(a, "perturbed"))
+        loss, metrics, d_hidden, d_head = _scan_chunks(*values, grad_hidden=h_s.perturbed,
                                                        grad_head=head_s.perturbed, **kwargs)
         if d_head is not None:
             d_head = d_head.astype(head_s.value.dtype)

@@ -43,9 +43,10 @@ def attention_flops_per_token(model: Any, seq_len: int) -> float:
         return 0.0
 
 
-def step_flops(student: nnx.Module, teacher: nnx.Module, tokens: int, seq_len: int) -> float:
-    per_token = 6 * matrix_parameters(student) + 2 * matrix_parameters(teacher)
-    per_token += 3 * attention_flops_per_token(student, seq_len) + attention_flops_per_token(teacher, seq_len)
+def step_flops(student: nnx.Module, teacher: nnx.Module | None, tokens: int, seq_len: int) -> float:
+    per_token = 6 * matrix_parameters(student) + 3 * attention_flops_per_token(student, seq_len)
+    if teacher is not None:
+        per_token += 2 * matrix_parameters(teacher) + attention_flops_per_token(teacher, seq_len)
     return float(tokens) * per_token
 
 
@@ -74,6 +75,8 @@ class MetricsLogger:
     """One record per step (and per evaluation or event) to `run_dir/metrics.jsonl`, TensorBoard and a bar."""
 
     def __init__(self, run_dir: str | None, total_steps: int, *, start_step: int = 0, progress: bool = True):
+        if jax.process_index() != 0:  # multi-host: one process writes logs and draws the bar
+            run_dir, progress = None, False
         self.run_dir = run_dir
         self.records: list[dict[str, Any]] = []
         self._file = None

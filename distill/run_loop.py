@@ -5,10 +5,13 @@ unchanged) or whose loss exceeds `spike_factor` x the running median of recent g
 the last good state (the latest checkpoint, or an in-memory copy taken at the same cadence when no checkpoint
 directory is set) and multiplies the learning rate by `lr_backoff`. The data stream is not rewound: the batches
 around the divergence are skipped. After `max_rollbacks` the run stops with DivergenceError; with the guard
-disabled a non-finite loss stops the run at once. It never continues on NaNs.
+disabled a non-finite loss stops the run at once. It never continues on NaNs. The in-memory copy holds the student
+and its Adam state on the host (about 3x the trainable size in float32): set a checkpoint directory for big models.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import statistics
@@ -74,6 +77,9 @@ class Loop:
         self.events: list[dict[str, Any]] = []
         ckpt = config.checkpoint
         self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
+        if self.checkpointer is None and config.guard.enabled and jax.process_count() > 1:
+            raise ValueError("a multi-host run keeps its rollback state in checkpoints: set checkpoint.directory "
+                             "(shared storage), or disable the divergence guard (guard.enabled=False).")
         self.snapshot: dict[str, Any] | None = None
         self.eval_batches = [put_batch({k: np.asarray(v) for k, v in b.items()}, mesh)
                              for b in _eval_source(eval_data, data.source, config.eval_batches)]
@@ -83,6 +89,7 @@ class Loop:
         self.flops: float | None = None
         self.logger: MetricsLogger | None = None
         self._last_eval_step = -1
+        self.data_state = data.state()  # position after the last completed step
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -92,6 +99,9 @@ class Loop:
             self._enter(config.stage_at(0)[0], carry=False)
         self.logger = MetricsLogger(config.run_dir, config.total_steps, start_step=self.step,
                                     progress=config.progress)
+        if config.run_dir and jax.process_index() == 0:
+            with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
+                json.dump(dataclasses.asdict(config), handle, indent=1, default=repr)
         if resumed:
             self._event("resume", f"resumed from step {self.step} (stage {self.session.stage_index}) in "
                                   f"{self.checkpointer.directory}")
@@ -100,17 +110,21 @@ class Loop:
                         carried=0)
             self._mark_good()
             self._evaluate()
+        last_step = min(config.total_steps, config.halt_after or config.total_steps)
+        prefetched = None
         while self.step < config.total_steps:
             index, in_stage = config.stage_at(self.step)
             if index != self.session.stage_index:
                 carried = self._enter(index, carry=True)
                 self.good_losses = []  # the loss scale changes with the weights
                 self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
-            batch = self._next_batch()
+            batch, self.data_state = prefetched or self._next_batch()
             stage = config.stages[index]
             hyper = hyper_values(stage, in_stage, config.optimizer.weight_decay, self.lr_scale)
             started = time.perf_counter()
-            values = _host(self.session.train_step(batch, hyper))
+            pending = self.session.train_step(batch, hyper)  # dispatched asynchronously
+            prefetched = self._next_batch() if self.step + 1 < last_step else None  # host work overlaps the step
+            values = _host(pending)
             elapsed = time.perf_counter() - started
             reason = self._divergence(values)
             if reason:
@@ -133,7 +147,7 @@ class Loop:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
-            if self.config.run_dir and self.config.plots:
+            if self.config.run_dir and self.config.plots and jax.process_index() == 0:
                 plot_history(self.logger.records, os.path.join(self.config.run_dir, "curves.png"))
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -156,9 +170,11 @@ class Loop:
         self.events.append(record)
         self.logger.message(message, event=kind, step=self.step, **fields)
 
-    def _next_batch(self) -> dict[str, Any]:
+    def _next_batch(self) -> tuple[dict[str, Any], Any]:
+        """The next step's micro-batches on the mesh, and the data position just after them (what a checkpoint
+        taken after that step records, even when a further batch has been prefetched)."""
         batches = [self.data.next() for _ in range(self.config.grad_accum)]
-        return put_batch(_stack(batches, self.config), self.mesh, leading=1)
+        return put_batch(_stack(batches, self.config), self.mesh, leading=1), self.data.state()
 
     def _log_step(self, values, hyper, elapsed: float, index: int, batch) -> None:
         accum, batch_size, seq_len = batch["input_ids"].shape
@@ -228,7 +244,7 @@ class Loop:
                     failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale)
 
     def _meta(self) -> dict[str, Any]:
-        return {"step": self.step, "stage": self.session.stage_index, "data_state": self.data.state(),
+        return {"step": self.step, "stage": self.session.stage_index, "data_state": self.data_state,
                 "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
                 "seed": self.config.seed, "total_steps": self.config.total_steps}
 
@@ -272,6 +288,7 @@ class Loop:
             return False
         meta = self._restore_checkpoint(checkpointer.latest_step())
         self.data.restore(meta["data_state"])
+        self.data_state = meta["data_state"]
         self.lr_scale, self.rollbacks = float(meta["lr_scale"]), int(meta["rollbacks"])
         self.good_losses = [float(x) for x in meta["good_losses"]]
         self._last_eval_step = self.step

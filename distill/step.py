@@ -94,14 +94,15 @@ def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
         return out.final_hidden, residual, probs, student.head_matrix()
 
     if spec.remat == "dots":
-        student_forward = jax.checkpoint(student_forward, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        student_forward = jax.checkpoint(student_forward,
+                                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     elif spec.remat == "full":
         student_forward = jax.checkpoint(student_forward, policy=jax.checkpoint_policies.nothing_saveable)
 
     def loss_fn(params, frozen, teacher_state, batch, norms, hyper):
         trainable = _cast(params["student"], spec.compute_dtype)
         frozen = _cast(frozen, spec.compute_dtype)
-        teacher = nnx.merge(teacher_graph, teacher_state)
+        teacher = None if teacher_graph is None else nnx.merge(teacher_graph, teacher_state)
         student = nnx.merge(student_graph, trainable, frozen)
         input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
         labels, weights = labels_and_weights(input_ids, batch.get("loss_mask"), attention_mask)
@@ -109,23 +110,28 @@ def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
         real = jnp.ones(input_ids.shape, jnp.float32) if attention_mask is None else attention_mask.astype(jnp.float32)
         query_weights = real / norms["positions"]
 
-        t_out = teacher(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False)
-        t_hidden = jax.lax.stop_gradient(t_out.final_hidden)
-        t_head = jax.lax.stop_gradient(teacher.head_matrix())
+        t_out = t_hidden = t_head = None
+        if teacher is not None:  # no teacher: plain cross-entropy training (spec.logit.teacher is False)
+            t_out = teacher(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False)
+            t_hidden = jax.lax.stop_gradient(t_out.final_hidden)
+            t_head = jax.lax.stop_gradient(teacher.head_matrix())
         s_hidden, s_residual, s_probs, s_head = student_forward(trainable, frozen, input_ids, attention_mask)
 
         coeffs = {k: hyper[k] for k in ("temperature", "kl", "reverse_kl", "jsd", "ce")}
         if spec.logit.unit_temperature:
             coeffs["temperature"] = 1.0
         terms = {}
+        if not spec.logit_terms:  # logit metrics only: no gradient work in the fused loss
+            s_hidden, s_head = jax.lax.stop_gradient(s_hidden), jax.lax.stop_gradient(s_head)
         if spec.logit_impl == "reference":
-            logit_loss, sums = reference_logit_loss(student.logits_from_hidden(s_hidden, s_head),
-                                                    teacher.logits_from_hidden(t_hidden, t_head),
+            t_logits = None if teacher is None else teacher.logits_from_hidden(t_hidden, t_head)
+            logit_loss, sums = reference_logit_loss(student.logits_from_hidden(s_hidden, s_head), t_logits,
                                                     labels, weights, coeffs, spec.logit)
         else:
             logit_loss, sums = fused_logit_loss(s_hidden, s_head, t_hidden, t_head, labels, weights, coeffs,
                                                 student_logits=student.logits_from_hidden,
-                                                teacher_logits=teacher.logits_from_hidden, spec=spec.logit)
+                                                teacher_logits=None if teacher is None else teacher.logits_from_hidden,
+                                                spec=spec.logit)
         total = logit_loss if spec.logit_terms else jnp.zeros((), jnp.float32)
         terms["loss/logit"] = logit_loss
         if spec.attention:
@@ -206,15 +212,18 @@ def _train_step(student_graph, teacher_graph, spec: StepSpec, adam_settings: Ada
 def build_eval_step(student_graph, teacher_graph, chunk: int = 32, compiler_options: dict | None = None) -> Callable:
     """`(student_state, teacher_state, batch (B, T)) -> metrics` on one held-out batch, from the whole student state
     (so one compilation serves every stage): KL(teacher || student) at temperature 1 (also reported as `loss`),
-    student and teacher cross-entropy and logit correlation. No gradient work."""
+    student and teacher cross-entropy and logit correlation; without a teacher, the student's cross-entropy
+    (`loss`). No gradient work."""
     return _eval_step(student_graph, teacher_graph, chunk, _options_key(compiler_options))
 
 
 @functools.lru_cache(maxsize=16)
 def _eval_step(student_graph, teacher_graph, chunk: int, options_key) -> Callable:
-    spec = StepSpec(logit=LogitLossSpec(kl=True, chunk=chunk, unit_temperature=True))
+    has_teacher = teacher_graph is not None
+    spec = StepSpec(logit=LogitLossSpec(kl=has_teacher, ce=not has_teacher, chunk=chunk, unit_temperature=True,
+                                        teacher=has_teacher))
     loss_fn = make_loss_fn(student_graph, teacher_graph, spec)
-    hyper = {"temperature": 1.0, "kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.0}
+    hyper = {"temperature": 1.0, "kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 1.0}
 
     @functools.partial(jax.jit, compiler_options=dict(options_key) if options_key else None)
     def evaluate(student_state, teacher_state, batch):

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -118,8 +119,15 @@ def _shardings(tree: Any, mesh) -> Any:
 
 
 def _put_like(values: Any, template: Any) -> Any:
-    """Host or device values onto the devices/shardings of `template` (same structure)."""
-    return jax.tree.map(lambda v, t: jax.device_put(jnp.asarray(v, dtype=t.dtype), t.sharding), values, template)
+    """Host or device values onto the dtypes and shardings of `template` (same structure); host arrays go
+    straight to their shards, never through one device."""
+    def put(value, like):
+        if isinstance(value, jax.Array):
+            value = value if value.dtype == like.dtype else value.astype(like.dtype)
+        else:
+            value = np.asarray(value, dtype=like.dtype)
+        return jax.device_put(value, like.sharding)
+    return jax.tree.map(put, values, template)
 
 
 class Session:
@@ -128,7 +136,7 @@ class Session:
     def __init__(self, teacher, student, config: DistillConfig, mesh, correspondence, projections):
         self.config, self.mesh, self.student = config, mesh, student
         self.correspondence = correspondence
-        self.teacher_graph, self.teacher_state = nnx.split(teacher)
+        self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
         self._teacher_ids = {id(x) for x in jax.tree.leaves(self.teacher_state)}
         opt = config.optimizer
         self.adam_settings = AdamSettings(b1=opt.b1, b2=opt.b2, eps=opt.eps)
@@ -143,8 +151,8 @@ class Session:
         config, weights = self.config, self.config.stages[index].weights
         logit = LogitLossSpec(kl=weights.kl != 0, reverse_kl=weights.reverse_kl != 0, jsd=weights.jsd != 0,
                               ce=weights.ce != 0, jsd_beta=config.jsd_beta, top_k=config.top_k,
-                              chunk=config.logit_chunk,
-                              unit_temperature=config.unit_temperature)
+                              chunk=config.logit_chunk, unit_temperature=config.unit_temperature,
+                              teacher=self.teacher_graph is not None)
         return StepSpec(logit=logit, attention=weights.attention != 0, feature=weights.feature != 0,
                         correspondence=self.correspondence, feature_kind=config.feature_kind,
                         logit_impl=config.logit_impl, compute_dtype=jnp.dtype(config.compute_dtype),
@@ -213,21 +221,39 @@ class Session:
 
 def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConfig, *,
         eval_data: Any = None) -> DistillResult:
-    """Distil `teacher` into `student` (trained in place) following `config`; see the package docstring."""
+    """Distil `teacher` into `student` (trained in place) following `config`.
+
+    `teacher`, `student`: NNX modules with the DistillModel interface (interface.py); the teacher is never trained
+    and may be in a lower precision. `teacher=None` trains the student on hard labels alone (every stage may only
+    weight `ce`), e.g. to make a small teacher for demos. With `config.mesh` both are placed on the mesh by their `axes` metadata
+    unless they already live there. `data`: an object with `next_batch()` (optionally `state()`/`restore()` and
+    `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional `loss_mask` (B, T)
+    (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and `attention_mask`.
+    `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). Returns a DistillResult with
+    per-step metrics, evaluations and events (stage switches, rollbacks, resume)."""
     from .run_loop import Loop  # imports DivergenceError from here
 
-    check_model(teacher, "teacher")
     check_model(student, "student")
+    if teacher is None:
+        needy = [s.name or str(i) for i, s in enumerate(config.stages) if s.weights.active() - {"ce"}]
+        if needy:
+            raise ValueError(f"teacher=None trains on hard labels only, but stage(s) {needy} weight teacher losses; "
+                             "set their kl/reverse_kl/jsd/attention/feature weights to 0 or pass a teacher.")
+    else:
+        check_model(teacher, "teacher")
+        (v_t, d_t), (v_s, d_s) = teacher.head_matrix().shape, student.head_matrix().shape
+        if v_t != v_s:
+            raise ValueError(f"the teacher's vocabulary has {v_t} entries and the student's {v_s}; logit "
+                             "distillation needs the same tokenizer and vocabulary on both sides.")
     mesh = make_mesh(config.mesh) if config.mesh is not None else None
     if mesh is not None:
         for model in (teacher, student):
-            if not model_on_mesh(model, mesh):
+            if model is not None and not model_on_mesh(model, mesh):
                 shard_model(model, mesh)
     needs_map = any(s.weights.attention or s.weights.feature for s in config.stages)
     corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
     projections: dict[str, jax.Array] = {}
     if config.feature_projection and any(s.weights.feature for s in config.stages):
-        d_s, d_t = student.head_matrix().shape[1], teacher.head_matrix().shape[1]
         projections = init_projections(corr, d_s, d_t, config.seed)
         if mesh is not None:
             projections = jax.device_put(projections, _replicated(mesh))

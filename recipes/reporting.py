@@ -37,17 +37,18 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
             ("query heads", teacher.num_attention_heads, student.num_attention_heads),
             ("KV heads", teacher.num_key_value_heads, student.num_key_value_heads),
             ("head_dim", teacher.head_dim, student.head_dim),
-            ("parameters", f"{n_t / 1e9:.3f}B", f"{n_s / 1e9:.3f}B  ({n_s / n_t:.0%} of the teacher)")]
+            ("parameters", _count(n_t), f"{_count(n_s)}  ({n_s / n_t:.0%} of the teacher)")]
     width = max(len(str(r[0])) for r in rows)
-    lines = [f"{str(a).ljust(width)}  {str(b).rjust(14)}  {c}" for a, b, c in rows]
+    lines = [f"{str(a).ljust(width)}  {str(b).rjust(10)}  {c}" for a, b, c in rows]
     gib = 2**30
+    memory = [(f"teacher weights ({args.precision})", t_bytes / devices),
+              ("student weights, grads, Adam moments (float32)", s_bytes / devices),
+              ("activations (rough, no remat) and the logit chunk", act / devices + logits)]
+    memory.append(("total", sum(v for _, v in memory)))
     lines += ["", f"mesh {args.mesh or 'one device'} ({devices} device(s)), precision {args.precision}, "
               f"batch {args.batch_size} x {args.seq_len} per step",
-              f"memory per device (FSDP shards parameters and optimizer state over all devices):",
-              f"  teacher weights ({args.precision})                 {t_bytes / devices / gib:8.2f} GiB",
-              f"  student weights+grads+Adam (float32)     {s_bytes / devices / gib:8.2f} GiB",
-              f"  activations (rough, no remat), logit chunk {(act / devices + logits) / gib:8.2f} GiB",
-              f"  total                                    {(t_bytes / devices + s_bytes / devices + act / devices + logits) / gib:8.2f} GiB"]
+              "memory per device (FSDP shards parameters and optimizer state over all devices):"]
+    lines += [f"  {name.ljust(50)} {value / gib:9.3f} GiB" for name, value in memory]
     lines += ["", "plan:"]
     if os.path.exists(os.path.join(args.teacher_folder, "config.json")) and _has_weights(args.teacher_folder):
         stage_a = surgery.StudentSpec(spec.num_layers, teacher.hidden_size, spec.intermediate_size,
@@ -60,6 +61,10 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
     else:
         lines.append("  the teacher's weights are not on disk yet; the plan is computed at run time")
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _has_weights(folder: str) -> bool:
