@@ -1,0 +1,29 @@
+"""distill: recover a pruned student's quality from its teacher in one jitted, mesh-sharded train step.
+
+    config = DistillConfig(stages=[Stage(steps=200, trainable=["*.self_attn.k_proj", "*.self_attn.v_proj"]),
+                                   Stage(steps=2000, weights=LossWeights(kl=1.0, feature=0.1))],
+                           plan=plan, mesh="fsdp=4,tp=2")
+    result = run(teacher, student, TokenBatches.from_files("corpus/", "teacher_folder", batch_size=8, seq_len=1024),
+                 config)
+
+The models are used only through the small interface of `distill.interface.DistillModel` (logits from final
+hidden states, plus requested intermediates), so the package does not depend on the surgery's Gemma.
+"""
+from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Ramp, Stage)
+from .trainer import DistillResult, DivergenceError, run
+from .mesh import initialize_distributed, make_mesh, put_batch, shard_model
+from .interface import Correspondence, DistillModel, correspondence_from_plan
+from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
+from .logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from .losses import attention_transfer_loss, feature_loss
+from .metrics import plot_history, step_flops
+from .evaluate import heldout_loss
+from .data import DataError, TokenBatches, load_tokenizer, stdlib_corpus
+
+__all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
+           "DistillResult", "DivergenceError", "run", "initialize_distributed", "make_mesh", "put_batch",
+           "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
+           "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSpec",
+           "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",
+           "feature_loss", "plot_history", "step_flops", "heldout_loss", "DataError", "TokenBatches",
+           "load_tokenizer", "stdlib_corpus"]

@@ -11,6 +11,7 @@ and its Adam state on the host (about 3x the trainable size in float32): set a c
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -53,10 +54,8 @@ def _eval_source(eval_data: Any, data_source: Any, count: int) -> list[dict[str,
     if eval_data is None and hasattr(data_source, "eval_batches"):
         eval_data = data_source.eval_batches
         if callable(eval_data):
-            try:
-                eval_data = eval_data(count)
-            except TypeError:
-                eval_data = eval_data()
+            takes_count = bool(inspect.signature(eval_data).parameters)
+            eval_data = eval_data(count) if takes_count else eval_data()
     if eval_data is None:
         return []
     batches = []
