@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -42,6 +43,11 @@ def child(args) -> dict:
         return {"step": "read", "seconds": seconds, "bytes": n, "gb_per_s": n / seconds / 1e9,
                 "peak_rss_bytes": common.peak_rss_bytes()}
     if args.child == "plan":
+        if args.reader != "package":
+            import surgery.prune_disk
+            from fastload import row_reader
+
+            surgery.prune_disk.disk_reader = row_reader
         plan_student = _import("surgery.planner", "plan_student")
         start = time.perf_counter()
         spec = args.student_shape
@@ -54,6 +60,14 @@ def child(args) -> dict:
                 "kept_layers": list(plan.kept_layers), "kv": plan.methods.get("kv")}
     prune_checkpoint = _import("surgery.prune_disk", "prune_checkpoint")
     Plan = _import("surgery.plan", "Plan")
+    if args.reader in ("rows", "rows+pipeline"):  # proposed fixes (bench/fastload.py), not the package's code
+        import surgery.prune_disk
+        import surgery.safetensors_io
+        from fastload import pipelined_write_safetensors, row_reader
+
+        surgery.prune_disk.disk_reader = row_reader
+        if args.reader == "rows+pipeline":
+            surgery.safetensors_io.write_safetensors = pipelined_write_safetensors
     plan = Plan.load(args.plan)
     start = time.perf_counter()
     prune_checkpoint(args.teacher, plan, args.out_dir)
@@ -63,6 +77,32 @@ def child(args) -> dict:
             "student_bytes": written, "student_parameters": plan.student.num_parameters()}
 
 
+def run_watched(cmd: list[str], timeout: float) -> dict:
+    """Run a child; at `timeout` stop it and report how far it got (bytes read and written, from /proc/PID/io)."""
+    env = dict(os.environ, PYTHONPATH=common.ROOT)
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    io = {}
+    while proc.poll() is None and time.perf_counter() - started < timeout:
+        try:
+            with open(f"/proc/{proc.pid}/io") as f:
+                io = {k: int(v) for k, v in (line.split(": ") for line in f)}
+        except OSError:
+            pass
+        time.sleep(1.0)
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+        return {"timed_out": True, "seconds": round(time.perf_counter() - started, 1),
+                "read_bytes_so_far": io.get("rchar"), "written_bytes_so_far": io.get("wchar"),
+                "error": f"stopped after {timeout:.0f} s"}
+    out, err = proc.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": err[-2000:]}
+    return json.loads(lines[-1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--teacher", help="teacher folder (default: make --teacher-shape's under bench/out/ckpt)")
@@ -70,11 +110,19 @@ def main(argv=None) -> None:
     parser.add_argument("--student-shape", default="gemma-2b",
                         help="a named shape, or sizes 'layers,hidden,intermediate,heads,kv_heads'")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--readers", default="package,rows+pipeline",
+                        help="comma-separated: package (the package's code), rows (bench/fastload.py row_reader, "
+                             "a proposed fix), rows+pipeline (also its pipelined writer)")
+    parser.add_argument("--package-repeats", type=int, default=1, help="repeats of the 'package' reader")
+    parser.add_argument("--package-timeout", type=float, default=180,
+                        help="stop the package's surgery after this many seconds and report its progress")
+    parser.add_argument("--plan-reader", default="rows", help="reader for the (once-made) plan")
     parser.add_argument("--out")
     parser.add_argument("--min-free-gib", type=float, default=14.0)
     parser.add_argument("--keep-student", action="store_true")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--child", choices=("read", "plan", "prune"), help=argparse.SUPPRESS)
+    parser.add_argument("--reader", default="package", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -95,38 +143,62 @@ def main(argv=None) -> None:
     student_dir = os.path.join(work, f"student-{tag}")
     base = [sys.executable, os.path.abspath(__file__), "--teacher", teacher, "--student-shape", args.student_shape,
             "--plan", plan_path, "--out-dir", student_dir]
+    readers = [r for r in args.readers.split(",") if r]
     common.wait_for_memory(args.min_free_gib)
     common.evict_from_page_cache(files)
-    plan = common.run_child(base + ["--child", "plan"], timeout=args.timeout)
-    common.emit(common.round_floats({**plan, "bench": "prune", "cache": "cold", "teacher_bytes": size}), args.out)
+    plan = run_watched(base + ["--child", "plan", "--reader", args.plan_reader], args.timeout)
+    common.emit(common.round_floats({**plan, "bench": "prune", "step": "plan", "reader": args.plan_reader,
+                                     "cache": "cold", "teacher_bytes": size}), args.out)
     if "error" in plan:
         raise SystemExit("plan_student failed; see the JSON line above.")
-    runs: dict[str, list[dict]] = {"read": [], "prune": []}
+    runs: dict[str, list[dict]] = {"read": [], **{r: [] for r in readers}}
     for repeat in range(args.repeats):
-        for step in (("read", "prune") if repeat % 2 == 0 else ("prune", "read")):
+        steps = ["read"] + [r for r in readers if r != "package" or repeat < args.package_repeats]
+        if repeat % 2:
+            steps = steps[::-1]
+        for step in steps:
             common.wait_for_memory(args.min_free_gib)
             common.evict_from_page_cache(files)
-            record = common.run_child(base + ["--child", step], timeout=args.timeout)
-            record.update(bench="prune", repeat=repeat, cache="cold", teacher_bytes=size)
+            if step == "read":
+                record = run_watched(base + ["--child", "read"], args.timeout)
+            else:
+                limit = args.package_timeout if step == "package" else args.timeout
+                record = run_watched(base + ["--child", "prune", "--reader", step], limit)
+            record.update(bench="prune", step="read" if step == "read" else "prune", reader=step, repeat=repeat,
+                          cache="cold", teacher_bytes=size)
             common.emit(common.round_floats(record), args.out)
             runs[step].append(record)
-    pairs = [(r["seconds"], p["seconds"]) for r, p in zip(runs["read"], runs["prune"])
-             if "seconds" in r and "seconds" in p]
-    prune_rss = common.median(p["peak_rss_bytes"] for p in runs["prune"] if "peak_rss_bytes" in p)
+    reads = [r["seconds"] for r in runs["read"] if "error" not in r]
+    read_s = common.median(reads)
     summary = {"bench": "prune", "summary": True, "teacher_bytes": size,
                "teacher": os.path.basename(os.path.normpath(teacher)), "student": args.student_shape,
-               "read_s": common.median(r for r, _ in pairs), "prune_s": common.median(p for _, p in pairs),
-               "plan_s": plan.get("seconds"), "plan_peak_rss_gib": (plan.get("peak_rss_bytes") or 0) / common.GIB,
-               "prune_over_read": common.median(p / r for r, p in pairs),
-               "plan_plus_prune_over_read": common.median((p + (plan.get("seconds") or 0)) / r for r, p in pairs),
-               "prune_peak_rss_gib": None if prune_rss is None else prune_rss / common.GIB,
-               "read_gb_per_s": common.median(size / r / 1e9 for r, _ in pairs)}
-    if pairs and prune_rss is not None:
-        summary["targets_met"] = {"rss_under_3gb": prune_rss < RSS_TARGET_BYTES,
-                                  "time_within_1.5x_read": summary["prune_over_read"] <= TIME_TARGET}
+               "read_s": read_s, "read_gb_per_s": None if not read_s else size / read_s / 1e9,
+               "plan_s": plan.get("seconds"), "plan_reader": args.plan_reader,
+               "plan_peak_rss_gib": (plan.get("peak_rss_bytes") or 0) / common.GIB, "readers": {}}
+    for reader in readers:
+        done = [r for r in runs[reader] if "error" not in r]
+        stopped = [r for r in runs[reader] if r.get("timed_out")]
+        entry = {"runs": len(done), "prune_s": common.median(r["seconds"] for r in done),
+                 "peak_rss_gib": common.median(r["peak_rss_bytes"] / common.GIB for r in done)}
+        pairs = [(r["seconds"], p["seconds"]) for r, p in zip(runs["read"], runs[reader])
+                 if "error" not in r and "error" not in p]
+        entry["prune_over_read"] = common.median(p / r for r, p in pairs)
+        if stopped:
+            entry["stopped_after_s"] = stopped[0]["seconds"]
+            entry["read_bytes_when_stopped"] = stopped[0].get("read_bytes_so_far")
+            entry["written_bytes_when_stopped"] = stopped[0].get("written_bytes_so_far")
+        if entry["prune_s"] is not None:
+            entry["targets_met"] = {"rss_under_3gb": entry["peak_rss_gib"] * common.GIB < RSS_TARGET_BYTES,
+                                    "time_within_1.5x_read": entry["prune_over_read"] <= TIME_TARGET}
+        elif stopped:
+            entry["targets_met"] = {"time_within_1.5x_read": False}
+        summary["readers"][reader] = common.round_floats(entry)
     common.emit(common.round_floats(summary), args.out)
     if not args.keep_student:
         shutil.rmtree(student_dir, ignore_errors=True)
+        for partial in os.listdir(work):
+            if partial.startswith(f".student-{tag}.partial-"):
+                shutil.rmtree(os.path.join(work, partial), ignore_errors=True)
 
 
 if __name__ == "__main__":

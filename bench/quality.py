@@ -53,16 +53,22 @@ def main(argv=None) -> None:
     parser.add_argument("--output", default=os.path.join(common.OUT, "quality"))
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--reuse", action="store_true",
+                        help="use --output's results.json when present instead of running the recipe again")
     args = parser.parse_args(argv)
     recipe = os.path.join(common.ROOT, "recipes", "gemma_7b_to_2b.py")
     command = f"python recipes/gemma_7b_to_2b.py --preset tiny --output {os.path.relpath(args.output, common.ROOT)}"
     wall = None
     path = args.results
+    existing = os.path.join(args.output, "results.json")
+    if not path and args.reuse and os.path.exists(existing):
+        path = existing
     if not path:
         start = time.perf_counter()
         env = dict(os.environ, PYTHONPATH=common.ROOT)
-        proc = subprocess.run([sys.executable, recipe, "--preset", "tiny", "--output", args.output], cwd=common.ROOT,
-                              env=env, capture_output=True, text=True, timeout=args.timeout)
+        resume = ["--resume"] if os.path.exists(os.path.join(args.output, "run_args.json")) else []
+        proc = subprocess.run([sys.executable, recipe, "--preset", "tiny", "--output", args.output, *resume],
+                              cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         wall = time.perf_counter() - start
         if proc.returncode:
             common.emit({"bench": "quality", "summary": True, "error": f"recipe exit {proc.returncode}",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# All CPU benchmarks, then BENCHMARKS.md. Under 30 minutes on the 2-core development machine once the synthetic
-# checkpoints exist (first run: + ~3 min to write gemma-2-2b, gemma-7b and gemma-3-270m shapes, 23 GB, and ~90 s
-# to create the Tunix peer's venv).
+# All CPU benchmarks, then BENCHMARKS.md. About 30 minutes on the 2-core development machine once the synthetic
+# checkpoints exist (first run: + ~3 min to write the gemma-2-2b, gemma-7b and gemma-3-270m shapes, 23 GB, + ~90 s
+# to create the Tunix peer's venv, + the recipe's tiny run for the quality section).
 #
 #   bash bench/run_all.sh                    # everything
 #   bash bench/run_all.sh load distill_270m  # only these parts; BENCHMARKS.md keeps the latest of each
@@ -21,17 +21,18 @@ PARTS=("$@")
 want() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 stamp() { echo "[run_all $(date +%H:%M:%S)] $*" >&2; }
 
-"$PY" bench/common.py "$OUT"
+"$PY" bench/common.py "$OUT" >/dev/null
 if want load || want distill_tiny || want distill_270m; then "$PY" bench/tunix_env.py >/dev/null; fi
 if want load; then stamp load; "$PY" bench/load.py --shape gemma-2-2b --peers ours,ours-fast,torch,tunix \
-    --repeats 3 --cache warm,cold --out "$OUT"; fi
+    --repeats 2 --cache warm,cold --out "$OUT" >/dev/null; fi
 if want prune; then stamp prune; "$PY" bench/prune.py --teacher-shape gemma-7b --student-shape gemma-2b \
-    --repeats 2 --out "$OUT"; fi
-if want distill_tiny; then stamp distill_tiny; "$PY" bench/distill_step.py --scale tiny --repeats 3 --out "$OUT"; fi
-if want distill_270m; then stamp distill_270m; "$PY" bench/distill_step.py --scale 270m --repeats 3 --warmup 2 \
-    --steps 6 --min-free-gib 14 --out "$OUT"; fi
-if want mesh; then stamp mesh; "$PY" bench/mesh.py --out "$OUT"; fi
-if want quality; then stamp quality; "$PY" bench/quality.py --out "$OUT"; fi
+    --readers package,rows+pipeline --package-repeats 1 --package-timeout 150 --repeats 2 --out "$OUT" >/dev/null; fi
+if want distill_tiny; then stamp distill_tiny; "$PY" bench/distill_step.py --scale tiny --repeats 2 \
+    --out "$OUT" >/dev/null; fi
+if want distill_270m; then stamp distill_270m; "$PY" bench/distill_step.py --scale 270m --repeats 2 --warmup 2 \
+    --steps 6 --min-free-gib 14 --out "$OUT" >/dev/null; fi
+if want mesh; then stamp mesh; "$PY" bench/mesh.py --out "$OUT" >/dev/null; fi
+if want quality; then stamp quality; "$PY" bench/quality.py --reuse --out "$OUT" >/dev/null; fi
 stamp report
 "$PY" bench/report.py "$OUT" > BENCHMARKS.md
 stamp "wrote BENCHMARKS.md"

@@ -2,9 +2,9 @@
 trained here on the Python standard library's source with byte-level tokens, cached after the first run.
 
 Gemma 7B is a Gemma 1 model: 28 layers, hidden 3072, MLP 8x hidden, 16 query heads and 16 KV heads (multi-head
-attention), head_dim larger than hidden/heads. The tiny teacher keeps those ratios at 14 layers and hidden 96,
-so `StudentSpec.scaled_like` gives it a Gemma-2B-shaped student: 9 layers, hidden 64, MLP 512, 2 query heads and
-1 KV head (multi-query), exactly as 7B -> 2B.
+attention), head_dim independent of hidden/heads. The tiny teacher keeps the depth, width and MLP ratios at 14
+layers and hidden 48, so `StudentSpec.scaled_like` gives it a Gemma-2B-shaped student: 9 layers, hidden 32, MLP
+256, 2 query heads and 1 KV head (multi-query), as 7B -> 2B.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_toke
 from surgery.safetensors_io import atomic_folder, write_json
 
 TEACHER_CONFIG = {
-    "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 96,
-    "intermediate_size": 768, "num_hidden_layers": 14, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 48,
+    "intermediate_size": 384, "num_hidden_layers": 14, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
     "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "pad_token_id": PAD_ID,
     "eos_token_id": EOS_ID, "bos_token_id": BOS_ID,
 }

@@ -49,7 +49,7 @@ def test_student_folder_is_complete_and_loads_in_transformers(runs):
         assert required in names, f"{required} missing from {sorted(names)}"
     config = json.loads((student / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
-            config["num_attention_heads"], config["num_key_value_heads"]) == (9, 64, 512, 2, 1)
+            config["num_attention_heads"], config["num_key_value_heads"]) == (9, 32, 256, 2, 1)
     model, info = load_with_info(str(student))
     assert_clean_loading(info)
 
@@ -105,3 +105,26 @@ def test_dry_run_prints_shapes_memory_and_plan(runs):
     assert "layers" in out and "KV heads" in out and "memory per device" in out
     assert "plan:" in out and "block" in out.lower()  # the cached teacher gives a data-free plan table
     assert not (base / "dry" / "student").exists()
+
+
+def test_push_to_hub_flag_publishes_the_student_privately(runs):
+    """`--push-to-hub` on a finished run (phases reload from disk) against the local fake Hub, real client."""
+    from fake_hub import FakeHub
+
+    base = runs[0]
+    token = "hf_recipeTestToken0123456789abcdef"
+    with FakeHub({token: ("alice", [])}, lifetime_s=600) as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
+        env.update(JAX_PLATFORMS="cpu", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
+                   HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
+        proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(base / "full"), "--cache-dir",
+                               str(base / "cache"), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
+                              capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert token not in proc.stdout + proc.stderr
+        repo = hub.repos["alice/tiny-2b-student"]
+        assert repo.private
+        tree = repo.commits[repo.branches["main"]]
+        local = base / "full" / "student"
+        for name in ("config.json", "model.safetensors", "plan.json", "README.md", "tokenizer.json"):
+            assert hub.file_content(tree[name]) == (local / name).read_bytes(), name

@@ -40,7 +40,8 @@ def cmd_load(args) -> dict:
             flat[:: max(1, 4096 // flat.element_size())].sum()
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
-    return {"peer": "torch", "load_s": seconds, "from_pretrained_returned_s": returned, "peak_rss_bytes": common.peak_rss_bytes(),
+    return {"peer": "torch", "load_s": seconds, "from_pretrained_returned_s": returned,
+            "peak_rss_bytes": common.peak_rss_bytes(),
             "rss_before_load_bytes": rss_before, "parameters": int(params)}
 
 
