@@ -139,17 +139,26 @@ def _arithmetic(recipe: Recipe, block: np.ndarray, dtype: np.dtype) -> np.ndarra
     raise AssertionError(recipe.kind)
 
 
+GAP_ROWS = 8  # read through gaps of up to this many rows rather than issuing another read
+
+
 def read_runs(get_rows: Callable[[int, int], np.ndarray], rows: np.ndarray | None, nrows: int) -> np.ndarray:
-    """Concatenate `get_rows(start, stop)` over the maximal runs of consecutive indices in `rows`."""
+    """`get_rows(start, stop)` over the increasing runs of `rows` (gaps of up to GAP_ROWS read through), then the
+    asked rows taken from each run: few large reads instead of one per row."""
     if rows is None:
         return get_rows(0, nrows)
     rows = np.asarray(rows, dtype=np.int64)
     if len(rows) == 0:
         return get_rows(0, 0)
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    steps = np.diff(rows)
+    breaks = np.flatnonzero((steps > GAP_ROWS) | (steps < 1)) + 1
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(rows)]])
-    parts = [get_rows(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
+    parts = []
+    for a, b in zip(starts, stops):
+        lo, hi = int(rows[a]), int(rows[b - 1]) + 1
+        block = get_rows(lo, hi)
+        parts.append(block if hi - lo == b - a else block[rows[a:b] - lo])
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
 
