@@ -100,6 +100,7 @@ def peer_command(peer: str, args, teacher: str, student: str) -> list[str]:
 
 def summarise(scale: str, runs: dict[str, list[dict]], flops: float, args) -> dict:
     summary = {"bench": "distill_step", "summary": True, "scale": scale, "batch": args.batch, "seq": args.seq,
+               "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
                "step_gflop": flops / 1e9, "ideal_tokens_per_s": args.batch * args.seq * CPU_PEAK_FLOPS / flops}
     ok = {peer: [r for r in records if "median_step_s" in r] for peer, records in runs.items()}
     for peer, records in ok.items():
@@ -120,6 +121,7 @@ def summarise(scale: str, runs: dict[str, list[dict]], flops: float, args) -> di
                  for o, p in zip(runs.get("ours", []), runs[peer]) if "median_step_s" in o and "median_step_s" in p]
         summary[f"speedup_vs_{peer}"] = common.median(p / o for o, p, _, _ in pairs)
         summary[f"rss_vs_{peer}"] = common.median(ro / rp for _, _, ro, rp in pairs)
+        summary[f"speedup_vs_{peer}_per_repeat"] = [round(p / o, 3) for o, p, _, _ in pairs]
     losses = [summary.get(f"{p}_loss_first") for p in ok if summary.get(f"{p}_loss_first") is not None]
     if len(losses) > 1:
         summary["loss_first_spread"] = max(losses) - min(losses)  # same work: the peers' first losses agree

@@ -164,7 +164,9 @@ def section_distill(records: list[dict]) -> list[str]:
         found = True
         out += [f"### {title}: batch {s['batch']} x {s['seq']}",
                 "", f"Counted FLOPs {s['step_gflop']:.2f} GFLOP/step; ideal at 180 GFLOP/s: "
-                f"{s['ideal_tokens_per_s']:.1f} tokens/s. Medians over repeats of each run's median step.", "",
+                f"{s['ideal_tokens_per_s']:.1f} tokens/s. Each run: {s.get('warmup', '?')} warm-up + "
+                f"{s.get('steps', '?')} measured steps in a fresh process; {s.get('repeats', '?')} repeats, peers "
+                "alternating; medians over repeats of each run's median step.", "",
                 "| peer | tokens/s | step s (per-run medians) | % of 180 GFLOP/s | peak RSS GiB | first loss |",
                 "|---|---|---|---|---|---|"]
         for peer in ("ours", "tunix", "torch"):
@@ -172,7 +174,7 @@ def section_distill(records: list[dict]) -> list[str]:
                 if s.get(f"{peer}_errors"):
                     out.append(f"| {PEER_NAMES[peer]} | failed: {str(s[f'{peer}_errors'][0])[:80]} | | | | |")
                 continue
-            steps = [r.get("median_step_s") for r in runs_of(records, s, bench="distill_step", peer=peer)]
+            steps = [r.get("median_step_s") for r in runs_of(records, s, bench="distill_step", peer=peer, scale=scale)]
             frac = s.get(f"{peer}_fraction_of_peak")
             out.append(f"| {PEER_NAMES[peer]} | {fmt(s[f'{peer}_tokens_per_s'], 1)} | {fmt(s[f'{peer}_step_s'], 3)} "
                        f"({spread(steps, 3)}) | {fmt(None if frac is None else 100 * frac, 1)} | "
@@ -180,8 +182,9 @@ def section_distill(records: list[dict]) -> list[str]:
         ratios = []
         for peer in ("tunix", "torch"):
             if s.get(f"speedup_vs_{peer}") is not None:
-                ratios.append(f"vs {peer}: {s[f'speedup_vs_{peer}']:.2f}x tokens/s, "
-                              f"{s[f'rss_vs_{peer}']:.2f}x peak RSS")
+                each = ", ".join(f"{v:.2f}" for v in s.get(f"speedup_vs_{peer}_per_repeat", []))
+                ratios.append(f"vs {peer}: {s[f'speedup_vs_{peer}']:.2f}x tokens/s"
+                              + (f" (per repeat: {each})" if each else "") + f", {s[f'rss_vs_{peer}']:.2f}x peak RSS")
         out += ["", "Same-run ratios (ours / peer, median over repeats): " + "; ".join(ratios) + ".",
                 f"First-step losses agree across peers to {fmt(s.get('loss_first_spread'), 8)} (same work).", ""]
         met = s.get("targets_met") or {}
@@ -268,7 +271,7 @@ def render(records: list[dict]) -> str:
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
              "Method: every measurement runs in a fresh process (peak RSS = that process's `ru_maxrss`); peers "
              "alternate within each repeat; figures are medians over repeats and ratios are taken within the same "
-             "run, never between runs (absolute times on this shared machine moved by up to 1.4x between runs).",
+             "run, never between runs (absolute times on this shared machine moved by up to 2x between runs while these were taken).",
              ""]
     for section in (section_load, section_prune, section_distill, section_mesh, section_quality, section_gpu):
         lines += section(records)

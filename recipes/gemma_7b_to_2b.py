@@ -204,8 +204,9 @@ def main(argv=None) -> dict:
         steps_b = args.steps - stages_a[0].steps
     else:
         plan_a, history_a, student, steps_b = None, [], teacher, args.steps
-    plan = surgery.plan_student(student, spec, calibration=calibration, source=args.teacher,
-                                revision=args.revision, seed=args.seed, measure_compensation=True)
+    plan = surgery.plan_student(student, spec, calibration=calibration, seed=args.seed, measure_compensation=True,
+                                source=f"stage-A student of {args.teacher}" if plan_a else args.teacher,
+                                revision=None if plan_a else args.revision)
     # The pruned student before any distillation, for the results table: the same surgery on the raw teacher.
     pruned = surgery.apply_plan(surgery.apply_plan(teacher, plan_a), plan) if plan_a else \
         surgery.apply_plan(teacher, plan)
@@ -255,8 +256,11 @@ def main(argv=None) -> dict:
     if plan_a is not None:
         extra["plan_stage_a.json"] = plan_a.to_dict()
     surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra)
-    plot_curves(os.path.join(out, "training_curves.png"), history_a + history_b, history_scratch)
-    surgery.plot_report(plan, os.path.join(out, "layer_importance.png"))
+    plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_scratch,
+                args.batch_size * args.seq_len)
+    surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
+    if plan_a is not None:
+        surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
     write_results(out, results, table)
     print(f"student: {final}  (results.md, training_curves.png, layer_importance.png in {out})")
     if args.push_to_hub:

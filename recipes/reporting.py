@@ -97,19 +97,28 @@ def write_results(out: str, results: dict, table: str) -> None:
         f.write(table + "\n")
 
 
-def plot_curves(path: str, distilled: list[dict], scratch: list[dict]) -> str:
-    """Student cross-entropy on the training batches against tokens seen, distilled vs scratch."""
+def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], scratch: list[dict],
+                tokens_per_step: int) -> str:
+    """Student cross-entropy on the training batches against tokens seen: distilled (stage A, then the stage-B
+    surgery and its distillation) vs the scratch student."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.2))
+    def points(history, first_step=0):
+        return [((first_step + i + 1) * tokens_per_step, r["student_ce"]) for i, r in enumerate(history)
+                if "student_ce" in r]
+
+    fig = Figure(figsize=(7.5, 4.2))
     ax = fig.subplots()
-    for label, history in (("distilled student (stages A + B)", distilled), ("scratch student", scratch)):
-        points = [(r.get("tokens_seen", i), r["student_ce"]) for i, r in enumerate(history) if "student_ce" in r]
-        if points:
-            ax.plot(*zip(*points), label=label)
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("student cross-entropy (nats/token)")
-    ax.set_title("training curves")
+    for label, data in (("distilled: stage A (depth + MLP)", points(stage_a)),
+                        ("distilled: stage B (hidden, heads, KV merge)", points(stage_b, len(stage_a))),
+                        ("scratch student, same shape", points(scratch))):
+        if data:
+            ax.plot(*zip(*data), label=label, linewidth=1)
+    if stage_a:
+        ax.axvline(len(stage_a) * tokens_per_step, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("student cross-entropy on its batch (nats/token)")
+    ax.set_title("training curves at equal token budgets")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
