@@ -26,7 +26,7 @@ def summarise(results: dict, wall: float | None, command: str) -> dict:
     for row in results.get("rows", []):
         loss = row.get("loss")
         rows.append({"name": row.get("model"), "parameters": row.get("parameters"), "tokens": row.get("tokens"),
-                     "ce": loss, "perplexity": row.get("perplexity"), "kl": row.get("kl")})
+                     "ce": loss, "perplexity": row.get("perplexity"), "eval_tokens": row.get("eval_tokens")})
     by_name = {r["name"]: r for r in rows}
     distilled = by_name.get("distilled student")
     scratch = by_name.get("scratch student (same shape)")

@@ -226,11 +226,12 @@ def section_quality(records: list[dict]) -> list[str]:
     s = latest(records, bench="quality", summary=True)
     if not s:
         return out + ["Not measured yet (`python bench/quality.py`).", ""]
-    out += [s.get("description", ""), "", "| student | tokens seen | held-out CE (nats) | perplexity | KL to teacher |",
-            "|---|---|---|---|---|"]
+    out += [s.get("description", ""), "", "| model | parameters | training tokens | held-out CE (nats/token) | "
+            "perplexity |", "|---|---|---|---|---|"]
     for row in s.get("rows", []):
-        out.append(f"| {row['name']} | {row.get('tokens', 'n/a')} | {fmt(row.get('ce'), 4)} | "
-                   f"{fmt(row.get('perplexity'), 2)} | {fmt(row.get('kl'), 4)} |")
+        params = row.get("parameters")
+        out.append(f"| {row['name']} | {fmt(None if params is None else params / 1e6, 3, 'M')} | "
+                   f"{row.get('tokens', 'n/a'):,} | {fmt(row.get('ce'), 4)} | {fmt(row.get('perplexity'), 2)} |")
     out += ["", s.get("verdict", ""), ""]
     return out
 
