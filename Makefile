@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) recipes/gemma_7b_to_2b.py --preset tiny --output runs/tiny
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests bench/test_bench.py
 
 bench: $(STAMP)
 	bash bench/run_all.sh
