@@ -95,3 +95,16 @@ def test_report_renders_partial_results(tmp_path):
     path.write_text(json.dumps({"bench": "environment", "machine": common.machine(), "versions": {}}) + "\n")
     text = report.render(report.read_records([str(path)]))
     assert text.startswith("# Benchmarks") and "Not measured yet" in text
+
+
+def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
+    """bench/gpu.sh is the prepared H200 check; without a GPU it runs the same code at tiny shapes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHON": sys.executable, "BENCH_OUT": str(tmp_path / "out"),
+           "BENCH_GPU_ROOT": str(tmp_path / "ckpt"), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["bash", os.path.join(root, "bench", "gpu.sh")], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "gpu.jsonl").read_text().splitlines() if line]
+    assert records, "gpu.sh wrote no measurement"
+    assert any("tokens_per_s" in r for r in records), records
