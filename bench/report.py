@@ -72,7 +72,9 @@ def section_load(records: list[dict]) -> list[str]:
         return out + ["Not measured yet (`python bench/load.py`).", ""]
     any_summary = warm or cold
     gb = any_summary["checkpoint_bytes"] / 1e9
-    out += [f"Checkpoint: `{any_summary['checkpoint']}` shape, bf16, {gb:.2f} GB in safetensors shards; every peer "
+    out += [f"Run `{any_summary.get('run')}`: `python bench/load.py --shape gemma-2-2b --peers ours,ours-fast,torch,"
+            "tunix --cache warm,cold`.", "",
+            f"Checkpoint: `{any_summary['checkpoint']}` shape, bf16, {gb:.2f} GB in safetensors shards; every peer "
             "keeps bf16. Time from the loader call to every parameter resident; peak RSS of the whole process. "
             "Warm: files in the page cache; cold: evicted before every run. Medians over repeats; speed-up = "
             "median of the same-repeat ratios peer time / our time.", "",
@@ -122,7 +124,8 @@ def section_prune(records: list[dict]) -> list[str]:
         return out + ["Not measured yet (`python bench/prune.py`).", ""]
     runs = runs_of(records, s, bench="prune")
     reads = [r["seconds"] for r in runs if r.get("step") == "read" and "error" not in r]
-    out += [f"Teacher `{s['teacher']}`: {s['teacher_bytes'] / 1e9:.2f} GB bf16; student `{s['student']}`. Cold page "
+    out += [f"Run `{s.get('run')}`: `python bench/prune.py --readers package,rows+pipeline`.", "",
+            f"Teacher `{s['teacher']}`: {s['teacher_bytes'] / 1e9:.2f} GB bf16; student `{s['student']}`. Cold page "
             "cache for the teacher before every step; each step a fresh process; the reference read and the "
             "surgeries alternate within each repeat.", "",
             "| step | wall s (median, range) | peak RSS GiB | vs one sequential read of the teacher |",
@@ -162,7 +165,9 @@ def section_distill(records: list[dict]) -> list[str]:
                     f"(`python bench/distill_step.py --scale {scale}`).", ""]
             continue
         found = True
-        out += [f"### {title}: batch {s['batch']} x {s['seq']}",
+        out += [f"### {title}: batch {s['batch']} x {s['seq']}", "",
+                f"Run `{s.get('run')}`: `python bench/distill_step.py --scale {scale} --repeats {s.get('repeats')} "
+                f"--warmup {s.get('warmup')} --steps {s.get('steps')}`.",
                 "", f"Counted FLOPs {s['step_gflop']:.2f} GFLOP/step; ideal at 180 GFLOP/s: "
                 f"{s['ideal_tokens_per_s']:.1f} tokens/s. Each run: {s.get('warmup', '?')} warm-up + "
                 f"{s.get('steps', '?')} measured steps in a fresh process; {s.get('repeats', '?')} repeats, peers "
@@ -201,7 +206,9 @@ def section_mesh(records: list[dict]) -> list[str]:
     if not s:
         return out + ["Not measured yet (`python bench/mesh.py`).", ""]
     runs = [r for r in records if r.get("bench") == "mesh" and not r.get("summary") and r.get("run") == s.get("run")]
-    out += ["Per-device bytes on the fullest device (float32); fraction = per-device bytes / 1-device bytes. "
+    out += [f"Run `{s.get('run')}`: `python bench/mesh.py` (a 4-layer Gemma 3 teacher, vocab 4096, hidden 256, "
+            "8 heads, 4 KV heads; a 2-layer pruned student; batch 8 x 64).", "",
+            "Per-device bytes on the fullest device (float32); fraction = per-device bytes / 1-device bytes. "
             "Step times on 8 fake devices sharing 2 cores only show the sharded step runs.", "",
             "| mesh (fsdp, tp) | devices | student params / device | Adam state / device | teacher / device | "
             "fraction (params, Adam) | ideal 1/N | step s | first loss |",
@@ -260,21 +267,79 @@ def section_gpu(records: list[dict]) -> list[str]:
     return out + [""]
 
 
+def section_targets(records: list[dict]) -> list[str]:
+    """One table with every target, the measured value and whether it is met."""
+    rows = []
+    warm = latest(records, bench="load", summary=True, cache="warm")
+    cold = latest(records, bench="load", summary=True, cache="cold")
+    if warm:
+        def versus(summary):
+            return ", ".join(f"{fmt((summary or {}).get(f'speedup_vs_{p}'), 2, 'x')} {p}" for p in ("torch", "tunix"))
+        rows.append(("Load 2B on CPU: faster than every peer",
+                     f"ours / peer speed: warm {versus(warm)}; cold {versus(cold)}",
+                     warm.get("speed_target_met") and (cold or {}).get("speed_target_met")))
+        rows.append(("Load 2B on CPU: peak RSS <= 1.15x checkpoint bytes",
+                     f"{fmt(warm.get('ours_peak_rss_over_checkpoint'), 2, 'x')}", warm.get("rss_target_met")))
+    prune = latest(records, bench="prune", summary=True)
+    if prune and "readers" in prune:
+        package = prune["readers"].get("package", {})
+        rows.append(("Surgery 7B -> 2B: peak RSS < 3 GB", f"{fmt(package.get('peak_rss_gib'))} GiB",
+                     (package.get("targets_met") or {}).get("rss_under_3gb")))
+        rows.append(("Surgery 7B -> 2B: <= 1.5x one read of the teacher",
+                     f"{fmt(package.get('prune_over_read'), 2, 'x')} (proposed fix: "
+                     f"{fmt(prune['readers'].get('rows+pipeline', {}).get('prune_over_read'), 2, 'x')})",
+                     (package.get("targets_met") or {}).get("time_within_1.5x_read")))
+    for scale in ("270m", "tiny"):
+        d = latest(records, bench="distill_step", summary=True, scale=scale)
+        if not d:
+            continue
+        met = d.get("targets_met") or {}
+        if scale == "270m":
+            rows.append(("Distil 270M: >= 1.3x Tunix tokens/s", fmt(d.get("speedup_vs_tunix"), 2, "x"),
+                         met.get("speedup_vs_tunix")))
+            rows.append(("Distil 270M: <= 0.6x Tunix peak RSS", fmt(d.get("rss_vs_tunix"), 2, "x"),
+                         met.get("rss_vs_tunix")))
+        label = "270M" if scale == "270m" else scale
+        rows.append((f"Distil {label}: ahead of the PyTorch step", fmt(d.get("speedup_vs_torch"), 2, "x"),
+                     met.get("speedup_vs_torch")))
+    mesh = latest(records, bench="mesh", summary=True)
+    if mesh:
+        worst = max((m["adam_fraction"] / m["ideal"] for m in mesh.get("meshes", {}).values()), default=None)
+        rows.append(("FSDP: per-device parameter and Adam bytes fall as 1/N",
+                     f"{fmt(worst, 3)}x of 1/N at worst (replicated norm scales)",
+                     mesh.get("falls_as_1_over_n")))
+    quality = latest(records, bench="quality", summary=True)
+    if quality and quality.get("distilled_minus_scratch_ce") is not None:
+        rows.append(("Quality: distilled beats scratch at equal tokens",
+                     f"{quality['distilled_minus_scratch_ce']:+.3f} nats/token",
+                     quality.get("distilled_beats_scratch")))
+    if not rows:
+        return []
+    out = ["## Targets at a glance", "", "| target | measured | met |", "|---|---|---|"]
+    out += [f"| {name} | {value} | {fmt(bool(ok)) if ok is not None else 'n/a'} |" for name, value, ok in rows]
+    return out + ["", "Causes and remedies of the misses: last section.", ""]
+
+
 def render(records: list[dict]) -> str:
     starts = [r for r in records if r.get("bench") == "environment"]
     env = starts[-1] if starts else {"machine": common.machine(), "versions": common.versions()}
     m = env["machine"]
     lines = ["# Benchmarks", "",
              "Regenerated by `bash bench/run_all.sh` (CPU part; see bench/README.md for the scripts) from the JSON "
-             "lines in `bench/out/results.jsonl`. The GPU check is `bash bench/gpu.sh`.", "",
+             "lines in `bench/out/results.jsonl`; each section shows the latest run of its script (run id = start "
+             "time). The GPU check is `bash bench/gpu.sh`.", "",
              f"Machine: {m['cpu']}, {m['cores']} cores ({m['simd']}), {m['mem_gib']} GiB RAM, {m['os']}, no GPU; "
-             f"shared with other jobs while measuring. Date: {m['date']}. Versions: "
-             + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
+             f"shared with other jobs while measuring. Date: {m['date']} (each section's run id gives its start). "
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+             + "; the Tunix peer: google-tunix 0.1.7 in its own venv (bench/.venv-tunix: jax 0.10.2, flax 0.12.8, "
+             "safetensors 0.7.0).", "",
              "Method: every measurement runs in a fresh process (peak RSS = that process's `ru_maxrss`); peers "
              "alternate within each repeat; figures are medians over repeats and ratios are taken within the same "
-             "run, never between runs (absolute times on this shared machine moved by up to 2x between runs while these were taken).",
+             "run, never between runs (absolute times on this shared machine moved by up to 2x between runs while "
+             "these were taken).",
              ""]
-    for section in (section_load, section_prune, section_distill, section_mesh, section_quality, section_gpu):
+    for section in (section_targets, section_load, section_prune, section_distill, section_mesh, section_quality,
+                    section_gpu):
         lines += section(records)
     if os.path.exists(NOTES_FILE):
         with open(NOTES_FILE) as f:
