@@ -37,16 +37,9 @@ from surgery.config import GemmaConfig  # noqa: E402
 from surgery.model import abstract_model, parameter_sharding  # noqa: E402
 from surgery.safetensors_io import DTYPE_CODES, checkpoint_weight_map  # noqa: E402
 
-ALIGN = 64  # XLA:CPU zero-copies host buffers aligned to 64 bytes
+from surgery.safetensors_io import ALIGN, aligned_empty  # noqa: E402  (the package's 64-byte-aligned buffers)
+
 TILE = 256
-
-
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % ALIGN
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
 def transpose_into(src: np.ndarray, dst: np.ndarray) -> None:

@@ -11,7 +11,6 @@ from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 
