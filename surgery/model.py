@@ -221,9 +221,11 @@ class Gemma(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, capture: Iterable[str] = (),
-                 return_logits: bool = True) -> GemmaOutput:
+                 return_logits: bool = True, inputs_embeds: jax.Array | None = None) -> GemmaOutput:
         """`input_ids` (B, T) int. `attention_mask` (B, T) marks real tokens (1) vs padding (0), as in transformers.
-        `capture` names intermediates to return (see CAPTURABLE)."""
+        `capture` names intermediates to return (see CAPTURABLE). `inputs_embeds` (B, T, D), when given, replaces
+        `self.embed(input_ids)` (already scaled by sqrt(D)): a training step can then differentiate the embedding
+        lookup itself, e.g. to add its gradient straight into the tied LM head's."""
         capture = frozenset(capture)
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
@@ -231,7 +233,7 @@ class Gemma(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         key_mask = None if attention_mask is None else attention_mask.astype(bool)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = [x] if "residual" in capture else None
         for layer in self.layers:
             x = layer(x, positions, key_mask, captured)
