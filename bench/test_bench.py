@@ -107,4 +107,10 @@ def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "gpu.jsonl").read_text().splitlines() if line]
     assert records, "gpu.sh wrote no measurement"
-    assert any("tokens_per_s" in r for r in records), records
+    ours = [r for r in records if r.get("event") == "distill" and r.get("peer") == "ours"]
+    assert len(ours) == 2 and all(r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in ours), ours  # both sweep points
+    assert [r["batch"] for r in ours] == [2, 4] and ours[1]["remat"] == "dots"
+    loads = [r for r in records if r.get("event") == "load"]
+    assert {r["cache"] for r in loads} == {"cold", "warm"} and all(r["gb_per_s"] > 0 for r in loads), loads
+    torch_runs = [r for r in records if r.get("event") == "distill" and r.get("peer") == "torch"]
+    assert torch_runs and torch_runs[0]["batch"] == 4 and torch_runs[0]["tokens_per_s"] > 0, torch_runs
