@@ -8,8 +8,12 @@ student cut from it on disk by our surgery (13 of 26 layers, MLP 9216 -> 3072: 1
 2. distill: `distill.run` with a bf16 teacher, bf16 student compute and float32 master weights, forward KL;
    tokens/s and model FLOPs utilisation = counted FLOPs (bench/flops.py) / step time / 989 TFLOP/s (H200 bf16
    dense peak). One process loads both models once and runs a sweep of step settings (batch, logit-chunk rows,
-   rematerialisation; `--sweep`), each compiled afresh; a setting that runs out of memory is recorded and skipped;
-3. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
+   rematerialisation; `--sweep`), each compiled afresh; a setting that runs out of memory is recorded and skipped
+   (the student keeps training from one point to the next, so only the first point's loss starts from the cut);
+3. where the time goes (if time is left): bench/step_parts.py times the step's parts (teacher forward, student
+   trunk forward + backward, fused logit loss, AdamW) and a large matmul (the chip's practical peak) at our
+   fastest sweep point;
+4. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
 
 On CPU it runs the same code at tiny shapes (a 4-layer Gemma 2 and a 2-layer student), against the 180 GFLOP/s
 fp32 peak measured on the 2-core development machine, so the script is tested where no GPU is. One JSON line per
@@ -54,7 +58,7 @@ def child_load(folder: str) -> dict:
 
 
 # (batch, logit_chunk rows or None for the package default, remat) per sweep point, in order of priority
-SWEEPS = {"gpu": "8:2048:none,8:8192:none,16:4096:none", "tiny": "2:0:none,4:64:dots"}
+SWEEPS = {"gpu": "8:2048:none,16:4096:none", "tiny": "2:0:none,4:64:dots"}
 
 
 def parse_sweep(text: str) -> list[dict]:
@@ -118,7 +122,7 @@ def child_sweep(args) -> dict:
         common.emit(common.round_floats(record, 6), args.out)
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
-            best = {"best_batch": point["batch"], "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
+            best = {"best_batch": point["batch"], "best_chunk": config.logit_chunk, "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
         del result
     return {"points_done": done, **best, "peak_rss_bytes": common.peak_rss_bytes()}
 
@@ -131,7 +135,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--peers", default="ours,torch")
+    parser.add_argument("--peers", default="ours,parts,torch")
     parser.add_argument("--sweep", help="ours: batch:chunk:remat,... (chunk 0: default; remat none|dots|full)")
     parser.add_argument("--out", default=os.path.join(common.OUT, "gpu.jsonl"))
     parser.add_argument("--child-load", help=argparse.SUPPRESS)
@@ -182,7 +186,7 @@ def main(argv=None) -> None:
     for peer in [p for p in args.peers.split(",") if p]:
         elapsed = time.perf_counter() - started
         if peer == "ours":
-            budget = BUDGET_S * (0.75 if "torch" in args.peers else 0.95) - elapsed
+            budget = BUDGET_S * (0.55 if "parts" in args.peers else 0.75 if "torch" in args.peers else 0.95) - elapsed
             cmd = [sys.executable, os.path.abspath(__file__), "--child-sweep", "--teacher", teacher, "--student",
                    student, "--seq", str(seq), "--warmup", str(args.warmup), "--steps", str(args.steps), "--dtype",
                    dtype, "--sweep", sweep, "--out", args.out, "--child-budget", str(max(30.0, budget - 20))]
@@ -190,7 +194,20 @@ def main(argv=None) -> None:
             record.pop("versions", None)
             common.emit(common.round_floats({"bench": "gpu", "event": "sweep_end", "peer": peer, **record}),
                         args.out)
-            best = {"batch": record["best_batch"]} if record.get("best_batch") else best
+            if record.get("best_batch"):
+                best = {"batch": record["best_batch"], "chunk": record.get("best_chunk")}
+            continue
+        if peer == "parts":
+            if elapsed > BUDGET_S * 0.7:
+                common.emit({"bench": "gpu", "event": "skipped", "peer": peer, "reason": "time budget"}, args.out)
+                continue
+            chunk = best.get("chunk") or (2048 if kind == "gpu" else 32)
+            cmd = [sys.executable, os.path.join(common.BENCH, "step_parts.py"), "--teacher", teacher, "--student",
+                   student, "--batch", str(best["batch"]), "--seq", str(seq), "--dtype", dtype, "--chunk",
+                   str(chunk), "--matmul", "8192" if kind == "gpu" else "512"]
+            record = common.run_child(cmd, timeout=max(60, BUDGET_S * 0.9 - elapsed))
+            record.pop("bench", None)
+            common.emit(common.round_floats({"bench": "gpu", "event": "parts", **record}, 6), args.out)
             continue
         if elapsed > BUDGET_S * 0.85:
             common.emit({"bench": "gpu", "event": "skipped", "peer": peer, "reason": "time budget"}, args.out)
