@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--teacher-dtype", default="float32")
     parser.add_argument("--chunk", type=int, default=None)
+    parser.add_argument("--block", type=int, default=None, help="rows per teacher-logits / head-gradient block")
     args = parser.parse_args(argv)
 
     import jax
@@ -35,7 +36,8 @@ def main(argv=None) -> None:
     from distill.interface import Correspondence
     from distill.mesh import put_batch
     from distill.step import hyper_values
-    from distill.trainer import Session
+    from distill.trainer import Session, logit_block
+    from distill_step import block_option
     from students import ensure_pair
     from surgery.checkpoint import load_pretrained
 
@@ -44,6 +46,7 @@ def main(argv=None) -> None:
     student = load_pretrained(student_dir, dtype="float32")
     stage = Stage(steps=1, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
     extra = {"logit_chunk": args.chunk} if args.chunk else {}
+    extra.update(block_option(args.block))
     config = DistillConfig(stages=(stage,), batch_size=args.batch, seq_len=args.seq,
                            optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                            guard=GuardConfig(enabled=False), progress=False, plots=False, **extra)
@@ -59,7 +62,8 @@ def main(argv=None) -> None:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
     record = {"bench": "diag_step", "scale": args.scale, "teacher_dtype": args.teacher_dtype,
-              "logit_chunk": config.logit_chunk, "rss_after_load_gib": common.current_rss_bytes() / common.GIB}
+              "logit_chunk": config.logit_chunk, "logit_block": logit_block(config),
+              "rss_after_load_gib": common.current_rss_bytes() / common.GIB}
     for field in fields:
         value = getattr(memory, field, None)
         if value is not None:

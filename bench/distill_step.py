@@ -51,7 +51,7 @@ def child_ours(args) -> dict:
     import numpy as np
 
     from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from distill.trainer import run
+    from distill.trainer import logit_block, run
     from surgery.checkpoint import load_pretrained
 
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
@@ -62,6 +62,7 @@ def child_ours(args) -> dict:
     total = args.warmup + args.steps
     stage = Stage(steps=total, learning_rate=args.lr, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
     extra = {"logit_chunk": args.chunk} if args.chunk else {}
+    extra.update({"logit_block": args.block} if args.block else {})
     config = DistillConfig(stages=(stage,), batch_size=args.batch, seq_len=args.seq,
                            optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                            guard=GuardConfig(enabled=False), progress=False, plots=False,
@@ -81,7 +82,8 @@ def child_ours(args) -> dict:
             "step_times_s": [round(x, 4) for x in measured], "first_step_s": times[0],
             "peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": rss_after_load,
             "loss_first": losses[0], "loss_last": losses[-1], "train_wall_s": wall, "batch": args.batch,
-            "seq": args.seq, "logit_chunk": config.logit_chunk, "versions": common.versions()}
+            "seq": args.seq, "logit_chunk": config.logit_chunk, "logit_block": logit_block(config),
+            "versions": common.versions()}
 
 
 def peer_command(peer: str, args, teacher: str, student: str) -> list[str]:
@@ -90,6 +92,7 @@ def peer_command(peer: str, args, teacher: str, student: str) -> list[str]:
                    "--dtype", args.dtype]
     if peer == "ours":
         extra = ["--chunk", str(args.chunk)] if args.chunk else []
+        extra += ["--block", str(args.block)] if args.block else []
         return [sys.executable, os.path.abspath(__file__), "--child", *common_args, *extra]
     if peer == "torch":
         return [sys.executable, os.path.join(common.BENCH, "peers", "torch_peer.py"), "distill", *common_args]
@@ -149,6 +152,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--teacher-dtype", default=None, help="ours only: teacher weights dtype (default --dtype)")
     parser.add_argument("--chunk", type=int, default=None, help="ours: DistillConfig.logit_chunk (rows per chunk)")
+    parser.add_argument("--block", type=int, default=None,
+                        help="ours: rows per teacher-logits / head-gradient block (default: the trainer's)")
     parser.add_argument("--out")
     parser.add_argument("--min-free-gib", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=1200)

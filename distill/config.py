@@ -156,6 +156,9 @@ class DistillConfig:
     top_k: int | None = None
     jsd_beta: float = 0.5
     logit_chunk: int = 32  # rows (batch x positions) per chunk of the fused logit loss
+    logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
+    logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU
+    train_diagnostics: bool = False  # teacher CE / logit correlation / T=1 KL every train step (eval has them)
     logit_impl: str = "fused"  # or "reference" (materialises full logits; for debugging)
     # intermediate losses
     correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
@@ -186,6 +189,9 @@ class DistillConfig:
         object.__setattr__(self, "stages", stages)
         if self.grad_accum < 1 or self.logit_chunk < 1:
             raise ValueError("grad_accum and logit_chunk must be at least 1.")
+        for name in ("logit_block", "logit_vocab_slice"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
         if self.logit_impl not in ("fused", "reference"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
         if self.feature_kind not in FEATURE_KINDS:

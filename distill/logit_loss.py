@@ -16,12 +16,23 @@ divided by the number of supervised tokens of the whole optimizer step, so the s
 With `top_k`, the teacher distribution is renormalised over its top-k logits (ties at the k-th value included)
 and the student keeps its full-vocabulary log-probabilities, so mass outside the teacher's top-k is penalised.
 
-`fused_logit_loss` is the fast path: a `jax.custom_vjp` that walks the sequence in chunks, computes teacher and
-student logits of one chunk from final hidden states and head matrices, the loss, and in the same pass the gradient
-with respect to the student logits, back-propagated at once into d(hidden) and d(head) (accumulated over chunks in
-float32). Nothing is recomputed in the backward pass, and (B, T, V) logits of either model never exist: the peak
-is one chunk of logits per model, plus the (V, D) head gradient. `reference_logit_loss` is the plain version on
-full logits, kept for tests and debugging.
+`fused_logit_loss` is the fast path: a `jax.custom_vjp` that walks the sequence in blocks and, inside each block,
+in chunks. Per block (`block` rows, default `chunk`): the teacher's logits in one matmul (they need no gradient,
+and large matmuls run at about twice the rate of chunk-sized ones on CPU), then per chunk the student's logits, the
+loss and its gradient with respect to the student logits (nothing is recomputed in a backward pass), and per block
+again the two backward matmuls d(hidden) = dz @ head and d(head) += dz^T @ hidden (accumulated in float32). So
+(B, T, V) logits of either model never exist: the peak is one block of teacher logits and of dz, a few chunks of
+student logits, plus the (V, D) head gradient. `block` trades that memory for matmul efficiency: on a GPU with
+large chunks leave it at `chunk`. `reference_logit_loss` is the plain version on full logits, kept for tests and
+debugging.
+
+The fused loss needs the student's logits in the form `f(hidden @ head.T)` with `f` element-wise (the soft-cap of
+every Gemma): it differentiates the matmul itself and `f` through `logits_fn` applied to a (..., 1) hidden and a
+(1, 1) unit head (`elementwise_part`).
+
+Metrics are sums like the loss. Always: `student_ce` and each active term (`term/<name>`); `kl` (temperature 1)
+when it equals the loss's KL term. With `diagnostics` also `teacher_ce`, `logit_corr` and `kl` in every case:
+full-vocabulary passes that the evaluation step makes, and the train step skips unless asked.
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (hidden (..., D), head (V, D)) -> float32 logits (..., V)
-BASE_METRICS = ("kl", "student_ce", "teacher_ce", "logit_corr")
+DIAGNOSTICS = ("kl", "teacher_ce", "logit_corr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,9 @@ class LogitLossSpec:
     chunk: int = 32  # rows (batch x sequence positions) per chunk; the sequence is cut in chunk // batch positions
     unit_temperature: bool = False  # the temperature is 1 for the whole run: reuse log-probs for the CE
     teacher: bool = True  # False: no teacher at all (plain cross-entropy training), no teacher metrics
+    diagnostics: bool = False  # also teacher_ce, logit_corr and the temperature-1 kl (extra vocabulary passes)
+    block: int | None = None  # rows per teacher-logits / head-gradient block (a multiple of chunk); None: chunk
+    vocab_slice: int | None = None  # about this many vocabulary rows per head-gradient matmul; None: all at once
 
     def __post_init__(self):
         if not self.teacher and (self.kl or self.reverse_kl or self.jsd or self.top_k):
@@ -64,12 +78,24 @@ class LogitLossSpec:
                              "has some); use kl or jsd with top_k, or drop top_k.")
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be at least 1 row.")
+        if self.block is not None and self.block < self.chunk:
+            raise ValueError(f"block={self.block} rows is smaller than chunk={self.chunk}; a block holds whole "
+                             "chunks: raise it, or set None (one chunk per block).")
+
+
+def _kl_is_the_term(spec: LogitLossSpec) -> bool:
+    """The temperature-1 KL metric is the loss's own KL term (no extra work to report it)."""
+    return spec.kl and spec.unit_temperature and spec.top_k is None
 
 
 def metric_names(spec: LogitLossSpec) -> tuple[str, ...]:
     """Metric sums returned with the loss (weighted means when weights sum to one)."""
-    terms = [name for name in ("kl", "reverse_kl", "jsd", "ce") if getattr(spec, name)]
-    return (BASE_METRICS if spec.teacher else ("student_ce",)) + tuple(f"term/{name}" for name in terms)
+    terms = tuple(f"term/{name}" for name in ("kl", "reverse_kl", "jsd", "ce") if getattr(spec, name))
+    if not spec.teacher:
+        return ("student_ce",) + terms
+    if spec.diagnostics:
+        return ("student_ce",) + DIAGNOSTICS + terms
+    return ("student_ce",) + ("kl",) * _kl_is_the_term(spec) + terms
 
 
 def _xlogy_diff(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
@@ -100,9 +126,10 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...).
 
     Metrics: `term/<name>` is each active logit term at the current temperature (before its weight and tau^2);
-    `kl` is KL(teacher || student) at temperature 1 over the full vocabulary, comparable across a temperature
-    schedule and with top-k; `student_ce`, `teacher_ce` are next-token cross-entropies; `logit_corr` is the
-    Pearson correlation of the two logit vectors. Without a teacher (`t` None) only the CE and its metric."""
+    `student_ce` the next-token cross-entropy; `kl` is KL(teacher || student) at temperature 1 over the full
+    vocabulary, comparable across a temperature schedule and with top-k (reported when it is the loss's KL term,
+    or with `spec.diagnostics`); with `spec.diagnostics` also `teacher_ce` and `logit_corr` (Pearson correlation
+    of the two logit vectors). Without a teacher (`t` None) only the CE and its metric."""
     if t is None:
         labels = labels[..., None].astype(jnp.int32)
         student_ce = -jnp.take_along_axis(jax.nn.log_softmax(s.astype(jnp.float32), axis=-1), labels, axis=-1)[..., 0]
@@ -131,19 +158,25 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
         terms["jsd"] = beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
     soft = sum((coeffs[name] * value for name, value in terms.items()), jnp.zeros(s.shape[:-1], jnp.float32))
     per_token = tau * tau * soft
-    same_as_unit = spec.unit_temperature and spec.top_k is None
-    log_q1 = log_q if spec.unit_temperature else jax.nn.log_softmax(s, axis=-1)
-    log_p1 = log_p if same_as_unit else jax.nn.log_softmax(t, axis=-1)
-    kl1 = terms["kl"] if same_as_unit and spec.kl else _xlogy_diff(jnp.exp(log_p1), log_p1, log_q1)
     labels = labels[..., None].astype(jnp.int32)
-    student_ce = -jnp.take_along_axis(log_q1, labels, axis=-1)[..., 0]
+    log_q1 = log_q if spec.unit_temperature else (jax.nn.log_softmax(s, axis=-1) if spec.diagnostics else None)
+    if log_q1 is not None:
+        student_ce = -jnp.take_along_axis(log_q1, labels, axis=-1)[..., 0]
+    else:  # one reduction over the vocabulary instead of temperature-1 log-probabilities
+        student_ce = jax.nn.logsumexp(s, axis=-1) - jnp.take_along_axis(s, labels, axis=-1)[..., 0]
     if spec.ce:
         terms["ce"] = student_ce
         per_token = per_token + coeffs["ce"] * student_ce
-    teacher_ce = -jnp.take_along_axis(log_p1, labels, axis=-1)[..., 0]
+    metrics = {"student_ce": student_ce, **{f"term/{name}": value for name, value in terms.items()}}
+    if _kl_is_the_term(spec):
+        metrics["kl"] = terms["kl"]
+    if spec.diagnostics:
+        log_p1 = log_p if spec.unit_temperature and spec.top_k is None else jax.nn.log_softmax(t, axis=-1)
+        if "kl" not in metrics:
+            metrics["kl"] = _xlogy_diff(jnp.exp(log_p1), log_p1, log_q1)
+        metrics["teacher_ce"] = -jnp.take_along_axis(log_p1, labels, axis=-1)[..., 0]
+        metrics["logit_corr"] = _logit_correlation(s, t)
     weights = weights.astype(jnp.float32)
-    metrics = {"kl": kl1, "student_ce": student_ce, "teacher_ce": teacher_ce, "logit_corr": _logit_correlation(s, t),
-               **{f"term/{name}": value for name, value in terms.items()}}
     metric_sums = {name: jax.lax.stop_gradient(jnp.sum(weights * value)) for name, value in metrics.items()}
     return jnp.sum(weights * per_token), metric_sums
 
@@ -169,39 +202,127 @@ def _unchunked(x: jax.Array, length: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
-def _scan_chunks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_logits: LogitsFn,
-                 teacher_logits: LogitsFn, spec: LogitLossSpec, grad_hidden: bool, grad_head: bool):
-    """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1."""
-    batch, length = h_s.shape[:2]
+def _head_matmul(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """hidden @ head.T with float32 results, the matmul of `DistillModel.logits_from_hidden`."""
+    return jnp.einsum("...D,VD->...V", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def elementwise_part(logits_fn: LogitsFn) -> Callable[[jax.Array], jax.Array]:
+    """f of `logits_fn(h, head) = f(h @ head.T)`: the logits of a one-channel hidden state `z` and a unit head."""
+    def f(z: jax.Array) -> jax.Array:
+        return logits_fn(z[..., None], jnp.ones((1, 1), z.dtype))[..., 0]
+    return f
+
+
+def chunk_positions(batch: int, length: int, spec: LogitLossSpec) -> tuple[int, int]:
+    """(positions per chunk, positions per block): rows are batch x positions; a block holds whole chunks and at
+    most the (chunk-padded) sequence."""
     chunk = max(1, min(length, spec.chunk // batch))
-    h_t_chunks = None if h_t is None else _chunked(h_t, chunk)
-    xs = (_chunked(h_s, chunk), h_t_chunks, _chunked(labels, chunk), _chunked(weights, chunk))
+    per_block = max(1, (spec.block or spec.chunk) // batch // chunk)
+    return chunk, chunk * min(per_block, -(-length // chunk))
+
+
+def _head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
+    """dz^T @ hidden, (V, D) float32: the transpose of `_head_matmul` with respect to a head in `hidden.dtype`.
+    With `vocab_slice` it is made about `vocab_slice` vocabulary rows at a time: XLA:CPU copies dz transposed for
+    this matmul, a (block, V) buffer at once, a (block, vocab_slice) one per slice."""
+    def rows(dz_part):
+        head = jax.ShapeDtypeStruct((dz_part.shape[-1], hidden.shape[-1]), hidden.dtype)
+        transpose = jax.linear_transpose(lambda w: _head_matmul(hidden, w), head)
+        return transpose(dz_part)[0].astype(jnp.float32)
+
+    vocab = dz.shape[-1]
+    size = _divisor_near(vocab, vocab_slice) if vocab_slice else vocab
+    if size == vocab:
+        return rows(dz)
+
+    def one(i, out):
+        part = rows(jax.lax.dynamic_slice_in_dim(dz, i * size, size, axis=-1))
+        return jax.lax.dynamic_update_slice_in_dim(out, part, i * size, axis=0)
+
+    # Every row is overwritten. The initial value depends on dz so that XLA cannot schedule this (V, D) buffer's
+    # allocation early (a constant broadcast is scheduled first, and would be live through the whole loss).
+    start = jnp.broadcast_to(jnp.zeros((), jnp.float32) * dz.reshape(-1)[0], (vocab, hidden.shape[-1]))
+    return jax.lax.fori_loop(0, vocab // size, one, start)
+
+
+def _divisor_near(total: int, wanted: int) -> int:
+    """The largest divisor of `total` in [wanted / 2, wanted] (256000 -> 32000 for 32768), else `total`."""
+    for size in range(min(wanted, total), max(1, wanted // 2) - 1, -1):
+        if total % size == 0:
+            return size
+    return total
+
+
+def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_logits: LogitsFn,
+                 teacher_logits: LogitsFn, spec: LogitLossSpec, grad_hidden: bool, grad_head: bool):
+    """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1.
+    `head_s` is already in the compute dtype of `h_s`; d(head_s) comes back in float32, or, when one block covers
+    the sequence, as the pair (dz, hidden) whose `_head_gradient` it is: the backward pass makes that matmul
+    after the student trunk's backward has freed its activations, so the (V, D) gradient never coexists with
+    them (and with multiple blocks there is an accumulator anyway)."""
+    batch, length = h_s.shape[:2]
+    chunk, block = chunk_positions(batch, length, spec)
+    per_block = block // chunk
+    xs = (_chunked(h_s, block), None if h_t is None else _chunked(h_t, block), _chunked(labels, block),
+          _chunked(weights, block))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in metric_names(spec)}
-    d_head0 = jnp.zeros(head_s.shape, jnp.float32) if grad_head else None
+    activation = elementwise_part(student_logits)
+    backward = grad_hidden or grad_head
 
-    def body(carry, x):
+    def chunk_step(hs, t_logits, lab, w):
+        """Loss and metric sums of one chunk, and dz = d(loss)/d(student matmul output) when differentiating."""
+        def objective(z):
+            return token_objective(activation(z), t_logits, lab, w, coeffs, spec)
+
+        z = _head_matmul(hs, head_s)
+        if not backward:
+            return (*objective(z), None)
+        loss, objective_vjp, metrics = jax.vjp(objective, z, has_aux=True)
+        return loss, metrics, objective_vjp(jnp.ones((), loss.dtype))[0]
+
+    def block_body(carry, x):
         loss_acc, metrics_acc, d_head = carry
-        hs, ht, lab, w = x
-        t_logits = None if ht is None else jax.lax.stop_gradient(teacher_logits(ht, head_t))
-
-        def objective(s_logits):
-            return token_objective(s_logits, t_logits, lab, w, coeffs, spec)
-
-        d_hidden = None
-        if grad_hidden or grad_head:
-            s_logits, head_vjp = jax.vjp(student_logits, hs, head_s)
-            loss, objective_vjp, metrics = jax.vjp(objective, s_logits, has_aux=True)
-            (d_logits,) = objective_vjp(jnp.ones((), loss.dtype))
-            d_hs, d_head_chunk = head_vjp(d_logits)
-            d_hidden = d_hs if grad_hidden else None
-            if grad_head:
-                d_head = d_head + d_head_chunk.astype(jnp.float32)
+        hs, ht, lab, w = x  # (B, block, ...)
+        t_logits = None if ht is None else jax.lax.stop_gradient(teacher_logits(ht, head_t))  # one matmul
+        if per_block == 1:
+            loss, metrics, dz = chunk_step(hs, t_logits, lab, w)
         else:
-            loss, metrics = objective(student_logits(hs, head_s))
-        metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics)
-        return (loss_acc + loss, metrics_acc, d_head), d_hidden
+            # Chunk i's dz overwrites chunk i's teacher logits, in place: one (B, block, V) buffer for both.
+            cut = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+            buffer = t_logits
+            if backward and buffer is None:
+                buffer = jnp.zeros((batch, block, head_s.shape[0]), jnp.float32)
 
-    (loss, metrics, d_head), d_hidden = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_metrics, d_head0), xs)
+            def inner(state, i):
+                sums, buffer = state
+                loss, metrics, dz = chunk_step(cut(hs, i), cut(t_logits if ht is None else buffer, i), cut(lab, i),
+                                               cut(w, i))
+                if backward:
+                    buffer = jax.lax.dynamic_update_slice_in_dim(buffer, dz, i * chunk, axis=1)
+                return (jax.tree.map(jnp.add, sums, (loss, metrics)), buffer), None
+
+            zero = (jnp.zeros((), jnp.float32), zero_metrics)
+            ((loss, metrics), dz), _ = jax.lax.scan(inner, (zero, buffer), jnp.arange(per_block))
+        d_hidden = None
+        if grad_hidden:  # dz @ head, one matmul per block
+            d_hidden = jax.vjp(lambda h: _head_matmul(h, head_s), hs)[1](dz)[0]
+        if grad_head:  # dz^T @ hidden over the whole block
+            if d_head is None:  # the only block: leave the matmul to the backward pass
+                d_head = (dz, hs)
+            else:
+                d_head = d_head + _head_gradient(dz, hs, spec.vocab_slice)
+        return (loss_acc + loss, jax.tree.map(jnp.add, metrics_acc, metrics), d_head), d_hidden
+
+    n_blocks = xs[0].shape[0]
+    carry = (jnp.zeros((), jnp.float32), zero_metrics, None)
+    if n_blocks == 1:  # its head gradient is the total: no (V, D) accumulator; d_head is (dz, hidden) instead
+        (loss, metrics, d_head), d_hidden = block_body(carry, jax.tree.map(lambda a: a[0], xs))
+        d_hidden = None if d_hidden is None else d_hidden[None]
+    else:
+        if grad_head:
+            carry = carry[:2] + (jnp.zeros(head_s.shape, jnp.float32),)
+        (loss, metrics, d_head), d_hidden = jax.lax.scan(block_body, carry, xs)
     if grad_hidden:
         d_hidden = _unchunked(d_hidden, length)
     return loss, metrics, d_hidden, d_head
@@ -212,12 +333,15 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
                      spec: LogitLossSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
     labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are
-    None without a teacher (spec.teacher False)."""
+    None without a teacher (spec.teacher False). `head_s` may be in a wider dtype than `h_s` (float32 master
+    weights with bfloat16 compute): it is cast to `h_s.dtype` once, and its gradient is accumulated and returned
+    in its own dtype, so no (V, D) cast of the gradient is needed."""
     kwargs = dict(student_logits=student_logits, teacher_logits=teacher_logits, spec=spec)
+    head_dtype = head_s.dtype
 
     @jax.custom_vjp
     def loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs):
-        loss, metrics, _, _ = _scan_chunks(h_s, head_s, h_t, head_t, labels, weights, coeffs,
+        loss, metrics, _, _ = _scan_blocks(h_s, head_s.astype(h_s.dtype), h_t, head_t, labels, weights, coeffs,
                                            grad_hidden=False, grad_head=False, **kwargs)
         return loss, metrics
 
@@ -226,14 +350,18 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
         # (V, D) gradient matmul.
         values = jax.tree.map(lambda a: a.value, (h_s, head_s, h_t, head_t, labels, weights, coeffs),
                               is_leaf=lambda a: hasattr(a, "perturbed"))
-        loss, metrics, d_hidden, d_head = _scan_chunks(*values, grad_hidden=h_s.perturbed,
-                                                       grad_head=head_s.perturbed, **kwargs)
-        if d_head is not None:
-            d_head = d_head.astype(head_s.value.dtype)
+        hidden, head = values[0], values[1]
+        loss, metrics, d_hidden, d_head = _scan_blocks(hidden, head.astype(hidden.dtype), *values[2:],
+                                                       grad_hidden=h_s.perturbed, grad_head=head_s.perturbed,
+                                                       **kwargs)
+        if d_head is not None and not isinstance(d_head, tuple):
+            d_head = d_head.astype(head.dtype)
         return (loss, metrics), (d_hidden, d_head)
 
     def loss_bwd(residuals, cotangents):
         d_hidden, d_head = residuals
+        if isinstance(d_head, tuple):  # deferred from the forward pass (_scan_blocks)
+            d_head = _head_gradient(*d_head, spec.vocab_slice).astype(head_dtype)
         g = cotangents[0]
         scale = (lambda d: None if d is None else (d * g.astype(d.dtype)))
         return scale(d_hidden), scale(d_head), None, None, None, None, None
@@ -259,4 +387,4 @@ def labels_and_weights(input_ids: jax.Array, loss_mask: jax.Array | None,
 
 
 __all__ = ["LogitLossSpec", "fused_logit_loss", "reference_logit_loss", "token_objective", "labels_and_weights",
-           "metric_names"]
+           "metric_names", "elementwise_part", "chunk_positions"]

@@ -152,16 +152,21 @@ def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("losses", [k for k in steps[-1] if k == "loss" or k.startswith("loss/")]),
-              ("divergence", [k for k in ("kl", "reverse_kl", "jsd") if k in steps[-1]]),
-              ("cross-entropy", [k for k in ("student_ce", "teacher_ce") if k in steps[-1]]),
-              ("throughput", [k for k in ("tokens_per_s",) if k in steps[-1]])]
+    keys = {k for r in steps for k in r}  # stages log different terms; the train step has no diagnostics
+    divergences = ("kl", "term/kl", "term/reverse_kl", "term/jsd")
+    panels = [("losses", sorted(k for k in keys if k == "loss" or k.startswith("loss/"))),
+              ("divergence", [k for k in divergences if k in keys]),
+              ("cross-entropy", [k for k in ("student_ce", "teacher_ce") if k in keys]),
+              ("throughput", [k for k in ("tokens_per_s",) if k in keys])]
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for axis, (title, keys) in zip(axes, panels):
         for key in keys:
             axis.plot([r["step"] for r in steps], [r.get(key, float("nan")) for r in steps], label=key)
         if title == "cross-entropy" and evals:
             axis.plot([r["step"] for r in evals], [r["student_ce"] for r in evals], "o-", label="eval student_ce")
+        if title == "divergence" and any("kl" in r for r in evals):
+            axis.plot([r["step"] for r in evals if "kl" in r], [r["kl"] for r in evals if "kl" in r], "o-",
+                      label="eval kl")
         axis.set_title(title)
         axis.set_xlabel("step")
         if keys:

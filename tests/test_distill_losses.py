@@ -16,7 +16,7 @@ COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
 
 def _one_token(s, t, label=0, **spec):
     coeffs = {**COEFFS, **spec.pop("coeffs", {})}
-    spec = LogitLossSpec(**{"kl": False, **spec})
+    spec = LogitLossSpec(**{"kl": False, "diagnostics": True, **spec})
     loss, sums = reference_logit_loss(jnp.asarray([s], jnp.float32), jnp.asarray([t], jnp.float32),
                                       jnp.asarray([label]), jnp.ones(1), coeffs, spec)
     return float(loss), {k: float(v) for k, v in sums.items()}
@@ -75,6 +75,19 @@ def test_logit_correlation_metric():
     assert _one_token([-x for x in t], t, kl=True)[1]["logit_corr"] == pytest.approx(-1.0, abs=1e-5)
 
 
+def test_train_metrics_skip_the_diagnostic_passes_but_keep_the_same_values():
+    """Without diagnostics: student_ce and the terms always, the temperature-1 kl only when it is the KL term."""
+    full_loss, full = _one_token(S_LOGITS, T_LOGITS, label=1, kl=True, ce=True, unit_temperature=True)
+    loss, lean = _one_token(S_LOGITS, T_LOGITS, label=1, kl=True, ce=True, unit_temperature=True, diagnostics=False)
+    assert sorted(lean) == ["kl", "student_ce", "term/ce", "term/kl"] and loss == pytest.approx(full_loss, abs=1e-7)
+    assert all(lean[k] == pytest.approx(full[k], abs=1e-6) for k in lean)
+    hot = {"temperature": 2.0}  # the kl metric (temperature 1) is no longer the loss term: skipped
+    _, full = _one_token(S_LOGITS, T_LOGITS, label=1, kl=True, coeffs=hot)
+    _, lean = _one_token(S_LOGITS, T_LOGITS, label=1, kl=True, coeffs=hot, diagnostics=False)
+    assert sorted(lean) == ["student_ce", "term/kl"]
+    assert lean["student_ce"] == pytest.approx(full["student_ce"], abs=1e-6) == math.log(2.0)
+
+
 def test_labels_and_weights_exclude_last_position_padding_and_prompt():
     ids = jnp.asarray([[5, 6, 7, 8, 0]])
     labels, weights = labels_and_weights(ids, jnp.asarray([[0, 1, 1, 1, 1]]), jnp.asarray([[1, 1, 1, 1, 0]]))
@@ -89,12 +102,16 @@ def _softcapped(cap):
 
 
 CASES = [(dict(kl=True), 64), (dict(kl=True), 6), (dict(kl=False, reverse_kl=True, ce=True), 6),
-         (dict(kl=True, jsd=True, ce=True, top_k=5), 6), (dict(kl=False, jsd=True, jsd_beta=0.3), 4)]
+         (dict(kl=True, jsd=True, ce=True, top_k=5, diagnostics=True), 6), (dict(kl=False, jsd=True, jsd_beta=0.3), 4),
+         (dict(kl=True, ce=True, block=8, diagnostics=True), 4),  # blocks of 2 chunks, the last one padded
+         (dict(kl=True, block=12), 4), (dict(kl=True, ce=True, block=64), 2),  # 3 chunks; one block of 7
+         (dict(kl=True, block=8, vocab_slice=6, vocab=24), 4), (dict(reverse_kl=True, vocab_slice=5, vocab=24), 6)]
 
 
 @pytest.mark.parametrize("spec_kwargs,chunk", CASES)  # chunk in rows: 6 rows = 3 positions, the sequence is padded
 def test_fused_chunked_equals_reference_values_and_gradients(spec_kwargs, chunk):
-    batch, length, d_s, d_t, vocab = 2, 7, 6, 8, 23
+    spec_kwargs = dict(spec_kwargs)
+    batch, length, d_s, d_t, vocab = 2, 7, 6, 8, spec_kwargs.pop("vocab", 23)
     keys = jax.random.split(jax.random.key(0), 6)
     h_s, head_s = jax.random.normal(keys[0], (batch, length, d_s)), jax.random.normal(keys[1], (vocab, d_s))
     h_t, head_t = jax.random.normal(keys[2], (batch, length, d_t)), jax.random.normal(keys[3], (vocab, d_t))
