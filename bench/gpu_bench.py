@@ -7,8 +7,13 @@ student cut from it on disk by our surgery (13 of 26 layers, MLP 9216 -> 3072: 1
    GB/s of checkpoint bytes;
 2. distill: `distill.run` with a bf16 teacher, bf16 student compute and float32 master weights, forward KL;
    tokens/s and model FLOPs utilisation = counted FLOPs (bench/flops.py) / step time / 989 TFLOP/s (H200 bf16
-   dense peak); the batch halves on out-of-memory;
-3. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
+   dense peak). One process loads both models once and runs a sweep of step settings (batch, logit-chunk rows,
+   rematerialisation; `--sweep`), each compiled afresh; a setting that runs out of memory is recorded and skipped
+   (the student keeps training from one point to the next, so only the first point's loss starts from the cut);
+3. where the time goes (if time is left): bench/step_parts.py times the step's parts (teacher forward, student
+   trunk forward + backward, fused logit loss, AdamW) and a large matmul (the chip's practical peak) at our
+   fastest sweep point;
+4. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
 
 On CPU it runs the same code at tiny shapes (a 4-layer Gemma 2 and a 2-layer student), against the 180 GFLOP/s
 fp32 peak measured on the 2-core development machine, so the script is tested where no GPU is. One JSON line per
@@ -52,6 +57,76 @@ def child_load(folder: str) -> dict:
     return {"load_s": seconds, "peak_rss_bytes": common.peak_rss_bytes()}
 
 
+# (batch, logit_chunk rows or None for the package default, remat) per sweep point, in order of priority
+SWEEPS = {"gpu": "8:2048:none,16:4096:none", "tiny": "2:0:none,4:64:dots"}
+
+
+def parse_sweep(text: str) -> list[dict]:
+    points = []
+    for item in filter(None, text.split(",")):
+        batch, chunk, remat = item.split(":")
+        points.append({"batch": int(batch), "chunk": int(chunk) or None, "remat": None if remat == "none" else remat})
+    return points
+
+
+def child_sweep(args) -> dict:
+    """Ours: load both models once, then one `distill.run` per sweep point; each point's record is emitted as
+    soon as it is measured, so a timeout loses only the point in progress."""
+    import jax
+    import numpy as np
+
+    from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from distill.trainer import run
+    from distill_step import batches
+    from surgery.checkpoint import load_pretrained
+
+    deadline = time.perf_counter() + args.child_budget
+    teacher = load_pretrained(args.teacher, dtype=args.dtype)
+    student = load_pretrained(args.student, dtype="float32")
+    jax.block_until_ready((teacher, student))
+    peak = H200_BF16_PEAK if jax.default_backend() == "gpu" else CPU_PEAK
+    done, last_cost, best = 0, 0.0, {}
+    for point in parse_sweep(args.sweep):
+        if done and time.perf_counter() + 1.2 * last_cost > deadline:
+            common.emit({"bench": "gpu", "event": "skipped", "peer": "ours", **point, "reason": "time budget"},
+                        args.out)
+            continue
+        began = time.perf_counter()
+        total = args.warmup + args.steps
+        stage = Stage(steps=total, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
+        extra = {"logit_chunk": point["chunk"]} if point["chunk"] else {}
+        config = DistillConfig(stages=(stage,), batch_size=point["batch"], seq_len=args.seq,
+                               optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
+                               guard=GuardConfig(enabled=False), progress=False, plots=False,
+                               compute_dtype=args.dtype, remat=point["remat"], **extra)
+        record = {"bench": "gpu", "event": "distill", "peer": "ours", "seq": args.seq, "dtype": args.dtype,
+                  "logit_chunk": config.logit_chunk, **point}
+        try:
+            result = run(teacher, student, batches(teacher.config.vocab_size, point["batch"], args.seq, 0), config)
+        except Exception as error:  # out of memory (or anything else) at one point must not lose the others
+            text = f"{type(error).__name__}: {error}"
+            record.update(error=text[:2000], oom="RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
+            common.emit(record, args.out)
+            continue
+        times = [h["step_time_s"] for h in result.history]
+        step = float(np.median(times[args.warmup:]))
+        flops = step_flops(args.teacher, args.student, point["batch"], args.seq)
+        record.update(median_step_s=step, tokens_per_s=point["batch"] * args.seq / step, first_step_s=times[0],
+                      step_times_s=[round(t, 4) for t in times[args.warmup:]], step_tflop=flops / 1e12,
+                      tflop_per_s=flops / step / 1e12, mfu=flops / step / peak,
+                      loss_first=result.history[0]["loss"], loss_last=result.history[-1]["loss"],
+                      point_wall_s=time.perf_counter() - began)
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        if stats and "peak_bytes_in_use" in stats:
+            record["peak_device_bytes"] = stats["peak_bytes_in_use"]
+        common.emit(common.round_floats(record, 6), args.out)
+        done, last_cost = done + 1, time.perf_counter() - began
+        if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
+            best = {"best_batch": point["batch"], "best_chunk": config.logit_chunk, "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
+        del result
+    return {"points_done": done, **best, "peak_rss_bytes": common.peak_rss_bytes()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=("auto", "gpu", "tiny"), default="auto")
@@ -60,12 +135,21 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--peers", default="ours,torch")
+    parser.add_argument("--peers", default="ours,parts,torch")
+    parser.add_argument("--sweep", help="ours: batch:chunk:remat,... (chunk 0: default; remat none|dots|full)")
     parser.add_argument("--out", default=os.path.join(common.OUT, "gpu.jsonl"))
     parser.add_argument("--child-load", help=argparse.SUPPRESS)
+    parser.add_argument("--child-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", help=argparse.SUPPRESS)
+    parser.add_argument("--student", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--child-budget", type=float, default=BUDGET_S, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_load:
         print(json.dumps(child_load(args.child_load)))
+        return
+    if args.child_sweep:
+        print(json.dumps(child_sweep(args)))
         return
     started = time.perf_counter()
     kind, device = backend()
@@ -94,12 +178,41 @@ def main(argv=None) -> None:
             record["gb_per_s"] = size / record["load_s"] / 1e9
         common.emit(common.round_floats({"bench": "gpu", "event": "load", "cache": cache, **record}), args.out)
 
-    # 2. distillation steps: ours, then the torch peer if time allows; the batch halves on out-of-memory
+    # 2. distillation steps: ours (a sweep of settings in one process), then the torch peer if time allows
+    sweep = args.sweep or SWEEPS[scale]
+    if args.batch:  # an explicit batch replaces the sweep's batches
+        sweep = ",".join(f"{args.batch}:{p.split(':', 1)[1]}" for p in sweep.split(","))
+    best = {"batch": batch}
     for peer in [p for p in args.peers.split(",") if p]:
-        if peer != "ours" and time.perf_counter() - started > BUDGET_S * 0.6:
+        elapsed = time.perf_counter() - started
+        if peer == "ours":
+            budget = BUDGET_S * (0.55 if "parts" in args.peers else 0.75 if "torch" in args.peers else 0.95) - elapsed
+            cmd = [sys.executable, os.path.abspath(__file__), "--child-sweep", "--teacher", teacher, "--student",
+                   student, "--seq", str(seq), "--warmup", str(args.warmup), "--steps", str(args.steps), "--dtype",
+                   dtype, "--sweep", sweep, "--out", args.out, "--child-budget", str(max(30.0, budget - 20))]
+            record = common.run_child(cmd, timeout=max(60, budget + 30))
+            record.pop("versions", None)
+            common.emit(common.round_floats({"bench": "gpu", "event": "sweep_end", "peer": peer, **record}),
+                        args.out)
+            if record.get("best_batch"):
+                best = {"batch": record["best_batch"], "chunk": record.get("best_chunk")}
+            continue
+        if peer == "parts":
+            if elapsed > BUDGET_S * 0.7:
+                common.emit({"bench": "gpu", "event": "skipped", "peer": peer, "reason": "time budget"}, args.out)
+                continue
+            chunk = best.get("chunk") or (2048 if kind == "gpu" else 32)
+            cmd = [sys.executable, os.path.join(common.BENCH, "step_parts.py"), "--teacher", teacher, "--student",
+                   student, "--batch", str(best["batch"]), "--seq", str(seq), "--dtype", dtype, "--chunk",
+                   str(chunk), "--matmul", "8192" if kind == "gpu" else "512"]
+            record = common.run_child(cmd, timeout=max(60, BUDGET_S * 0.9 - elapsed))
+            record.pop("bench", None)
+            common.emit(common.round_floats({"bench": "gpu", "event": "parts", **record}, 6), args.out)
+            continue
+        if elapsed > BUDGET_S * 0.85:
             common.emit({"bench": "gpu", "event": "skipped", "peer": peer, "reason": "time budget"}, args.out)
             continue
-        b = batch
+        b = best["batch"]  # the peer runs the batch of our fastest point (halved on out-of-memory)
         while b >= 1:
             cmd = _distill_command(peer, teacher, student, b, seq, args, dtype, kind)
             record = common.run_child(cmd, timeout=max(60, BUDGET_S - (time.perf_counter() - started)))

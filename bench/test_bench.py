@@ -70,4 +70,15 @@ def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "gpu.jsonl").read_text().splitlines() if line]
     assert records, "gpu.sh wrote no measurement"
-    assert any("tokens_per_s" in r for r in records), records
+    ours = [r for r in records if r.get("event") == "distill" and r.get("peer") == "ours"]
+    assert len(ours) == 2 and all(r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in ours), ours  # both sweep points
+    assert [r["batch"] for r in ours] == [2, 4] and ours[1]["remat"] == "dots"
+    loads = [r for r in records if r.get("event") == "load"]
+    assert {r["cache"] for r in loads} == {"cold", "warm"} and all(r["gb_per_s"] > 0 for r in loads), loads
+    parts = [r for r in records if r.get("event") == "parts"]
+    assert parts and all(parts[0][f"{name}_seconds"] > 0 for name in
+                         ("teacher_forward", "student_trunk", "logit_loss", "adamw", "matmul_peak")), parts
+    torch_runs = [r for r in records if r.get("event") == "distill" and r.get("peer") == "torch"]
+    fastest = max(ours, key=lambda r: r["tokens_per_s"])  # the peer and the parts run at our fastest point
+    assert torch_runs and torch_runs[0]["batch"] == fastest["batch"] and torch_runs[0]["tokens_per_s"] > 0, torch_runs
+    assert parts[0]["batch"] == fastest["batch"] and parts[0]["chunk"] == fastest["logit_chunk"], parts
