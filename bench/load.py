@@ -26,18 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 PEERS = ("ours", "torch", "tunix")
-# "ours-fast": bench/fastload.py, the proposed aligned-buffer read path (not the package's code), for comparison.
 RSS_TARGET = 1.15
 
 
-def child_ours(folder: str, dtype: str | None, fast: bool = False) -> dict:
+def child_ours(folder: str, dtype: str | None) -> dict:
     import jax
     from flax import nnx
 
-    if fast:
-        from fastload import load_pretrained_fast as load_pretrained
-    else:
-        from surgery.checkpoint import load_pretrained
+    from surgery.checkpoint import load_pretrained
 
     jax.devices()  # start the runtime outside the timed part, as the peers' imports do
     rss_before = common.current_rss_bytes()
@@ -46,12 +42,12 @@ def child_ours(folder: str, dtype: str | None, fast: bool = False) -> dict:
     jax.block_until_ready(nnx.state(model))
     seconds = time.perf_counter() - start
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return {"peer": "ours-fast" if fast else "ours", "load_s": seconds, "peak_rss_bytes": common.peak_rss_bytes(),
+    return {"peer": "ours", "load_s": seconds, "peak_rss_bytes": common.peak_rss_bytes(),
             "rss_before_load_bytes": rss_before, "parameters": int(params), "versions": common.versions()}
 
 
 def peer_command(peer: str, folder: str, dtype: str) -> list[str]:
-    if peer in ("ours", "ours-fast"):
+    if peer == "ours":
         return [sys.executable, os.path.abspath(__file__), "--child", peer, "--checkpoint", folder, "--dtype", dtype]
     if peer == "torch":
         return [sys.executable, os.path.join(common.BENCH, "peers", "torch_peer.py"), "load", folder,
@@ -118,7 +114,7 @@ def summarise(runs: dict[str, list[dict]], cache: str, size: int, folder: str) -
         summary["ours_peak_rss_over_checkpoint"] = ratio
         summary["rss_target_met"] = ratio <= RSS_TARGET
         speedups = [v for k, v in summary.items()
-                    if k.startswith("speedup_vs_") and k != "speedup_vs_ours-fast" and v is not None]
+                    if k.startswith("speedup_vs_") and v is not None]
         summary["speed_target_met"] = bool(speedups) and all(v > 1.0 for v in speedups)
     return common.round_floats(summary)
 
@@ -133,11 +129,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--min-free-gib", type=float, default=14.0)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--child", choices=("ours", "ours-fast"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("ours",), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child_ours(args.checkpoint, args.dtype, fast=args.child == "ours-fast"), default=str))
+        print(json.dumps(child_ours(args.checkpoint, args.dtype), default=str))
         return
     folder = args.checkpoint
     if not folder:

@@ -43,11 +43,6 @@ def child(args) -> dict:
         return {"step": "read", "seconds": seconds, "bytes": n, "gb_per_s": n / seconds / 1e9,
                 "peak_rss_bytes": common.peak_rss_bytes()}
     if args.child == "plan":
-        if args.reader != "package":
-            import surgery.prune_disk
-            from fastload import row_reader
-
-            surgery.prune_disk.disk_reader = row_reader
         plan_student = _import("surgery.planner", "plan_student")
         start = time.perf_counter()
         spec = args.student_shape
@@ -60,14 +55,6 @@ def child(args) -> dict:
                 "kept_layers": list(plan.kept_layers), "kv": plan.methods.get("kv")}
     prune_checkpoint = _import("surgery.prune_disk", "prune_checkpoint")
     Plan = _import("surgery.plan", "Plan")
-    if args.reader in ("rows", "rows+pipeline"):  # proposed fixes (bench/fastload.py), not the package's code
-        import surgery.prune_disk
-        import surgery.safetensors_io
-        from fastload import pipelined_write_safetensors, row_reader
-
-        surgery.prune_disk.disk_reader = row_reader
-        if args.reader == "rows+pipeline":
-            surgery.safetensors_io.write_safetensors = pipelined_write_safetensors
     plan = Plan.load(args.plan)
     start = time.perf_counter()
     prune_checkpoint(args.teacher, plan, args.out_dir)
@@ -110,13 +97,15 @@ def main(argv=None) -> None:
     parser.add_argument("--student-shape", default="gemma-2b",
                         help="a named shape, or sizes 'layers,hidden,intermediate,heads,kv_heads'")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--readers", default="package,rows+pipeline",
-                        help="comma-separated: package (the package's code), rows (bench/fastload.py row_reader, "
-                             "a proposed fix), rows+pipeline (also its pipelined writer)")
-    parser.add_argument("--package-repeats", type=int, default=1, help="repeats of the 'package' reader")
+    parser.add_argument("--readers", default="package", choices=("package",),
+                        help="the surgery measured: package (the package's code; the row reader and pipelined "
+                             "writer once prototyped in bench/fastload.py are part of it now)")
+    parser.add_argument("--package-repeats", type=int, default=None,
+                        help="repeats of the 'package' reader (default: --repeats)")
     parser.add_argument("--package-timeout", type=float, default=180,
                         help="stop the package's surgery after this many seconds and report its progress")
-    parser.add_argument("--plan-reader", default="rows", help="reader for the (once-made) plan")
+    parser.add_argument("--plan-reader", default="package", choices=("package",),
+                        help="reader for the (once-made) plan")
     parser.add_argument("--out")
     parser.add_argument("--min-free-gib", type=float, default=14.0)
     parser.add_argument("--keep-student", action="store_true")
@@ -153,7 +142,7 @@ def main(argv=None) -> None:
         raise SystemExit("plan_student failed; see the JSON line above.")
     runs: dict[str, list[dict]] = {"read": [], **{r: [] for r in readers}}
     for repeat in range(args.repeats):
-        steps = ["read"] + [r for r in readers if r != "package" or repeat < args.package_repeats]
+        steps = ["read"] + [r for r in readers if r != "package" or repeat < (args.package_repeats or args.repeats)]
         if repeat % 2:
             steps = steps[::-1]
         for step in steps:

@@ -72,8 +72,8 @@ def section_load(records: list[dict]) -> list[str]:
         return out + ["Not measured yet (`python bench/load.py`).", ""]
     any_summary = warm or cold
     gb = any_summary["checkpoint_bytes"] / 1e9
-    out += [f"Run `{any_summary.get('run')}`: `python bench/load.py --shape gemma-2-2b --peers ours,ours-fast,torch,"
-            "tunix --cache warm,cold`.", "",
+    out += [f"Run `{any_summary.get('run')}`: `python bench/load.py --shape gemma-2-2b --peers ours,torch,tunix "
+            "--cache warm,cold`.", "",
             f"Checkpoint: `{any_summary['checkpoint']}` shape, bf16, {gb:.2f} GB in safetensors shards; every peer "
             "keeps bf16. Time from the loader call to every parameter resident; peak RSS of the whole process. "
             "Warm: files in the page cache; cold: evicted before every run. Medians over repeats; speed-up = "
@@ -124,7 +124,7 @@ def section_prune(records: list[dict]) -> list[str]:
         return out + ["Not measured yet (`python bench/prune.py`).", ""]
     runs = runs_of(records, s, bench="prune")
     reads = [r["seconds"] for r in runs if r.get("step") == "read" and "error" not in r]
-    out += [f"Run `{s.get('run')}`: `python bench/prune.py --readers package,rows+pipeline`.", "",
+    out += [f"Run `{s.get('run')}`: `python bench/prune.py --readers package`.", "",
             f"Teacher `{s['teacher']}`: {s['teacher_bytes'] / 1e9:.2f} GB bf16; student `{s['student']}`. Cold page "
             "cache for the teacher before every step; each step a fresh process; the reference read and the "
             "surgeries alternate within each repeat.", "",

@@ -23,10 +23,10 @@ stamp() { echo "[run_all $(date +%H:%M:%S)] $*" >&2; }
 
 "$PY" bench/common.py "$OUT" >/dev/null
 if want load || want distill_tiny || want distill_270m; then "$PY" bench/tunix_env.py >/dev/null; fi
-if want load; then stamp load; "$PY" bench/load.py --shape gemma-2-2b --peers ours,ours-fast,torch,tunix \
+if want load; then stamp load; "$PY" bench/load.py --shape gemma-2-2b --peers ours,torch,tunix \
     --repeats 2 --cache warm,cold --out "$OUT" >/dev/null; fi
 if want prune; then stamp prune; "$PY" bench/prune.py --teacher-shape gemma-7b --student-shape gemma-2b \
-    --readers package,rows+pipeline --package-repeats 2 --package-timeout 300 --repeats 2 --out "$OUT" >/dev/null; fi
+    --readers package --package-repeats 2 --package-timeout 300 --repeats 2 --out "$OUT" >/dev/null; fi
 if want distill_tiny; then stamp distill_tiny; "$PY" bench/distill_step.py --scale tiny --repeats 2 \
     --out "$OUT" >/dev/null; fi
 if want distill_270m; then stamp distill_270m; "$PY" bench/distill_step.py --scale 270m --repeats 2 --warmup 2 \

@@ -6,7 +6,6 @@ same files.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -46,26 +45,9 @@ def ensure_pair(scale: str, root: str | None = None) -> tuple[str, str]:
         plan_student = _import("surgery.planner", "plan_student")
         prune_checkpoint = _import("surgery.prune_disk", "prune_checkpoint")
         StudentSpec = _import("surgery.spec", "StudentSpec")
-        with fast_disk_reads():
-            plan = plan_student(teacher, StudentSpec(*sizes), depth="uniform", width="magnitude")
-            prune_checkpoint(teacher, plan, student, report=False)
+        plan = plan_student(teacher, StudentSpec(*sizes), depth="uniform", width="magnitude")
+        prune_checkpoint(teacher, plan, student, report=False)
     return teacher, student
-
-
-@contextlib.contextmanager
-def fast_disk_reads():
-    """Setup only (not a measurement): the surgery's disk reads through bench/fastload.py's `row_reader`, which
-    gives the same bytes without re-reading whole tensors per row run (bench/NOTES.md), so that making a 1B
-    student takes seconds, not hours."""
-    import surgery.prune_disk as prune_disk
-    from fastload import row_reader
-
-    original = prune_disk.disk_reader
-    prune_disk.disk_reader = row_reader
-    try:
-        yield
-    finally:
-        prune_disk.disk_reader = original
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """Fast checks of the benchmark tooling (not timings): `python -m pytest -q bench/test_bench.py` (~20 s).
 
 The synthetic checkpoints load in transformers and in our loader with the same values, the FLOP count matches
-the peer study's, and the proposed read/write paths of bench/fastload.py give bit-identical results to the
-package's code.
+the peer study's, the report renders and the GPU script runs at tiny shapes.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -42,7 +40,7 @@ def test_synthetic_checkpoint_matches_transformers(checkpoints):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     ours = load_pretrained(folder)
     gate = hf.model.layers[1].mlp.gate_proj.weight.detach().float().numpy()
-    np.testing.assert_array_equal(np.asarray(ours.layers[1].mlp.gate_proj.kernel[...], np.float32).T, gate)
+    np.testing.assert_array_equal(np.asarray(ours.layers[1].mlp.gate_proj.weight[...], np.float32), gate)
     magnitude = np.abs(gate)
     assert 0.0078 <= magnitude.min() and magnitude.max() < 0.0313  # the documented value range
 
@@ -51,41 +49,6 @@ def test_flops_match_peer_study():
     teacher = shape_config("gemma-3-270m").to_hf_dict()
     student = dict(teacher, num_hidden_layers=9)
     assert step_flops(teacher, student, 2, 128) / 1e9 == pytest.approx(477.98, abs=0.01)
-
-
-@pytest.mark.parametrize("shape", ["tiny-gemma", "tiny-gemma2", "tiny-gemma3"])
-def test_fast_load_is_bit_identical(checkpoints, shape):
-    result = subprocess.run([sys.executable, os.path.join(BENCH, "fastload.py"), checkpoints[shape], "--check"],
-                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=common.ROOT))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1])["identical"]
-
-
-def test_row_reader_equals_disk_reader(checkpoints):
-    from fastload import row_reader
-    from surgery.prune_disk import disk_reader
-
-    rng = np.random.default_rng(0)
-    folder = checkpoints["tiny-gemma3"]
-    with contextlib.ExitStack() as stack:
-        ours, theirs = row_reader(folder, np.float32, stack), disk_reader(folder, np.float32, stack)
-        for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"):
-            for rows, cols in ((None, None), (rng.choice(48, 20, replace=False), np.array([5, 2, 40])),
-                               (np.array([0, 1, 2, 30, 31, 47]), None), (np.arange(3, 40), np.arange(8, 16))):
-                cols = None if name.endswith("norm.weight") else cols
-                np.testing.assert_array_equal(ours(name, rows, cols), theirs(name, rows, cols))
-
-
-def test_pipelined_writer_writes_the_same_bytes(tmp_path, checkpoints):
-    import surgery.safetensors_io as io
-    from fastload import pipelined_write_safetensors
-
-    tensors = [io.PendingTensor(f"t{i}", (i + 3, 5), np.float32,
-                                lambda i=i: np.arange((i + 3) * 5, dtype=np.float32).reshape(i + 3, 5) * i)
-               for i in range(4)]
-    io.write_safetensors(str(tmp_path / "a.safetensors"), tensors)
-    pipelined_write_safetensors(str(tmp_path / "b.safetensors"), tensors)
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
 def test_report_renders_partial_results(tmp_path):

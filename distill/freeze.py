@@ -1,6 +1,6 @@
 """Which student parameters train: path patterns or NNX filters, the trainable/frozen split, optimizer-state carry.
 
-Paths are the '.'-joined NNX paths of parameters, e.g. `layers.3.self_attn.k_proj.kernel`, `embed_tokens`.
+Paths are the '.'-joined NNX paths of parameters, e.g. `layers.3.self_attn.k_proj.weight`, `embed_tokens`.
 A pattern is a shell glob over that string (`*` also crosses dots) with brace alternatives, and it matches a path
 when it matches the whole path or a prefix of whole segments:
 
@@ -136,7 +136,7 @@ def carry_matching(new_tree: Any, old_tree: Any) -> tuple[Any, int]:
 
 
 def decay_mask(tree: Any) -> Any:
-    """Weight decay on matrices only (kernels, embeddings), not on norm scales or vectors."""
+    """Weight decay on matrices only (projection weights, embeddings), not on norm scales or vectors."""
     return jax.tree.map(lambda leaf: leaf.ndim >= 2, tree)
 
 

@@ -23,7 +23,7 @@ HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memo
 
 
 def memory_reader(model: Gemma) -> Reader:
-    """`read(hf_name, rows, cols)` over an NNX model's parameters, in HF layout and the model's dtype."""
+    """`read(hf_name, rows, cols, out=None)` over an NNX model's parameters, in HF layout and the model's dtype."""
     state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     table = {entry.hf_name: entry for entry in tensor_table(model.config)}
     head_dim = model.config.head_dim
@@ -40,19 +40,23 @@ def memory_reader(model: Gemma) -> Reader:
     def take(array, index, axis):
         return array if index is None else jnp.take(array, jnp.asarray(index), axis=axis)
 
-    def read(name, rows, cols):
-        entry = table[name]
+    def read(name, rows, cols, out=None):
+        block = gather(table[name], rows, cols)
+        if out is None:
+            return block
+        out[...] = block
+        return out
+
+    def gather(entry, rows, cols):
         array = state[entry.path][...]
-        if entry.layout == "same":
+        if entry.layout == "same":  # HF layout already
             block = take(take(array, rows, 0), cols, 1) if array.ndim == 2 else take(array, rows, 0)
             return np.asarray(jax.device_get(block))
-        if entry.layout == "transpose":  # NNX (in, out) = HF [out, in].T
-            return np.asarray(jax.device_get(take(take(array, rows, 1), cols, 0))).T
-        if entry.layout == "heads_in":  # NNX (D, N, H), HF [N*H, D]
-            block = np.asarray(jax.device_get(take(take(array, heads_of(rows), 1), cols, 0)))
-            return block.reshape(block.shape[0], -1).T
-        block = np.asarray(jax.device_get(take(take(array, heads_of(cols), 0), rows, 2)))  # heads_out (N, H, D)
-        return block.reshape(-1, block.shape[-1]).T
+        if entry.layout == "split_rows":  # NNX (N, H, D) = HF [N*H, D]
+            block = np.asarray(jax.device_get(take(take(array, heads_of(rows), 0), cols, 2)))
+            return block.reshape(-1, block.shape[-1])
+        block = np.asarray(jax.device_get(take(take(array, rows, 0), heads_of(cols), 1)))  # split_cols (D, N, H)
+        return block.reshape(block.shape[0], -1)
 
     return read
 

@@ -1,18 +1,20 @@
 """Hugging Face checkpoint <-> NNX Gemma: the tensor table, streaming load and streaming save.
 
-`tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes:
+`tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes. The
+model keeps HF's own layouts (surgery/model.py), so the only change is a reshape that names the head axes:
 
-    same       norms, embedding             identical
-    transpose  gate/up/down, lm_head        HF [out, in]  -> Flax [in, out]
-    heads_in   q/k/v_proj                   HF [N*H, D]   -> (D, N, H)
-    heads_out  o_proj                       HF [D, N*H]   -> (N, H, D)
+    same        norms, embedding, gate/up/down, lm_head     identical
+    split_rows  q/k/v_proj                                  HF [N*H, D] -> (N, H, D)
+    split_cols  o_proj                                      HF [D, N*H] -> (D, N, H)
 
-Loading builds the model abstractly (no memory), then reads each parameter once, straight into its device
-shards with `jax.make_array_from_callback` and `get_slice`, one file at a time with `backend="pread"`. Saving
-writes tensor by tensor into a temporary folder that is renamed into place at the end.
+Loading builds the model abstractly (no memory), checks every tensor against it, then reads each parameter once,
+straight into 64-byte-aligned host buffers that XLA:CPU adopts without copying (`surgery.block_reads`: row
+pieces on two threads). Saving writes tensor by tensor into a temporary folder that is renamed into place at the
+end, producing the next tensor while the current one is written.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ from flax import nnx
 
 from .config import GemmaConfig
 from .model import Gemma, abstract_model, parameter_sharding
+from .block_reads import LoadJob, fill_parameters
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, checkpoint_weight_map, copy_aux_files,
                              dtype_code, iter_groups_by_file, open_safetensors, write_json, write_model_files)
 
@@ -56,8 +59,8 @@ def resolve_dtype(dtype):
 @dataclass(frozen=True)
 class TensorEntry:
     hf_name: str
-    path: tuple  # NNX state path, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
-    layout: str  # same | transpose | heads_in | heads_out
+    path: tuple  # NNX state path, e.g. ("layers", 0, "self_attn", "q_proj", "weight")
+    layout: str  # same | split_rows | split_cols
 
 
 def tensor_table(config: GemmaConfig) -> list[TensorEntry]:
@@ -68,9 +71,9 @@ def tensor_table(config: GemmaConfig) -> list[TensorEntry]:
         entries.append(TensorEntry(f"{prefix}.input_layernorm.weight", layer + ("input_layernorm", "scale"), "same"))
         for proj in ("q_proj", "k_proj", "v_proj"):
             entries.append(TensorEntry(f"{prefix}.self_attn.{proj}.weight",
-                                       layer + ("self_attn", proj, "kernel"), "heads_in"))
+                                       layer + ("self_attn", proj, "weight"), "split_rows"))
         entries.append(TensorEntry(f"{prefix}.self_attn.o_proj.weight",
-                                   layer + ("self_attn", "o_proj", "kernel"), "heads_out"))
+                                   layer + ("self_attn", "o_proj", "weight"), "split_cols"))
         if config.uses_qk_norm:
             for norm in ("q_norm", "k_norm"):
                 entries.append(TensorEntry(f"{prefix}.self_attn.{norm}.weight",
@@ -81,49 +84,43 @@ def tensor_table(config: GemmaConfig) -> list[TensorEntry]:
         for norm in norms:
             entries.append(TensorEntry(f"{prefix}.{norm}.weight", layer + (norm, "scale"), "same"))
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            entries.append(TensorEntry(f"{prefix}.mlp.{proj}.weight", layer + ("mlp", proj, "kernel"), "transpose"))
+            entries.append(TensorEntry(f"{prefix}.mlp.{proj}.weight", layer + ("mlp", proj, "weight"), "same"))
     entries.append(TensorEntry("model.norm.weight", ("norm", "scale"), "same"))
     if not config.tie_word_embeddings:
-        entries.append(TensorEntry("lm_head.weight", ("lm_head",), "transpose"))
+        entries.append(TensorEntry("lm_head.weight", ("lm_head",), "same"))
     return entries
 
 
 def hf_shape(layout: str, nnx_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint's shape of a parameter of NNX shape `nnx_shape`."""
     if layout == "same":
         return tuple(nnx_shape)
-    if layout == "transpose":
-        return tuple(nnx_shape[::-1])
-    if layout == "heads_in":  # (D, N, H) -> [N*H, D]
-        return (nnx_shape[1] * nnx_shape[2], nnx_shape[0])
-    return (nnx_shape[2], nnx_shape[0] * nnx_shape[1])  # heads_out (N, H, D) -> [D, N*H]
+    if layout == "split_rows":  # (N, H, D) -> [N*H, D]
+        return (nnx_shape[0] * nnx_shape[1], nnx_shape[2])
+    return (nnx_shape[0], nnx_shape[1] * nnx_shape[2])  # split_cols (D, N, H) -> [D, N*H]
 
 
 def to_hf_layout(layout: str, array: np.ndarray) -> np.ndarray:
-    if layout == "same":
-        return array
-    if layout == "transpose":
-        return array.T
-    if layout == "heads_in":
-        return array.reshape(array.shape[0], -1).T
-    return array.reshape(-1, array.shape[-1]).T
+    """The HF-shaped view of an NNX parameter (a reshape; no data moves for a contiguous array)."""
+    return array.reshape(hf_shape(layout, array.shape))
 
 
 def read_nnx_block(hf_slice, layout: str, nnx_shape: tuple[int, ...], index: tuple) -> np.ndarray:
-    """Read the block `index` (slices into the NNX shape) of a parameter from an HF `get_slice` handle."""
+    """Read the block `index` (slices into the NNX shape) of a parameter from an HF `get_slice` handle or a
+    numpy array in HF layout. Whole head rows (or columns) are one contiguous range, so this is a slice and a
+    reshape; the head_dim axis is only cut when a mesh shards it."""
     bounds = [s.indices(n)[:2] for s, n in zip(index, nnx_shape)] if index else [(0, n) for n in nnx_shape]
     if layout == "same":
         return hf_slice[tuple(slice(a, b) for a, b in bounds)]
-    if layout == "transpose":
-        (r0, r1), (c0, c1) = bounds
-        return np.ascontiguousarray(hf_slice[c0:c1, r0:r1].T)
-    head_dim = nnx_shape[1] if layout == "heads_out" else nnx_shape[2]
-    if layout == "heads_in":  # block (d, n, h) of (D, N, H) from [N*H, D]
-        (d0, d1), (n0, n1), (h0, h1) = bounds
-        block = hf_slice[n0 * head_dim:n1 * head_dim, d0:d1].T.reshape(d1 - d0, n1 - n0, head_dim)
-        return np.ascontiguousarray(block[:, :, h0:h1])
-    (n0, n1), (h0, h1), (d0, d1) = bounds  # heads_out: block (n, h, d) of (N, H, D) from [D, N*H]
-    block = hf_slice[d0:d1, n0 * head_dim:n1 * head_dim].T.reshape(n1 - n0, head_dim, d1 - d0)
-    return np.ascontiguousarray(block[:, h0:h1, :])
+    if layout == "split_rows":  # block (n, h, d) of (N, H, D) from [N*H, D]
+        (n0, n1), (h0, h1), (d0, d1) = bounds
+        head_dim = nnx_shape[1]
+        block = hf_slice[n0 * head_dim:n1 * head_dim, d0:d1].reshape(n1 - n0, head_dim, d1 - d0)
+        return block if h1 - h0 == head_dim else np.ascontiguousarray(block[:, h0:h1, :])
+    (d0, d1), (n0, n1), (h0, h1) = bounds  # split_cols: block (d, n, h) of (D, N, H) from [D, N*H]
+    head_dim = nnx_shape[2]
+    block = hf_slice[d0:d1, n0 * head_dim:n1 * head_dim].reshape(d1 - d0, n1 - n0, head_dim)
+    return block if h1 - h0 == head_dim else np.ascontiguousarray(block[:, :, h0:h1])
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -215,21 +212,21 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
     model = abstract_model(config, dtype=dtype, mesh=mesh)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
-    filled = set()
     by_name = {names[e.hf_name]: e for e in table}
-    for file_name, hf_names in iter_groups_by_file([names[e.hf_name] for e in table], weight_map).items():
-        path = os.path.join(folder, file_name)
-        with open_safetensors(path) as f:
+    with contextlib.ExitStack() as stack:
+        jobs = []  # every tensor checked against the config before anything is read
+        for file_name, hf_names in iter_groups_by_file([names[e.hf_name] for e in table], weight_map).items():
+            path = os.path.join(folder, file_name)
+            f = stack.enter_context(open_safetensors(path))
             for stored_name in hf_names:
                 entry = by_name[stored_name]
-                variable = variables[entry.path]
-                _fill(variable, _get_slice(f, stored_name, path), entry, path, stored_name, dtype, mesh)
-                filled.add(entry.path)
-    assert filled == set(variables), f"unfilled parameters: {sorted(set(variables) - filled)}"
+                jobs.append(_load_job(variables[entry.path], _get_slice(f, stored_name, path), entry, path,
+                                      stored_name, dtype, mesh))
+        fill_parameters(jobs, lambda job, index: read_nnx_block(job.hf_slice, job.layout, job.shape, index))
     return nnx.merge(graphdef, state)
 
 
-def _fill(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, mesh) -> None:
+def _load_job(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, mesh) -> LoadJob:
     nnx_shape = tuple(variable.shape)
     want = hf_shape(entry.layout, nnx_shape)
     found = tuple(hf_slice.get_shape())
@@ -237,13 +234,7 @@ def _fill(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, m
         raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, config.json implies {list(want)}.")
     if hf_slice.get_dtype() not in STORED_DTYPES:
         raise CheckpointError(f"{path}: tensor {name} has dtype {hf_slice.get_dtype()}; expected F32, BF16 or F16.")
-    np_dtype = np.dtype(dtype)
-
-    def read(index):  # one device's block; the only host copy of it besides the device buffer
-        return read_nnx_block(hf_slice, entry.layout, nnx_shape, index).astype(np_dtype, copy=False)
-
-    sharding = parameter_sharding(variable, mesh)
-    variable.set_value(jax.make_array_from_callback(nnx_shape, sharding, read))
+    return LoadJob(variable, hf_slice, entry.layout, nnx_shape, np.dtype(dtype), parameter_sharding(variable, mesh))
 
 
 def _check_tied_head(folder, weight_map, names, rows_per_read: int = 8192) -> None:
@@ -276,9 +267,9 @@ def model_tensors(model: Gemma, dtype=None) -> list[PendingTensor]:
         out_dtype = np.dtype(variable.dtype if dtype is None else dtype)
 
         def produce(variable=variable, layout=entry.layout, out_dtype=out_dtype):
-            # One host copy: the gather; the layout change and cast happen in the single contiguous copy.
-            return np.ascontiguousarray(to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))),
-                                        dtype=out_dtype)
+            # The gather (on CPU a view of the device buffer); the HF layout is a reshape, so a copy is made
+            # only to change the dtype.
+            return np.asarray(to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))), dtype=out_dtype)
 
         tensors.append(PendingTensor(entry.hf_name, hf_shape(entry.layout, tuple(variable.shape)), out_dtype,
                                      produce))
@@ -290,13 +281,15 @@ def torch_dtype_name(dtype) -> str:
 
 
 def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTensor], *, source: str | None = None,
-                    max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None) -> str:
+                    max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None,
+                    produce_ahead: int = 1) -> str:
     """Write config.json, safetensors and the teacher's tokenizer files into `out_dir`, atomically.
 
-    `extra_files` maps a file name to JSON data (e.g. the surgery plan) or to a callable `(path) -> None`."""
+    `extra_files` maps a file name to JSON data (e.g. the surgery plan) or to a callable `(path) -> None`.
+    `produce_ahead` tensors are produced on as many threads while one is written."""
     dtype = torch_dtype_name(tensors[0].dtype) if tensors else "float32"
     with atomic_folder(out_dir) as tmp:
-        write_model_files(tmp, tensors, max_shard_size)
+        write_model_files(tmp, tensors, max_shard_size, ahead=produce_ahead)
         write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=dtype))
         if source:
             copy_aux_files(resolve_source(source) if not os.path.isdir(source) else source, tmp)

@@ -1,8 +1,12 @@
 """Gemma 1 / 2 / 3 (text) in Flax NNX, shaped like the Hugging Face checkpoint.
 
-One module per HF tensor group, with the same names (`model.layers.3.self_attn.q_proj.weight` is
-`model.layers[3].self_attn.q_proj.kernel` here), so loading, saving and surgery are a table lookup. Kernels use
-Flax's `x @ kernel` layout with named head axes, so each einsum says what it does:
+One module per HF tensor group, with the same names: a projection's NNX path is its HF tensor name without the
+`model.` prefix (`model.layers.3.self_attn.q_proj.weight` is `model.layers[3].self_attn.q_proj.weight` here, NNX
+path `layers.3.self_attn.q_proj.weight`); norms hold HF's `.weight` as `.scale`, and `embed_tokens` / `lm_head`
+are bare parameters. Every projection holds HF's own `[out, in]` weight, only reshaped to name its head axes
+(q_proj `(N, H, D)` is HF's `(N*H, D)`, k/v_proj `(K, H, D)`, o_proj `(D, N, H)` is HF's `(D, N*H)`, gate/up
+`(F, D)`, down `(D, F)`, untied lm_head `(V, D)`), so loading and saving are straight byte copies, never
+transposes. Each einsum names its axes:
 
     D hidden   F MLP width   N query heads   K KV heads   G query heads per KV head   H head_dim
     B batch    T query positions   S key positions   V vocabulary
@@ -16,12 +20,14 @@ forward stores nothing extra; they are plain outputs, so they work inside `jax.j
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from typing import Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .config import FULL, SLIDING, GemmaConfig
@@ -37,17 +43,39 @@ def fitted_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh=None)
     return tuple(a if a in sizes and dim % sizes[a] == 0 else None for dim, a in zip(shape, axes))
 
 
-def _param(init, key, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
-    """A parameter carrying its logical `axes`; sharded at creation when a mesh is active (Flax eager sharding)."""
-    value = init(key, shape, dtype)
+_ABSTRACT = contextvars.ContextVar("surgery_abstract_parameters", default=False)
+
+
+def _param(init, rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
+    """A parameter carrying its logical `axes`; sharded at creation when a mesh is active (Flax eager sharding).
+
+    Inside `abstract_model` the value is a `jax.ShapeDtypeStruct` made directly (no initialiser is traced, no
+    random key is drawn), with the sharding the concrete parameter would get."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is not None and not mesh.empty:
-        return nnx.Param(value, axes=axes, out_sharding=fitted_spec(shape, axes, mesh))
+    spec = fitted_spec(shape, axes, mesh) if mesh is not None and not mesh.empty else None
+    if _ABSTRACT.get():
+        sharding = None if spec is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        variable = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding), axes=axes)
+        if spec is not None:
+            variable.set_metadata("out_sharding", spec)  # as eager sharding records it, without placing anything
+        return variable
+    value = init(None if rngs is None else rngs.params(), shape, dtype)
+    if spec is not None:
+        return nnx.Param(value, axes=axes, out_sharding=spec)
     return nnx.Param(value, axes=axes)
 
 
-def _normal(std: float):
-    return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _normal(std: float, drawn_as: tuple[int, ...] | None = None):
+    """normal(std) values; with `drawn_as`, drawn in the axis order `drawn_as` of the parameter's shape and then
+    moved into place (projections draw in (in, out) order, so `create_model(config, seed=s)` gives the same
+    weights as before projections were stored in HF's [out, in] layout)."""
+    if drawn_as is None:
+        return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    def init(key, shape, dtype):
+        drawn = std * jax.random.normal(key, tuple(shape[a] for a in drawn_as), jnp.float32)
+        return jnp.transpose(drawn, tuple(int(a) for a in np.argsort(drawn_as))).astype(dtype)
+    return init
 
 
 def _zeros(key, shape, dtype):
@@ -68,24 +96,36 @@ class RMSNorm(nnx.Module):
         return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
-class Projection(nnx.Module):
-    """A bias-free projection whose kernel has named axes; `spec` is the einsum applied to the input."""
+# Axis orders in which projections draw their initial values: (in, out), as Flax kernels were stored.
+IN_OUT = (1, 0)  # [out, in] matrices: gate/up (F, D), down (D, F), lm_head (V, D)
+IN_OUT_HEADS = (2, 0, 1)  # q/k/v (N, H, D) drawn as (D, N, H)
+IN_HEADS_OUT = (1, 2, 0)  # o_proj (D, N, H) drawn as (N, H, D)
 
-    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: str, *, dtype, rngs: nnx.Rngs):
-        self.kernel = _param(_normal(0.02), rngs.params(), shape, axes, dtype)
+
+class Projection(nnx.Module):
+    """A bias-free projection whose `weight` is HF's `[out, in]` matrix with named axes; `spec` is the einsum
+    applied to the input (`"BTD,FD->BTF"`: input first, weight second)."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: str, *, drawn_as: tuple[int, ...],
+                 dtype, rngs: nnx.Rngs):
+        self.weight = _param(_normal(0.02, drawn_as), rngs, shape, axes, dtype)
         self.spec = spec
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum(self.spec, x, self.kernel[...].astype(x.dtype))
+        return jnp.einsum(self.spec, x, self.weight[...].astype(x.dtype))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: GemmaConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Projection((d, n, h), ("fsdp", "tp", None), "BTD,DNH->BTNH", dtype=dtype, rngs=rngs)
-        self.k_proj = Projection((d, k, h), ("fsdp", "tp", None), "BSD,DKH->BSKH", dtype=dtype, rngs=rngs)
-        self.v_proj = Projection((d, k, h), ("fsdp", "tp", None), "BSD,DKH->BSKH", dtype=dtype, rngs=rngs)
-        self.o_proj = Projection((n, h, d), ("tp", None, "fsdp"), "BTNH,NHD->BTD", dtype=dtype, rngs=rngs)
+        self.q_proj = Projection((n, h, d), ("tp", None, "fsdp"), "BTD,NHD->BTNH",
+                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
+        self.k_proj = Projection((k, h, d), ("tp", None, "fsdp"), "BSD,KHD->BSKH",
+                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
+        self.v_proj = Projection((k, h, d), ("tp", None, "fsdp"), "BSD,KHD->BSKH",
+                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
+        self.o_proj = Projection((d, n, h), ("fsdp", "tp", None), "BTNH,DNH->BTD",
+                                 drawn_as=IN_HEADS_OUT, dtype=dtype, rngs=rngs)
         if cfg.uses_qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -124,9 +164,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: GemmaConfig, *, dtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Projection((d, f), ("fsdp", "tp"), "BTD,DF->BTF", dtype=dtype, rngs=rngs)
-        self.up_proj = Projection((d, f), ("fsdp", "tp"), "BTD,DF->BTF", dtype=dtype, rngs=rngs)
-        self.down_proj = Projection((f, d), ("tp", "fsdp"), "BTF,FD->BTD", dtype=dtype, rngs=rngs)
+        self.gate_proj = Projection((f, d), ("tp", "fsdp"), "BTD,FD->BTF", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
+        self.up_proj = Projection((f, d), ("tp", "fsdp"), "BTD,FD->BTF", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
+        self.down_proj = Projection((d, f), ("fsdp", "tp"), "BTF,DF->BTD", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, captured: dict | None):
         activations = jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x)
@@ -187,14 +227,15 @@ class Gemma(nnx.Module):
     """A Gemma causal LM. `config` decides the family, sizes and every layer's attention type."""
 
     def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        if rngs is None and not _ABSTRACT.get():  # abstract parameters draw no keys (nnx.Rngs costs a compile)
+            rngs = nnx.Rngs(0)
         self.config = config
         d, v = config.hidden_size, config.vocab_size
-        self.embed_tokens = _param(_normal(0.02), rngs.params(), (v, d), ("tp", "fsdp"), dtype)
+        self.embed_tokens = _param(_normal(0.02), rngs, (v, d), ("tp", "fsdp"), dtype)
         self.layers = nnx.List([DecoderLayer(config, t, dtype=dtype, rngs=rngs) for t in config.layer_types])
         self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = _param(_normal(0.02), rngs.params(), (d, v), ("fsdp", "tp"), dtype)
+            self.lm_head = _param(_normal(0.02, IN_OUT), rngs, (v, d), ("tp", "fsdp"), dtype)
 
     @property
     def dtype(self):
@@ -209,7 +250,7 @@ class Gemma(nnx.Module):
         """The (V, D) matrix of the LM head: `logits = final_hidden @ head_matrix().T`."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens[...]
-        return self.lm_head[...].T
+        return self.lm_head[...]
 
     def logits_from_hidden(self, final_hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Final-norm hidden states -> logits (float32), with the final soft-cap. `head` may be a row block of
@@ -275,7 +316,7 @@ def attention_mask(positions: jax.Array, key_mask: jax.Array | None, window: int
 
 
 def create_model(config: GemmaConfig, *, dtype=jnp.float32, seed: int = 0, mesh=None) -> Gemma:
-    """A randomly initialised Gemma (normal(0.02) kernels, zero norms), sharded over `mesh` when given."""
+    """A randomly initialised Gemma (normal(0.02) weights, zero norms), sharded over `mesh` when given."""
     if mesh is None:
         return Gemma(config, dtype=dtype, rngs=nnx.Rngs(seed))
     with jax.set_mesh(mesh):
@@ -283,13 +324,16 @@ def create_model(config: GemmaConfig, *, dtype=jnp.float32, seed: int = 0, mesh=
 
 
 def abstract_model(config: GemmaConfig, *, dtype=jnp.float32, mesh=None) -> Gemma:
-    """The model's structure with ShapeDtypeStruct leaves: no memory is allocated."""
-    def build():
-        return nnx.eval_shape(lambda: Gemma(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    if mesh is None:
-        return build()
-    with jax.set_mesh(mesh):
-        return build()
+    """The model's structure with ShapeDtypeStruct leaves (sharded like `create_model`'s under `mesh`): no memory
+    is allocated and no initialiser runs, so it costs milliseconds even for a 7B config."""
+    token = _ABSTRACT.set(True)
+    try:
+        if mesh is None:
+            return Gemma(config, dtype=dtype)
+        with jax.set_mesh(mesh):
+            return Gemma(config, dtype=dtype)
+    finally:
+        _ABSTRACT.reset(token)
 
 
 def parameter_sharding(variable: nnx.Variable, mesh) -> jax.sharding.Sharding:

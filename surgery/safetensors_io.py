@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -21,6 +22,8 @@ from typing import Callable, Iterable, Iterator
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before reading BF16 with framework="numpy")
 import numpy as np
 from safetensors import SafetensorError, safe_open
+
+from .pipeline import work_ahead
 
 DTYPE_CODES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
@@ -88,6 +91,8 @@ def open_safetensors(path: str):
                               "download or write it again.") from None
     header = _check_extent(path, size)
     fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):  # reads go mostly forward: a larger kernel read-ahead for cold files
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     try:
         yield SafetensorsFile(path, fd, header, 8 + header_len)
     finally:
@@ -110,6 +115,7 @@ def _check_extent(path: str, size: int) -> dict:
 
 
 ALIGN = 64  # XLA:CPU uses a host buffer without copying it only when its address is 64-byte aligned
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python's mmap names it from 3.12
 
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -128,6 +134,14 @@ class SafetensorsFile:
         self.path, self.fd, self.data_start = path, fd, data_start
         self.header = {k: v for k, v in header.items() if k != "__metadata__"}
         self._metadata = header.get("__metadata__")
+        self._mapping = None
+
+    def mapping(self) -> mmap.mmap:
+        """The whole file mapped copy-on-write (MAP_PRIVATE): arrays viewing it never change the file, and the
+        mapping outlives this handle for as long as an array views it."""
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+        return self._mapping
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -162,12 +176,18 @@ class RowSlice:
     def get_dtype(self) -> str:
         return self.code
 
-    def read_rows(self, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) in the stored dtype: into `out` (C-contiguous, that shape and dtype) when given,
+        else into a fresh 64-byte-aligned buffer."""
         if self.dtype is None:
             raise CheckpointError(f"{self.file.path}: tensor {self.name} has dtype {self.code}; expected F32, BF16 "
                                   "or F16.")
         rows = max(0, stop - start)
-        out = aligned_empty((rows,) + self.shape[1:], self.dtype)
+        if out is None:
+            out = aligned_empty((rows,) + self.shape[1:], self.dtype)
+        elif out.shape != (rows,) + self.shape[1:] or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: read_rows({start}, {stop}) needs a C-contiguous {self.dtype} buffer of "
+                             f"shape {(rows,) + self.shape[1:]}, got {out.dtype} {out.shape}.")
         row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
         position = self.offset + start * row_bytes
@@ -177,6 +197,32 @@ class RowSlice:
                 raise CheckpointError(f"{self.file.path}: short read of tensor {self.name}; the file is truncated.")
             done += count
         return out
+
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def mapped_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) as a view of the file's copy-on-write mapping: nothing is read until `populate`."""
+        count = (stop - start) * int(np.prod(self.shape[1:], dtype=np.int64))
+        view = np.frombuffer(self.file.mapping(), self.dtype, count, self.offset + start * self.row_bytes())
+        return view.reshape((stop - start,) + self.shape[1:])
+
+    def mapped_address_offset(self, start: int) -> int:
+        """Where row `start` lies in the file: a mapped view of it is aligned to ALIGN when this is."""
+        return self.offset + start * self.row_bytes()
+
+    def populate(self, start: int, stop: int) -> None:
+        """Make the mapped rows [start, stop) resident (read from disk when they are not cached), in one system
+        call where the kernel has MADV_POPULATE_READ (Linux 5.14), else by touching every page."""
+        lo, hi = self.offset + start * self.row_bytes(), self.offset + stop * self.row_bytes()
+        if hi <= lo:
+            return
+        lo_page = lo - lo % mmap.PAGESIZE
+        try:
+            self.file.mapping().madvise(MADV_POPULATE_READ, lo_page, hi - lo_page)
+        except (AttributeError, OSError, ValueError):
+            pages = np.frombuffer(self.file.mapping(), np.uint8, hi - lo_page, lo_page)[::mmap.PAGESIZE]
+            int(pages.max())
 
     def __getitem__(self, index) -> np.ndarray:
         if not self.shape:
@@ -194,7 +240,10 @@ class RowSlice:
         rest = index[1:]
         if all(part == slice(None) for part in rest):
             return rows
-        return np.ascontiguousarray(rows[(slice(None),) + rest])
+        block = rows[(slice(None),) + rest]
+        out = aligned_empty(block.shape, block.dtype)  # aligned, so that XLA:CPU can adopt it too
+        out[...] = block
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -237,36 +286,45 @@ def shard_groups(tensors: list[PendingTensor], max_shard_size: int | str) -> lis
     return groups
 
 
-def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[str, str] | None = None) -> None:
-    """Header first, then each tensor's bytes as it is produced: peak memory is one tensor."""
+def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[str, str] | None = None, *,
+                      ahead: int = 1) -> None:
+    """Header first, then each tensor's bytes. The next `ahead` tensors are produced on `ahead` threads while the
+    current one is written (reads, most numpy work and file writes release the GIL), so reading, arithmetic and
+    writing overlap; peak memory is `ahead + 1` tensors."""
     header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
     for tensor in tensors:
         header[tensor.name] = {"dtype": dtype_code(tensor.dtype), "shape": list(tensor.shape),
                                "data_offsets": [offset, offset + tensor.nbytes]}
         offset += tensor.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % ALIGN)  # data starts 64-byte aligned: loads can map it without copying
+
+    def produce(tensor: PendingTensor) -> np.ndarray:
+        data = np.ascontiguousarray(tensor.produce(), dtype=tensor.dtype)
+        if data.shape != tuple(tensor.shape):
+            raise CheckpointError(f"{path}: tensor {tensor.name} came out {data.shape}, expected {tensor.shape}.")
+        return data
+
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for tensor in tensors:
-            data = np.ascontiguousarray(tensor.produce(), dtype=tensor.dtype)
-            if data.shape != tuple(tensor.shape):
-                raise CheckpointError(f"{path}: tensor {tensor.name} came out {data.shape}, expected {tensor.shape}.")
+        for _, data in work_ahead(tensors, produce, workers=ahead, depth=ahead):
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
             del data
 
 
-def write_model_files(folder: str, tensors: list[PendingTensor], max_shard_size: int | str) -> list[str]:
-    """Write `model.safetensors`, or numbered shards plus an index with `metadata.total_size`."""
+def write_model_files(folder: str, tensors: list[PendingTensor], max_shard_size: int | str, *,
+                      ahead: int = 1) -> list[str]:
+    """Write `model.safetensors`, or numbered shards plus an index with `metadata.total_size`. `ahead`: tensors
+    produced while one is written (see write_safetensors)."""
     groups = shard_groups(tensors, max_shard_size)
     if len(groups) == 1:
-        write_safetensors(os.path.join(folder, SINGLE_FILE), groups[0])
+        write_safetensors(os.path.join(folder, SINGLE_FILE), groups[0], ahead=ahead)
         return [SINGLE_FILE]
     names, weight_map = [], {}
     for number, group in enumerate(groups, start=1):
         name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
-        write_safetensors(os.path.join(folder, name), group)
+        write_safetensors(os.path.join(folder, name), group, ahead=ahead)
         names.append(name)
         weight_map.update({t.name: name for t in group})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}

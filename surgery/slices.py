@@ -1,9 +1,10 @@
 """How each student tensor is made from teacher slices: one recipe per HF tensor, shared by both surgery paths.
 
 `apply_plan` (teacher in memory) and `prune_checkpoint` (teacher on disk) differ only in how they read a block
-of a teacher tensor: `read(hf_name, rows, cols)` returns the teacher's HF-layout tensor restricted to those row and
-column indices (None = all), in the model dtype. Everything else, including the arithmetic, is this module, in
-numpy float32 on the host, then cast to the model dtype. That is why the two paths agree bit for bit.
+of a teacher tensor: `read(hf_name, rows, cols, out=None)` returns the teacher's HF-layout tensor restricted to
+those row and column indices (None = all), in the model dtype. Everything else, including the arithmetic, is this
+module, in numpy float32 on the host, then cast to the model dtype. That is why the two paths agree bit for bit.
+Plain copies need no arithmetic: the reader gathers them straight into the output tensor (`out=`).
 
 Recipes work in HF layout ([out, in] matrices, head-major rows for q/k/v, head-major columns for o_proj), and
 build their output a block of rows at a time, so host memory stays near the output tensor plus one block.
@@ -19,7 +20,9 @@ from .checkpoint import hf_shape, tensor_table
 from .config import GemmaConfig
 from .plan import Plan
 
-Reader = Callable[[str, "np.ndarray | None", "np.ndarray | None"], np.ndarray]
+# read(hf_name, rows, cols, out=None): the teacher's HF-layout tensor restricted to `rows` and `cols` (index arrays,
+# None = all), in the model dtype; written into `out` (a C-contiguous array of the result's shape) when given.
+Reader = Callable[..., np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +112,7 @@ def build(recipe: Recipe, read: Reader, dtype, chunk_bytes: int | None = None) -
         for j, (heads, weights) in enumerate(recipe.merge):
             block = slice(j * h, (j + 1) * h)
             if len(heads) == 1:  # kept as is: no arithmetic, bits preserved
-                out[block] = read(recipe.source, head_rows(heads, h), recipe.cols).astype(dtype, copy=False)
+                read(recipe.source, head_rows(heads, h), recipe.cols, out=out[block])
                 continue
             acc = None
             for head, weight in zip(heads, weights):
@@ -121,16 +124,18 @@ def build(recipe: Recipe, read: Reader, dtype, chunk_bytes: int | None = None) -
     rows = recipe.rows if recipe.rows is not None else np.arange(recipe.shape[0])
     row_bytes = 4 * int(np.prod(recipe.shape[1:], dtype=np.int64)) if len(recipe.shape) > 1 else 4
     step = len(rows) if chunk_bytes is None else max(1, chunk_bytes // max(row_bytes, 1))
+    plain = recipe.kind == "copy" or recipe.factor == 1.0
     for start in range(0, len(rows), step):
         chunk = rows[start:start + step]
-        block = read(recipe.source, chunk if recipe.rows is not None or step < len(rows) else None, recipe.cols)
-        out[start:start + len(chunk)] = _arithmetic(recipe, block, dtype)
+        index = chunk if recipe.rows is not None or step < len(rows) else None
+        if plain:  # gathered straight into the output, in the reader's (the model's) dtype
+            read(recipe.source, index, recipe.cols, out=out[start:start + len(chunk)])
+        else:
+            out[start:start + len(chunk)] = _arithmetic(recipe, read(recipe.source, index, recipe.cols), dtype)
     return out
 
 
 def _arithmetic(recipe: Recipe, block: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    if recipe.kind == "copy" or recipe.factor == 1.0:
-        return block.astype(dtype, copy=False)
     factor = np.float32(recipe.factor)
     if recipe.kind == "scale":
         return (block.astype(np.float32) * factor).astype(dtype)
@@ -139,39 +144,16 @@ def _arithmetic(recipe: Recipe, block: np.ndarray, dtype: np.dtype) -> np.ndarra
     raise AssertionError(recipe.kind)
 
 
-GAP_ROWS = 8  # read through gaps of up to this many rows rather than issuing another read
-
-
-def read_runs(get_rows: Callable[[int, int], np.ndarray], rows: np.ndarray | None, nrows: int) -> np.ndarray:
-    """`get_rows(start, stop)` over the increasing runs of `rows` (gaps of up to GAP_ROWS read through), then the
-    asked rows taken from each run: few large reads instead of one per row."""
-    if rows is None:
-        return get_rows(0, nrows)
-    rows = np.asarray(rows, dtype=np.int64)
-    if len(rows) == 0:
-        return get_rows(0, 0)
-    steps = np.diff(rows)
-    breaks = np.flatnonzero((steps > GAP_ROWS) | (steps < 1)) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(rows)]])
-    parts = []
-    for a, b in zip(starts, stops):
-        lo, hi = int(rows[a]), int(rows[b - 1]) + 1
-        block = get_rows(lo, hi)
-        parts.append(block if hi - lo == b - a else block[rows[a:b] - lo])
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-
-
 def nnx_shape(config: GemmaConfig, path: tuple) -> tuple[int, ...]:
     d, f, n, k, h, v = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                         config.num_key_value_heads, config.head_dim, config.vocab_size)
     if path[0] == "embed_tokens":
         return (v, d)
     if path[0] == "lm_head":
-        return (d, v)
+        return (v, d)
     if path[0] == "norm":
         return (d,)
     name = path[-2]
-    return {"q_proj": (d, n, h), "k_proj": (d, k, h), "v_proj": (d, k, h), "o_proj": (n, h, d),
-            "q_norm": (h,), "k_norm": (h,), "gate_proj": (d, f), "up_proj": (d, f),
-            "down_proj": (f, d)}.get(name, (d,))
+    return {"q_proj": (n, h, d), "k_proj": (k, h, d), "v_proj": (k, h, d), "o_proj": (d, n, h),
+            "q_norm": (h,), "k_norm": (h,), "gate_proj": (f, d), "up_proj": (f, d),
+            "down_proj": (d, f)}.get(name, (d,))

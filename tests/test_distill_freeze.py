@@ -29,16 +29,16 @@ def test_brace_expansion():
 
 
 @pytest.mark.parametrize("pattern,path,expected", [
-    ("layers.{0-9}.*", "layers.3.self_attn.k_proj.kernel", True),
-    ("layers.{0-9}.*", "layers.10.self_attn.k_proj.kernel", False),
-    ("layers.1", "layers.1.mlp.up_proj.kernel", True),  # a prefix of whole segments
-    ("layers.1", "layers.11.mlp.up_proj.kernel", False),
-    ("*.mlp.*", "layers.7.mlp.down_proj.kernel", True),
-    ("*.mlp.*", "layers.7.self_attn.o_proj.kernel", False),
+    ("layers.{0-9}.*", "layers.3.self_attn.k_proj.weight", True),
+    ("layers.{0-9}.*", "layers.10.self_attn.k_proj.weight", False),
+    ("layers.1", "layers.1.mlp.up_proj.weight", True),  # a prefix of whole segments
+    ("layers.1", "layers.11.mlp.up_proj.weight", False),
+    ("*.mlp.*", "layers.7.mlp.down_proj.weight", True),
+    ("*.mlp.*", "layers.7.self_attn.o_proj.weight", False),
     ("embed_tokens", "embed_tokens", True),
     ("*norm*", "layers.0.post_attention_layernorm.scale", True),
-    ("layers.*.self_attn.{q,k}_proj", "layers.4.self_attn.k_proj.kernel", True),
-    ("layers.*.self_attn.{q,k}_proj", "layers.4.self_attn.v_proj.kernel", False),
+    ("layers.*.self_attn.{q,k}_proj", "layers.4.self_attn.k_proj.weight", True),
+    ("layers.*.self_attn.{q,k}_proj", "layers.4.self_attn.v_proj.weight", False),
 ])
 def test_pattern_matching(pattern, path, expected):
     assert pattern_matches(pattern, path) == expected
@@ -46,7 +46,7 @@ def test_pattern_matching(pattern, path, expected):
 
 def test_split_by_patterns_and_by_nnx_filter_agree(model):
     by_pattern = selected_paths(model, trainable=["*.mlp.*"], frozen=["layers.{0-5}"])
-    assert by_pattern == [f"layers.{i}.mlp.{name}.kernel" for i in range(6, 12)
+    assert by_pattern == [f"layers.{i}.mlp.{name}.weight" for i in range(6, 12)
                           for name in ("down_proj", "gate_proj", "up_proj")]
     by_filter = selected_paths(model, trainable=nnx.PathContains("mlp"),
                                frozen=lambda path, value: path[0] == "layers" and path[1] < 6)
@@ -71,8 +71,8 @@ def test_stage_switch_carries_adam_moments_of_parameters_that_stay_trainable(mod
     old = jax.tree.map(lambda x: x + jnp.asarray(7, x.dtype), old)  # recognisable moments and step count
     _, second, _ = split_trainable(model, trainable=["layers.{1-2}.mlp"])
     new, carried = carry_matching(adam.init({"student": second}), old)
-    assert carried == 1 + 2 * 3  # the step counter and mu / nu of layer 1's three kernels
+    assert carried == 1 + 2 * 3  # the step counter and mu / nu of layer 1's three MLP weights
     assert int(new.count) == 7
-    np.testing.assert_array_equal(new.mu["student"]["layers"][1]["mlp"]["up_proj"]["kernel"][...], 7.0)
-    np.testing.assert_array_equal(new.nu["student"]["layers"][2]["mlp"]["up_proj"]["kernel"][...], 0.0)
-    assert jnp.shape(new.mu["student"]["layers"][2]["mlp"]["down_proj"]["kernel"][...]) == (12, 8)
+    np.testing.assert_array_equal(new.mu["student"]["layers"][1]["mlp"]["up_proj"]["weight"][...], 7.0)
+    np.testing.assert_array_equal(new.nu["student"]["layers"][2]["mlp"]["up_proj"]["weight"][...], 0.0)
+    assert jnp.shape(new.mu["student"]["layers"][2]["mlp"]["down_proj"]["weight"][...]) == (8, 12)

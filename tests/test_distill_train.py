@@ -236,8 +236,8 @@ def test_gradients_reach_only_trainable_parameters():
     loss = jax.grad(lambda p: loss_fn(p, frozen, teacher_state, batch, norms, hyper)[0])
     grads = jax.jit(loss, compiler_options=FAST_COMPILE)({"student": trainable, "proj": {}})
     paths = sorted(path_string(p) for p, _ in nnx.to_flat_state(grads["student"]))
-    assert paths == ["layers.0.mlp.down_proj.kernel", "layers.0.mlp.gate_proj.kernel", "layers.0.mlp.up_proj.kernel",
-                     "layers.1.self_attn.k_proj.kernel", "layers.1.self_attn.q_proj.kernel"]
+    assert paths == ["layers.0.mlp.down_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+                     "layers.1.self_attn.k_proj.weight", "layers.1.self_attn.q_proj.weight"]
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 

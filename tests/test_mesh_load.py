@@ -1,5 +1,5 @@
 """Loading straight onto an (fsdp=4, tp=2) mesh of 8 host CPU devices (in a subprocess: the device count is fixed
-when jax starts): same logits as one device and as transformers, kernels really sharded per their axes, MQA's
+when jax starts): same logits as one device and as transformers, weights really sharded per their axes, MQA's
 single KV head left unsharded on tp, and a save from the sharded model reloads identically."""
 from __future__ import annotations
 
@@ -38,18 +38,18 @@ CHILD = textwrap.dedent("""
     with jax.set_mesh(mesh):
         mesh_logits = logits_of(sharded)
     attn = sharded.layers[0].self_attn
-    q, k = attn.q_proj.kernel[...], attn.k_proj.kernel[...]
+    q, k = attn.q_proj.weight[...], attn.k_proj.weight[...]
     report = dict(
         single_vs_mesh=float(np.abs(single_logits - mesh_logits).max()),
         mesh_vs_hf=float(np.abs(mesh_logits - data["hf"]).max()),
         q_spec=list(q.sharding.spec), q_shard=list(q.addressable_shards[0].data.shape),
         q_devices=len(q.sharding.device_set),
         k_spec=list(k.sharding.spec), k_shard=list(k.addressable_shards[0].data.shape),
-        o_spec=list(attn.o_proj.kernel[...].sharding.spec),
-        down_spec=list(sharded.layers[0].mlp.down_proj.kernel[...].sharding.spec),
+        o_spec=list(attn.o_proj.weight[...].sharding.spec),
+        down_spec=list(sharded.layers[0].mlp.down_proj.weight[...].sharding.spec),
         embed_spec=list(sharded.embed_tokens[...].sharding.spec),
         lm_head_spec=list(sharded.lm_head[...].sharding.spec),
-        q_equal=bool(np.array_equal(np.asarray(q), np.asarray(single.layers[0].self_attn.q_proj.kernel[...]))),
+        q_equal=bool(np.array_equal(np.asarray(q), np.asarray(single.layers[0].self_attn.q_proj.weight[...]))),
     )
     save_pretrained(sharded, out_dir, max_shard_size="20KB")
     report["resaved_vs_single"] = float(np.abs(logits_of(load_pretrained(out_dir)) - single_logits).max())
@@ -74,12 +74,12 @@ def test_load_onto_fsdp_tp_mesh(tmp_path):
     assert report["mesh_vs_hf"] <= 1e-4
     assert report["resaved_vs_single"] == 0.0  # same weights, same single-device program
     assert report["q_equal"]
-    # q_proj (D=32, N=4, H=12): hidden over fsdp, heads over tp; each device holds an (8, 2, 12) block
-    assert report["q_spec"] == ["fsdp", "tp", None] and report["q_shard"] == [8, 2, 12]
+    # q_proj (N=4, H=12, D=32): heads over tp, hidden over fsdp; each device holds a (2, 12, 8) block
+    assert report["q_spec"] == ["tp", None, "fsdp"] and report["q_shard"] == [2, 12, 8]
     assert report["q_devices"] == 8
-    # k_proj (32, K=1, 12): one KV head cannot be split over tp=2, so only fsdp remains
-    assert report["k_spec"] == ["fsdp", None, None] and report["k_shard"] == [8, 1, 12]
-    assert report["o_spec"] == ["tp", None, "fsdp"]
-    assert report["down_spec"] == ["tp", "fsdp"]
+    # k_proj (K=1, 12, 32): one KV head cannot be split over tp=2, so only fsdp remains
+    assert report["k_spec"] == [None, None, "fsdp"] and report["k_shard"] == [1, 12, 8]
+    assert report["o_spec"] == ["fsdp", "tp", None]
+    assert report["down_spec"] == ["fsdp", "tp"]
     assert report["embed_spec"] == ["tp", "fsdp"]
-    assert report["lm_head_spec"] == ["fsdp", "tp"]
+    assert report["lm_head_spec"] == ["tp", "fsdp"]

@@ -42,7 +42,7 @@ def test_dead_mlp_neurons(teacher_dir):
     teacher = load_pretrained(teacher_dir)
     dead = np.arange(0, 48, 3)  # 16 of 48 neurons whose down-projection columns are zero
     for layer in teacher.layers:
-        _zero(layer.mlp.down_proj.kernel, dead)  # NNX (F, D): row f is HF column f
+        _zero(layer.mlp.down_proj.weight, (slice(None), dead))  # (D, F), as HF: column f reads neuron f
     plan = plan_student(teacher, StudentSpec(4, 32, 32, 4, 2), width="magnitude")
     assert all(set(kept).isdisjoint(dead) for kept in plan.kept_mlp)
     _assert_same_logits(teacher, apply_plan(teacher, plan))
@@ -51,7 +51,7 @@ def test_dead_mlp_neurons(teacher_dir):
 def test_dead_query_heads(teacher_dir):
     teacher = load_pretrained(teacher_dir)
     for layer in teacher.layers:
-        _zero(layer.self_attn.o_proj.kernel, np.array([1, 2]))  # (N, H, D): heads 1 and 2 write nothing
+        _zero(layer.self_attn.o_proj.weight, (slice(None), np.array([1, 2])))  # (D, N, H): heads 1, 2 write nothing
     plan = plan_student(teacher, StudentSpec(4, 32, 48, 2, 2), width="magnitude")
     assert plan.kept_heads == [[[0], [3]]] * 4  # one live head per KV group, each kept with its own group
     assert plan.kv_groups == [[[0], [1]]] * 4
@@ -61,8 +61,8 @@ def test_dead_query_heads(teacher_dir):
 def test_dead_layer_found_by_block_influence(teacher_dir):
     teacher = load_pretrained(teacher_dir)
     layer = teacher.layers[2]
-    _zero(layer.self_attn.o_proj.kernel, slice(None))
-    _zero(layer.mlp.down_proj.kernel, slice(None))
+    _zero(layer.self_attn.o_proj.weight, slice(None))
+    _zero(layer.mlp.down_proj.weight, slice(None))
     plan = plan_student(teacher, StudentSpec(3, 32, 48, 4, 2), calibration=CALIBRATION)
     assert plan.kept_layers == [0, 1, 3]
     assert plan.scores["block_influence"][2] < 1e-6 < min(plan.scores["block_influence"][i] for i in (0, 1, 3))
@@ -72,8 +72,8 @@ def test_dead_layer_found_by_block_influence(teacher_dir):
 
 def test_dead_layer_found_by_loss(teacher_dir):
     teacher = load_pretrained(teacher_dir)
-    _zero(teacher.layers[1].self_attn.o_proj.kernel, slice(None))
-    _zero(teacher.layers[1].mlp.down_proj.kernel, slice(None))
+    _zero(teacher.layers[1].self_attn.o_proj.weight, slice(None))
+    _zero(teacher.layers[1].mlp.down_proj.weight, slice(None))
     plan = plan_student(teacher, StudentSpec(3, 32, 48, 4, 2), calibration=CALIBRATION, depth="loss")
     assert abs(plan.scores["loss_increase"][1]) < 1e-5 < max(abs(v) for v in plan.scores["loss_increase"])
     explicit = plan_student(teacher, StudentSpec(3, 32, 48, 4, 2), layers=[0, 2, 3], width="magnitude")
@@ -84,8 +84,8 @@ def test_dead_layer_found_by_loss(teacher_dir):
 def test_identical_kv_heads_merge_exactly(teacher_dir):
     teacher = load_pretrained(teacher_dir)
     for layer in teacher.layers:
-        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):  # (D, K, H): KV head 1 := KV head 0
-            proj.kernel[...] = proj.kernel[...].at[:, 1].set(proj.kernel[...][:, 0])
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):  # (K, H, D): KV head 1 := KV head 0
+            proj.weight[...] = proj.weight[...].at[1].set(proj.weight[...][0])
     plan = plan_student(teacher, StudentSpec(4, 32, 48, 4, 1), calibration=CALIBRATION)
     assert plan.methods["kv"] == "merge-mean" and plan.kv_groups == [[[0, 1]]] * 4
     assert plan.kept_heads == [[[0, 1, 2, 3]]] * 4
@@ -99,8 +99,8 @@ def test_dead_hidden_channels_with_compensation(teacher_dir):
     dead = np.arange(0, 32, 4)  # 8 of 32 channels
     _zero(teacher.embed_tokens, (slice(None), dead))
     for layer in teacher.layers:
-        _zero(layer.self_attn.o_proj.kernel, (slice(None), slice(None), dead))
-        _zero(layer.mlp.down_proj.kernel, (slice(None), dead))
+        _zero(layer.self_attn.o_proj.weight, dead)  # (D, N, H): rows are hidden channels
+        _zero(layer.mlp.down_proj.weight, dead)
     spec = StudentSpec(4, 24, 48, 4, 2)
     plan = plan_student(teacher, spec, calibration=CALIBRATION, norm_correction=True)
     assert set(plan.kept_hidden).isdisjoint(dead)
