@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
         spec = list(student.embed_tokens.get_value().sharding.spec) if mesh else None
         params = {{k: v.tolist() for k, v in params_numpy(student).items()}}
         params.update({{f"projection.{{k}}": np.asarray(v).tolist() for k, v in result.projections.items()}})
-        return {{"losses": [[r["loss"], r["kl"], r["loss/attention"], r["loss/feature"]] for r in result.history],
+        return {{"losses": [[r["loss"], r["term/kl"], r["loss/attention"], r["loss/feature"]] for r in result.history],
                 "params": params, "embed_spec": spec}}
 
     for mesh in (None, "fsdp=8,tp=1", "fsdp=4,tp=2", "fsdp=2,tp=4"):
