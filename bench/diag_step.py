@@ -37,7 +37,6 @@ def main(argv=None) -> None:
     from distill.mesh import put_batch
     from distill.step import hyper_values
     from distill.trainer import Session, logit_block
-    from distill_step import block_option
     from students import ensure_pair
     from surgery.checkpoint import load_pretrained
 
@@ -46,7 +45,7 @@ def main(argv=None) -> None:
     student = load_pretrained(student_dir, dtype="float32")
     stage = Stage(steps=1, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
     extra = {"logit_chunk": args.chunk} if args.chunk else {}
-    extra.update(block_option(args.block))
+    extra.update({"logit_block": args.block} if args.block else {})
     config = DistillConfig(stages=(stage,), batch_size=args.batch, seq_len=args.seq,
                            optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                            guard=GuardConfig(enabled=False), progress=False, plots=False, **extra)

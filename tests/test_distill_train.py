@@ -252,3 +252,18 @@ def test_without_a_teacher_the_student_trains_on_hard_labels(corpus):
     assert "teacher_ce" not in result.history[0] and np.isfinite(result.history[-1]["tflops_per_s"])
     with pytest.raises(ValueError, match="teacher=None trains on hard labels only"):
         run(None, student, corpus["train"], _short_config())
+
+
+def test_stage_entry_makes_loaded_parameters_donatable_in_place(tmp_path):
+    """XLA:CPU adopts the loader's aligned host buffers uncopied, and never aliases such a buffer to a donated
+    step's output (0.7 GB more peak RSS at the 270M benchmark); `_donatable` copies them so the step writes in
+    place, and leaves the step's own outputs untouched."""
+    from distill.trainer import _donatable
+    from surgery.checkpoint import load_pretrained, save_pretrained
+    save_pretrained(student_from(tiny_teacher()), str(tmp_path / "student"))
+    loaded = jax.tree.leaves(nnx.state(load_pretrained(str(tmp_path / "student")), nnx.Param))
+    owned = _donatable(loaded, set())
+    pointers = [x.unsafe_buffer_pointer() for x in owned]
+    doubled = jax.jit(lambda xs: [2 * x for x in xs], donate_argnums=0)(owned)
+    assert [x.unsafe_buffer_pointer() for x in doubled] == pointers
+    assert all(a is b for a, b in zip(_donatable(doubled, {id(x) for x in doubled}), doubled))
