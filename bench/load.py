@@ -1,7 +1,7 @@
 """Loading a checkpoint into memory on CPU: ours vs transformers `from_pretrained` vs Tunix's safetensors loader.
 
     python bench/load.py --shape gemma-2-2b                      # makes bench/out/ckpt/gemma-2-2b once, then measures
-    python bench/load.py --checkpoint DIR --peers ours,torch --repeats 3 --cache warm,cold
+    python bench/load.py --checkpoint DIR --peers ours,torch --repeats 3 --cache warm,cold --layouts hub
 
 Each peer loads in its own fresh process (peak RSS is per process), peers alternate within each repeat, and the
 same dtype as the checkpoint (bf16) is kept by all. Timed: from the call into the loader (imports done) until every
@@ -11,8 +11,14 @@ Cache states: `warm` reads the files once before the repeats (every run then rea
 figure is the loader's own cost); `cold` evicts the checkpoint's files from the page cache (posix_fadvise
 DONTNEED on those files only) before every run, so the disk is read each time.
 
-Prints one JSON line per run, then one summary line per cache state with medians and same-run ratios.
-Target: ours faster than every peer; ours' peak RSS <= 1.15x the checkpoint's bytes.
+File layouts (`--layouts`, both by default): "aligned" is the checkpoint as our writer lays it out (tensor data
+64-byte aligned in the file, so our loader maps it without copying); "hub" is the same tensors as the safetensors
+library, transformers and the Hub write them (header padded to 8 bytes, tensors sorted by name) with data *not*
+64-byte aligned, as 7 Hub files in 8 are: our loader must copy those bytes. The layout the given checkpoint is not
+in is made once beside it under bench/out/ckpt (`make_checkpoint.copy_with_layout`, a kernel-side copy).
+
+Prints one JSON line per run, then one summary line per (layout, cache state) with medians and same-run ratios.
+Target, in both layouts: ours faster than every peer; ours' peak RSS <= 1.15x the checkpoint's bytes.
 """
 from __future__ import annotations
 
@@ -64,9 +70,12 @@ def checkpoint_dtype(folder: str) -> str:
     return config.get("dtype") or config.get("torch_dtype") or "bfloat16"
 
 
-def measure(folder: str, peers: list[str], repeats: int, caches: list[str], out: str | None,
+def measure(folder: str, layout: str, peers: list[str], repeats: int, caches: list[str], out: str | None,
             timeout: float) -> list[dict]:
+    from make_checkpoint import data_start
+
     files = common.safetensors_files(folder)
+    starts = sorted({data_start(path) % 64 for path in files})
     size = common.checkpoint_bytes(folder)
     dtype = checkpoint_dtype(folder)
     commands = {peer: peer_command(peer, folder, dtype) for peer in peers}
@@ -81,13 +90,16 @@ def measure(folder: str, peers: list[str], repeats: int, caches: list[str], out:
                 if cache == "cold":
                     common.evict_from_page_cache(files)
                 record = common.run_child(commands[peer], timeout=timeout)
-                record.update(bench="load", peer=peer, cache=cache, repeat=repeat, checkpoint_bytes=size,
-                              checkpoint=os.path.basename(os.path.normpath(folder)))
+                record.update(bench="load", peer=peer, cache=cache, layout=layout, repeat=repeat,
+                              checkpoint_bytes=size, checkpoint=os.path.basename(os.path.normpath(folder)),
+                              data_start_mod_64=starts)
                 if "peak_rss_bytes" in record:
                     record["peak_rss_over_checkpoint"] = record["peak_rss_bytes"] / size
                 common.emit(common.round_floats(record), out)
                 runs[peer].append(record)
-        summaries.append(common.emit(summarise(runs, cache, size, folder), out))
+        summary = summarise(runs, cache, size, folder)
+        summary.update(layout=layout, data_start_mod_64=starts)
+        summaries.append(common.emit(summary, out))
     return summaries
 
 
@@ -126,6 +138,7 @@ def main(argv=None) -> None:
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", default="warm,cold")
+    parser.add_argument("--layouts", default="aligned,hub", help="file layouts to measure (see the docstring)")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--min-free-gib", type=float, default=14.0)
     parser.add_argument("--timeout", type=float, default=900)
@@ -135,14 +148,26 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(child_ours(args.checkpoint, args.dtype), default=str))
         return
+    from make_checkpoint import ensure_checkpoint, ensure_layout, layout_of
+
     folder = args.checkpoint
     if not folder:
-        from make_checkpoint import ensure_checkpoint
-
         folder = ensure_checkpoint(args.shape, os.path.join(common.CKPT_DIR, args.shape))
-    common.wait_for_memory(args.min_free_gib)
-    measure(folder, [p for p in args.peers.split(",") if p], args.repeats,
-            [c for c in args.cache.split(",") if c], args.out, args.timeout)
+    folders = {}
+    for layout in [name for name in args.layouts.split(",") if name]:
+        if layout not in ("aligned", "hub"):
+            raise SystemExit(f"--layouts: unknown layout {layout!r}; use aligned and/or hub.")
+        if layout_of(folder) == layout:
+            folders[layout] = folder
+        elif not args.checkpoint and layout == "aligned":  # a checkpoint made before our writer aligned data
+            folders[layout] = ensure_layout(folder, folder, layout)
+        else:
+            name = os.path.basename(os.path.normpath(folder)).removesuffix("-hub").removesuffix("-aligned")
+            folders[layout] = ensure_layout(folder, os.path.join(common.CKPT_DIR, f"{name}-{layout}"), layout)
+    for layout, path in folders.items():
+        common.wait_for_memory(args.min_free_gib)
+        measure(path, layout, [p for p in args.peers.split(",") if p], args.repeats,
+                [c for c in args.cache.split(",") if c], args.out, args.timeout)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/make_checkpoint.py gemma-7b /tmp/ckpt/gemma-7b            # bf16, 5 GB shards like the Hub
     python bench/make_checkpoint.py gemma-3-270m OUT --dtype float32 --set num_hidden_layers=4
+    python bench/make_checkpoint.py --hub-copy-of /tmp/ckpt/gemma-7b /tmp/ckpt/gemma-7b-hub  # same tensors, Hub layout
 
 Shapes are the real configs (shared/research/hf_nnx.md §1.4); names and layouts come from
 `surgery.checkpoint.tensor_table`, config.json from `GemmaConfig.to_hf_dict`, and the files are written by
@@ -13,12 +14,19 @@ Values: bf16 bit patterns with a random sign, exponent 2^-7 or 2^-6 and random m
 [0.0078, 0.031) (RMS ~0.018, close to transformers' normal(0, 0.02) init). Making them from raw random bytes runs at
 memory speed, unlike a Gaussian sampler. Every tensor's stream is seeded from (seed, its name): a checkpoint is
 reproducible, and two tensors never share values. Norm weights get the same small values (1 + w ~ 1).
+
+Our writer pads the header so that tensor data starts 64-byte aligned (loads can then map it without copying).
+Files written by the safetensors library, transformers or the Hub pad it to 8 bytes only and sort each file's
+tensors by name: `copy_with_layout(src, out, "hub")` rewrites a checkpoint that way (header byte-identical to the
+library's `save_file` for the same tensors and metadata), choosing the metadata so that the data is *not* 64-byte
+aligned, the case 7 Hub files in 8 are in; "aligned" rewrites one as our writer lays files out.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import struct
 import sys
 import time
 import zlib
@@ -177,8 +185,117 @@ def ensure_checkpoint(shape: str, out_dir: str, **kwargs) -> str:
     return out_dir
 
 
+# ------------------------------------------------------------------------------------------------ file layouts
+ITEM_SIZES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+
+
+def layout_header(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str],
+                  layout: str) -> tuple[bytes, list]:
+    """The 8-byte length plus header for `(name, dtype code, shape, nbytes)` tensors, and the tensors in file order.
+
+    "hub": as the safetensors library writes it (so transformers and the Hub): sorted by item size, largest
+    first, then name; compact JSON padded with spaces to a multiple of 8. "aligned": as our writer does: the
+    given order, padded so that the data starts 64-byte aligned."""
+    ordered = sorted(tensors, key=lambda t: (-ITEM_SIZES[t[1]], t[0])) if layout == "hub" else list(tensors)
+    header, offset = {"__metadata__": metadata}, 0
+    for name, code, shape, nbytes in ordered:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    blob += b" " * ((-len(blob) % 8) if layout == "hub" else (-(8 + len(blob)) % 64))
+    return struct.pack("<Q", len(blob)) + blob, ordered
+
+
+def data_start(path: str) -> int:
+    """Where tensor data starts in a safetensors file (8 + header length)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def rewrite_file(src: str, dst: str, layout: str) -> int:
+    """Write the safetensors file `src` again in `layout` ("hub" or "aligned", see layout_header), copying the
+    tensor bytes in the kernel. A "hub" file gets a metadata entry when its plain header would happen to put the
+    data 64-byte aligned (1 time in 8), so that it is the case 7 Hub files in 8 are in. Returns the data start."""
+    with open(src, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    tensors = [(k, v["dtype"], v["shape"], v["data_offsets"][1] - v["data_offsets"][0])
+               for k, v in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+    metadata = dict(header.get("__metadata__") or {"format": "pt"})
+    blob, ordered = layout_header(tensors, metadata, layout)
+    while layout == "hub" and len(blob) % 64 == 0:
+        metadata["layout"] = metadata.get("layout", "") + "x"
+        blob, ordered = layout_header(tensors, metadata, layout)
+    fin, fout = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fout, blob)  # unbuffered, so that the copies below land after it
+        for name, _, _, nbytes in ordered:
+            position, done = 8 + length + entries[name]["data_offsets"][0], 0
+            while done < nbytes:
+                count = os.copy_file_range(fin, fout, nbytes - done, position + done)
+                if count <= 0:
+                    raise OSError(f"{src}: short copy of tensor {name}")
+                done += count
+    finally:
+        os.close(fin)
+        os.close(fout)
+    return len(blob)
+
+
+def copy_with_layout(src_dir: str, out_dir: str, layout: str) -> dict:
+    """`src_dir`'s checkpoint with every safetensors file rewritten in `layout`, into `out_dir` atomically (which
+    may be `src_dir` itself); the index, config and other files are copied as they are."""
+    import shutil
+
+    start = time.perf_counter()
+    starts = {}
+    with atomic_folder(out_dir) as tmp:
+        for name in sorted(os.listdir(src_dir)):
+            path = os.path.join(src_dir, name)
+            if name.endswith(".safetensors"):
+                starts[name] = rewrite_file(path, os.path.join(tmp, name), layout)
+            elif os.path.isfile(path) and name != "config.json":
+                shutil.copyfile(path, os.path.join(tmp, name))
+        shutil.copyfile(os.path.join(src_dir, "config.json"), os.path.join(tmp, "config.json"))  # last: complete
+    return {"bench": "make_checkpoint", "layout": layout, "dir": os.path.abspath(out_dir), "source": src_dir,
+            "data_start_mod_64": {k: v % 64 for k, v in starts.items()},
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def layout_of(folder: str) -> str:
+    """"aligned" when every safetensors file's data starts 64-byte aligned (as our writer makes it), else "hub"."""
+    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    return "aligned" if all(data_start(os.path.join(folder, f)) % 64 == 0 for f in files) else "hub"
+
+
+def ensure_layout(src_dir: str, out_dir: str, layout: str) -> str:
+    """`out_dir` holding `src_dir`'s tensors in `layout`: reused when it already does (same config, newer, same
+    data sizes), else written (`out_dir` may be `src_dir`: then its files are rewritten in place, atomically)."""
+    def payload(folder, name):
+        return os.path.getsize(os.path.join(folder, name)) - data_start(os.path.join(folder, name))
+
+    names = [f for f in os.listdir(src_dir) if f.endswith(".safetensors")]
+    same = (os.path.exists(os.path.join(out_dir, "config.json"))
+            and os.path.getmtime(os.path.join(out_dir, "config.json"))
+            >= os.path.getmtime(os.path.join(src_dir, "config.json"))
+            and GemmaConfig.from_file(out_dir) == GemmaConfig.from_file(src_dir) and layout_of(out_dir) == layout
+            and all(os.path.exists(os.path.join(out_dir, f)) and payload(out_dir, f) == payload(src_dir, f)
+                    for f in names))
+    if not same:
+        print(json.dumps(copy_with_layout(src_dir, out_dir, layout)), file=sys.stderr, flush=True)
+    return out_dir
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] in ("--hub-copy-of", "--aligned-copy-of"):
+        if len(argv) != 3:
+            raise SystemExit(f"usage: make_checkpoint.py {argv[0]} SRC_DIR OUT_DIR (OUT_DIR may be SRC_DIR)")
+        print(json.dumps(copy_with_layout(argv[1], argv[2], "hub" if argv[0] == "--hub-copy-of" else "aligned")))
+        return
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])

@@ -64,51 +64,71 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
 
 
+LOAD_LAYOUTS = {"aligned": "Our writer's layout: tensor data 64-byte aligned in the file, so ours maps it (no copy)",
+                "hub": "Hub layout (the safetensors library's, as transformers and the Hub write files): same tensors, "
+                       "data not 64-byte aligned (7 Hub files in 8), so ours copies every byte"}
+
+
+def _load_summary(records: list[dict], cache: str, layout: str) -> dict | None:
+    found = [r for r in records if r.get("bench") == "load" and r.get("summary") and r.get("cache") == cache
+             and r.get("layout", "aligned") == layout]  # lines from before layouts were measured: aligned
+    return found[-1] if found else None
+
+
 def section_load(records: list[dict]) -> list[str]:
     out = ["## 1. Loading a checkpoint into memory (CPU)", ""]
-    warm = latest(records, bench="load", summary=True, cache="warm")
-    cold = latest(records, bench="load", summary=True, cache="cold")
-    if not warm and not cold:
+    measured = {layout: (_load_summary(records, "warm", layout), _load_summary(records, "cold", layout))
+                for layout in LOAD_LAYOUTS}
+    measured = {layout: pair for layout, pair in measured.items() if pair[0] or pair[1]}
+    if not measured:
         return out + ["Not measured yet (`python bench/load.py`).", ""]
-    any_summary = warm or cold
+    any_summary = next(s for pair in measured.values() for s in pair if s)
     gb = any_summary["checkpoint_bytes"] / 1e9
     out += [f"Run `{any_summary.get('run')}`: `python bench/load.py --shape gemma-2-2b --peers ours,torch,tunix "
-            "--cache warm,cold`.", "",
-            f"Checkpoint: `{any_summary['checkpoint']}` shape, bf16, {gb:.2f} GB in safetensors shards; every peer "
-            "keeps bf16. Time from the loader call to every parameter resident; peak RSS of the whole process. "
-            "Warm: files in the page cache; cold: evicted before every run. Medians over repeats; speed-up = "
-            "median of the same-repeat ratios peer time / our time.", "",
-            "| peer | warm load s (range) | cold load s (range) | peak RSS GiB | peak RSS / checkpoint bytes | "
-            "RSS growth during load / checkpoint bytes | our speed-up (warm / cold) |",
-            "|---|---|---|---|---|---|---|"]
-    peers = [p for p in ("ours", "ours-fast", "torch", "tunix") if (warm or cold).get(f"{p}_runs")]
-    for peer in peers:
-        row = [PEER_NAMES.get(peer, peer)]
-        for summary in (warm, cold):
-            if summary and summary.get(f"{peer}_load_s") is not None:
-                times = [r.get("load_s") for r in runs_of(records, summary, bench="load", peer=peer,
-                                                          cache=summary["cache"])]
-                row.append(f"{summary[f'{peer}_load_s']:.2f} ({spread(times)})")
-            else:
-                row.append("n/a")
+            "--cache warm,cold --layouts aligned,hub`.", "",
+            f"Checkpoint: `{any_summary['checkpoint'].removesuffix('-hub')}` shape, bf16, {gb:.2f} GB in "
+            "safetensors shards, in two file layouts (below); every peer keeps bf16. Time from the loader call to "
+            "every parameter resident; peak RSS of the whole process. Warm: files in the page cache; cold: evicted "
+            "before every run. Medians over repeats; speed-up = median of the same-repeat ratios peer time / our "
+            "time.", ""]
+    targets = []
+    for layout, (warm, cold) in measured.items():
         summary = warm or cold
-        rss = summary.get(f"{peer}_peak_rss_gib")
-        row += [fmt(rss), fmt(None if rss is None else rss * common.GIB / summary["checkpoint_bytes"]),
-                fmt(summary.get(f"{peer}_rss_growth_over_checkpoint"))]
-        if peer == "ours":
-            row.append("—")
-        elif peer == "ours-fast":  # not a peer: how much faster the proposed read path is than ours
-            row.append(" / ".join(fmt(1 / v if v else None, 2, "x faster than ours") for v in
-                                  ((s or {}).get("speedup_vs_ours-fast") for s in (warm, cold))))
-        else:
-            row.append(" / ".join(fmt((s or {}).get(f"speedup_vs_{peer}"), 2, "x") for s in (warm, cold)))
-        out.append("| " + " | ".join(row) + " |")
-    out += [""]
-    summary = warm or cold
-    ratio = summary.get("ours_peak_rss_over_checkpoint")
-    speed = [(s or {}).get("speed_target_met") for s in (warm, cold)]
-    out += [f"**Targets:** faster than every peer: warm {fmt(speed[0])}, cold {fmt(speed[1])}; peak RSS <= 1.15x "
-            f"checkpoint bytes: {fmt(ratio)}x ({fmt(summary.get('rss_target_met'))}).", ""]
+        starts = summary.get("data_start_mod_64")
+        out += [f"**{LOAD_LAYOUTS[layout]}** (`{summary['checkpoint']}`"
+                + (f", data starts at {', '.join(map(str, starts))} mod 64" if starts is not None else "") + "):",
+                "", "| peer | warm load s (range) | cold load s (range) | peak RSS GiB | peak RSS / checkpoint bytes | "
+                "RSS growth during load / checkpoint bytes | our speed-up (warm / cold) |",
+                "|---|---|---|---|---|---|---|"]
+        peers = [p for p in ("ours", "ours-fast", "torch", "tunix") if summary.get(f"{p}_runs")]
+        for peer in peers:
+            row = [PEER_NAMES.get(peer, peer)]
+            for s in (warm, cold):
+                if s and s.get(f"{peer}_load_s") is not None:
+                    times = [r.get("load_s") for r in runs_of(records, s, bench="load", peer=peer, cache=s["cache"])
+                             if r.get("layout", "aligned") == layout]
+                    row.append(f"{s[f'{peer}_load_s']:.2f} ({spread(times)})")
+                else:
+                    row.append("n/a")
+            rss = summary.get(f"{peer}_peak_rss_gib")
+            row += [fmt(rss), fmt(None if rss is None else rss * common.GIB / summary["checkpoint_bytes"]),
+                    fmt(summary.get(f"{peer}_rss_growth_over_checkpoint"))]
+            if peer == "ours":
+                row.append("—")
+            elif peer == "ours-fast":  # not a peer: how much faster the proposed read path is than ours
+                row.append(" / ".join(fmt(1 / v if v else None, 2, "x faster than ours") for v in
+                                      ((s or {}).get("speedup_vs_ours-fast") for s in (warm, cold))))
+            else:
+                row.append(" / ".join(fmt((s or {}).get(f"speedup_vs_{peer}"), 2, "x") for s in (warm, cold)))
+            out.append("| " + " | ".join(row) + " |")
+        out += [""]
+        speed = [(s or {}).get("speed_target_met") for s in (warm, cold)]
+        targets.append(f"{layout}: faster than every peer warm {fmt(speed[0])}, cold {fmt(speed[1])}; peak RSS "
+                       f"<= 1.15x checkpoint bytes: {fmt(summary.get('ours_peak_rss_over_checkpoint'))}x "
+                       f"({fmt(summary.get('rss_target_met'))})")
+    missing = [layout for layout in LOAD_LAYOUTS if layout not in measured]
+    out += ["**Targets** (both layouts): " + "; ".join(targets)
+            + "".join(f"; {layout}: **not measured**" for layout in missing) + ".", ""]
     return out
 
 

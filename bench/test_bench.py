@@ -82,3 +82,69 @@ def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
     fastest = max(ours, key=lambda r: r["tokens_per_s"])  # the peer and the parts run at our fastest point
     assert torch_runs and torch_runs[0]["batch"] == fastest["batch"] and torch_runs[0]["tokens_per_s"] > 0, torch_runs
     assert parts[0]["batch"] == fastest["batch"] and parts[0]["chunk"] == fastest["logit_chunk"], parts
+
+
+def test_hub_layout_copy_is_the_safetensors_librarys_and_loads_everywhere(checkpoints, tmp_path):
+    """`copy_with_layout(.., "hub")` writes each file byte for byte as `safetensors.numpy.save_file` would (header
+    padded to 8 bytes, tensors sorted), with data not 64-byte aligned; transformers and ours load the same values
+    from it as from the aligned original, and rewriting it "aligned" gives our writer's layout back."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import ml_dtypes  # noqa: F401
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from make_checkpoint import copy_with_layout, data_start, ensure_layout, layout_of
+    from surgery.checkpoint import load_pretrained
+
+    folder = checkpoints["tiny-gemma2"]
+    hub = ensure_layout(folder, str(tmp_path / "hub"), "hub")
+    assert layout_of(folder) == "aligned" and layout_of(hub) == "hub"
+    files = sorted(f for f in os.listdir(hub) if f.endswith(".safetensors"))
+    assert len(files) > 1 and files == sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for name in files:
+        path = os.path.join(hub, name)
+        assert data_start(path) % 64 != 0 and data_start(path) % 8 == 0
+        with safe_open(path, "numpy") as f:
+            metadata = f.metadata()
+        save_file(load_file(path), str(tmp_path / "library.safetensors"), metadata=metadata)
+        assert (tmp_path / "library.safetensors").read_bytes() == open(path, "rb").read(), name
+    stamp = os.path.getmtime(os.path.join(hub, "config.json"))
+    assert ensure_layout(folder, hub, "hub") == hub and os.path.getmtime(os.path.join(hub, "config.json")) == stamp
+
+    aligned, from_hub = load_pretrained(folder), load_pretrained(hub)
+    for (path, a), (_, b) in zip(nnx_leaves(aligned), nnx_leaves(from_hub)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=str(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(np.asarray(from_hub.layers[2].mlp.up_proj.weight[...], np.float32),
+                                  hf.model.layers[2].mlp.up_proj.weight.detach().float().numpy())
+    back = copy_with_layout(hub, str(tmp_path / "back"), "aligned")
+    assert set(back["data_start_mod_64"].values()) == {0} and layout_of(back["dir"]) == "aligned"
+    for (path, a), (_, b) in zip(nnx_leaves(aligned), nnx_leaves(load_pretrained(back["dir"]))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=str(path))
+
+
+def nnx_leaves(model) -> list:
+    from flax import nnx
+
+    return [(path, v[...]) for path, v in nnx.to_flat_state(nnx.state(model))]
+
+
+def test_report_renders_both_load_layouts():
+    import report
+
+    def summary(layout, cache, met):
+        return {"bench": "load", "summary": True, "run": "r1", "cache": cache, "layout": layout,
+                "checkpoint": "gemma-2-2b" + ("-hub" if layout == "hub" else ""), "checkpoint_bytes": 5.2e9,
+                "data_start_mod_64": [0] if layout == "aligned" else [16], "ours_load_s": 1.0, "ours_runs": 1,
+                "torch_load_s": 2.0, "torch_runs": 1, "speedup_vs_torch": 2.0 if met else 0.5,
+                "ours_peak_rss_gib": 5.0, "ours_peak_rss_over_checkpoint": 1.03, "rss_target_met": True,
+                "speed_target_met": met}
+
+    records = [summary("aligned", "warm", True), summary("aligned", "cold", True), summary("hub", "warm", False)]
+    text = "\n".join(report.section_load(records))
+    assert "Our writer's layout" in text and "Hub layout" in text and "data starts at 16 mod 64" in text
+    assert "aligned: faster than every peer warm yes, cold yes" in text
+    assert "hub: faster than every peer warm **no**, cold n/a" in text and "0.50x / n/a" in text
+    text = "\n".join(report.section_load(records[:2]))
+    assert "hub: **not measured**" in text

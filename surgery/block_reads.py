@@ -8,9 +8,11 @@ private pages and the file never changes; the pages are the page cache's, reclai
 
 Any other block that is a range of whole HF rows (every block on one device, most on a mesh) is read in pieces
 of at most PIECE_BYTES, each one `preadv` into its place in a fresh 64-byte-aligned buffer of the model dtype,
-which XLA:CPU also adopts uncopied; both reader threads share even a 1 GB embedding, and the bytes in flight stay
-bounded. Other blocks (a mesh cutting the columns) are read whole and sliced. Parameters are handed to jax in
-order, as soon as their last piece is in.
+which XLA:CPU also adopts uncopied (on other devices, jax copies it over and drops it); both reader threads share
+even a 1 GB embedding, and the bytes in flight stay bounded. Large buffers are anonymous mappings that the thread
+reading a piece pre-faults first (`surgery.host_buffers`): that is most of the cost of the copy that files from
+the safetensors library or the Hub need (their data is 64-byte aligned 1 time in 8). Other blocks (a mesh cutting
+the columns) are read whole and sliced. Parameters are handed to jax in order, as soon as their last piece is in.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .pipeline import work_ahead
-from .safetensors_io import ALIGN, aligned_empty
+from .host_buffers import ALIGN, aligned_empty, host_buffer, prefault
 
 READ_THREADS = 2  # preadv releases the GIL: two threads keep both cores copying from the page cache (or disk)
 PIECE_BYTES = 32 << 20  # rows read by one preadv
@@ -66,13 +68,12 @@ def fill_parameters(jobs: list[LoadJob], read_block) -> None:
     is not a range of whole rows (an array in the NNX block shape)."""
     buffers: list[dict] = [{} for _ in jobs]
     pending = [0] * len(jobs)
-
-    def pieces() -> Iterator[_Piece]:
-        for number, job in enumerate(jobs):
-            for key, index in job.blocks().items():
-                for piece in _split(number, job, key, index, buffers[number]):
-                    pending[number] += 1
-                    yield piece
+    # Every buffer is created (address space only, nothing touched) before the first read: creating a mapping
+    # waits for the address-space lock that the readers' pre-faulting holds, and would stall them by turns.
+    pieces = [piece for number, job in enumerate(jobs) for key, index in job.blocks().items()
+              for piece in _split(number, job, key, index, buffers[number])]
+    for piece in pieces:
+        pending[piece.job] += 1
 
     def read(piece: _Piece):
         job = jobs[piece.job]
@@ -81,6 +82,7 @@ def fill_parameters(jobs: list[LoadJob], read_block) -> None:
             return None
         if piece.target is not None:
             a, b = piece.rows
+            prefault(piece.target)
             if job.hf_slice.dtype == piece.target.dtype:
                 job.hf_slice.read_rows(a, b, out=piece.target)
             else:
@@ -88,7 +90,7 @@ def fill_parameters(jobs: list[LoadJob], read_block) -> None:
             return None
         return _aligned(read_block(job, piece.index), job.dtype)
 
-    for piece, block in work_ahead(pieces(), read, workers=READ_THREADS, depth=PIECES_AHEAD):
+    for piece, block in work_ahead(pieces, read, workers=READ_THREADS, depth=PIECES_AHEAD):
         if block is not None:
             buffers[piece.job][piece.key] = block
         del block
@@ -115,7 +117,7 @@ def _split(number: int, job: LoadJob, key: tuple, index: tuple, buffers: dict) -
         for a in range(rows[0], rows[1], step):
             yield _Piece(number, key, index, None, (a, min(rows[1], a + step)), mapped=True)
         return
-    buffer = aligned_empty(block_shape, job.dtype)
+    buffer = host_buffer(block_shape, job.dtype)
     buffers[key] = buffer
     hf_rows = buffer.reshape((rows[1] - rows[0],) + tuple(job.hf_slice.shape[1:]))
     for a in range(rows[0], rows[1], step):

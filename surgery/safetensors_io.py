@@ -23,6 +23,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from .host_buffers import ALIGN, aligned_empty
 from .pipeline import work_ahead
 
 DTYPE_CODES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -114,16 +115,7 @@ def _check_extent(path: str, size: int) -> dict:
     return header
 
 
-ALIGN = 64  # XLA:CPU uses a host buffer without copying it only when its address is 64-byte aligned
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python's mmap names it from 3.12
-
-
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class SafetensorsFile:

@@ -132,3 +132,37 @@ def save_tiny_tokenizer(folder: str, vocab_size: int = 96) -> None:
 
 def max_abs_diff(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+def safetensors_data_start(path: str) -> int:
+    """Where tensor data starts in a safetensors file: 8 + the header length."""
+    import struct
+
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def rewrite_unaligned(folder) -> list[int]:
+    """Rewrite every safetensors file of `folder` with the safetensors library's own writer (header padded to 8
+    bytes, as transformers and the Hub write files), choosing the metadata so that the tensor data does *not* start
+    64-byte aligned (7 Hub files in 8 are like that). Returns each file's data start."""
+    import os
+
+    import ml_dtypes  # noqa: F401  (bfloat16 for safetensors.numpy)
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    starts = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        with safe_open(path, "numpy") as f:
+            metadata = f.metadata() or {"format": "pt"}
+        tensors = load_file(path)
+        for pad in range(16):
+            save_file(tensors, path, metadata={**metadata, **({"pad": "x" * pad} if pad else {})})
+            if safetensors_data_start(path) % 64:
+                break
+        starts.append(safetensors_data_start(path))
+    return starts

@@ -1,11 +1,14 @@
 """Peak host memory of `load_pretrained` stays near the model's own bytes (never a second copy of the checkpoint).
 
 A ~200 MB float32 checkpoint (written by our streaming writer, three shard files) is loaded in a fresh process.
-Growth = peak RSS minus the RSS after imports and JAX start-up; it must stay below 1.5x the bytes of the loaded
-model. The peak is the process's VmHWM, not `ru_maxrss`: Linux carries the parent's high-water mark into
-`ru_maxrss` across fork+exec, so under a 1 GB pytest process (torch + transformers) it reads ~4x here.
-A loader that kept a second host copy of what it reads reaches ~2.1x (checked by hand); ours measures ~1.1x.
-The upcast case (bf16 file -> float32 model) is bounded by the model's float32 bytes."""
+Growth = peak RSS minus the RSS after imports and JAX start-up; it must stay below 1.15x the bytes of the loaded
+model (the loading target's bound). The peak is the process's VmHWM, not `ru_maxrss`: Linux carries the parent's
+high-water mark into `ru_maxrss` across fork+exec, so under a 1 GB pytest process (torch + transformers) it reads
+~4x here.
+A loader that kept a second host copy of what it reads reaches ~2.1x (checked by hand); ours measures 1.01-1.03x.
+The upcast case (bf16 file -> float32 model) is bounded by the model's float32 bytes. The "hub" cases rewrite the
+files with the safetensors library's writer so that the data is not 64-byte aligned (as 7 Hub files in 8): every
+tensor is then copied into fresh buffers, the large ones pre-faulted mappings (surgery/host_buffers.py)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +25,7 @@ from flax import nnx
 from surgery import GemmaConfig, abstract_model, tensor_table
 from surgery.checkpoint import hf_shape, write_hf_folder
 from surgery.safetensors_io import PendingTensor
+from hf_reference import rewrite_unaligned, safetensors_data_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +60,7 @@ CONFIG = dict(model_type="gemma", vocab_size=8192, hidden_size=512, intermediate
               num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 
 
-def _write_checkpoint(folder: str, dtype) -> tuple[int, list[float]]:
+def _write_checkpoint(folder: str, dtype, layout: str = "aligned") -> tuple[int, list[float]]:
     config = GemmaConfig.from_hf_dict(CONFIG)
     shapes = {path: tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract_model(config)))}
     rng = np.random.default_rng(0)
@@ -72,6 +76,10 @@ def _write_checkpoint(folder: str, dtype) -> tuple[int, list[float]]:
                              lambda s=hf_shape(e.layout, shapes[e.path]), n=e.hf_name: produce(s, n))
                for e in tensor_table(config)]
     write_hf_folder(folder, config, tensors, max_shard_size="100MB")
+    starts = [safetensors_data_start(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors")]
+    assert starts and all(start % 64 == 0 for start in starts)  # our writer aligns the data
+    if layout == "hub":
+        assert all(start % 64 for start in rewrite_unaligned(folder))
     return sum(t.nbytes for t in tensors), embed_row0
 
 
@@ -84,20 +92,23 @@ def _load_in_child(folder: str, dtype: str) -> dict:
     return json.loads(result.stdout.split("REPORT ", 1)[1])
 
 
-@pytest.mark.parametrize("stored, loaded", [("float32", "float32"), ("bfloat16", "float32")])
-def test_peak_memory_of_loading(tmp_path, stored, loaded):
+@pytest.mark.parametrize("stored, loaded, layout", [("float32", "float32", "aligned"),
+                                                    ("bfloat16", "float32", "aligned"),
+                                                    ("float32", "float32", "hub"), ("bfloat16", "bfloat16", "hub")])
+def test_peak_memory_of_loading(tmp_path, stored, loaded, layout):
     import ml_dtypes
 
     folder = str(tmp_path / "big")
-    file_bytes, embed_row0 = _write_checkpoint(folder, np.float32 if stored == "float32" else ml_dtypes.bfloat16)
+    file_bytes, embed_row0 = _write_checkpoint(folder, np.float32 if stored == "float32" else ml_dtypes.bfloat16,
+                                               layout)
     try:
         assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) >= file_bytes
         report = _load_in_child(folder, loaded)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    assert report["model_bytes"] == file_bytes * (2 if stored == "bfloat16" else 1)
+    assert report["model_bytes"] == file_bytes * (2 if (stored, loaded) == ("bfloat16", "float32") else 1)
     np.testing.assert_allclose(report["embed_row0"], embed_row0)  # really loaded, not just allocated
     ratio = report["growth"] / report["model_bytes"]
-    print(f"{stored} -> {loaded}: growth {ratio:.3f}x the model's bytes")
-    assert ratio < 1.5, f"loading grew RSS by {ratio:.2f}x the model's bytes"
+    print(f"{stored} -> {loaded}, {layout}: growth {ratio:.3f}x the model's bytes")
+    assert ratio < 1.15, f"loading grew RSS by {ratio:.2f}x the model's bytes"  # the loading target (BENCHMARKS.md)
     assert ratio > 0.8  # the measurement does see the model itself

@@ -1,18 +1,22 @@
-"""The streaming pieces under loading and surgery: ordered work-ahead, the pipelined safetensors writer, and the
-disk reader's row runs and column gathers (into `out` buffers)."""
+"""The streaming pieces under loading and surgery: ordered work-ahead, the pipelined safetensors writer, the
+disk reader's row runs and column gathers (into `out` buffers), the host buffers loads read into, and loading
+files whose data is not 64-byte aligned (as the safetensors library and the Hub write 7 files in 8)."""
 from __future__ import annotations
 
+import os
 import threading
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_reference import make_hf_model
+from hf_reference import hf_logits, make_hf_model, max_abs_diff, rewrite_unaligned, sample_ids
 from safetensors.numpy import load_file, save_file
 
 import surgery.block_reads as block_reads
+import surgery.host_buffers as host_buffers
 from surgery import load_pretrained, save_pretrained
 from surgery.pipeline import work_ahead
 from surgery.prune_disk import disk_reader, row_runs
@@ -110,7 +114,7 @@ def test_loaded_parameters_are_the_buffers_the_file_was_read_into(tmp_path, monk
     hf.save_pretrained(tmp_path / "hf")  # transformers' writer: data aligned to 8 bytes, maybe not to 64
     save_pretrained(load_pretrained(tmp_path / "hf"), tmp_path / "ours")  # ours: data 64-byte aligned
     monkeypatch.setattr(block_reads, "MAP_FILES", map_files)
-    allocate, view = block_reads.aligned_empty, RowSlice.mapped_rows
+    allocate, view = block_reads.host_buffer, RowSlice.mapped_rows
     for folder in (tmp_path / "hf", tmp_path / "ours"):
         read_into, mapped = set(), set()
 
@@ -124,7 +128,7 @@ def test_loaded_parameters_are_the_buffers_the_file_was_read_into(tmp_path, monk
             mapped.add(rows.ctypes.data)
             return rows
 
-        monkeypatch.setattr(block_reads, "aligned_empty", recording)
+        monkeypatch.setattr(block_reads, "host_buffer", recording)
         monkeypatch.setattr(RowSlice, "mapped_rows", recording_view)
         model = load_pretrained(folder, dtype=dtype)
         leaves = nnx.to_flat_state(nnx.state(model))
@@ -150,3 +154,67 @@ def test_large_tensors_are_read_in_row_pieces_on_both_threads(tmp_path, monkeypa
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(whole)), nnx.to_flat_state(nnx.state(pieces))):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
     np.testing.assert_array_equal(np.asarray(pieces.lm_head[...]), hf.lm_head.weight.detach().numpy())
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux only (/proc/self/status, madvise)")
+def test_host_buffers_are_aligned_prefaulted_and_released():
+    """Large buffers: 64-byte (indeed 2 MiB) aligned, made resident by `prefault` before any write (where the
+    kernel has MADV_POPULATE_WRITE), and unmapped when the last array viewing them goes."""
+    small = host_buffers.host_buffer((3, 5), np.float32)
+    assert small.ctypes.data % ALIGN == 0 and small.shape == (3, 5) and small.dtype == np.float32
+    size = 48 << 20
+    before = _rss_anon()
+    big = host_buffers.host_buffer((size // 2,), ml_dtypes.bfloat16)
+    assert big.ctypes.data % host_buffers.HUGE_PAGE == 0 and big.shape == (size // 2,) and big.flags.writeable
+    assert _rss_anon() - before < size // 8  # address space only, until filled
+    half = big[: size // 4]
+    host_buffers.prefault(half)
+    if host_buffers._POPULATE_WORKS[0]:
+        assert _rss_anon() - before > 0.9 * size / 2  # one half resident, nothing written yet
+    big[...] = 1
+    grown = _rss_anon() - before
+    assert grown > 0.9 * size
+    del big, half
+    assert _rss_anon() - before < grown - 0.9 * size  # unmapped, not left to a later collection
+
+
+@pytest.mark.parametrize("huge_min, piece", [(None, None), (0, 700)])
+def test_unaligned_files_load_bit_identically_and_are_adopted(tmp_path, monkeypatch, huge_min, piece):
+    """Files as the safetensors library / transformers / the Hub write them, with data not 64-byte aligned, cannot
+    be mapped: every tensor is copied into a fresh aligned buffer (large ones pre-faulted mappings, forced here for
+    all tensors, in pieces of a few rows that do not start on a page), which XLA adopts. The values are the
+    file's, bit for bit, the logits transformers', and an aligned copy of the same model loads identically."""
+    hf = make_hf_model("gemma2", seed=5, tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path / "hub", max_shard_size="20KB")
+    starts = rewrite_unaligned(tmp_path / "hub")
+    assert len(starts) > 2 and all(start % ALIGN for start in starts)  # really the unaligned case, several files
+    save_pretrained(load_pretrained(tmp_path / "hub"), tmp_path / "ours")  # our writer: aligned data
+    if huge_min is not None:
+        monkeypatch.setattr(host_buffers, "HUGE_BUFFER_MIN_BYTES", huge_min)
+        monkeypatch.setattr(block_reads, "PIECE_BYTES", piece)
+    made, allocate = set(), host_buffers.host_buffer
+
+    def recording(shape, dtype):
+        buffer = allocate(shape, dtype)
+        made.add(buffer.ctypes.data)
+        return buffer
+
+    monkeypatch.setattr(block_reads, "host_buffer", recording)
+    hub = load_pretrained(tmp_path / "hub")
+    leaves = nnx.to_flat_state(nnx.state(hub))
+    assert {v[...].unsafe_buffer_pointer() for _, v in leaves} == made and len(made) == len(leaves)  # adopted
+    if huge_min == 0:  # every buffer a mapping of its own that starts on a huge page
+        assert all(address % host_buffers.HUGE_PAGE == 0 for address in made)
+    ours = load_pretrained(tmp_path / "ours")
+    for (path, a), (_, b) in zip(leaves, nnx.to_flat_state(nnx.state(ours))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    np.testing.assert_array_equal(np.asarray(hub.layers[2].mlp.down_proj.weight[...]),
+                                  hf.model.layers[2].mlp.down_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(hub.lm_head[...]), hf.lm_head.weight.detach().numpy())
+    ids = sample_ids(2, 13)
+    assert max_abs_diff(np.asarray(hub(jnp.asarray(ids)).logits), hf_logits(hf, ids)) <= 1e-4
