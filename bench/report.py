@@ -133,8 +133,9 @@ def section_load(records: list[dict]) -> list[str]:
 
 
 READER_NAMES = {"package": "`prune_checkpoint` (the package's code)",
-                "rows": "`prune_checkpoint` + row reader (bench/fastload.py, proposed fix)",
-                "rows+pipeline": "`prune_checkpoint` + row reader + pipelined writer (bench/fastload.py, proposed fix)"}
+                "rows": "`prune_checkpoint` + row reader (prototype of 2026-11-29, since merged)",
+                "rows+pipeline": "`prune_checkpoint` + row reader + pipelined writer (prototype of 2026-11-29, since "
+                                 "merged)"}
 
 
 def section_prune(records: list[dict]) -> list[str]:
@@ -168,10 +169,8 @@ def section_prune(records: list[dict]) -> list[str]:
     out += [f"| `plan_student(teacher, '{s['student']}')`, data-free, made once (reader: {s.get('plan_reader')}) | "
             f"{fmt(s.get('plan_s'))} | {fmt(s.get('plan_peak_rss_gib'))} | — |", ""]
     package = s["readers"].get("package", {}).get("targets_met", {})
-    best = s["readers"].get("rows+pipeline", s["readers"].get("rows", {})).get("targets_met", {})
-    out += [f"**Targets** (peak RSS < 3 GB; wall time <= 1.5x the read): the package's code: "
-            f"{fmt(package.get('rss_under_3gb'))} / {fmt(package.get('time_within_1.5x_read'))}; with the proposed "
-            f"reader and writer: {fmt(best.get('rss_under_3gb'))} / {fmt(best.get('time_within_1.5x_read'))}.", ""]
+    out += [f"**Targets** (peak RSS < 3 GB; wall time <= 1.5x the read): "
+            f"{fmt(package.get('rss_under_3gb'))} / {fmt(package.get('time_within_1.5x_read'))}.", ""]
     return out
 
 
@@ -347,8 +346,7 @@ def section_targets(records: list[dict]) -> list[str]:
         rows.append(("Surgery 7B -> 2B: peak RSS < 3 GB", f"{fmt(package.get('peak_rss_gib'))} GiB",
                      (package.get("targets_met") or {}).get("rss_under_3gb")))
         rows.append(("Surgery 7B -> 2B: <= 1.5x one read of the teacher",
-                     f"{fmt(package.get('prune_over_read'), 2, 'x')} (proposed fix: "
-                     f"{fmt(prune['readers'].get('rows+pipeline', {}).get('prune_over_read'), 2, 'x')})",
+                     f"{fmt(package.get('prune_over_read'), 2, 'x')}",
                      (package.get("targets_met") or {}).get("time_within_1.5x_read")))
     for scale in ("270m", "tiny"):
         d = latest(records, bench="distill_step", summary=True, scale=scale)
