@@ -204,6 +204,22 @@ def python_of_this_venv() -> str:
     return sys.executable
 
 
+# ---------------------------------------------------------------- report helpers (bench/report*.py)
+def latest(records: list[dict], **match) -> dict | None:
+    found = [r for r in records if all(r.get(k) == v for k, v in match.items())]
+    return found[-1] if found else None
+
+
+def fmt(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
 if __name__ == "__main__":  # the environment line that bench/run_all.sh writes first
     emit({"bench": "environment", "machine": machine(), "versions": versions()},
          sys.argv[1] if len(sys.argv) > 1 else None)
