@@ -22,13 +22,18 @@ def _config(folder_or_dict) -> dict:
         return json.load(f)
 
 
-def matrix_parameters(config) -> int:
+def trunk_parameters(config) -> int:
+    """Matrix parameters of the decoder layers (attention and MLP projections)."""
     c = _config(config)
     d, f, n = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
     k = c.get("num_key_value_heads") or n
     h = c.get("head_dim") or d // n
-    per_layer = 2 * d * n * h + 2 * d * k * h + 3 * d * f
-    return c["num_hidden_layers"] * per_layer + c["vocab_size"] * d  # LM head (tied or not); the gather is free
+    return c["num_hidden_layers"] * (2 * d * n * h + 2 * d * k * h + 3 * d * f)
+
+
+def matrix_parameters(config) -> int:
+    c = _config(config)
+    return trunk_parameters(c) + c["vocab_size"] * c["hidden_size"]  # LM head (tied or not); the gather is free
 
 
 def attention_flops_per_token(config, seq_len: int) -> int:

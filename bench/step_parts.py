@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from flops import _config, attention_flops_per_token  # noqa: E402
+from flops import _config, attention_flops_per_token, trunk_parameters  # noqa: E402
 
 
 def _median_seconds(fn, *args, repeats: int = 5) -> float:
@@ -39,13 +39,6 @@ def _median_seconds(fn, *args, repeats: int = 5) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
-
-
-def _trunk_parameters(config: dict) -> int:
-    d, f, n = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    k = config.get("num_key_value_heads") or n
-    h = config.get("head_dim") or d // n
-    return config["num_hidden_layers"] * (2 * d * n * h + 2 * d * k * h + 3 * d * f)
 
 
 def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str, chunk: int,
@@ -77,7 +70,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
         return model(ids, return_logits=False).final_hidden, model.head_matrix()
 
     seconds = _median_seconds(teacher_forward, t_state, ids, repeats=repeats)
-    results["teacher_forward"] = (seconds, tokens * (2 * _trunk_parameters(t_cfg)
+    results["teacher_forward"] = (seconds, tokens * (2 * trunk_parameters(t_cfg)
                                                      + attention_flops_per_token(t_cfg, seq)))
     t_hidden, t_head = teacher_forward(t_state, ids)
 
@@ -88,7 +81,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     trunk = jax.jit(jax.value_and_grad(trunk_loss))
     r = jnp.ones((batch, seq, s_cfg["hidden_size"]), jnp.float32) / tokens
     seconds = _median_seconds(trunk, s_state, ids, r, repeats=repeats)
-    results["student_trunk"] = (seconds, tokens * (6 * _trunk_parameters(s_cfg)
+    results["student_trunk"] = (seconds, tokens * (6 * trunk_parameters(s_cfg)
                                                    + 3 * attention_flops_per_token(s_cfg, seq)))
 
     s_model = nnx.merge(s_graph, s_state)

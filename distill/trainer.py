@@ -123,8 +123,9 @@ def logit_block(config: DistillConfig) -> int:
 
 
 def logit_vocab_slice(config: DistillConfig) -> int | None:
-    """Vocabulary rows per head-gradient matmul of the fused loss: `config.logit_vocab_slice` when set, else 32768 on CPU (XLA:CPU copies the (block, V) gradient transposed for that matmul; slices bound the copy
-    at no measured cost) and None elsewhere (one matmul: GPU and TPU matmuls read either layout)."""
+    """Vocabulary rows per head-gradient matmul of the fused loss: `config.logit_vocab_slice` when set, else
+    32768 on CPU (XLA:CPU copies the (block, V) gradient transposed for that matmul; slices bound the copy at no
+    measured cost) and None elsewhere (one matmul: GPU and TPU matmuls read either layout)."""
     if config.logit_vocab_slice:
         return config.logit_vocab_slice
     return 32768 if jax.default_backend() == "cpu" else None
@@ -180,7 +181,6 @@ class Session:
         self.config, self.mesh, self.student = config, mesh, student
         self.correspondence = correspondence
         self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
-        self._teacher_ids = {id(x) for x in jax.tree.leaves(self.teacher_state)}
         opt = config.optimizer
         self.adam_settings = AdamSettings(b1=opt.b1, b2=opt.b2, eps=opt.eps)
         self.adam = self.adam_settings.transform()

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .pipeline import work_ahead
-from .host_buffers import ALIGN, aligned_empty, host_buffer, prefault
+from .host_buffers import ALIGN, aligned_copy, host_buffer, prefault
 
 READ_THREADS = 2  # preadv releases the GIL: two threads keep both cores copying from the page cache (or disk)
 PIECE_BYTES = 32 << 20  # rows read by one preadv
@@ -88,7 +88,7 @@ def fill_parameters(jobs: list[LoadJob], read_block) -> None:
             else:
                 piece.target[...] = job.hf_slice.read_rows(a, b)
             return None
-        return _aligned(read_block(job, piece.index), job.dtype)
+        return aligned_copy(read_block(job, piece.index), job.dtype)
 
     for piece, block in work_ahead(pieces, read, workers=READ_THREADS, depth=PIECES_AHEAD):
         if block is not None:
@@ -142,12 +142,3 @@ def _hf_rows(layout: str, shape: tuple[int, ...], bounds: list[tuple[int, int]])
         (n0, n1) = bounds[0]
         return (n0 * shape[1], n1 * shape[1]) if full[1] and full[2] else None
     return bounds[0] if all(full[1:]) else None  # same, split_cols (D, N, H): HF rows are NNX axis 0
-
-
-def _aligned(block: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`block` in `dtype`, C-contiguous and 64-byte aligned (copied only when it is not already)."""
-    if block.dtype == dtype and block.flags.c_contiguous and block.ctypes.data % ALIGN == 0:
-        return block
-    out = aligned_empty(block.shape, dtype)
-    out[...] = block
-    return out

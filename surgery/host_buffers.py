@@ -38,6 +38,17 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def aligned_copy(block: np.ndarray, dtype=None) -> np.ndarray:
+    """`block` in `dtype` (default: its own), C-contiguous and 64-byte aligned: `block` itself when it already is,
+    else one copy."""
+    dtype = np.dtype(block.dtype if dtype is None else dtype)
+    if block.dtype == dtype and block.flags.c_contiguous and block.ctypes.data % ALIGN == 0:
+        return block
+    out = aligned_empty(block.shape, dtype)
+    out[...] = block
+    return out
+
+
 def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised 64-byte-aligned array to read a tensor into: for `HUGE_BUFFER_MIN_BYTES` and more, a
     private anonymous mapping of its own that starts on a 2 MiB boundary (call `prefault` on each part before

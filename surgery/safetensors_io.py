@@ -23,7 +23,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from .host_buffers import ALIGN, aligned_empty
+from .host_buffers import ALIGN, aligned_copy, aligned_empty
 from .pipeline import work_ahead
 
 DTYPE_CODES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -156,10 +156,7 @@ class RowSlice:
     def __init__(self, file: SafetensorsFile, name: str, entry: dict):
         self.file, self.name = file, name
         self.code, self.shape = entry["dtype"], tuple(entry["shape"])
-        if self.code not in DTYPE_CODES:
-            self.dtype = None
-        else:
-            self.dtype = np.dtype(DTYPE_CODES[self.code])
+        self.dtype = np.dtype(DTYPE_CODES[self.code]) if self.code in DTYPE_CODES else None
         self.offset = file.data_start + entry["data_offsets"][0]
 
     def get_shape(self) -> list[int]:
@@ -180,9 +177,8 @@ class RowSlice:
         elif out.shape != (rows,) + self.shape[1:] or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: read_rows({start}, {stop}) needs a C-contiguous {self.dtype} buffer of "
                              f"shape {(rows,) + self.shape[1:]}, got {out.dtype} {out.shape}.")
-        row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
-        position = self.offset + start * row_bytes
+        position = self.offset + start * self.row_bytes()
         while done < len(view):
             count = os.preadv(self.file.fd, [view[done:]], position + done)
             if count <= 0:
@@ -195,8 +191,8 @@ class RowSlice:
 
     def mapped_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as a view of the file's copy-on-write mapping: nothing is read until `populate`."""
-        count = (stop - start) * int(np.prod(self.shape[1:], dtype=np.int64))
-        view = np.frombuffer(self.file.mapping(), self.dtype, count, self.offset + start * self.row_bytes())
+        count = (stop - start) * self.row_bytes() // self.dtype.itemsize
+        view = np.frombuffer(self.file.mapping(), self.dtype, count, self.mapped_address_offset(start))
         return view.reshape((stop - start,) + self.shape[1:])
 
     def mapped_address_offset(self, start: int) -> int:
@@ -232,10 +228,7 @@ class RowSlice:
         rest = index[1:]
         if all(part == slice(None) for part in rest):
             return rows
-        block = rows[(slice(None),) + rest]
-        out = aligned_empty(block.shape, block.dtype)  # aligned, so that XLA:CPU can adopt it too
-        out[...] = block
-        return out
+        return aligned_copy(rows[(slice(None),) + rest])  # aligned, so that XLA:CPU can adopt it too
 
 
 # ------------------------------------------------------------------------------------------------ writing
