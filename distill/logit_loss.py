@@ -222,15 +222,22 @@ def chunk_positions(batch: int, length: int, spec: LogitLossSpec) -> tuple[int, 
     return chunk, chunk * min(per_block, -(-length // chunk))
 
 
-def _head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
-    """dz^T @ hidden, (V, D) float32: the transpose of `_head_matmul` with respect to a head in `hidden.dtype`.
-    With `vocab_slice` it is made about `vocab_slice` vocabulary rows at a time: XLA:CPU copies dz transposed for
-    this matmul, a (block, V) buffer at once, a (block, vocab_slice) one per slice."""
-    def rows(dz_part):
-        head = jax.ShapeDtypeStruct((dz_part.shape[-1], hidden.shape[-1]), hidden.dtype)
-        transpose = jax.linear_transpose(lambda w: _head_matmul(hidden, w), head)
-        return transpose(dz_part)[0].astype(jnp.float32)
+def _hidden_gradient(dz: jax.Array, head: jax.Array) -> jax.Array:
+    """dz @ head in the compute dtype of `head` (float32 accumulation), returned in that dtype: the gradient of
+    `_head_matmul` with respect to its hidden states."""
+    return jnp.einsum("...V,VD->...D", dz.astype(head.dtype), head,
+                      preferred_element_type=jnp.float32).astype(head.dtype)
 
+
+def _head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
+    """dz^T @ hidden, (V, D) float32: the gradient of `_head_matmul` with respect to a head in `hidden.dtype`.
+    Both operands are in the compute dtype (`dz` is cast), accumulated in float32: with bfloat16 compute this is a
+    bfloat16 matmul, not a float32 one on upcast operands (what autodiff of the float32-output forward matmul
+    makes; on a GPU that runs at TF32 rate at best, over twice the bytes). With `vocab_slice` it is made about
+    `vocab_slice` vocabulary rows at a time: XLA:CPU copies dz transposed for this matmul, a (block, V) buffer at
+    once, a (block, vocab_slice) one per slice."""
+    dz = dz.astype(hidden.dtype)
+    rows = lambda dz_part: jnp.einsum("...V,...D->VD", dz_part, hidden, preferred_element_type=jnp.float32)
     vocab = dz.shape[-1]
     size = _divisor_near(vocab, vocab_slice) if vocab_slice else vocab
     if size == vocab:
@@ -305,8 +312,10 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
             zero = (jnp.zeros((), jnp.float32), zero_metrics)
             ((loss, metrics), dz), _ = jax.lax.scan(inner, (zero, buffer), jnp.arange(per_block))
         d_hidden = None
+        if backward:  # both gradient matmuls take dz in the compute dtype (a no-op in float32)
+            dz = dz.astype(hs.dtype)
         if grad_hidden:  # dz @ head, one matmul per block
-            d_hidden = jax.vjp(lambda h: _head_matmul(h, head_s), hs)[1](dz)[0]
+            d_hidden = _hidden_gradient(dz, head_s)
         if grad_head:  # dz^T @ hidden over the whole block
             if d_head is None:  # the only block: leave the matmul to the backward pass
                 d_head = (dz, hs)

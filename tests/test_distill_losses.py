@@ -234,3 +234,38 @@ def test_fused_loss_memory_does_not_grow_with_sequence_length():
     fused_long = temp_bytes(256, "fused")
     assert fused_long < 0.4 * full_logits  # measured 0.32
     assert fused_long < 1.2 * temp_bytes(64, "fused")
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_fused_bfloat16_compute_matches_float32_reference(block):
+    """bf16 hidden states with a float32 master head (the mixed-precision step): loss and gradients within bf16
+    rounding of the float32 reference on the same (bf16-rounded) inputs; the head gradient comes back float32."""
+    batch, length, dim, vocab = 2, 16, 32, 64
+    keys = jax.random.split(jax.random.key(3), 5)
+    h_s = jax.random.normal(keys[0], (batch, length, dim)).astype(jnp.bfloat16)
+    head_s = 0.3 * jax.random.normal(keys[1], (vocab, dim))
+    h_t = jax.random.normal(keys[2], (batch, length, dim)).astype(jnp.bfloat16)
+    head_t = (0.3 * jax.random.normal(keys[3], (vocab, dim))).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[4], (batch, length), 0, vocab)
+    weights = jnp.full((batch, length), 1.0 / (batch * length))
+    coeffs = dict(temperature=1.0, kl=1.0, reverse_kl=0.0, jsd=0.0, ce=0.5)
+    spec = LogitLossSpec(kl=True, ce=True, chunk=8, block=block)
+    logits = _softcapped(30.0)
+
+    def fused(h, w):
+        return fused_logit_loss(h, w, h_t, head_t, labels, weights, coeffs, student_logits=logits,
+                                teacher_logits=logits, spec=spec)[0]
+
+    def reference(h, w):
+        t = logits(h_t.astype(jnp.float32), head_t.astype(jnp.float32))
+        return reference_logit_loss(logits(h, w.astype(jnp.bfloat16).astype(jnp.float32)), t, labels, weights,
+                                    coeffs, spec)[0]
+
+    loss, (d_h, d_head) = jax.value_and_grad(fused, argnums=(0, 1))(h_s, head_s)
+    want, (want_h, want_head) = jax.value_and_grad(reference, argnums=(0, 1))(h_s.astype(jnp.float32), head_s)
+    assert d_h.dtype == jnp.bfloat16 and d_head.dtype == jnp.float32
+    np.testing.assert_allclose(loss, want, rtol=1e-3)
+    for got, ref in ((d_h, want_h), (d_head, want_head)):
+        scale = float(jnp.abs(ref).max())
+        assert scale > 1e-3
+        np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=0, atol=2e-2 * scale)

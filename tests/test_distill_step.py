@@ -111,3 +111,37 @@ def test_adam_direction_from_the_new_moments_equals_optax():
 def test_global_norm_equals_optax():
     tree = {"a": jnp.arange(12.0).reshape(3, 4), "b": jnp.asarray([3.0, -4.0])}
     assert float(step_lib._global_norm(tree)) == pytest.approx(float(optax.global_norm(tree)), rel=1e-6)
+
+
+def _matmul_operand_dtypes(jaxpr) -> list[tuple[str, str, int]]:
+    """(lhs dtype, rhs dtype, contracted size) of every dot_general in `jaxpr` and its sub-jaxprs (scan, jit,
+    custom_vjp, cond bodies)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (v.aval for v in eqn.invars)
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            found.append((str(lhs.dtype), str(rhs.dtype), int(np.prod([lhs.shape[i] for i in contract]))))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_matmul_operand_dtypes(inner))
+    return found
+
+
+def test_bfloat16_step_runs_every_matmul_on_bfloat16_operands():
+    """With bf16 compute the whole gradient step, the fused loss's two head-gradient matmuls included, multiplies
+    bf16 operands (accumulating in float32 where it matters). A float32 cotangent meeting a bf16 weight makes XLA
+    upcast both: a float32 matmul, at TF32 rate at best on a GPU, over twice the bytes."""
+    teacher = tiny_teacher(dtype=jnp.bfloat16)
+    graph, trainable, rest = split_trainable(student_from(tiny_teacher()), None, None)
+    teacher_graph, teacher_state = nnx.split(teacher)
+    for block in (None, 16):  # one block (head gradient deferred to the backward pass), and a (V, D) accumulator
+        spec = step_lib.StepSpec(logit=LogitLossSpec(kl=True, ce=True, chunk=8, block=block),
+                                 compute_dtype=jnp.bfloat16)
+        grad_fn = step_lib.make_grad_fn(graph, teacher_graph, spec)
+        jaxpr = jax.make_jaxpr(grad_fn)({"student": trainable}, rest, teacher_state, _batch(), NORMS, HYPER)
+        dots = [d for d in _matmul_operand_dtypes(jaxpr.jaxpr) if d[2] > 1]  # size 1: the soft-cap probe
+        assert len(dots) > 20
+        assert {d[:2] for d in dots} == {("bfloat16", "bfloat16")}, [d for d in dots if "float32" in d[:2]]
