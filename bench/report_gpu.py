@@ -68,7 +68,8 @@ def section_gpu(records: list[dict]) -> list[str]:
         out += ["", f"Where the time goes (bench/step_parts.py, batch {parts.get('batch')}, logit chunk "
                 f"{parts.get('chunk')}; each part jitted alone):", "",
                 "| part | seconds | TFLOP | TFLOP/s |", "|---|---|---|---|"]
-        for name in ("teacher_forward", "student_trunk", "logit_loss", "adamw", "matmul_peak"):
+        for name in ("teacher_forward", "student_trunk", "logit_loss", "adamw", "head_gradients",
+                     "head_gradients_f32_operands", "matmul_peak"):
             out.append(f"| {name} | {fmt(parts.get(f'{name}_seconds'), 4)} | {fmt(parts.get(f'{name}_tflop'), 2)} | "
                        f"{fmt(parts.get(f'{name}_tflop_per_s'), 1)} |")
     return out + [""]

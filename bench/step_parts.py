@@ -10,6 +10,10 @@ Parts, each with its own counted FLOPs (bench/flops.py's rules) and achieved FLO
 * logit_loss       the fused chunked KL (teacher and student logits, loss, gradients for the student's hidden
                    states and head), given both models' final hidden states;
 * adamw            one AdamW update of the student's float32 parameters;
+* head_gradients   the fused loss's two head-gradient matmuls (dz @ head, dz^T @ hidden) for every chunk of a
+                   step, on compute-dtype operands as the step makes them; `head_gradients_f32_operands` the same
+                   on float32 operands, as the step made them before 2026-11-30 (the difference is that fix's
+                   saving per step);
 * matmul_peak      one (M x M) @ (M x M) product in the compute dtype (M = --matmul, 8192 on a GPU): the chip's
                    practical peak.
 
@@ -114,6 +118,24 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
         return optax.apply_updates(params, updates), opt
 
     results["adamw"] = (_median_seconds(update, params, opt, grads, repeats=repeats), 0)
+
+    # The fused loss's two head-gradient matmuls for one chunk, on compute-dtype operands (what the step does) and
+    # on float32 operands (what it did before 2026-11-30: a float32 loss gradient meeting bf16 weights upcasts both)
+    rows = min(chunk, tokens)
+    dz = jnp.asarray(np.random.default_rng(3).standard_normal((rows, vocab)), jnp.float32) * 1e-3
+    hidden_rows = s_hidden.reshape(tokens, -1)[:rows]
+
+    def head_gradients(dz, hidden, head):
+        d_hidden = jnp.einsum("RV,VD->RD", dz, head, preferred_element_type=jnp.float32)
+        d_head = jnp.einsum("RV,RD->VD", dz, hidden, preferred_element_type=jnp.float32)
+        return d_hidden, d_head
+
+    grad_flops = 4 * rows * vocab * s_cfg["hidden_size"] * -(-tokens // rows)  # per step: every chunk
+    for name, operand in (("head_gradients", compute), ("head_gradients_f32_operands", jnp.float32)):
+        fn = jax.jit(lambda dz, h, w, operand=operand: head_gradients(dz.astype(operand), h.astype(operand),
+                                                                      w.astype(operand)))
+        seconds = _median_seconds(fn, dz, hidden_rows, s_head, repeats=repeats) * -(-tokens // rows)
+        results[name] = (seconds, grad_flops)
 
     a = jnp.asarray(np.random.default_rng(2).standard_normal((matmul, matmul)), compute)
     seconds = _median_seconds(jax.jit(lambda a: a @ a), a, repeats=repeats)
