@@ -10,10 +10,13 @@ student cut from it on disk by our surgery (13 of 26 layers, MLP 9216 -> 3072: 1
    dense peak). One process loads both models once and runs a sweep of step settings (batch, logit-chunk rows,
    rematerialisation; `--sweep`), each compiled afresh; a setting that runs out of memory is recorded and skipped
    (the student keeps training from one point to the next, so only the first point's loss starts from the cut);
-3. where the time goes (if time is left): bench/step_parts.py times the step's parts (teacher forward, student
+3. a trace: `--trace-steps` (3) more steps at the fastest point under `jax.profiler.trace`; the perfetto file is
+   kept as step_trace.json.gz next to --out and summarised by bench/trace_summary.py (device time per step by
+   kind of kernel, busiest kernels) into one record;
+4. where the time goes (if time is left): bench/step_parts.py times the step's parts (teacher forward, student
    trunk forward + backward, fused logit loss, AdamW) and a large matmul (the chip's practical peak) at our
    fastest sweep point;
-4. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
+5. peer (if time is left): the plain PyTorch KD step on the same files on the same device, bf16.
 
 On CPU it runs the same code at tiny shapes (a 4-layer Gemma 2 and a 2-layer student), against the 180 GFLOP/s
 fp32 peak measured on the 2-core development machine, so the script is tested where no GPU is. One JSON line per
@@ -75,7 +78,6 @@ def child_sweep(args) -> dict:
     import jax
     import numpy as np
 
-    from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
     from distill.trainer import run
     from distill_step import batches
     from surgery.checkpoint import load_pretrained
@@ -85,20 +87,14 @@ def child_sweep(args) -> dict:
     student = load_pretrained(args.student, dtype="float32")
     jax.block_until_ready((teacher, student))
     peak = H200_BF16_PEAK if jax.default_backend() == "gpu" else CPU_PEAK
-    done, last_cost, best = 0, 0.0, {}
+    done, last_cost, best, best_point = 0, 0.0, {}, None
     for point in parse_sweep(args.sweep):
         if done and time.perf_counter() + 1.2 * last_cost > deadline:
             common.emit({"bench": "gpu", "event": "skipped", "peer": "ours", **point, "reason": "time budget"},
                         args.out)
             continue
         began = time.perf_counter()
-        total = args.warmup + args.steps
-        stage = Stage(steps=total, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
-        extra = {"logit_chunk": point["chunk"]} if point["chunk"] else {}
-        config = DistillConfig(stages=(stage,), batch_size=point["batch"], seq_len=args.seq,
-                               optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
-                               guard=GuardConfig(enabled=False), progress=False, plots=False,
-                               compute_dtype=args.dtype, remat=point["remat"], **extra)
+        config = point_config(point, args.seq, args.dtype, args.warmup + args.steps)
         record = {"bench": "gpu", "event": "distill", "peer": "ours", "seq": args.seq, "dtype": args.dtype,
                   "logit_chunk": config.logit_chunk, **point}
         try:
@@ -123,8 +119,52 @@ def child_sweep(args) -> dict:
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
             best = {"best_batch": point["batch"], "best_chunk": config.logit_chunk, "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
+            best_point = point
         del result
+    if args.trace_steps and done and time.perf_counter() + 0.8 * last_cost < deadline:
+        trace_point(teacher, student, best_point, args)
     return {"points_done": done, **best, "peak_rss_bytes": common.peak_rss_bytes()}
+
+
+def point_config(point: dict, seq: int, dtype: str, steps: int):
+    from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+
+    stage = Stage(steps=steps, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
+    extra = {"logit_chunk": point["chunk"]} if point["chunk"] else {}
+    return DistillConfig(stages=(stage,), batch_size=point["batch"], seq_len=seq,
+                         optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
+                         guard=GuardConfig(enabled=False), progress=False, plots=False,
+                         compute_dtype=dtype, remat=point["remat"], **extra)
+
+
+def trace_point(teacher, student, point: dict, args) -> None:
+    """`--trace-steps` more steps at `point` under `jax.profiler.trace`: the perfetto trace is kept next to the
+    results (step_trace.json.gz) and summarised (bench/trace_summary.py) into one record."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    from distill.trainer import run
+    from distill_step import batches
+    from trace_summary import summarize
+
+    record = {"bench": "gpu", "event": "trace", "peer": "ours", "seq": args.seq, **point}
+    config = point_config(point, args.seq, args.dtype, args.trace_steps)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0  # no event per Python call: device kernels and XLA's host events only
+            with jax.profiler.trace(folder, create_perfetto_trace=True, profiler_options=options):
+                run(teacher, student, batches(teacher.config.vocab_size, point["batch"], args.seq, 1), config)
+            found = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+            kept = os.path.join(os.path.dirname(os.path.abspath(args.out)), "step_trace.json.gz")
+            shutil.copyfile(found[0], kept)
+            record.update(file=kept, bytes=os.path.getsize(kept), **summarize(kept, steps=args.trace_steps))
+        except Exception as error:  # the trace is a diagnostic: its failure must not lose the sweep's records
+            record["error"] = f"{type(error).__name__}: {error}"[:2000]
+    common.emit(record, args.out)
 
 
 def main(argv=None) -> None:
@@ -144,6 +184,8 @@ def main(argv=None) -> None:
     parser.add_argument("--student", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--child-budget", type=float, default=BUDGET_S, help=argparse.SUPPRESS)
+    parser.add_argument("--trace-steps", type=int, default=3,
+                        help="ours: steps traced with jax.profiler at the fastest point (0: no trace)")
     args = parser.parse_args(argv)
     if args.child_load:
         print(json.dumps(child_load(args.child_load)))
@@ -189,7 +231,8 @@ def main(argv=None) -> None:
             budget = BUDGET_S * (0.55 if "parts" in args.peers else 0.75 if "torch" in args.peers else 0.95) - elapsed
             cmd = [sys.executable, os.path.abspath(__file__), "--child-sweep", "--teacher", teacher, "--student",
                    student, "--seq", str(seq), "--warmup", str(args.warmup), "--steps", str(args.steps), "--dtype",
-                   dtype, "--sweep", sweep, "--out", args.out, "--child-budget", str(max(30.0, budget - 20))]
+                   dtype, "--sweep", sweep, "--out", args.out, "--child-budget", str(max(30.0, budget - 20)),
+                   "--trace-steps", str(args.trace_steps)]
             record = common.run_child(cmd, timeout=max(60, budget + 30))
             record.pop("versions", None)
             common.emit(common.round_floats({"bench": "gpu", "event": "sweep_end", "peer": peer, **record}),

@@ -72,4 +72,14 @@ def section_gpu(records: list[dict]) -> list[str]:
                      "head_gradients_f32_operands", "matmul_peak"):
             out.append(f"| {name} | {fmt(parts.get(f'{name}_seconds'), 4)} | {fmt(parts.get(f'{name}_tflop'), 2)} | "
                        f"{fmt(parts.get(f'{name}_tflop_per_s'), 1)} |")
+    trace = latest(events, event="trace")
+    if trace and "kinds_ms_per_step" in trace:
+        kinds = "; ".join(f"{kind} {fmt(ms, 1)}" for kind, ms in trace["kinds_ms_per_step"].items())
+        out += ["", f"Device time by kind of kernel (jax.profiler trace of {trace.get('steps')} steps at batch "
+                f"{trace.get('batch')}, line `{trace['line']['thread']}`, bench/trace_summary.py), ms per step: "
+                f"{kinds}; busiest kernels:", "", "| kernel | kind | per step | ms per step |", "|---|---|---|---|"]
+        steps = max(1, trace.get("steps", 1))
+        for row in trace.get("top", [])[:12]:
+            out.append(f"| `{row['name'][:80]}` | {row['kind']} | {fmt(row['count'] / steps, 0)} | "
+                       f"{fmt(row['ms_per_step'], 2)} |")
     return out + [""]

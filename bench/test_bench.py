@@ -79,6 +79,9 @@ def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
     assert parts and all(parts[0][f"{name}_seconds"] > 0 for name in
                          ("teacher_forward", "student_trunk", "logit_loss", "adamw", "head_gradients",
                                                       "head_gradients_f32_operands", "matmul_peak")), parts
+    traces = [r for r in records if r.get("event") == "trace"]  # the fastest point, under jax.profiler
+    assert len(traces) == 1 and "error" not in traces[0], traces
+    assert traces[0]["busy_ms_per_step"] > 0 and traces[0]["top"] and os.path.getsize(traces[0]["file"]) > 0
     torch_runs = [r for r in records if r.get("event") == "distill" and r.get("peer") == "torch"]
     fastest = max(ours, key=lambda r: r["tokens_per_s"])  # the peer and the parts run at our fastest point
     assert torch_runs and torch_runs[0]["batch"] == fastest["batch"] and torch_runs[0]["tokens_per_s"] > 0, torch_runs
@@ -149,3 +152,31 @@ def test_report_renders_both_load_layouts():
     assert "hub: faster than every peer warm **no**, cold n/a" in text and "0.50x / n/a" in text
     text = "\n".join(report.section_load(records[:2]))
     assert "hub: **not measured**" in text
+
+
+def test_trace_summary_breaks_down_one_device_line_per_step(tmp_path):
+    """A GPU trace repeats kernel time on 'XLA Ops' lines: the summary breaks down the busiest device line only,
+    by kind and by name, divided by the number of steps; host lines are listed, never chosen."""
+    import gzip
+
+    from trace_summary import summarize
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "XLA Ops"}}]
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32", 300.0), ("loop_multiply_fusion", 40.0),
+               ("input_reduce_fusion", 20.0), ("sm90_xmma_gemm_bf16bf16_bf16f32", 300.0)]
+    events = meta + [{"ph": "X", "pid": 2, "tid": 7, "ts": i, "dur": d, "name": n} for i, (n, d) in enumerate(kernels)]
+    events += [{"ph": "X", "pid": 2, "tid": 9, "ts": 0, "dur": 600.0, "name": "dot.3"},
+               {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5000.0, "name": "PjitFunction(step)"}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = summarize(str(path), steps=2)
+    assert summary["line"] == {"process": "/device:GPU:0", "thread": "Stream #7"}
+    assert summary["busy_ms_per_step"] == pytest.approx(0.33)  # 660 us over 2 steps
+    assert summary["kinds_ms_per_step"] == pytest.approx({"matmul": 0.3, "fusion": 0.02, "reduction": 0.01})
+    assert summary["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "kind": "matmul", "count": 2,
+                                 "ms_per_step": 0.3}
+    assert [line["thread"] for line in summary["lines"]][:2] == ["1", "Stream #7"]
