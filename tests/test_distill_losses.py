@@ -105,24 +105,30 @@ CASES = [(dict(kl=True), 64), (dict(kl=True), 6), (dict(kl=False, reverse_kl=Tru
          (dict(kl=True, jsd=True, ce=True, top_k=5, diagnostics=True), 6), (dict(kl=False, jsd=True, jsd_beta=0.3), 4),
          (dict(kl=True, ce=True, block=8, diagnostics=True), 4),  # blocks of 2 chunks, the last one padded
          (dict(kl=True, block=12), 4), (dict(kl=True, ce=True, block=64), 2),  # 3 chunks; one block of 7
-         (dict(kl=True, block=8, vocab_slice=6, vocab=24), 4), (dict(reverse_kl=True, vocab_slice=5, vocab=24), 6)]
+         (dict(kl=True, block=8, vocab_slice=6, vocab=24), 4), (dict(reverse_kl=True, vocab_slice=5, vocab=24), 6),
+         (dict(kl=True, ce=True, unit_temperature=True, temperature=1.0, block=12), 6),  # closed form, CE from q
+         (dict(kl=False, ce=True, teacher=False, block=8), 4)]  # plain cross-entropy training (closed form)
 
 
 @pytest.mark.parametrize("spec_kwargs,chunk", CASES)  # chunk in rows: 6 rows = 3 positions, the sequence is padded
 def test_fused_chunked_equals_reference_values_and_gradients(spec_kwargs, chunk):
     spec_kwargs = dict(spec_kwargs)
     batch, length, d_s, d_t, vocab = 2, 7, 6, 8, spec_kwargs.pop("vocab", 23)
+    temperature = spec_kwargs.pop("temperature", 2.5)
     keys = jax.random.split(jax.random.key(0), 6)
     h_s, head_s = jax.random.normal(keys[0], (batch, length, d_s)), jax.random.normal(keys[1], (vocab, d_s))
     h_t, head_t = jax.random.normal(keys[2], (batch, length, d_t)), jax.random.normal(keys[3], (vocab, d_t))
     labels = jax.random.randint(keys[4], (batch, length), 0, vocab)
     weights = jax.random.uniform(keys[5], (batch, length)) * (jnp.arange(length) < length - 1)
-    coeffs = dict(temperature=jnp.float32(2.5), kl=0.7, reverse_kl=0.4, jsd=1.3, ce=0.2)
+    coeffs = dict(temperature=jnp.float32(temperature), kl=0.7, reverse_kl=0.4, jsd=1.3, ce=0.2)
     spec = LogitLossSpec(**spec_kwargs, chunk=chunk)
     student, teacher = _softcapped(3.0), _softcapped(5.0)
+    if not spec.teacher:
+        h_t = head_t = None
 
     def reference(h, w):
-        return reference_logit_loss(student(h, w), teacher(h_t, head_t), labels, weights, coeffs, spec)
+        t = None if h_t is None else teacher(h_t, head_t)
+        return reference_logit_loss(student(h, w), t, labels, weights, coeffs, spec)
 
     def fused(h, w):
         return fused_logit_loss(h, w, h_t, head_t, labels, weights, coeffs, student_logits=student,
@@ -269,3 +275,22 @@ def test_fused_bfloat16_compute_matches_float32_reference(block):
         scale = float(jnp.abs(ref).max())
         assert scale > 1e-3
         np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=0, atol=2e-2 * scale)
+
+
+def test_closed_form_gradient_covers_the_common_objectives_only():
+    """The fused loss's closed-form dz (distill.logit_gradient) is used for forward KL / CE without top-k or
+    diagnostics when a block holds several chunks; the other CASES above go through autodiff, so both paths are
+    compared with the reference."""
+    from distill.logit_loss import chunk_positions, closed_form_applies
+
+    batch, length = 2, 7  # the shapes of test_fused_chunked_equals_reference_values_and_gradients
+    closed = []
+    for kwargs, chunk in CASES:
+        spec = LogitLossSpec(**{k: v for k, v in kwargs.items() if k not in ("vocab", "temperature")}, chunk=chunk)
+        positions, block = chunk_positions(batch, length, spec)
+        closed.append(closed_form_applies(spec, block // positions))
+    assert sum(closed) >= 5 and len(closed) - sum(closed) >= 5, closed
+    assert closed_form_applies(LogitLossSpec(kl=True, ce=True, block=64, vocab_slice=32768), 2)
+    assert not closed_form_applies(LogitLossSpec(kl=True, ce=True, block=64), 1)  # one chunk per block
+    for other in (dict(reverse_kl=True), dict(jsd=True), dict(top_k=8), dict(diagnostics=True)):
+        assert not closed_form_applies(LogitLossSpec(kl=True, **other), 2)
