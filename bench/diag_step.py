@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     from distill.interface import Correspondence
     from distill.mesh import put_batch
     from distill.step import hyper_values
-    from distill.trainer import Session, logit_block
+    from distill.trainer import Session, logit_block, logit_chunk
     from students import ensure_pair
     from surgery.checkpoint import load_pretrained
 
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
     record = {"bench": "diag_step", "scale": args.scale, "teacher_dtype": args.teacher_dtype,
-              "logit_chunk": config.logit_chunk, "logit_block": logit_block(config),
+              "logit_chunk": logit_chunk(config), "logit_block": logit_block(config),
               "rss_after_load_gib": common.current_rss_bytes() / common.GIB}
     for field in fields:
         value = getattr(memory, field, None)

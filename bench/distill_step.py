@@ -51,7 +51,7 @@ def child_ours(args) -> dict:
     import numpy as np
 
     from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from distill.trainer import logit_block, run
+    from distill.trainer import logit_block, logit_chunk, run
     from surgery.checkpoint import load_pretrained
 
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
@@ -82,7 +82,7 @@ def child_ours(args) -> dict:
             "step_times_s": [round(x, 4) for x in measured], "first_step_s": times[0],
             "peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": rss_after_load,
             "loss_first": losses[0], "loss_last": losses[-1], "train_wall_s": wall, "batch": args.batch,
-            "seq": args.seq, "logit_chunk": config.logit_chunk, "logit_block": logit_block(config),
+            "seq": args.seq, "logit_chunk": logit_chunk(config), "logit_block": logit_block(config),
             "versions": common.versions()}
 
 

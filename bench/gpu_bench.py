@@ -78,7 +78,7 @@ def child_sweep(args) -> dict:
     import jax
     import numpy as np
 
-    from distill.trainer import run
+    from distill.trainer import logit_chunk, run
     from distill_step import batches
     from surgery.checkpoint import load_pretrained
 
@@ -96,7 +96,7 @@ def child_sweep(args) -> dict:
         began = time.perf_counter()
         config = point_config(point, args.seq, args.dtype, args.warmup + args.steps)
         record = {"bench": "gpu", "event": "distill", "peer": "ours", "seq": args.seq, "dtype": args.dtype,
-                  "logit_chunk": config.logit_chunk, **point}
+                  "logit_chunk": logit_chunk(config), **point}
         try:
             result = run(teacher, student, batches(teacher.config.vocab_size, point["batch"], args.seq, 0), config)
         except Exception as error:  # out of memory (or anything else) at one point must not lose the others
@@ -118,7 +118,7 @@ def child_sweep(args) -> dict:
         common.emit(common.round_floats(record, 6), args.out)
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
-            best = {"best_batch": point["batch"], "best_chunk": config.logit_chunk, "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
+            best = {"best_batch": point["batch"], "best_chunk": logit_chunk(config), "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
             best_point = point
         del result
     if args.trace_steps and done and time.perf_counter() + 0.8 * last_cost < deadline:

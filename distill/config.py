@@ -155,7 +155,8 @@ class DistillConfig:
     # logit loss
     top_k: int | None = None
     jsd_beta: float = 0.5
-    logit_chunk: int = 32  # rows (batch x positions) per chunk of the fused logit loss
+    logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 32 on
+    # CPU, up to 2048 on an accelerator as its memory allows (`distill.trainer.logit_chunk`)
     logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
     logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU
     train_diagnostics: bool = False  # teacher CE / logit correlation / T=1 KL every train step (eval has them)
@@ -187,9 +188,9 @@ class DistillConfig:
         if not stages:
             raise ValueError("DistillConfig needs at least one Stage.")
         object.__setattr__(self, "stages", stages)
-        if self.grad_accum < 1 or self.logit_chunk < 1:
-            raise ValueError("grad_accum and logit_chunk must be at least 1.")
-        for name in ("logit_block", "logit_vocab_slice"):
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum} must be at least 1 micro-batch per step.")
+        for name in ("logit_chunk", "logit_block", "logit_vocab_slice"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
         if self.logit_impl not in ("fused", "reference"):
