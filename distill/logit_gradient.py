@@ -1,4 +1,5 @@
-"""Closed-form loss and gradient of the common logit objective: forward KL and/or hard-label CE, no top-k.
+"""The fused logit loss's gradients: dz in closed form for the common objective (forward KL and/or hard-label CE,
+no top-k), and the two matmuls that take dz back to the student's hidden states and head.
 
 For a chunk of student pre-activation logits z (the head matmul's output), s = f(z) (f element-wise: the soft-cap),
 u = s / tau, teacher v = t / tau, q = softmax(u), p = softmax(v), per row:
@@ -12,7 +13,8 @@ Differentiating `token_objective` with `jax.vjp` gives the same numbers, but thr
 log-probabilities of both models materialised: about twice as many passes over the (rows, V) float32 blocks.
 Here the row statistics come from reductions over the logits and dz from one element-wise pass (on the 2-core
 CPU: 2.3x faster per 32 x 262144 chunk, 1.7x with Gemma 2's soft-cap). `distill.logit_loss` uses this when
-the loss has only these terms (`closed_form_applies`); everything else goes through autodiff.
+the loss has only these terms and a block holds several chunks (`closed_form_applies` says why); everything else
+goes through autodiff.
 """
 from __future__ import annotations
 
@@ -63,4 +65,43 @@ def closed_form(z: jax.Array, t: jax.Array | None, labels: jax.Array, weights: j
     return loss, sums, jax.lax.optimization_barrier(weights[..., None] * d_s * slope)
 
 
-__all__ = ["closed_form"]
+def hidden_gradient(dz: jax.Array, head: jax.Array) -> jax.Array:
+    """dz @ head in the compute dtype of `head` (float32 accumulation), returned in that dtype: the gradient of
+    the head matmul (`logit_loss._head_matmul`) with respect to its hidden states."""
+    return jnp.einsum("...V,VD->...D", dz.astype(head.dtype), head,
+                      preferred_element_type=jnp.float32).astype(head.dtype)
+
+
+def head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
+    """dz^T @ hidden, (V, D) float32: the gradient of the head matmul (`logit_loss._head_matmul`) with respect to a head in `hidden.dtype`.
+    Both operands are in the compute dtype (`dz` is cast), accumulated in float32: with bfloat16 compute this is a
+    bfloat16 matmul, not a float32 one on upcast operands (what autodiff of the float32-output forward matmul
+    makes; on a GPU that runs at TF32 rate at best, over twice the bytes). With `vocab_slice` it is made about
+    `vocab_slice` vocabulary rows at a time: XLA:CPU copies dz transposed for this matmul, a (block, V) buffer at
+    once, a (block, vocab_slice) one per slice."""
+    dz = dz.astype(hidden.dtype)
+    rows = lambda dz_part: jnp.einsum("...V,...D->VD", dz_part, hidden, preferred_element_type=jnp.float32)
+    vocab = dz.shape[-1]
+    size = _divisor_near(vocab, vocab_slice) if vocab_slice else vocab
+    if size == vocab:
+        return rows(dz)
+
+    def one(i, out):
+        part = rows(jax.lax.dynamic_slice_in_dim(dz, i * size, size, axis=-1))
+        return jax.lax.dynamic_update_slice_in_dim(out, part, i * size, axis=0)
+
+    # Every row is overwritten. The initial value depends on dz so that XLA cannot schedule this (V, D) buffer's
+    # allocation early (a constant broadcast is scheduled first, and would be live through the whole loss).
+    start = jnp.broadcast_to(jnp.zeros((), jnp.float32) * dz.reshape(-1)[0], (vocab, hidden.shape[-1]))
+    return jax.lax.fori_loop(0, vocab // size, one, start)
+
+
+def _divisor_near(total: int, wanted: int) -> int:
+    """The largest divisor of `total` in [wanted / 2, wanted] (256000 -> 32000 for 32768), else `total`."""
+    for size in range(min(wanted, total), max(1, wanted // 2) - 1, -1):
+        if total % size == 0:
+            return size
+    return total
+
+
+__all__ = ["closed_form", "hidden_gradient", "head_gradient"]

@@ -23,8 +23,9 @@ loss and its gradient with respect to the student logits (nothing is recomputed 
 again the two backward matmuls d(hidden) = dz @ head and d(head) += dz^T @ hidden (accumulated in float32). So
 (B, T, V) logits of either model never exist: the peak is one block of teacher logits and of dz, a few chunks of
 student logits, plus the (V, D) head gradient. `block` trades that memory for matmul efficiency: on a GPU with
-large chunks leave it at `chunk`. `reference_logit_loss` is the plain version on full logits, kept for tests and
-debugging.
+large chunks leave it at `chunk`. For forward KL and CE the loss's gradient is written in closed form
+(`distill.logit_gradient`, when a block holds several chunks), otherwise it is autodiff of `token_objective`.
+`reference_logit_loss` is the plain version on full logits, kept for tests and debugging.
 
 The fused loss needs the student's logits in the form `f(hidden @ head.T)` with `f` element-wise (the soft-cap of
 every Gemma): it differentiates the matmul itself and `f` through `logits_fn` applied to a (..., 1) hidden and a
@@ -43,7 +44,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .logit_gradient import closed_form
+from .logit_gradient import closed_form, head_gradient, hidden_gradient
 
 LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (hidden (..., D), head (V, D)) -> float32 logits (..., V)
 DIAGNOSTICS = ("kl", "teacher_ce", "logit_corr")
@@ -235,50 +236,11 @@ def chunk_positions(batch: int, length: int, spec: LogitLossSpec) -> tuple[int, 
     return chunk, chunk * min(per_block, -(-length // chunk))
 
 
-def _hidden_gradient(dz: jax.Array, head: jax.Array) -> jax.Array:
-    """dz @ head in the compute dtype of `head` (float32 accumulation), returned in that dtype: the gradient of
-    `_head_matmul` with respect to its hidden states."""
-    return jnp.einsum("...V,VD->...D", dz.astype(head.dtype), head,
-                      preferred_element_type=jnp.float32).astype(head.dtype)
-
-
-def _head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
-    """dz^T @ hidden, (V, D) float32: the gradient of `_head_matmul` with respect to a head in `hidden.dtype`.
-    Both operands are in the compute dtype (`dz` is cast), accumulated in float32: with bfloat16 compute this is a
-    bfloat16 matmul, not a float32 one on upcast operands (what autodiff of the float32-output forward matmul
-    makes; on a GPU that runs at TF32 rate at best, over twice the bytes). With `vocab_slice` it is made about
-    `vocab_slice` vocabulary rows at a time: XLA:CPU copies dz transposed for this matmul, a (block, V) buffer at
-    once, a (block, vocab_slice) one per slice."""
-    dz = dz.astype(hidden.dtype)
-    rows = lambda dz_part: jnp.einsum("...V,...D->VD", dz_part, hidden, preferred_element_type=jnp.float32)
-    vocab = dz.shape[-1]
-    size = _divisor_near(vocab, vocab_slice) if vocab_slice else vocab
-    if size == vocab:
-        return rows(dz)
-
-    def one(i, out):
-        part = rows(jax.lax.dynamic_slice_in_dim(dz, i * size, size, axis=-1))
-        return jax.lax.dynamic_update_slice_in_dim(out, part, i * size, axis=0)
-
-    # Every row is overwritten. The initial value depends on dz so that XLA cannot schedule this (V, D) buffer's
-    # allocation early (a constant broadcast is scheduled first, and would be live through the whole loss).
-    start = jnp.broadcast_to(jnp.zeros((), jnp.float32) * dz.reshape(-1)[0], (vocab, hidden.shape[-1]))
-    return jax.lax.fori_loop(0, vocab // size, one, start)
-
-
-def _divisor_near(total: int, wanted: int) -> int:
-    """The largest divisor of `total` in [wanted / 2, wanted] (256000 -> 32000 for 32768), else `total`."""
-    for size in range(min(wanted, total), max(1, wanted // 2) - 1, -1):
-        if total % size == 0:
-            return size
-    return total
-
-
 def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_logits: LogitsFn,
                  teacher_logits: LogitsFn, spec: LogitLossSpec, grad_hidden: bool, grad_head: bool):
     """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1.
     `head_s` is already in the compute dtype of `h_s`; d(head_s) comes back in float32, or, when one block covers
-    the sequence, as the pair (dz, hidden) whose `_head_gradient` it is: the backward pass makes that matmul
+    the sequence, as the pair (dz, hidden) whose `head_gradient` it is: the backward pass makes that matmul
     after the student trunk's backward has freed its activations, so the (V, D) gradient never coexists with
     them (and with multiple blocks there is an accumulator anyway)."""
     batch, length = h_s.shape[:2]
@@ -333,12 +295,12 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
         if backward:  # both gradient matmuls take dz in the compute dtype (a no-op in float32)
             dz = dz.astype(hs.dtype)
         if grad_hidden:  # dz @ head, one matmul per block
-            d_hidden = _hidden_gradient(dz, head_s)
+            d_hidden = hidden_gradient(dz, head_s)
         if grad_head:  # dz^T @ hidden over the whole block
             if d_head is None:  # the only block: leave the matmul to the backward pass
                 d_head = (dz, hs)
             else:
-                d_head = d_head + _head_gradient(dz, hs, spec.vocab_slice)
+                d_head = d_head + head_gradient(dz, hs, spec.vocab_slice)
         return (loss_acc + loss, jax.tree.map(jnp.add, metrics_acc, metrics), d_head), d_hidden
 
     n_blocks = xs[0].shape[0]
@@ -388,7 +350,7 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
     def loss_bwd(residuals, cotangents):
         d_hidden, d_head = residuals
         if isinstance(d_head, tuple):  # deferred from the forward pass (_scan_blocks)
-            d_head = _head_gradient(*d_head, spec.vocab_slice).astype(head_dtype)
+            d_head = head_gradient(*d_head, spec.vocab_slice).astype(head_dtype)
         g = cotangents[0]
         scale = (lambda d: None if d is None else (d * g.astype(d.dtype)))
         return scale(d_hidden), scale(d_head), None, None, None, None, None
