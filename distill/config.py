@@ -155,7 +155,7 @@ class DistillConfig:
     # logit loss
     top_k: int | None = None
     jsd_beta: float = 0.5
-    logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 32 on
+    logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 128 on
     # CPU, up to 2048 on an accelerator as its memory allows (`distill.trainer.logit_chunk`)
     logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
     logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU

@@ -83,12 +83,12 @@ def test_default_layer_map_is_identity_or_uniform_ending_at_the_last_layer():
 
 
 def test_logit_chunk_default_fits_the_device():
-    """None: 32 rows on CPU; on an accelerator 2048 rows, fewer where a (rows, 262144) float32 block would take
+    """None: 128 rows on CPU; on an accelerator 2048 rows, fewer where a (rows, 262144) float32 block would take
     more than 1/32 of the device's memory; an explicit chunk always wins."""
     from distill.config import DistillConfig
     from distill.trainer import accelerator_logit_chunk, logit_chunk
 
-    assert logit_chunk(DistillConfig()) == 32  # these tests run on CPU
+    assert logit_chunk(DistillConfig()) == 128  # these tests run on CPU
     assert logit_chunk(DistillConfig(logit_chunk=96)) == 96
     assert accelerator_logit_chunk(141 * 2**30) == 2048 and accelerator_logit_chunk(80 * 2**30) == 2048
     assert accelerator_logit_chunk(16 * 2**30) == 512 and accelerator_logit_chunk(2**30) == 256
