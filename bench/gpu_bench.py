@@ -95,8 +95,9 @@ def child_sweep(args) -> dict:
             continue
         began = time.perf_counter()
         config = point_config(point, args.seq, args.dtype, args.warmup + args.steps)
+        chunk = logit_chunk(config)
         record = {"bench": "gpu", "event": "distill", "peer": "ours", "seq": args.seq, "dtype": args.dtype,
-                  "logit_chunk": logit_chunk(config), **point}
+                  "logit_chunk": chunk, **point}
         try:
             result = run(teacher, student, batches(teacher.config.vocab_size, point["batch"], args.seq, 0), config)
         except Exception as error:  # out of memory (or anything else) at one point must not lose the others
@@ -118,7 +119,7 @@ def child_sweep(args) -> dict:
         common.emit(common.round_floats(record, 6), args.out)
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
-            best = {"best_batch": point["batch"], "best_chunk": logit_chunk(config), "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
+            best = {"best_batch": point["batch"], "best_chunk": chunk, "best_tokens_per_s": record["tokens_per_s"], "best_mfu": record["mfu"]}
             best_point = point
         del result
     if args.trace_steps and done and time.perf_counter() + 0.8 * last_cost < deadline:
@@ -244,10 +245,10 @@ def main(argv=None) -> None:
             if elapsed > BUDGET_S * 0.7:
                 common.emit({"bench": "gpu", "event": "skipped", "peer": peer, "reason": "time budget"}, args.out)
                 continue
-            chunk = best.get("chunk") or (2048 if kind == "gpu" else 32)
             cmd = [sys.executable, os.path.join(common.BENCH, "step_parts.py"), "--teacher", teacher, "--student",
-                   student, "--batch", str(best["batch"]), "--seq", str(seq), "--dtype", dtype, "--chunk",
-                   str(chunk), "--matmul", "8192" if kind == "gpu" else "512"]
+                   student, "--batch", str(best["batch"]), "--seq", str(seq), "--dtype", dtype,
+                   "--matmul", "8192" if kind == "gpu" else "512"]
+            cmd += ["--chunk", str(best["chunk"])] if best.get("chunk") else []  # else the package's default
             record = common.run_child(cmd, timeout=max(60, BUDGET_S * 0.9 - elapsed))
             record.pop("bench", None)
             common.emit(common.round_floats({"bench": "gpu", "event": "parts", **record}, 6), args.out)

@@ -23,6 +23,7 @@ part's measurement start); the difference is reported by the caller against the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -53,6 +54,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     import optax
     from flax import nnx
 
+    from distill.logit_gradient import head_gradient, hidden_gradient
     from distill.logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights
     from surgery.checkpoint import load_pretrained
 
@@ -125,15 +127,13 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     dz = jnp.asarray(np.random.default_rng(3).standard_normal((rows, vocab)), jnp.float32) * 1e-3
     hidden_rows = s_hidden.reshape(tokens, -1)[:rows]
 
-    def head_gradients(dz, hidden, head):
-        d_hidden = jnp.einsum("RV,VD->RD", dz, head, preferred_element_type=jnp.float32)
-        d_head = jnp.einsum("RV,RD->VD", dz, hidden, preferred_element_type=jnp.float32)
-        return d_hidden, d_head
+    def head_gradients(dz, hidden, head, operand):  # the step's own matmuls, on `operand`-dtype operands
+        hidden, head = hidden.astype(operand), head.astype(operand)
+        return hidden_gradient(dz, head), head_gradient(dz, hidden, None)
 
     grad_flops = 4 * rows * vocab * s_cfg["hidden_size"] * -(-tokens // rows)  # per step: every chunk
     for name, operand in (("head_gradients", compute), ("head_gradients_f32_operands", jnp.float32)):
-        fn = jax.jit(lambda dz, h, w, operand=operand: head_gradients(dz.astype(operand), h.astype(operand),
-                                                                      w.astype(operand)))
+        fn = jax.jit(functools.partial(head_gradients, operand=operand))
         seconds = _median_seconds(fn, dz, hidden_rows, s_head, repeats=repeats) * -(-tokens // rows)
         results[name] = (seconds, grad_flops)
 
@@ -151,10 +151,16 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="logit rows per chunk (default: the package's, distill.trainer.logit_chunk)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--matmul", type=int, default=8192, help="side of the square matmul of the peak part")
     args = parser.parse_args(argv)
+    if args.chunk is None:
+        from distill.config import DistillConfig
+        from distill.trainer import logit_chunk
+
+        args.chunk = logit_chunk(DistillConfig())
     parts = measure(args.teacher, args.student, args.batch, args.seq, args.dtype, args.chunk, args.repeats,
                     args.matmul)
     print(json.dumps(common.round_floats({"bench": "step_parts", "batch": args.batch, "seq": args.seq,

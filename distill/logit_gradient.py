@@ -34,7 +34,8 @@ def closed_form(z: jax.Array, t: jax.Array | None, labels: jax.Array, weights: j
     tau = coeffs["temperature"] if t is not None else 1.0
     u = s / tau
     lse_u = jax.nn.logsumexp(u, axis=-1, keepdims=True)
-    lse_s = lse_u if unit_temperature or t is None else jax.nn.logsumexp(s, axis=-1, keepdims=True)
+    unit = unit_temperature or t is None  # u is s: its log-sum-exp and softmax serve the CE too
+    lse_s = lse_u if unit else jax.nn.logsumexp(s, axis=-1, keepdims=True)
     student_ce = lse_s[..., 0] - jnp.take_along_axis(s, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     weights = weights.astype(jnp.float32)
     metrics = {"student_ce": student_ce}
@@ -58,7 +59,7 @@ def closed_form(z: jax.Array, t: jax.Array | None, labels: jax.Array, weights: j
     q = jnp.exp(u - lse_u)
     d_s = tau * coeffs["kl"] * (q - p) if kl else jnp.zeros_like(s)
     if ce:
-        soft = q if lse_s is lse_u else jnp.exp(s - lse_s)
+        soft = q if unit else jnp.exp(s - lse_s)
         onehot = jnp.arange(s.shape[-1]) == labels[..., None]
         d_s = d_s + coeffs["ce"] * (soft - onehot)
     slope = jax.jvp(activation, (z,), (jnp.ones_like(z),))[1]  # f'(z): 1 - tanh^2 for the soft-cap
