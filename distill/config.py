@@ -170,6 +170,7 @@ class DistillConfig:
     compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
     remat: str | None = None  # None, "full" or "dots": rematerialise the student forward
     mesh: Any = None  # "fsdp=4,tp=2", {"fsdp": 4, "tp": 2}, a jax Mesh, or None (one device)
+    mesh_devices: int | None = None  # run the mesh on the first N devices only (None: sizes must use them all)
     compiler_options: dict | None = None  # XLA options for the step, e.g. {"xla_backend_optimization_level": 0}
     # bookkeeping
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -201,8 +202,27 @@ class DistillConfig:
             raise ValueError(f"compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'.")
         if self.remat not in (None, "full", "dots"):
             raise ValueError(f"remat={self.remat!r}: use None, 'full' or 'dots'.")
+        self._check_mesh()
         if self.top_k is not None and any(s.weights.reverse_kl for s in stages):
             raise ValueError("top_k cannot be combined with a reverse_kl weight (infinite on truncated support).")
+
+    def _check_mesh(self) -> None:
+        """Mesh spec and batch checked when the config is made, not after the models are loaded (MeshError)."""
+        from .mesh import MeshError, parse_mesh_spec
+
+        if self.mesh_devices is not None and (isinstance(self.mesh_devices, bool)
+                                              or not isinstance(self.mesh_devices, int) or self.mesh_devices < 1):
+            raise MeshError(f"mesh_devices={self.mesh_devices!r} must be a positive number of devices, or None.")
+        if self.mesh is None or not isinstance(self.mesh, (str, dict)):
+            return
+        sizes = parse_mesh_spec(self.mesh)
+        if self.mesh_devices is not None and math.prod(sizes.values()) != self.mesh_devices:
+            raise MeshError(f"mesh {self.mesh!r} uses {math.prod(sizes.values())} device(s) but mesh_devices="
+                            f"{self.mesh_devices}; make the axis sizes multiply to mesh_devices.")
+        split = math.prod(size for axis, size in sizes.items() if axis in ("data", "fsdp"))
+        if self.batch_size is not None and self.batch_size % split:
+            raise MeshError(f"batch_size={self.batch_size} does not split over the mesh's data axes ({split} "
+                            f"devices in {self.mesh!r}); use a multiple of {split}.")
 
     @property
     def total_steps(self) -> int:

@@ -20,34 +20,93 @@ log = logging.getLogger("distill")
 DATA_AXES = ("data", "fsdp")
 
 
+class MeshError(ValueError):
+    """A mesh that does not fit the devices, the model or the batch: says which sizes would."""
+
+
 def parse_mesh_spec(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """"fsdp=4,tp=2" or {"fsdp": 4, "tp": 2} -> ordered {axis: size}."""
+    """"fsdp=4,tp=2" or {"fsdp": 4, "tp": 2} -> ordered {axis: size}; anything else is a MeshError."""
     if isinstance(spec, Mapping):
-        return {str(k): int(v) for k, v in spec.items()}
+        items = list(spec.items())
+    elif isinstance(spec, str):
+        items = [part.strip().partition("=")[::2] for part in spec.split(",") if part.strip()]
+    else:
+        raise MeshError(f"mesh {spec!r}: give a string like 'fsdp=4,tp=2', a dict of axis sizes or a jax Mesh.")
     sizes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, size = part.partition("=")
-        if not name or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"mesh spec {spec!r}: each part must look like 'axis=size' with size >= 1, "
-                             f"e.g. 'fsdp=4,tp=2'; got {part!r}.")
-        sizes[name.strip()] = int(size)
+    for name, size in items:
+        name = name.strip() if isinstance(name, str) else name
+        text = size.strip() if isinstance(size, str) else size
+        valid_size = (isinstance(text, str) and text.isascii() and text.isdigit()) or \
+            (isinstance(text, int) and not isinstance(text, bool))
+        if not isinstance(name, str) or not name.isidentifier() or not valid_size or int(text) < 1:
+            raise MeshError(f"mesh spec {spec!r}: each part must look like 'axis=size' with a name and a size "
+                            f">= 1, e.g. 'fsdp=4,tp=2'; got {name!r}={size!r}.")
+        if name in sizes:
+            raise MeshError(f"mesh spec {spec!r} names axis {name!r} twice.")
+        sizes[name] = int(text)
     if not sizes:
-        raise ValueError(f"mesh spec {spec!r} names no axis; e.g. 'fsdp=8' or 'fsdp=4,tp=2'.")
+        raise MeshError(f"mesh spec {spec!r} names no axis; e.g. 'fsdp=8' or 'fsdp=4,tp=2'.")
     return sizes
 
 
-def make_mesh(spec: str | Mapping[str, int] | Mesh, devices: list | None = None) -> Mesh:
-    """A mesh with Auto axes over the first prod(sizes) devices (all processes' devices on multi-host)."""
+def format_mesh_spec(sizes: Mapping[str, int]) -> str:
+    return ",".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def sizes_using(axes: list[str], count: int, like: Mapping[str, int] | None = None, limit: int = 4) -> list[str]:
+    """Up to `limit` mesh specs over `axes` whose sizes multiply to `count`, those closest to `like` first."""
+    def splits(n: int, parts: int):
+        if parts == 1:
+            yield (n,)
+            return
+        for first in range(1, n + 1):
+            if n % first == 0:
+                for rest in splits(n // first, parts - 1):
+                    yield (first,) + rest
+
+    like = like or {}
+    options = sorted(splits(count, len(axes)), key=lambda sizes: (
+        sum(size != like.get(axis, size) for axis, size in zip(axes, sizes)), [-s for s in sizes]))
+    return [format_mesh_spec(dict(zip(axes, sizes))) for sizes in options[:limit]]
+
+
+def make_mesh(spec: str | Mapping[str, int] | Mesh, devices: int | list | None = None) -> Mesh:
+    """A mesh with Auto axes that uses every device (all processes' devices on multi-host).
+
+    Axis sizes must multiply to the device count: a mesh over fewer devices would leave the rest idle, so it is
+    a MeshError that lists the sizes that use them all. To run on a subset on purpose, pass `devices`: a count
+    (the first `devices` devices) or a list of devices; the subset is logged."""
     if isinstance(spec, Mesh):
         return spec
     sizes = parse_mesh_spec(spec)
-    devices = list(devices if devices is not None else jax.devices())
+    available = list(jax.devices())
     needed = int(np.prod(list(sizes.values())))
-    if needed > len(devices):
-        raise ValueError(f"mesh {sizes} needs {needed} devices but {len(devices)} are available; on CPU set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before importing jax.")
+    if devices is None:
+        chosen = available
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(available):
+            raise MeshError(f"devices={devices}: there are {len(available)} device(s); ask for 1 to "
+                            f"{len(available)}.")
+        chosen = available[:devices]
+    else:
+        chosen = list(devices)
+    if needed > len(available) or (devices is None and needed != len(chosen)):
+        hint = f"; sizes that use all of them: {', '.join(sizes_using(list(sizes), len(available), sizes))}"
+        subset = (f", or pass devices={needed} (DistillConfig(mesh_devices={needed})) to run on {needed} of them "
+                  "on purpose") if needed < len(available) else \
+            f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={needed} before importing jax)"
+        raise MeshError(f"mesh {format_mesh_spec(sizes)} uses {needed} device(s) but there are {len(available)}"
+                        f"{hint}{subset}.")
+    if needed != len(chosen):
+        raise MeshError(f"mesh {format_mesh_spec(sizes)} uses {needed} device(s) but devices= gives "
+                        f"{len(chosen)}; sizes that use them all: "
+                        f"{', '.join(sizes_using(list(sizes), len(chosen), sizes))}.")
+    if len(chosen) < len(available):
+        log.warning("mesh %s runs on %d of the %d devices, as asked (devices=%d); the other %d stay idle.",
+                    format_mesh_spec(sizes), len(chosen), len(available), len(chosen),
+                    len(available) - len(chosen))
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes.keys()), axis_types=(AxisType.Auto,) * len(sizes),
-                         devices=devices[:needed])
+                         devices=chosen)
 
 
 def fitted_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh: Mesh) -> PartitionSpec:
@@ -58,9 +117,7 @@ def fitted_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mes
 
 
 def variable_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
-    meta = variable.get_metadata()
-    axes = meta.get("axes") or meta.get("out_sharding") or meta.get("sharding_names")
-    return NamedSharding(mesh, fitted_spec(tuple(variable.shape), axes, mesh))
+    return NamedSharding(mesh, fitted_spec(tuple(variable.shape), _logical_axes(variable) or None, mesh))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
@@ -80,6 +137,53 @@ def model_on_mesh(model: nnx.Module, mesh: Mesh) -> bool:
     leaves = jax.tree.leaves(nnx.state(model))
     return bool(leaves) and all(isinstance(getattr(leaf, "sharding", None), NamedSharding)
                                 and leaf.sharding.mesh.shape == mesh.shape for leaf in leaves)
+
+
+def _logical_axes(variable: nnx.Variable) -> tuple:
+    meta = variable.get_metadata()
+    return tuple(meta.get("axes") or meta.get("out_sharding") or meta.get("sharding_names") or ())
+
+
+def data_split(mesh: Mesh) -> tuple[list[str], int]:
+    """The data axes of `mesh` with more than one device, and how many ways they split a batch."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = [axis for axis in DATA_AXES if sizes.get(axis, 1) > 1]
+    return axes, int(np.prod([sizes[axis] for axis in axes], dtype=np.int64))
+
+
+def check_batch_fits(mesh: Mesh | None, batch: int) -> None:
+    """MeshError unless the data axes split `batch` evenly (otherwise every device would compute all of it)."""
+    if mesh is None:
+        return
+    axes, split = data_split(mesh)
+    if batch % split:
+        multiples = ", ".join(str(split * k) for k in range(1, 4))
+        raise MeshError(f"batch {batch} does not split over the mesh's data axes "
+                        f"({' x '.join(axes)} = {split} devices); use a batch that is a multiple of {split} "
+                        f"({multiples}, ...) or a mesh with fewer data devices.")
+
+
+def check_mesh_fits(mesh: Mesh | None, models: Mapping[str, Any], batch: int | None = None) -> None:
+    """MeshError when an axis of more than one device cannot split what it is meant to: the batch (data axes),
+    or a parameter dimension named with the axis that is larger than the axis but not a multiple of it (it
+    would silently stay replicated: e.g. 6 heads over tp=4). Dimensions smaller than the axis (one KV head of a
+    multi-query model over tp=2) stay replicated by design."""
+    if mesh is None:
+        return
+    if batch is not None:
+        check_batch_fits(mesh, batch)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    for role, model in models.items():
+        if model is None:
+            continue
+        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            for dim, axis in zip(tuple(variable.shape), _logical_axes(variable)):
+                size = sizes.get(axis, 1) if isinstance(axis, str) else 1
+                if size > 1 and dim > size and dim % size:
+                    fits = [d for d in range(2, dim + 1) if dim % d == 0][:6]
+                    raise MeshError(f"mesh axis {axis}={size} does not divide dimension {dim} of the {role}'s "
+                                    f"{'.'.join(map(str, path))} (shape {tuple(variable.shape)}), which it shards; "
+                                    f"use {axis} = 1 or a divisor of {dim} ({', '.join(map(str, fits))}).")
 
 
 def batch_spec(mesh: Mesh | None, batch: int, leading: int = 0) -> PartitionSpec:
@@ -107,6 +211,7 @@ def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dic
         if mesh is None:
             out[key] = jax.device_put(value)
             continue
+        check_batch_fits(mesh, value.shape[leading] * jax.process_count())
         sharding = NamedSharding(mesh, batch_spec(mesh, value.shape[leading] * jax.process_count(), leading))
         if jax.process_count() > 1:
             out[key] = jax.make_array_from_process_local_data(sharding, value)
@@ -127,5 +232,6 @@ def initialize_distributed(**kwargs: Any) -> bool:
     return True
 
 
-__all__ = ["make_mesh", "parse_mesh_spec", "shard_model", "model_on_mesh", "batch_spec", "put_batch",
+__all__ = ["MeshError", "make_mesh", "parse_mesh_spec", "format_mesh_spec", "sizes_using", "check_mesh_fits",
+           "check_batch_fits", "shard_model", "model_on_mesh", "batch_spec", "put_batch",
            "fitted_spec", "variable_sharding", "initialize_distributed", "DATA_AXES"]

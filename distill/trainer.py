@@ -30,7 +30,7 @@ from .config import DistillConfig
 from .interface import Correspondence, check_model, correspondence_from_plan
 from .logit_loss import LogitLossSpec
 from .losses import init_projections
-from .mesh import make_mesh, model_on_mesh, shard_model
+from .mesh import check_mesh_fits, make_mesh, model_on_mesh, shard_model
 from .step import AdamSettings, StepSpec, build_eval_step, build_train_step
 
 log = logging.getLogger("distill")
@@ -327,7 +327,9 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
         if v_t != v_s:
             raise ValueError(f"the teacher's vocabulary has {v_t} entries and the student's {v_s}; logit "
                              "distillation needs the same tokenizer and vocabulary on both sides.")
-    mesh = make_mesh(config.mesh) if config.mesh is not None else None
+    mesh = make_mesh(config.mesh, devices=config.mesh_devices) if config.mesh is not None else None
+    check_mesh_fits(mesh, {"teacher": teacher, "student": student},
+                    None if config.batch_size is None else config.batch_size)
     if mesh is not None:
         for model in (teacher, student):
             if model is not None and not model_on_mesh(model, mesh):

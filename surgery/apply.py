@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import read_nnx_block, save_pretrained, tensor_table
+from .config import ConfigError, GemmaConfig
 from .model import Gemma, abstract_model, parameter_sharding
-from .plan import PLAN_FILE, Plan
+from .plan import PLAN_FILE, Plan, PlanError
 from .slices import Reader, build, recipes
 
 REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
@@ -70,11 +71,14 @@ def teacher_mesh(model: Gemma):
     return None
 
 
-def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None) -> Gemma:
+def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None, check_weights: bool = True) -> Gemma:
     """The student `plan` describes, as a new NNX Gemma in the teacher's dtype, sharded like the teacher.
 
-    `mesh` defaults to the teacher's own (read from its parameters' NamedSharding)."""
-    plan.check_teacher(teacher.config)
+    `mesh` defaults to the teacher's own (read from its parameters' NamedSharding). The teacher must have the
+    plan's config and, with `check_weights`, the weights fingerprinted in the plan (PlanError otherwise); pass
+    `check_weights=False` to apply a plan to another model of the same shape on purpose (e.g. the undistilled
+    version of the model it was made for)."""
+    plan.check_teacher(teacher.config, read=memory_reader(teacher) if check_weights else None)
     plan.validate()
     mesh = mesh if mesh is not None else teacher_mesh(teacher)
     dtype = teacher.dtype
@@ -107,13 +111,26 @@ def student_files(plan: Plan, report: bool = True) -> dict[str, object]:
 
 def save_student(student: Gemma, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
                  dtype=None, max_shard_size: int | str = "5GB", report: bool = True,
-                 extra_files: dict[str, object] | None = None) -> str:
+                 extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
     """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
-    plan's teacher source (for tokenizer files) when that is a local folder. `extra_files` as in save_pretrained."""
-    if source is None and plan.teacher.get("source") and os.path.isdir(str(plan.teacher["source"])):
-        source = plan.teacher["source"]
+    plan's teacher source (for tokenizer files) when that is a local folder holding that teacher (its config
+    equals the plan's: a plan's paths are not trusted otherwise). `extra_files` and `overwrite` as in
+    save_pretrained."""
+    if source is None:
+        source = _plan_teacher_folder(plan)
     return save_pretrained(student, out_dir, source=source, dtype=dtype, max_shard_size=max_shard_size,
-                           extra_files={**student_files(plan, report), **(extra_files or {})})
+                           extra_files={**student_files(plan, report), **(extra_files or {})}, overwrite=overwrite)
+
+
+def _plan_teacher_folder(plan: Plan) -> str | None:
+    folder = plan.teacher.get("source")
+    if not isinstance(folder, str) or not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    try:
+        plan.check_teacher(GemmaConfig.from_file(folder))
+    except (ConfigError, PlanError):
+        return None
+    return folder
 
 
 def logit_distance(teacher: Gemma, student: Gemma, batches) -> dict[str, float]:

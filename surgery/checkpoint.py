@@ -162,14 +162,24 @@ def canonical_names(weight_map: dict[str, str]) -> tuple[dict[str, str], list[st
 
 
 def checkpoint_dtype(folder: str, config: GemmaConfig, weight_map: dict[str, str], names: dict[str, str]):
-    """The stored dtype of the embedding, which decides the model dtype when none is asked for."""
-    stored = names["model.embed_tokens.weight"]
-    path = os.path.join(folder, weight_map[stored])
-    with open_safetensors(path) as f:
-        code = _get_slice(f, stored, path).get_dtype()
-    if code not in STORED_DTYPES:
-        raise CheckpointError(f"{path}: tensor {stored} has dtype {code}; expected F32, BF16 or F16.")
-    return STORED_DTYPES[code]
+    """The checkpoint's stored dtype, which decides the model dtype when none is asked for. A checkpoint whose
+    tensors mix dtypes has none: CheckpointError naming a tensor of each (pass dtype= to convert them all)."""
+    seen: dict[str, tuple[str, str]] = {}  # dtype code -> (file, a tensor stored in it)
+    wanted = set(names.values())
+    for file_name, stored_names in iter_groups_by_file(sorted(wanted), weight_map).items():
+        path = os.path.join(folder, file_name)
+        with open_safetensors(path) as f:
+            for stored in stored_names:
+                seen.setdefault(_get_slice(f, stored, path).get_dtype(), (path, stored))
+    for code, (path, stored) in seen.items():
+        if code not in STORED_DTYPES:
+            raise CheckpointError(f"{path}: tensor {stored} has dtype {code}; expected F32, BF16 or F16.")
+    if len(seen) > 1:
+        examples = "; ".join(f"{stored} is {code} (in {os.path.basename(path)})"
+                             for code, (path, stored) in sorted(seen.items()))
+        raise CheckpointError(f"{folder}: tensors are stored in mixed dtypes ({examples}), so the model dtype is "
+                              "ambiguous; pass dtype='float32', 'bfloat16' or 'float16' to convert them all.")
+    return STORED_DTYPES[next(iter(seen))]
 
 
 def _get_slice(f, name: str, path: str):
@@ -180,12 +190,15 @@ def _get_slice(f, name: str, path: str):
                               "the checkpoint is incomplete or its index is stale.") from None
 
 
-def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revision: str | None = None) -> Gemma:
+def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revision: str | None = None,
+                    check_finite: bool = False) -> Gemma:
     """Load an HF Gemma 1/2/3 checkpoint into an NNX `Gemma`, streaming, sharded over `mesh` when given.
 
     `dtype` (jnp/numpy dtype or "float32"/"bfloat16"/"float16") defaults to the checkpoint's own dtype.
     Raises ConfigError for an unusable config.json and CheckpointError (naming file and tensor) when the
-    tensors do not match it: never returns a model with unfilled or random weights.
+    tensors do not match it: never returns a model with unfilled or random weights. `check_finite`: also
+    refuse NaN or infinite weights (one more pass over the loaded parameters, on their devices), including
+    values that overflow when converted to `dtype`.
     """
     dtype = resolve_dtype(dtype)
     folder = resolve_source(source, revision)
@@ -223,7 +236,18 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
                 jobs.append(_load_job(variables[entry.path], _get_slice(f, stored_name, path), entry, path,
                                       stored_name, dtype, mesh))
         fill_parameters(jobs, lambda job, index: read_nnx_block(job.hf_slice, job.layout, job.shape, index))
+    if check_finite:
+        for entry in table:
+            _check_finite(variables[entry.path], os.path.join(folder, weight_map[names[entry.hf_name]]),
+                          names[entry.hf_name], dtype)
     return nnx.merge(graphdef, state)
+
+
+def _check_finite(variable, path: str, name: str, dtype) -> None:
+    bad = int(jnp.sum(~jnp.isfinite(variable[...])))
+    if bad:
+        raise CheckpointError(f"{path}: tensor {name} has {bad} NaN or infinite value(s) once loaded as "
+                              f"{np.dtype(dtype).name}; the checkpoint is damaged (or overflows that dtype).")
 
 
 def _load_job(variable, hf_slice, entry: TensorEntry, path: str, name: str, dtype, mesh) -> LoadJob:
@@ -282,13 +306,14 @@ def torch_dtype_name(dtype) -> str:
 
 def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTensor], *, source: str | None = None,
                     max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None,
-                    produce_ahead: int = 1) -> str:
+                    produce_ahead: int = 1, overwrite: bool = False) -> str:
     """Write config.json, safetensors and the teacher's tokenizer files into `out_dir`, atomically.
 
     `extra_files` maps a file name to JSON data (e.g. the surgery plan) or to a callable `(path) -> None`.
-    `produce_ahead` tensors are produced on as many threads while one is written."""
+    `produce_ahead` tensors are produced on as many threads while one is written. An existing non-empty
+    `out_dir` is a CheckpointError unless `overwrite=True` (replaced only once the new folder is complete)."""
     dtype = torch_dtype_name(tensors[0].dtype) if tensors else "float32"
-    with atomic_folder(out_dir) as tmp:
+    with atomic_folder(out_dir, overwrite=overwrite) as tmp:
         write_model_files(tmp, tensors, max_shard_size, ahead=produce_ahead)
         write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=dtype))
         if source:
@@ -303,12 +328,13 @@ def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTens
 
 def save_pretrained(model: Gemma, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
                     dtype=None, max_shard_size: int | str = "5GB",
-                    extra_files: dict[str, object] | None = None) -> str:
+                    extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
     """Write `model` as an HF folder transformers loads (`AutoModelForCausalLM.from_pretrained(out_dir)`).
 
     `source` (the teacher's folder or repo id) supplies tokenizer and generation config. `dtype` converts on the
-    way out (default: the parameters' dtype). Returns the folder's absolute path."""
+    way out (default: the parameters' dtype). An existing non-empty `out_dir` is refused unless `overwrite=True`.
+    Returns the folder's absolute path."""
     dtype = resolve_dtype(dtype)
     return write_hf_folder(os.fspath(out_dir), model.config, model_tensors(model, dtype),
                            source=os.fspath(source) if source else None, max_shard_size=max_shard_size,
-                           extra_files=extra_files)
+                           extra_files=extra_files, overwrite=overwrite)

@@ -101,19 +101,35 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """A plan from its JSON form; anything malformed (hand edits included) is a PlanError naming the field."""
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan is a JSON object, not {type(data).__name__}.")
         data = dict(data)
-        if data.pop("format", FORMAT) != FORMAT:
+        if data.get("format", FORMAT) != FORMAT:
             raise PlanError(f"not a surgery plan (format {data.get('format')!r}, expected {FORMAT!r}).")
+        data.pop("format", None)
         version = data.get("format_version", FORMAT_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(f"plan format_version {version!r} is not a positive integer.")
         if version > FORMAT_VERSION:
             raise PlanError(f"plan format_version {version} is newer than this toolkit reads ({FORMAT_VERSION}); "
                             "upgrade nnx-surgery.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}.")
+        required = [name for name, f in fields.items() if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise PlanError(f"plan lacks field(s) {missing}; it was truncated or hand-edited.")
+        _check_types(data)
         plan = cls(**data)
-        plan.validate()
+        try:
+            plan.validate()
+        except (TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError) as err:
+            raise PlanError(f"plan is malformed ({type(err).__name__}: {err}); make it again with "
+                            "plan_student().") from None
         return plan
 
     def to_json(self) -> str:
@@ -144,8 +160,17 @@ class Plan:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, PLAN_FILE)
-        with open(path) as f:
-            return cls.from_json(f.read())
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise PlanError(f"{path}: no such plan file; make one with plan_student(...).save(path).") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise PlanError(f"{path}: cannot be read as a plan ({err}).") from None
+        try:
+            return cls.from_json(text)
+        except PlanError as err:
+            raise PlanError(f"{path}: {err}") from None
 
     # ---------------------------------------------------------------------------------------------- checks
     def validate(self) -> None:
@@ -191,16 +216,125 @@ class Plan:
                                     f"from the groups of teacher KV heads {group} (query head h uses KV head "
                                     f"h // {g_t}).")
 
-    def check_teacher(self, config: GemmaConfig, where: str = "teacher") -> None:
-        """PlanError unless `config` is the teacher this plan was made for."""
+    def check_teacher(self, config: GemmaConfig, where: str = "teacher", read=None) -> None:
+        """PlanError unless `config` is the teacher this plan was made for, and, with `read` (a surgery Reader
+        over the teacher's tensors), unless the teacher's weights match the plan's fingerprint of them."""
         mine = self.teacher_config
         if mine == config:
+            if read is not None and self.teacher.get("fingerprint") is not None:
+                check_fingerprint(self.teacher["fingerprint"], config, read,
+                                  f"{where} (plan made for {self.teacher.get('source') or 'an unnamed teacher'})")
             return
         fields = [f.name for f in dataclasses.fields(GemmaConfig) if f.compare]
         diffs = [f"{name}: plan {getattr(mine, name)!r} vs {where} {getattr(config, name)!r}"
                  for name in fields if getattr(mine, name) != getattr(config, name)]
         raise PlanError(f"this plan was made for a different teacher ({self.teacher.get('source') or 'unnamed'}): "
                         f"{'; '.join(diffs[:4])}. Make a plan for this teacher with plan_student().")
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+FINGERPRINT_COLUMNS = 16  # values per probed row
+FINGERPRINT_RTOL = 1e-2  # a teacher loaded in bf16 / f16 still matches; different weights do not
+
+
+def fingerprint_probes(config: GemmaConfig) -> list[tuple[str, list[int], list[int] | None]]:
+    """(HF tensor, rows, columns) sampled by the fingerprint: a few rows of the embedding, the first and last
+    layers' MLP and the norms, in tensors that both surgery readers slice by plain rows and columns."""
+    v, d, f, last = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers - 1
+    cols = lambda n: list(range(min(n, FINGERPRINT_COLUMNS)))  # noqa: E731
+    return [("model.embed_tokens.weight", sorted({v // 3, (2 * v) // 3}), cols(d)),
+            ("model.layers.0.mlp.gate_proj.weight", sorted({0, f // 2}), cols(d)),
+            (f"model.layers.{last}.mlp.down_proj.weight", sorted({0, d // 2}), cols(f)),
+            ("model.layers.0.input_layernorm.weight", cols(d), None),
+            ("model.norm.weight", cols(d), None)]
+
+
+def teacher_fingerprint(config: GemmaConfig, read) -> dict[str, Any]:
+    """What identifies a teacher beyond its config: a hash of every tensor's shape, the probed values (6
+    significant digits) and a SHA-256 of them rounded to bfloat16 (equal however the teacher was loaded, unless
+    in float16). `read` is a surgery Reader over the teacher (in memory or on disk)."""
+    import hashlib
+
+    import ml_dtypes
+    import numpy as np
+
+    from .checkpoint import hf_shape, tensor_table  # (plan.py is imported by checkpoint's importers)
+    from .slices import nnx_shape
+
+    shapes = [(e.hf_name, list(hf_shape(e.layout, nnx_shape(config, e.path)))) for e in tensor_table(config)]
+    values = {name: np.asarray(read(name, np.asarray(rows), None if cols is None else np.asarray(cols)),
+                               np.float32).reshape(-1) for name, rows, cols in fingerprint_probes(config)}
+    flat = np.concatenate(list(values.values()))
+    return {"shapes_sha256": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
+            "values_sha256": hashlib.sha256(flat.astype(ml_dtypes.bfloat16).tobytes()).hexdigest()[:16],
+            "values": {name: [float(f"{x:.6g}") for x in value.tolist()] for name, value in values.items()}}
+
+
+def check_fingerprint(fingerprint: Any, config: GemmaConfig, read, where: str) -> None:
+    """PlanError unless the teacher behind `read` has the fingerprint a plan recorded."""
+    import numpy as np
+
+    try:
+        stored = {name: np.asarray(values, np.float64) for name, values in fingerprint["values"].items()}
+        shapes, digest = fingerprint["shapes_sha256"], fingerprint["values_sha256"]
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise PlanError("plan teacher.fingerprint is malformed; make the plan again with plan_student().") from None
+    mine = teacher_fingerprint(config, read)
+    if mine["shapes_sha256"] != shapes:
+        raise PlanError(f"{where}: the teacher's tensor shapes differ from those the plan was made for; make a "
+                        "plan for this teacher with plan_student().")
+    if mine["values_sha256"] == digest:
+        return
+    for name, values in mine["values"].items():
+        theirs, ours = stored.get(name), np.asarray(values, np.float64)
+        if theirs is None or theirs.shape != ours.shape or \
+                not np.allclose(ours, theirs, rtol=FINGERPRINT_RTOL, atol=1e-5):
+            where_bad = "" if theirs is None or theirs.shape != ours.shape else \
+                f" (e.g. {float(theirs[np.argmax(np.abs(ours - theirs))]):.6g} in the plan, " \
+                f"{float(ours[np.argmax(np.abs(ours - theirs))]):.6g} here)"
+            raise PlanError(f"{where}: this is a different teacher with the same shapes: its {name} differs from "
+                            f"the plan's teacher fingerprint{where_bad}. Make a plan for this teacher with "
+                            "plan_student(); to apply the plan to it anyway (e.g. a fine-tune of the planned "
+                            "teacher), delete teacher.fingerprint from the plan.")
+
+
+_FIELD_TYPES = {"teacher": dict, "spec": dict, "student_config": dict, "kept_layers": list, "layer_types": list,
+                "kept_hidden": list, "kept_mlp": list, "kv_groups": list, "kv_weights": list, "kept_heads": list,
+                "norm_scales": dict, "methods": dict, "scores": dict}
+
+
+def _check_types(data: dict[str, Any]) -> None:
+    for name, kind in _FIELD_TYPES.items():
+        if name in data and not isinstance(data[name], kind):
+            raise PlanError(f"plan field {name} must be a JSON {'object' if kind is dict else 'list'}, found "
+                            f"{type(data[name]).__name__}.")
+    if not isinstance(data["teacher"].get("config"), dict):
+        raise PlanError("plan field teacher.config must be the teacher's config.json object.")
+    scale = data.get("embed_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise PlanError(f"plan embed_scale {scale!r} must be a number.")
+    nested = {"kept_mlp": 2, "kv_groups": 3, "kv_weights": 3, "kept_heads": 3}
+    for name, depth in nested.items():
+        if not _nested_lists(data[name], depth, float if name == "kv_weights" else int):
+            raise PlanError(f"plan field {name} must be {'lists of ' * (depth - 1)}numbers, one entry per student "
+                            "layer.")
+    for name in ("kept_layers", "kept_hidden"):
+        if not _nested_lists(data[name], 1, int):
+            raise PlanError(f"plan field {name} must be a list of integer indices.")
+    norms = data.get("norm_scales") or {}
+    layers, final = norms.get("layers"), norms.get("final", 1.0)
+    if (layers is not None and not (isinstance(layers, list) and all(
+            isinstance(entry, dict) and _nested_lists(list(entry.values()), 1, float) for entry in layers))) \
+            or not _nested_lists(final, 0, float):
+        raise PlanError("plan norm_scales must be {'layers': [{norm name: factor}, ...], 'final': factor}.")
+    if not all(isinstance(kind, str) for kind in data["layer_types"]):
+        raise PlanError("plan layer_types must be attention type names.")
+
+
+def _nested_lists(value: Any, depth: int, kind: type) -> bool:
+    if depth == 0:
+        return not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    return isinstance(value, list) and all(_nested_lists(v, depth - 1, kind) for v in value)
 
 
 def _check_indices(name: str, values: list[int], count: int, bound: int) -> None:

@@ -33,7 +33,7 @@ from .checkpoint import load_pretrained, resolve_source
 from .config import GemmaConfig
 from .importance import (activation_stats, calibration_batches, layer_removal_loss, magnitude_scores)
 from .model import Gemma
-from .plan import FORMAT_VERSION, Plan, PlanError, norm_names
+from .plan import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
 from .spec import SpecError, StudentSpec
 
 DEPTH_METHODS = ("auto", "block_influence", "loss", "uniform")
@@ -79,6 +79,7 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
         model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
         formation = spec.check_against(config, kv_mode)
         scores, stats = _scores(model, config, read, batches, depth if layers is None else "explicit", width)
+        fingerprint = teacher_fingerprint(config, read)
 
     kept_layers = _choose_layers(config, spec, depth, layers, scores)
     kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
@@ -97,7 +98,7 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
     merged = any(len(group) > 1 for groups, _, _ in attention for group in groups)
     plan = Plan(
         teacher={"source": source, "revision": revision, "config": config.to_hf_dict(),
-                 "num_parameters": config.num_parameters()},
+                 "num_parameters": config.num_parameters(), "fingerprint": fingerprint},
         spec=spec.to_dict(), student_config=student.to_hf_dict(), kept_layers=kept_layers,
         layer_types=list(student.layer_types), kept_hidden=kept_hidden, kept_mlp=kept_mlp,
         kv_groups=[a[0] for a in attention], kv_weights=[a[1] for a in attention],

@@ -131,16 +131,17 @@ def _copy_run(hf_slice, lo: int, hi: int, picked: np.ndarray | None, cols: np.nd
 
 def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike, *, dtype=None,
                      revision: str | None = None, max_shard_size: int | str = "5GB",
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, report: bool = True) -> str:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, report: bool = True, overwrite: bool = False) -> str:
     """Write the student `plan` describes, cut from the HF checkpoint `src`, as an HF folder `dst`.
 
     `dtype` defaults to the checkpoint's (as `load_pretrained`). `chunk_bytes` bounds the float32 block a recipe
-    works on. `plan.json` (and, with `report`, the report as text and PNG) is written into `dst`."""
+    works on. `plan.json` (and, with `report`, the report as text and PNG) is written into `dst`; an existing
+    non-empty `dst` is refused unless `overwrite=True`."""
     from .apply import student_files
 
     folder = resolve_source(src, revision)
     config = GemmaConfig.from_file(folder)
-    plan.check_teacher(config, where=f"checkpoint {folder}")
+    plan.check_teacher(config, where=f"checkpoint {folder}", read=disk_reader(folder, np.float32, None, config))
     plan.validate()
     weight_map = checkpoint_weight_map(folder)
     names, _ = canonical_names(weight_map)
@@ -151,4 +152,5 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
         tensors = [PendingTensor(r.hf_name, r.shape, dtype, functools.partial(build, r, read, dtype, chunk_bytes))
                    for r in recipes(plan)]
         return write_hf_folder(os.fspath(dst), plan.student, tensors, source=folder, max_shard_size=max_shard_size,
-                               extra_files=student_files(plan, report), produce_ahead=PRODUCE_AHEAD)
+                               extra_files=student_files(plan, report), produce_ahead=PRODUCE_AHEAD,
+                               overwrite=overwrite)

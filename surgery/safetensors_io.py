@@ -14,8 +14,6 @@ import mmap
 import os
 import shutil
 import struct
-import tempfile
-import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -23,6 +21,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from .atomic import atomic_folder, write_json  # noqa: F401  (re-exported: writers import them from here)
 from .host_buffers import ALIGN, aligned_copy, aligned_empty
 from .pipeline import work_ahead
 
@@ -31,6 +30,7 @@ CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
              "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
 class CheckpointError(ValueError):
@@ -44,9 +44,33 @@ def dtype_code(dtype) -> str:
         raise CheckpointError(f"dtype {dtype} cannot be stored; use float32, bfloat16 or float16.") from None
 
 
+# ------------------------------------------------------------------------------------------------ paths
+def confined_path(folder: str, name: str, where: str) -> str:
+    """`folder/name` for a file name read from untrusted metadata (an index, a plan, a Hub listing), or a
+    CheckpointError naming the entry (`where`) when it would lead outside `folder`: an absolute path, a `..`
+    segment, or a symlink (at any level) resolving outside. A Hugging Face cache snapshot links its files to
+    `../../blobs/`; those links stay inside the cached repo and are allowed."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{where}: file name {name!r} is not a usable file name.")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith("\\") or ".." in parts or ":" in parts[0]:
+        raise CheckpointError(f"{where}: file name {name!r} leads outside the folder {folder}; a checkpoint may "
+                              "only name files inside its own folder.")
+    path = os.path.join(folder, name)
+    resolved, roots = os.path.realpath(path), [os.path.realpath(folder)]
+    snapshot = os.path.abspath(folder)
+    if os.path.basename(os.path.dirname(snapshot)) == "snapshots":  # <cache>/models--a--b/snapshots/<rev>
+        roots.append(os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(snapshot)), "blobs")))
+    if not any(resolved == root or resolved.startswith(root + os.sep) for root in roots):
+        raise CheckpointError(f"{where}: {name!r} is a link to {resolved}, outside the folder {folder}; a "
+                              "checkpoint may only name files inside its own folder.")
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ reading
 def checkpoint_weight_map(folder: str) -> dict[str, str]:
-    """Tensor name -> safetensors file name, for a single-file or an index-sharded checkpoint."""
+    """Tensor name -> safetensors file name, for a single-file or an index-sharded checkpoint. Every file name
+    is confined to `folder` (see `confined_path`)."""
     index = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index):
         try:
@@ -54,12 +78,14 @@ def checkpoint_weight_map(folder: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map is not an object of tensor name -> file name")
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: not a valid safetensors index ({err!r}).") from None
-        for name in sorted(set(weight_map.values())):
-            if not os.path.exists(os.path.join(folder, name)):
+        for tensor, name in sorted(weight_map.items(), key=lambda item: item[1]):
+            path = confined_path(folder, name, f"{index}: weight_map entry {tensor!r}")
+            if not os.path.exists(path):
                 raise CheckpointError(f"{index} names {name}, which is not in {folder}.")
         return dict(weight_map)
+    confined_path(folder, SINGLE_FILE, f"{folder}")
     single = os.path.join(folder, SINGLE_FILE)
     if not os.path.exists(single):
         raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are read "
@@ -84,7 +110,11 @@ def open_safetensors(path: str):
         with open(path, "rb") as raw:
             header_len = struct.unpack("<Q", raw.read(8))[0] if size >= 8 else None
         if header_len is None or 8 + header_len > size:
-            raise CheckpointError(f"{path}: truncated or not a safetensors file (size {size} bytes).")
+            raise CheckpointError(f"{path}: truncated or not a safetensors file (size {size} bytes"
+                                  + (f", header length {header_len}" if header_len is not None else "") + ").")
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {header_len} bytes exceeds the safetensors limit of "
+                                  f"{MAX_HEADER_BYTES}; the file is corrupt or not a safetensors file.")
         with safe_open(path, framework="numpy", backend="pread"):
             pass
     except (SafetensorError, OSError, struct.error) as err:
@@ -323,66 +353,11 @@ def copy_aux_files(source: str | None, folder: str) -> list[str]:
     copied = []
     if source and os.path.isdir(source):
         for name in AUX_FILES:
-            src = os.path.join(source, name)
+            src = confined_path(source, name, f"{source}: {name}")  # a link out of the teacher is not copied out
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(folder, name))
                 copied.append(name)
     return copied
-
-
-@contextlib.contextmanager
-def atomic_folder(out_dir: str) -> Iterator[str]:
-    """Yield a fresh temporary folder beside `out_dir`; on success it replaces `out_dir` in one rename.
-
-    On any failure the temporary folder is removed and an existing `out_dir` is left as it was."""
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"{out_dir} exists and is not a folder; choose another output path.")
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a published model folder should not be
-        yield tmp
-        old = None
-        if os.path.exists(out_dir):
-            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old:
-                os.replace(old, out_dir)
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_json(path: str, data, *, indent: int = 2) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=indent, sort_keys=False, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(value):
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def iter_groups_by_file(names: Iterable[str], weight_map: dict[str, str]) -> dict[str, list[str]]:

@@ -186,7 +186,7 @@ def test_failed_overwrite_keeps_existing_folder(teacher, tmp_path):
     out = save_pretrained(model, tmp_path / "out", source=folder)
     before = _snapshot(out)
     with pytest.raises(RuntimeError, match="device lost"):
-        write_hf_folder(out, model.config, _tensors(fail_at=4))
+        write_hf_folder(out, model.config, _tensors(fail_at=4), overwrite=True)
     assert _snapshot(out) == before and os.listdir(tmp_path) == ["out"]
 
 
@@ -200,7 +200,7 @@ def test_failure_inside_save_pretrained_keeps_existing_folder(teacher, tmp_path,
 
     monkeypatch.setattr(checkpoint_module, "copy_aux_files", broken_copy)
     with pytest.raises(OSError, match="disk full"):
-        save_pretrained(model, out, source=folder)
+        save_pretrained(model, out, source=folder, overwrite=True)
     assert _snapshot(out) == before and os.listdir(tmp_path) == ["out"]
 
 
@@ -208,7 +208,11 @@ def test_overwrite_replaces_whole_folder(teacher, tmp_path):
     folder, model, _ = teacher("gemma")
     out = save_pretrained(model, tmp_path / "out", max_shard_size="20KB")
     assert os.path.exists(os.path.join(out, INDEX_FILE))
-    save_pretrained(model, out)  # now one file: the stale shards and index must be gone
+    before = _snapshot(out)
+    with pytest.raises(CheckpointError, match="overwrite=True"):  # not replaced unless asked
+        save_pretrained(model, out)
+    assert _snapshot(out) == before
+    save_pretrained(model, out, overwrite=True)  # now one file: the stale shards and index must be gone
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert os.listdir(tmp_path) == ["out"]
     with pytest.raises(CheckpointError, match="not a folder"):

@@ -1,0 +1,154 @@
+"""Atomic publication of folders and files: a crash, a kill or a full disk never leaves one that looks complete.
+
+A folder is written under a hidden temporary name beside its destination (`.name.partial-<host>-<pid>-*`),
+fsynced, and renamed into place at the end; an existing folder is replaced only when asked, in one atomic
+exchange where the system has one. Temporaries of writers that died are cleaned up by the next writer.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from typing import Iterator
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def atomic_folder(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary folder beside `out_dir`; on success it replaces `out_dir` in one rename.
+
+    An existing non-empty `out_dir` is refused unless `overwrite=True`; it is then swapped out in one atomic
+    exchange (renameat2 RENAME_EXCHANGE; two renames where the file system lacks it) and deleted. Files are
+    fsynced before the rename, so even a power cut leaves either the old folder or the complete new one. On any
+    failure the temporary folder is removed and `out_dir` is left as it was; temporaries of writers that were
+    killed (SIGKILL, OOM) are removed by the next save to the same place."""
+    from .safetensors_io import CheckpointError  # (a module-level import would be circular)
+
+    out_dir = os.path.abspath(out_dir)
+    parent, base = os.path.split(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not a folder; choose another output path.")
+    os.makedirs(parent, exist_ok=True)
+    _clean_leftovers(parent, base)
+    if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
+                              "swapped out only once the new folder is complete), or choose another folder.")
+    tmp = tempfile.mkdtemp(prefix=f".{base}.partial-{_owner()}-", dir=parent)
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a published model folder should not be
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.exists(out_dir) and _exchange(tmp, out_dir):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous folder
+        else:
+            _replace_folder(tmp, out_dir, parent, base)
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_folder(tmp: str, out_dir: str, parent: str, base: str) -> None:
+    """Two renames (no atomic exchange here): a writer killed between them leaves `.base.old-*`, which the next
+    `atomic_folder` on this path puts back."""
+    old = None
+    if os.path.exists(out_dir):
+        old = os.path.join(parent, f".{base}.old-{_owner()}-{uuid.uuid4().hex[:8]}")
+        os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old:
+            os.replace(old, out_dir)
+        raise
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _clean_leftovers(parent: str, base: str) -> None:
+    """Remove `.base.partial-*` of this host's dead writers; restore a `.base.old-*` a dead writer left when the
+    folder itself is missing."""
+    host = socket.gethostname()
+    for kind in ("old", "partial"):
+        prefix = f".{base}.{kind}-{host}-"
+        for name in sorted(os.listdir(parent)):
+            pid = name[len(prefix):].split("-")[0]
+            if not name.startswith(prefix) or not pid.isdigit() or _alive(int(pid)):
+                continue
+            path, out_dir = os.path.join(parent, name), os.path.join(parent, base)
+            if kind == "old" and not os.path.exists(out_dir):
+                os.replace(path, out_dir)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: str, data, *, indent: int = 2) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent, sort_keys=False, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
