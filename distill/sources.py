@@ -40,9 +40,12 @@ def read_records(paths, *, separator: str | None = None, text_field: str = "text
                  prompt_field: str | None = None, completion_field: str | None = None) -> list[Record]:
     """Documents from text files: one per file, or split on `separator`; a `.jsonl` line is one record."""
     records: list[Record] = []
-    for path in expand_paths(paths):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+    files = expand_paths(paths)
+    named = {os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)}
+    for path in files:
+        text = read_text(path)
+        if not text.strip() and path in named:
+            raise DataError(f"{path} is empty; pass a file with text in it.")
         if path.endswith(".jsonl"):
             for number, line in enumerate(text.splitlines(), start=1):
                 if line.strip():
@@ -53,7 +56,25 @@ def read_records(paths, *, separator: str | None = None, text_field: str = "text
         else:
             parts = text.split(separator) if separator else [text]
             records += [part for part in parts if part.strip()]
+    if not records:
+        raise DataError(f"no text in {len(files)} file(s) at {paths!r} (all empty); pass files with text in them.")
     return records
+
+
+def read_text(path: str) -> str:
+    """A file's text as UTF-8; DataError naming the file and the first bad byte's offset otherwise (text is never
+    silently altered: a binary or wrongly encoded file would otherwise train on replacement characters)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror}).") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}, line "
+                        f"{line}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out.") from None
 
 
 def _record(row: Any, text_field: str, prompt_field: str | None, completion_field: str | None) -> Record:
