@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -143,29 +144,27 @@ class GemmaConfig:
                               f"{SUPPORTED_MODEL_TYPES} (or a multimodal 'gemma3' with a text_config).")
         given = {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
         values = {**FAMILY_DEFAULTS[model_type], **given}
-        try:
-            hidden, heads = int(values["hidden_size"]), int(values["num_attention_heads"])
-            num_layers = int(values["num_hidden_layers"])
-            kwargs = dict(
-                model_type=model_type,
-                vocab_size=int(values["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(values["intermediate_size"]),
-                num_hidden_layers=num_layers,
-                num_attention_heads=heads,
-                num_key_value_heads=int(values.get("num_key_value_heads") or heads),
-                head_dim=int(values.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(values["rms_norm_eps"]),
-                tie_word_embeddings=bool(values["tie_word_embeddings"]),
-                final_logit_softcapping=_optional_float(values.get("final_logit_softcapping")),
-            )
-            if model_type != "gemma":
-                kwargs["query_pre_attn_scalar"] = values["query_pre_attn_scalar"]  # int in transformers 5
-                kwargs["sliding_window"] = None if values["sliding_window"] is None else int(values["sliding_window"])
-            if model_type == "gemma2":
-                kwargs["attn_logit_softcapping"] = _optional_float(values.get("attn_logit_softcapping"))
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{where}: a size field is not a number ({err}).") from None
+        number = _Numbers(values, where)
+        hidden, heads = number.int("hidden_size"), number.int("num_attention_heads")
+        num_layers = number.int("num_hidden_layers")
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=number.int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=number.int("intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=number.int("num_key_value_heads", heads),
+            head_dim=number.int("head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=number.float("rms_norm_eps"),
+            tie_word_embeddings=number.bool("tie_word_embeddings"),
+            final_logit_softcapping=number.float("final_logit_softcapping", None),
+        )
+        if model_type != "gemma":
+            kwargs["query_pre_attn_scalar"] = number.int_or_float("query_pre_attn_scalar")  # int in transformers 5
+            kwargs["sliding_window"] = number.int("sliding_window", None)
+        if model_type == "gemma2":
+            kwargs["attn_logit_softcapping"] = number.float("attn_logit_softcapping", None)
         _check_activation(values, model_type, where)
         kwargs["layer_types"] = _layer_types(values, model_type, num_layers, where)
         kwargs["rope"] = _rope(values, model_type, where)
@@ -239,6 +238,50 @@ class GemmaConfig:
         return cls.from_hf_dict(data, where=path)
 
 
+class _Numbers:
+    """Typed reads of config values: a ConfigError naming the key for a value of the wrong kind."""
+
+    _MISSING = object()
+
+    def __init__(self, values: dict, where: str):
+        self.values, self.where = values, where
+
+    def _get(self, key: str, default):
+        value = self.values.get(key)
+        if value is None:
+            if default is self._MISSING:
+                raise ConfigError(f"{self.where}: {key} is missing or null; it must be a number.")
+            return default, True
+        return value, False
+
+    def int(self, key: str, default=_MISSING):
+        value, defaulted = self._get(key, default)
+        if defaulted:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value):
+            raise ConfigError(f"{self.where}: {key}={value!r} is not an integer.")
+        return int(value)
+
+    def float(self, key: str, default=_MISSING):
+        value, defaulted = self._get(key, default)
+        if defaulted:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{self.where}: {key}={value!r} is not a finite number.")
+        return float(value)
+
+    def int_or_float(self, key: str):
+        value = self.float(key)
+        return int(value) if value == int(value) else value
+
+    def bool(self, key: str):
+        value, _ = self._get(key, self._MISSING)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}: {key}={value!r} must be true or false.")
+        return value
+
+
 def validate(cfg: GemmaConfig) -> None:
     where = f"{cfg.model_type} config"
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -276,7 +319,7 @@ def _check_activation(values: dict, model_type: str, where: str) -> None:
     key = "hidden_act" if model_type == "gemma" else "hidden_activation"
     act = values.get(key) or "gelu_pytorch_tanh"
     allowed = TANH_GELU | ({"gelu"} if model_type == "gemma" else set())
-    if act not in allowed:
+    if not isinstance(act, str) or act not in allowed:
         raise ConfigError(f"{where}: {key}={act!r} is not supported; Gemma uses the tanh GELU "
                           f"('gelu_pytorch_tanh').")
 
@@ -284,6 +327,8 @@ def _check_activation(values: dict, model_type: str, where: str) -> None:
 def _layer_types(data: dict, model_type: str, num_layers: int, where: str) -> tuple[str, ...]:
     given = data.get("layer_types")
     if given is not None:
+        if not isinstance(given, (list, tuple)) or not all(isinstance(kind, str) for kind in given):
+            raise ConfigError(f"{where}: layer_types must be a list of attention type names, got {given!r:.80}.")
         if len(given) != num_layers:
             raise ConfigError(f"{where}: layer_types has {len(given)} entries but num_hidden_layers is {num_layers}; "
                               "after removing layers keep exactly the surviving layers' entries.")
@@ -292,7 +337,9 @@ def _layer_types(data: dict, model_type: str, num_layers: int, where: str) -> tu
         return (FULL,) * num_layers
     if model_type == "gemma2":
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
-    pattern = int(data.get("sliding_window_pattern") or data.get("_sliding_window_pattern") or 6)
+    pattern = data.get("sliding_window_pattern") or data.get("_sliding_window_pattern") or 6
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"{where}: sliding_window_pattern={pattern!r} must be a positive integer.")
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
 
 
@@ -301,23 +348,28 @@ def _rope(data: dict, model_type: str, where: str) -> dict[str, RopeSpec]:
 
     def spec(entry: dict | None, default_theta: float) -> RopeSpec:
         entry = entry or {}
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a RoPE entry must be an object with rope_type / rope_theta, got "
+                              f"{entry!r:.80}.")
         kind = entry.get("rope_type", entry.get("type", "default"))
         if kind not in ("default", "linear"):
             raise ConfigError(f"{where}: rope_type {kind!r} is not supported (only 'default' and 'linear').")
-        factor = float(entry.get("factor", 1.0)) if kind == "linear" else 1.0
-        return RopeSpec(float(entry.get("rope_theta", default_theta)), factor)
+        number = _Numbers(entry, f"{where} RoPE")
+        factor = number.float("factor", 1.0) if kind == "linear" else 1.0
+        return RopeSpec(number.float("rope_theta", default_theta), factor)
 
     if model_type == "gemma3_text":
         if isinstance(params, dict) and (FULL in params or SLIDING in params):
             return {FULL: spec(params.get(FULL), 1_000_000.0), SLIDING: spec(params.get(SLIDING), 10_000.0)}
-        full = spec(data.get("rope_scaling"), float(data.get("rope_theta", 1_000_000.0)))
-        full = RopeSpec(float(data.get("rope_theta", 1_000_000.0)), full.linear_factor)
-        return {FULL: full, SLIDING: RopeSpec(float(data.get("rope_local_base_freq", 10_000.0)))}
+        number = _Numbers(data, where)
+        full = spec(data.get("rope_scaling"), 1_000_000.0)
+        full = RopeSpec(number.float("rope_theta", 1_000_000.0), full.linear_factor)
+        return {FULL: full, SLIDING: RopeSpec(number.float("rope_local_base_freq", 10_000.0))}
     if isinstance(params, dict) and "rope_theta" in params:
         one = spec(params, 10_000.0)
     else:
         one = spec(data.get("rope_scaling"), 10_000.0)
-        one = RopeSpec(float(data.get("rope_theta", 10_000.0)), one.linear_factor)
+        one = RopeSpec(_Numbers(data, where).float("rope_theta", 10_000.0), one.linear_factor)
     return {FULL: one, SLIDING: one}
 
 
