@@ -116,7 +116,7 @@ def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list
     root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib"}
     files = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                   if not skip & set(os.path.relpath(p, root).split(os.sep)[:-1]))
+                   if not skip & set(os.path.relpath(p, root).split(os.sep)[:-1]) and _has_text(p))
     if max_bytes is None:
         return files
     order = range(len(files)) if seed is None else np.random.default_rng(seed).permutation(len(files))
@@ -127,3 +127,11 @@ def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list
             chosen.append(files[index])
             total += size
     return sorted(chosen)
+
+
+def _has_text(path: str) -> bool:
+    """Empty modules (many `__init__.py`) are no documents; a corpus of named files must not list them."""
+    if os.path.getsize(path) == 0:
+        return False
+    with open(path, "rb") as handle:
+        return bool(handle.read(4096).strip()) or os.path.getsize(path) > 4096
