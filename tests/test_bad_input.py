@@ -273,3 +273,475 @@ def test_config_defaults_match_transformers_for_sparse_multimodal_config():
     reference = transformers.Gemma2Config(num_hidden_layers=2)
     assert (gemma2.final_logit_softcapping, gemma2.attn_logit_softcapping, gemma2.query_pre_attn_scalar) == \
         (reference.final_logit_softcapping, reference.attn_logit_softcapping, reference.query_pre_attn_scalar)
+
+
+# ================================================================================================ the table
+# Every row: what is broken, the error class, and the culprits the message must name (file, tensor, field,
+# pattern or flag). The test also checks that the failed call wrote nothing (the working folder is unchanged).
+SPEC = dict(num_layers=1, hidden_size=24, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def world(good, tmp_path_factory):
+    """What the rows share: the good teacher loaded, a data-free plan for it, and another teacher of the same
+    shapes with other weights (same config, seed 4)."""
+    from surgery.planner import plan_student
+    from surgery.spec import StudentSpec
+
+    other = tmp_path_factory.mktemp("other")
+    make_hf_model("gemma2", seed=4, num_hidden_layers=2, layer_types=None).save_pretrained(other)
+    plan = plan_student(str(good / "single"), StudentSpec(**SPEC), depth="uniform", width="magnitude")
+    return {"good": good, "teacher": load_pretrained(good / "single"), "plan": plan, "other": str(other)}
+
+
+def _tree(root) -> dict[str, tuple]:
+    """Every path under `root` with its size and content hash (links as their target)."""
+    import hashlib
+
+    found = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(base, name)
+            key = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[key] = ("link", os.readlink(path))
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    found[key] = ("file", hashlib.sha1(f.read()).hexdigest())
+            else:
+                found[key] = ("dir",)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _header_far_beyond_file(w, ckpt, tmp):
+    folder = ckpt()
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "wb") as f:
+        f.write((1 << 40).to_bytes(8, "little") + b'{"a":')  # a 1 TB header in a 13-byte file: never allocated
+    return lambda: load_pretrained(folder), (path, "header length 1099511627776")
+
+
+def _break_tensor(change, **load):
+    def make(w, ckpt, tmp):
+        folder = ckpt()
+        _rewrite(folder, change)
+        return lambda: load_pretrained(folder, **load), ()
+    return make
+
+
+def _set(name, index, value, dtype=None):
+    def change(tensors):
+        if dtype is not None:
+            tensors[name] = tensors[name].astype(dtype)
+        tensors[name].reshape(-1)[index] = value
+    return change
+
+
+def _index_entry(target):
+    """The sharded checkpoint with the embedding's shard named by `target(folder, tmp, shard)`."""
+    def make(w, ckpt, tmp):
+        folder = ckpt("sharded")
+        index_path = os.path.join(folder, INDEX_FILE)
+        with open(index_path) as f:
+            index = json.load(f)
+        shard = index["weight_map"]["model.embed_tokens.weight"]
+        outside = tmp / "elsewhere"
+        outside.mkdir()
+        shutil.copy(os.path.join(folder, shard), outside / "elsewhere.safetensors")  # a real file to lure to
+        name = target(folder, outside, shard)
+        index["weight_map"]["model.embed_tokens.weight"] = name
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+        return lambda: load_pretrained(folder), (INDEX_FILE, "model.embed_tokens.weight", name)
+    return make
+
+
+def _symlinked_shard(w, ckpt, tmp):
+    folder = ckpt("sharded")
+    with open(os.path.join(folder, INDEX_FILE)) as f:
+        shard = json.load(f)["weight_map"]["model.embed_tokens.weight"]
+    outside = tmp / "elsewhere.safetensors"
+    shutil.move(os.path.join(folder, shard), outside)
+    os.symlink(outside, os.path.join(folder, shard))
+    return lambda: load_pretrained(folder), (shard, "link", str(outside))
+
+
+def _symlinked_single_file(w, ckpt, tmp):
+    folder = ckpt()
+    outside = tmp / "weights.safetensors"
+    shutil.move(os.path.join(folder, "model.safetensors"), outside)
+    os.symlink(outside, os.path.join(folder, "model.safetensors"))
+    return lambda: load_pretrained(folder), ("model.safetensors", str(outside))
+
+
+def _symlinked_tokenizer_on_save(w, ckpt, tmp):
+    from surgery.checkpoint import save_pretrained
+
+    folder = ckpt()
+    secret = tmp / "secret.json"
+    secret.write_text('{"private": true}')
+    os.symlink(secret, os.path.join(folder, "tokenizer.json"))
+    return lambda: save_pretrained(w["teacher"], tmp / "out", source=folder), ("tokenizer.json", str(secret))
+
+
+def _config(culprits, **changes):
+    def make(w, ckpt, tmp):
+        folder = ckpt()
+        _edit_config(folder, **changes)
+        return lambda: load_pretrained(folder), culprits
+    return make
+
+
+# ------------------------------------------------------------------------------------------------ specs
+def _spec(**changes):
+    def make(w, ckpt, tmp):
+        from surgery.spec import StudentSpec
+        return lambda: StudentSpec(**{**SPEC, **changes}), tuple(f"{k}={v!r}" for k, v in changes.items())
+    return make
+
+
+def _spec_against(culprits, kv_mode="auto", **changes):
+    def make(w, ckpt, tmp):
+        from surgery.spec import StudentSpec
+        return lambda: StudentSpec(**{**SPEC, **changes}).check_against(w["teacher"].config, kv_mode), culprits
+    return make
+
+
+def _call(fn, *culprits):
+    return lambda w, ckpt, tmp: (lambda: fn(w, tmp), culprits)
+
+
+def _named_shape_other_head_dim(w, tmp):
+    from surgery.spec import StudentSpec
+
+    big = GemmaConfig.from_hf_dict({"model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640,
+                                    "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1,
+                                    "head_dim": 160, "vocab_size": 96})
+    return StudentSpec.named("gemma-3-270m").check_against(big)
+
+
+def _plan_student(**kwargs):
+    def fn(w, tmp):
+        from surgery.planner import plan_student
+        from surgery.spec import StudentSpec
+        return plan_student(w["teacher"], StudentSpec(**SPEC), **kwargs)
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------ plans
+def _edited_plan(edit, culprits):
+    def make(w, ckpt, tmp):
+        from surgery.plan import Plan
+
+        data = json.loads(w["plan"].to_json())
+        edit(data)
+        path = tmp / "plan.json"
+        path.write_text(json.dumps(data))
+        return lambda: Plan.load(path), (str(path),) + culprits
+    return make
+
+
+def _plan_file(content, culprits):
+    def make(w, ckpt, tmp):
+        from surgery.plan import Plan
+
+        path = tmp / "plan.json"
+        if content is not None:
+            path.write_text(content)
+        return lambda: Plan.load(path), (str(path),) + culprits
+    return make
+
+
+def _other_teacher_in_memory(w, tmp):
+    from surgery.apply import apply_plan
+    return apply_plan(load_pretrained(w["other"]), w["plan"])
+
+
+def _other_teacher_on_disk(w, tmp):
+    from surgery.prune_disk import prune_checkpoint
+    return prune_checkpoint(w["other"], w["plan"], tmp / "student")
+
+
+def _plan_for_other_config(w, tmp):
+    from surgery.apply import apply_plan
+    from surgery.plan import Plan
+
+    data = json.loads(w["plan"].to_json())
+    data["teacher"]["config"]["rms_norm_eps"] = 1e-5
+    return apply_plan(w["teacher"], Plan.from_dict(data))
+
+
+def _set_path(path, value):
+    def edit(data):
+        target = data
+        for key in path[:-1]:
+            target = target[key]
+        if value is _DELETE:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+    return edit
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _records(write, culprit_of):
+    def make(w, ckpt, tmp):
+        from distill.sources import read_records
+
+        target = write(tmp)
+        return lambda: read_records(target), culprit_of(target)
+    return make
+
+
+def _file(name, content):
+    def write(tmp):
+        path = tmp / name
+        path.write_bytes(content)
+        return str(path)
+    return write
+
+
+def _empty_folder(tmp):
+    (tmp / "corpus").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp / "corpus" / name).write_text("  \n")
+    return str(tmp / "corpus")
+
+
+# ------------------------------------------------------------------------------------------------ meshes, outputs
+def _mesh(fn, *culprits):
+    return _call(lambda w, tmp: fn(), *culprits)
+
+
+def _existing_output(save):
+    def make(w, ckpt, tmp):
+        out = tmp / "out"
+        out.mkdir()
+        (out / "notes.txt").write_text("an earlier result")
+        return lambda: save(w, out), (str(out), "overwrite=True")
+    return make
+
+
+def _save_pretrained(w, out):
+    from surgery.checkpoint import save_pretrained
+    return save_pretrained(w["teacher"], out)
+
+
+def _save_student(w, out):
+    from surgery.apply import apply_plan, save_student
+    return save_student(apply_plan(w["teacher"], w["plan"]), w["plan"], out)
+
+
+def _prune(w, out):
+    from surgery.prune_disk import prune_checkpoint
+    return prune_checkpoint(str(w["good"] / "single"), w["plan"], out)
+
+
+def _errors():
+    from distill.mesh import MeshError
+    from distill.sources import DataError
+    from surgery.plan import PlanError
+    from surgery.spec import SpecError
+    return MeshError, DataError, PlanError, SpecError
+
+
+MeshError, DataError, PlanError, SpecError = _errors()
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+EMBED = "model.embed_tokens.weight"
+
+CASES = {
+    # checkpoints
+    "header length far beyond the file": (CheckpointError, _header_far_beyond_file),
+    "dtype we do not load (F64)": (CheckpointError, _break_tensor(lambda t: t.update({NORM: t[NORM].astype(
+        np.float64)})), ),
+    "mixed dtypes without dtype=": (CheckpointError, _break_tensor(lambda t: t.update({NORM: t[NORM].astype(
+        np.float16)}))),
+    "NaN weight, check_finite": (CheckpointError, _break_tensor(_set(NORM, 3, np.nan), check_finite=True)),
+    "infinite weight, check_finite": (CheckpointError, _break_tensor(_set(Q0, 7, np.inf), check_finite=True)),
+    "overflow when loaded as float16": (CheckpointError, _break_tensor(_set(EMBED, 5, 1e6), dtype="float16",
+                                                                       check_finite=True)),
+    "index entry with ..": (CheckpointError, _index_entry(lambda f, out, shard: "../elsewhere/elsewhere.safetensors")),
+    "index entry absolute": (CheckpointError, _index_entry(lambda f, out, shard: str(out / "elsewhere.safetensors"))),
+    "index entry through a linked folder": (CheckpointError, _index_entry(
+        lambda f, out, shard: os.symlink(out, os.path.join(f, "sub")) or "sub/elsewhere.safetensors")),
+    "shard is a symlink out of the folder": (CheckpointError, _symlinked_shard),
+    "model.safetensors is a symlink out": (CheckpointError, _symlinked_single_file),
+    "tokenizer.json is a symlink out (save)": (CheckpointError, _symlinked_tokenizer_on_save),
+    "config without model_type": (ConfigError, _config(("model_type",), model_type=_DELETE)),
+    "config vocab_size contradicts embedding": (CheckpointError, _config((EMBED, "[96, 32]", "[100, 32]"),
+                                                                         vocab_size=100)),
+    "config size that is not a number": (ConfigError, _config(("hidden_size", "'32'"), hidden_size="32")),
+    "config negative head_dim": (ConfigError, _config(("head_dim=-12",), head_dim=-12)),
+    "config sliding layers without window": (ConfigError, _config(("sliding_window",), sliding_window=0)),
+    "config unknown layer type": (ConfigError, _config(("layer_types", "local"),
+                                                       layer_types=["local", "full_attention"])),
+    "config more KV heads than heads": (ConfigError, _config(("num_key_value_heads=8",), num_key_value_heads=8)),
+    "config tie_word_embeddings not a bool": (ConfigError, _config(("tie_word_embeddings", "'yes'"),
+                                                                   tie_word_embeddings="yes")),
+    "config rope_scaling not an object": (ConfigError, _config(("RoPE", "'linear'"), rope_scaling="linear",
+                                                               rope_parameters=None)),
+    # specs
+    "spec zero layers": (SpecError, _spec(num_layers=0)),
+    "spec boolean size": (SpecError, _spec(hidden_size=True)),
+    "spec heads not a multiple of KV heads": (SpecError, _spec(num_attention_heads=4, num_key_value_heads=3)),
+    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec.named(
+        "gemma-99b"), "'gemma-99b'")),
+    "spec larger than the teacher": (SpecError, _spec_against(("num_layers=3", "num_hidden_layers=2"), num_layers=3)),
+    "spec hidden not a multiple of heads": (SpecError, _spec_against(("hidden_size=30",), hidden_size=30,
+                                                                     num_attention_heads=4, num_key_value_heads=2)),
+    "spec unknown kv_mode": (SpecError, _spec_against(("kv_mode='bogus'",), kv_mode="bogus")),
+    "spec select impossible": (SpecError, _spec_against(("kv_mode='select'", "4 query heads"), kv_mode="select",
+                                                        num_attention_heads=4, hidden_size=24)),
+    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec.from_dict(
+        {**SPEC, "depth": 2}), "depth")),
+    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec
+                                                       .scaled(w["teacher"].config, depth=1.5), "1.5")),
+    "spec named shape with another head_dim": (SpecError, _call(_named_shape_other_head_dim, "head_dim 256",
+                                                                "head_dim 160")),
+    "plan_student unknown method": (SpecError, _call(_plan_student(depth="bogus"), "depth='bogus'")),
+    "plan_student needs calibration": (SpecError, _call(_plan_student(depth="block_influence"), "calibration")),
+    # plans
+    "plan for another teacher (in memory)": (PlanError, _call(_other_teacher_in_memory, "fingerprint", EMBED)),
+    "plan for another teacher (on disk)": (PlanError, _call(_other_teacher_on_disk, "fingerprint", EMBED)),
+    "plan for another config": (PlanError, _call(_plan_for_other_config, "rms_norm_eps")),
+    "plan index out of range": (PlanError, _edited_plan(_set_path(["kept_hidden", 0], 99), ("kept_hidden", "[99]"))),
+    "plan duplicate index": (PlanError, _edited_plan(lambda d: d["kept_mlp"][0].__setitem__(1, d["kept_mlp"][0][0]),
+                                                     ("kept_mlp", "more than once"))),
+    "plan layer out of range": (PlanError, _edited_plan(_set_path(["kept_layers", 0], -1), ("kept_layers", "[-1]"))),
+    "plan missing field": (PlanError, _edited_plan(_set_path(["kv_groups"], _DELETE), ("kv_groups",))),
+    "plan field of the wrong type": (PlanError, _edited_plan(_set_path(["kept_heads"], "all"), ("kept_heads",))),
+    "plan newer format": (PlanError, _edited_plan(_set_path(["format_version"], 99), ("format_version 99",))),
+    "plan not JSON": (PlanError, _plan_file("{kept_layers: [0]", ("not valid JSON",))),
+    "plan file missing": (PlanError, _plan_file(None, ("no such plan file",))),
+    # data
+    "data file missing": (DataError, _records(lambda tmp: str(tmp / "nope.txt"), lambda p: (p,))),
+    "data file empty": (DataError, _records(_file("empty.txt", b""), lambda p: (p, "empty"))),
+    "data not UTF-8": (DataError, _records(_file("latin1.txt", "caf\u00e9 cr\u00e8me".encode("latin-1")),
+                                           lambda p: (p, "offset 3", "0xe9"))),
+    "data folder with no text": (DataError, _records(_empty_folder, lambda p: (p, "no text"))),
+    "data record without its field": (DataError, _records(_file("rows.jsonl", b'{"text": "a"}\n{"body": "b"}\n'),
+                                                          lambda p: (f"{p}:2", "'text'"))),
+    # meshes (this process has one device; the 8-device cases are below)
+    "mesh spec with a bad size": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.parse_mesh_spec(
+        "fsdp=two"), "'two'")),
+    "mesh axis named twice": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.parse_mesh_spec(
+        "fsdp=1,fsdp=1"), "'fsdp' twice")),
+    "mesh larger than the devices": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.make_mesh("fsdp=4"),
+                                                      "fsdp=4", "4 device(s)", "there are 1")),
+    "config batch not split by the mesh": (MeshError, _mesh(lambda: __import__("distill.config").config
+                                                            .DistillConfig(mesh="fsdp=4", batch_size=6),
+                                                            "batch_size=6", "multiple of 4")),
+    "config mesh_devices not a count": (MeshError, _mesh(lambda: __import__("distill.config").config
+                                                         .DistillConfig(mesh="fsdp=1", mesh_devices=0),
+                                                         "mesh_devices=0")),
+    # outputs
+    "save_pretrained over a non-empty folder": (CheckpointError, _existing_output(_save_pretrained)),
+    "save_student over a non-empty folder": (CheckpointError, _existing_output(_save_student)),
+    "prune_checkpoint over a non-empty folder": (CheckpointError, _existing_output(_prune)),
+}
+CULPRITS = {  # rows whose culprit needs the broken file's name: added here to keep the table readable
+    "dtype we do not load (F64)": (NORM, "F64"),
+    "mixed dtypes without dtype=": (NORM, "F16", "mixed", "dtype="),
+    "NaN weight, check_finite": (NORM, "NaN"),
+    "infinite weight, check_finite": (Q0, "infinite"),
+    "overflow when loaded as float16": (EMBED, "float16"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_table(case, world, ckpt, tmp_path):
+    error, make = CASES[case]
+    call, culprits = make(world, ckpt, tmp_path)
+    before = _tree(tmp_path)
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    for culprit in tuple(culprits) + CULPRITS.get(case, ()):
+        assert culprit in message, f"{case}: {culprit!r} not named in {message!r}"
+    assert info.value.__cause__ is None or isinstance(info.value.__cause__, error)
+    assert _tree(tmp_path) == before, f"{case}: the failed call wrote or changed files"
+
+
+def test_table_is_large_enough():
+    assert len(CASES) + len(MESH_CASES) >= 30
+
+
+def test_mixed_dtypes_load_when_a_dtype_is_given(ckpt):
+    folder = ckpt()
+    reference = load_pretrained(folder)
+    _rewrite(folder, lambda t: t.update({NORM: t[NORM].astype(np.float16)}))
+    ids = sample_ids(1, 7)
+    loaded = load_pretrained(folder, dtype="float32", check_finite=True)
+    assert max_abs_diff(loaded(ids).logits, reference(ids).logits) < 1e-2  # one norm rounded to float16
+
+
+# ------------------------------------------------------------------------------------------------ 8-device meshes
+MESH_SCRIPT = r"""
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+import jax
+from distill.mesh import MeshError, check_mesh_fits, make_mesh, put_batch
+from surgery.config import GemmaConfig
+from surgery.model import create_model
+
+assert jax.device_count() == 8
+out = {}
+def case(name, fn):
+    try:
+        fn()
+        out[name] = ["ok", ""]
+    except Exception as err:
+        out[name] = [type(err).__name__, str(err)]
+
+six_heads = GemmaConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 48,
+    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 1,
+    "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4})
+case("idle devices", lambda: make_mesh("fsdp=3,tp=1"))
+case("subset asked for", lambda: make_mesh("fsdp=3,tp=1", devices=3))
+case("devices= that does not match", lambda: make_mesh("fsdp=2,tp=2", devices=3))
+case("tp not dividing the heads", lambda: check_mesh_fits(make_mesh("fsdp=2,tp=4"),
+                                                           {"student": create_model(six_heads, seed=0)}))
+case("tp over one KV head is fine", lambda: check_mesh_fits(make_mesh("fsdp=4,tp=2"),
+                                                             {"student": create_model(six_heads, seed=0)}))
+case("batch not split by the data axes", lambda: put_batch({"input_ids": np.zeros((6, 4), np.int32)},
+                                                            make_mesh("fsdp=8")))
+print("RESULT " + json.dumps(out))
+"""
+MESH_CASES = {  # name: (error class name or "ok", culprits)
+    "idle devices": ("MeshError", ("fsdp=3,tp=1", "3 device(s)", "there are 8", "fsdp=8,tp=1", "fsdp=4,tp=2",
+                                   "devices=3", "mesh_devices=3")),
+    "devices= that does not match": ("MeshError", ("fsdp=2,tp=2", "devices= gives 3", "fsdp=3,tp=1")),
+    "tp not dividing the heads": ("MeshError", ("tp=4", "self_attn", "dimension 6", "2, 3, 6")),
+    "batch not split by the data axes": ("MeshError", ("batch 6", "fsdp", "multiple of 8")),
+    "subset asked for": ("ok", ()),
+    "tp over one KV head is fine": ("ok", ()),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=root)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout
+
+
+@pytest.mark.parametrize("case", list(MESH_CASES))
+def test_mesh_table(case, mesh_results):
+    results, log = mesh_results
+    kind, culprits = MESH_CASES[case]
+    assert results[case][0] == kind, results[case]
+    for culprit in culprits:
+        assert culprit in results[case][1], f"{case}: {culprit!r} not named in {results[case][1]!r}"
+    if case == "subset asked for":  # a subset on purpose is logged
+        assert "LOG mesh fsdp=3,tp=1 runs on 3 of the 8 devices" in log
