@@ -32,21 +32,24 @@ from .sources import expand_paths, stdlib_corpus  # noqa: F401  (re-exported: `d
 # ------------------------------------------------------------------------------------------------ tokenizers
 @dataclass(frozen=True)
 class TextTokenizer:
-    """What packing needs from a tokenizer: text -> ids without special tokens, and the special ids."""
+    """What packing needs from a tokenizer: text -> ids without special tokens, and the special ids; `decode`
+    (ids -> text, special tokens skipped) is what evaluation needs to score generated text (None: unknown)."""
 
     encode_batch: Callable[[list[str]], list[list[int]]]
     eos_id: int
     bos_id: int | None = None
     add_bos: bool = False
     pad_id: int = 0
+    decode: Callable[[list[int]], str] | None = None
 
 
 def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | None = None,
-                   add_bos: bool | None = None, pad_id: int | None = None) -> TextTokenizer:
+                   add_bos: bool | None = None, pad_id: int | None = None,
+                   decode: Callable[[list[int]], str] | None = None) -> TextTokenizer:
     """Accept a folder (or tokenizer.json), a `tokenizers.Tokenizer`, a transformers tokenizer, or a callable.
 
     A folder's tokenizer_config.json / special_tokens_map.json supply bos/eos/pad and `add_bos_token`; keyword
-    arguments override. A plain callable `text -> ids` needs `eos_id`."""
+    arguments override. A plain callable `text -> ids` needs `eos_id` (and `decode` for generation metrics)."""
     if isinstance(tokenizer, TextTokenizer):
         return tokenizer
     config: dict = {}
@@ -65,7 +68,7 @@ def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | N
                     config.update(json.load(f))
         tokenizer = Tokenizer.from_file(file)
     if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer
-        return _from_tokenizers(tokenizer, config, eos_id, bos_id, add_bos, pad_id)
+        return _from_tokenizers(tokenizer, config, eos_id, bos_id, add_bos, pad_id, decode)
     if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer
         eos = tokenizer.eos_token_id if eos_id is None else eos_id
         bos = tokenizer.bos_token_id if bos_id is None else bos_id
@@ -73,18 +76,19 @@ def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | N
         if add_bos is None:  # what transformers itself does when asked for special tokens
             probe = tokenizer("a", add_special_tokens=True)["input_ids"]
             add_bos = bos is not None and bool(probe) and probe[0] == bos
+        decode = decode or (lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
         if getattr(tokenizer, "backend_tokenizer", None) is not None:  # fast: use its `tokenizers` object
-            return _from_tokenizers(tokenizer.backend_tokenizer, {}, eos, bos, add_bos, pad)
+            return _from_tokenizers(tokenizer.backend_tokenizer, {}, eos, bos, add_bos, pad, decode)
         return _checked(lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"], eos, bos, add_bos,
-                        pad)
+                        pad, decode)
     if callable(tokenizer):
         return _checked(lambda texts: [list(tokenizer(text)) for text in texts], eos_id, bos_id, bool(add_bos),
-                        pad_id)
+                        pad_id, decode)
     raise DataError(f"cannot use {type(tokenizer).__name__} as a tokenizer; pass a folder with tokenizer.json, "
                     "a tokenizers.Tokenizer, a transformers tokenizer or a callable text -> ids.")
 
 
-def _from_tokenizers(tok, config, eos_id, bos_id, add_bos, pad_id) -> TextTokenizer:
+def _from_tokenizers(tok, config, eos_id, bos_id, add_bos, pad_id, decode=None) -> TextTokenizer:
     def token_id(key: str, fallbacks: tuple[str, ...]) -> int | None:
         value = config.get(key)
         names = [value.get("content") if isinstance(value, dict) else value] if value else list(fallbacks)
@@ -98,12 +102,13 @@ def _from_tokenizers(tok, config, eos_id, bos_id, add_bos, pad_id) -> TextTokeni
         add_bos = config.get("add_bos_token")
     if add_bos is None:  # ask the post-processor whether it prepends BOS
         add_bos = bos is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos]
+    decode = decode or (lambda ids, original=tok: original.decode(list(ids), skip_special_tokens=True))
     tok = _plain_text_copy(tok)
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-    return _checked(encode_batch, eos, bos, add_bos, pad)
+    return _checked(encode_batch, eos, bos, add_bos, pad, decode)
 
 
 def _plain_text_copy(tok):
@@ -116,13 +121,13 @@ def _plain_text_copy(tok):
     return copy
 
 
-def _checked(encode_batch, eos, bos, add_bos, pad) -> TextTokenizer:
+def _checked(encode_batch, eos, bos, add_bos, pad, decode=None) -> TextTokenizer:
     if eos is None:
         raise DataError("the tokenizer has no EOS token; pass eos_id= (documents are joined with EOS).")
     if add_bos and bos is None:
         raise DataError("add_bos is set but the tokenizer has no BOS token; pass bos_id=.")
     return TextTokenizer(encode_batch, int(eos), None if bos is None else int(bos), bool(add_bos),
-                         int(pad) if pad is not None else 0)
+                         int(pad) if pad is not None else 0, decode)
 
 
 # ------------------------------------------------------------------------------------------------ batches
@@ -174,6 +179,7 @@ class TokenBatches:
             raise DataError(f"the training documents give {self.num_rows} row(s) of {seq_len} tokens, fewer than "
                             f"batch_size {batch_size}; add data or lower seq_len/batch_size.")
         self._eval_docs = [documents[i] for i in self.eval_indices]
+        self.eval_records: list[Record] | None = None  # the held-out texts, when built from text (from_records)
         self._eval_cache: list[dict[str, np.ndarray]] | None = None
         self.fingerprint = f"{zlib.crc32(self._rows.tobytes()) ^ zlib.crc32(self._weights.tobytes()):08x}"
         self.epoch, self.position = 0, 0
@@ -184,7 +190,9 @@ class TokenBatches:
     def from_records(cls, records: Sequence[Record], tokenizer: Any, **kwargs) -> "TokenBatches":
         tok = load_tokenizer(tokenizer)
         kwargs.setdefault("pad_id", tok.pad_id)
-        return cls(tokenize_records(records, tok), **kwargs)
+        batches = cls(tokenize_records(records, tok), **kwargs)
+        batches.eval_records = [records[i] for i in batches.eval_indices]
+        return batches
 
     @classmethod
     def from_files(cls, paths, tokenizer: Any, *, separator: str | None = None, text_field: str = "text",
@@ -307,6 +315,14 @@ class TokenBatches:
         return self._rows[index].astype(np.int32)
 
     # ---------------------------------------------------------------------------- evaluation
+    def eval_texts(self) -> list[str]:
+        """The held-out documents as text (a prompt/completion record joined), e.g. for `distill.suite`'s prompts
+        and multiple-choice items. Only for pipelines built from text (from_files, from_records, ...)."""
+        if self.eval_records is None:
+            raise DataError("this TokenBatches was built from token arrays, so it has no held-out text; build it "
+                            "with from_files/from_records, or pass the held-out documents yourself.")
+        return [r if isinstance(r, str) else r[0] + r[1] for r in self.eval_records]
+
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         """The held-out documents, packed (tail padded, masked), in batches of `eval_batch_size` rows; the last
         batch is filled with fully masked padding rows so every batch has the same shape."""

@@ -1,8 +1,10 @@
 """Held-out language-model loss and perplexity of any model that follows the distill interface.
 
-Batches are the data pipeline's dicts: `loss_mask[b, t]` weights the prediction of token t+1 at position t. The
-loss is computed from final hidden states in row chunks through `model.logits_from_hidden`, so full (B, T, V)
-float32 logits never exist for large vocabularies.
+Batches are the data pipeline's dicts: `loss_mask[b, t]` weights the prediction of token t+1 at position t. A
+batch of packed documents (`positions`, `segment_ids`) is scored document by document: attention stays inside a
+document and no target crosses a boundary (`interface.next_token_targets`). Log-probabilities are computed from
+final hidden states in row chunks through `model.logits_from_hidden`, so full (B, T, V) float32 logits never exist
+for large vocabularies.
 """
 from __future__ import annotations
 
@@ -11,28 +13,36 @@ from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from .interface import FORWARD_KEYS, forward_inputs, next_token_targets
 
-def _masked_nll(model, input_ids, loss_mask, attention_mask, chunk: int):
-    out = model(input_ids, attention_mask=attention_mask, return_logits=False)
-    hidden = out.final_hidden[:, :-1].reshape(-1, out.final_hidden.shape[-1])
-    targets = input_ids[:, 1:].reshape(-1)
-    weights = loss_mask[:, :-1].reshape(-1).astype(jnp.float32)
+
+def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+    """(log p(token t + 1 | tokens <= t), weight) per position, both (B, T) float32; traceable. The weight is
+    `next_token_targets`'s (0 where the prediction is not scored; the log-probability there is meaningless)."""
+    input_ids = batch["input_ids"]
+    labels, weights, _ = next_token_targets(batch)
+    out = model(input_ids, **forward_inputs(model, batch), return_logits=False)
+    width = out.final_hidden.shape[-1]
+    hidden, targets = out.final_hidden.reshape(-1, width), labels.reshape(-1)
     pad = -hidden.shape[0] % chunk
-    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-    targets, weights = jnp.pad(targets, (0, pad)), jnp.pad(weights, (0, pad))
+    hidden, targets = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
     head = model.head_matrix()
 
-    def body(total, block):
-        h, y, w = block
+    def block(args):
+        h, y = args
         logits = model.logits_from_hidden(h, head)
-        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
-        return total + jnp.sum(nll * w), None
+        return jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
 
-    blocks = (hidden.reshape(-1, chunk, hidden.shape[-1]), targets.reshape(-1, chunk), weights.reshape(-1, chunk))
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), blocks)
-    return total, jnp.sum(weights)
+    logprobs = jax.lax.map(block, (hidden.reshape(-1, chunk, width), targets.reshape(-1, chunk)))
+    return logprobs.reshape(-1)[:input_ids.size].reshape(input_ids.shape), weights
+
+
+def batch_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
+    """The keys a scoring forward reads, as device arrays (other keys of a pipeline batch are dropped)."""
+    return {k: jnp.asarray(batch[k]) for k in ("input_ids", "loss_mask", *FORWARD_KEYS) if k in batch}
 
 
 def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 256) -> dict[str, float]:
@@ -40,14 +50,13 @@ def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def score(state, input_ids, loss_mask, attention_mask):
-        return _masked_nll(nnx.merge(graphdef, state), input_ids, loss_mask, attention_mask, chunk)
+    def score(state, batch):
+        logprobs, weights = token_logprobs(nnx.merge(graphdef, state), batch, chunk)
+        return -jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0)), jnp.sum(weights)
 
     total, count = 0.0, 0.0
     for batch in batches:
-        mask = batch.get("attention_mask")
-        nll, n = score(state, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"]),
-                       None if mask is None else jnp.asarray(mask))
+        nll, n = score(state, batch_arrays(batch))
         total, count = total + float(nll), count + float(n)
     if count == 0:
         raise ValueError("heldout_loss: the batches have no target with a non-zero loss_mask.")
@@ -55,4 +64,119 @@ def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
 
 
-__all__ = ["heldout_loss"]
+def parameter_count(model: Any) -> int:
+    """Number of parameters (nnx.Param leaves) of an NNX model."""
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+# ------------------------------------------------------------------------------------------------ model vs reference
+def _online_compare(model, reference, hidden, ref_hidden, vocab_chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Per row of (R, D) hidden states: KL(reference || model) and whether the two top-1 tokens agree, in one
+    pass over vocabulary blocks (running logsumexps, a running sum of p_ref * (l_ref - l_model), running argmaxes),
+    so no (R, V) array exists. The last block is clamped to end at V and masks the entries already seen."""
+    head, ref_head = model.head_matrix(), reference.head_matrix()
+    vocab = head.shape[0]
+    if ref_head.shape[0] != vocab:
+        raise ValueError(f"the model's vocabulary ({vocab}) differs from the reference's ({ref_head.shape[0]}); "
+                         "agreement and KL need the same tokenizer.")
+    width = min(vocab_chunk, vocab)
+    rows = hidden.shape[0]
+    minus_inf = jnp.full((rows,), -jnp.inf, jnp.float32)
+    zeros = jnp.zeros((rows,), jnp.float32)
+    first = jnp.zeros((rows,), jnp.int32)
+
+    def body(i, carry):
+        m_ref, z_ref, cross, m_mod, z_mod, best_ref, arg_ref, best_mod, arg_mod = carry
+        start = jnp.minimum(i * width, vocab - width)
+        index = start + jnp.arange(width)
+        fresh = index >= i * width
+        l_mod = model.logits_from_hidden(hidden, jax.lax.dynamic_slice_in_dim(head, start, width))
+        l_ref = reference.logits_from_hidden(ref_hidden, jax.lax.dynamic_slice_in_dim(ref_head, start, width))
+        l_mod, l_ref = jnp.where(fresh, l_mod, -jnp.inf), jnp.where(fresh, l_ref, -jnp.inf)
+        new_ref, new_mod = jnp.maximum(m_ref, l_ref.max(-1)), jnp.maximum(m_mod, l_mod.max(-1))
+        p_ref = jnp.exp(l_ref - new_ref[:, None])  # unnormalised, 0 on masked entries
+        scale_ref = jnp.exp(m_ref - new_ref)
+        z_ref = z_ref * scale_ref + p_ref.sum(-1)
+        cross = cross * scale_ref + jnp.sum(jnp.where(fresh, p_ref * (l_ref - l_mod), 0.0), axis=-1)
+        z_mod = z_mod * jnp.exp(m_mod - new_mod) + jnp.exp(l_mod - new_mod[:, None]).sum(-1)
+        top_ref, top_mod = l_ref.max(-1), l_mod.max(-1)  # ties keep the lowest index, as argmax does
+        arg_ref = jnp.where(top_ref > best_ref, start + jnp.argmax(l_ref, -1), arg_ref)
+        arg_mod = jnp.where(top_mod > best_mod, start + jnp.argmax(l_mod, -1), arg_mod)
+        return (new_ref, z_ref, cross, new_mod, z_mod, jnp.maximum(best_ref, top_ref), arg_ref,
+                jnp.maximum(best_mod, top_mod), arg_mod)
+
+    init = (minus_inf, zeros, zeros, minus_inf, zeros, minus_inf, first, minus_inf, first)
+    m_ref, z_ref, cross, m_mod, z_mod, _, arg_ref, _, arg_mod = jax.lax.fori_loop(
+        0, -(-vocab // width), body, init)
+    kl = cross / z_ref - (m_ref + jnp.log(z_ref)) + (m_mod + jnp.log(z_mod))
+    return kl, (arg_ref == arg_mod).astype(jnp.float32)
+
+
+def _compare_batch(model, reference, batch, vocab_chunk: int, row_chunk: int):
+    """(sum of KL, sum of agreements, scored tokens) over the scored positions of one batch."""
+    _, weights, _ = next_token_targets(batch)
+    input_ids = batch["input_ids"]
+    hidden = model(input_ids, **forward_inputs(model, batch), return_logits=False).final_hidden
+    ref_hidden = reference(input_ids, **forward_inputs(reference, batch), return_logits=False).final_hidden
+    flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
+    pad = -flat[0].shape[0] % row_chunk
+    blocks = [jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, row_chunk, h.shape[-1]) for h in flat]
+    kl, agree = jax.lax.map(lambda hs: _online_compare(model, reference, hs[0], hs[1], vocab_chunk), tuple(blocks))
+    w = weights.reshape(-1)
+    kl, agree = kl.reshape(-1)[:w.size], agree.reshape(-1)[:w.size]
+    return jnp.sum(jnp.where(w > 0, kl * w, 0.0)), jnp.sum(agree * w), jnp.sum(w)
+
+
+def agreement_and_kl(model: Any, reference: Any, batches: Iterable[dict[str, Any]], *, vocab_chunk: int = 16384,
+                     row_chunk: int = 256) -> dict[str, float]:
+    """Top-1 agreement of `model` with `reference` (the teacher) and KL(reference || model) at temperature 1,
+    per scored token (loss masks, padding and document boundaries respected), averaged over `batches`. Memory
+    is bounded by (row_chunk, vocab_chunk) float32 blocks whatever the vocabulary size."""
+    graph, state = nnx.split(model)
+    ref_graph, ref_state = nnx.split(reference)
+
+    @jax.jit
+    def compare(state, ref_state, batch):
+        return _compare_batch(nnx.merge(graph, state), nnx.merge(ref_graph, ref_state), batch, vocab_chunk,
+                              row_chunk)
+
+    kl = agree = count = 0.0
+    for batch in batches:
+        sums = [float(x) for x in compare(state, ref_state, batch_arrays(batch))]
+        kl, agree, count = kl + sums[0], agree + sums[1], count + sums[2]
+    if count == 0:
+        raise ValueError("agreement_and_kl: the batches have no target with a non-zero loss_mask.")
+    return {"top1_agreement": agree / count, "kl": kl / count, "tokens": int(count)}
+
+
+def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *, batch_size: int = 8,
+                            chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `rows` (N, L) token ids: the summed log-likelihood of the tokens t with `scored[n, t]` true
+    (each predicted from the tokens before it, one document per row, right padding allowed), and their count.
+    Rows go through in batches of `batch_size` (the last one padded), so one compilation serves all."""
+    rows, scored = np.asarray(rows, np.int32), np.asarray(scored, bool)
+    if scored[:, 0].any():
+        raise ValueError("sequence_loglikelihoods: the first token of a row has no context to be predicted from.")
+    loss_mask = np.zeros(scored.shape, np.float32)
+    loss_mask[:, :-1] = scored[:, 1:]  # loss_mask[t] weights the prediction of token t + 1
+    fill = -len(rows) % batch_size
+    rows = np.concatenate([rows, np.zeros((fill, rows.shape[1]), np.int32)])
+    loss_mask = np.concatenate([loss_mask, np.zeros((fill, rows.shape[1]), np.float32)])
+    graph, state = nnx.split(model)
+
+    @jax.jit
+    def score(state, batch):
+        logprobs, weights = token_logprobs(nnx.merge(graph, state), batch, chunk)
+        return jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0), axis=-1), jnp.sum(weights, axis=-1)
+
+    totals, counts = [], []
+    for i in range(0, len(rows), batch_size):
+        total, count = score(state, {"input_ids": jnp.asarray(rows[i:i + batch_size]),
+                                     "loss_mask": jnp.asarray(loss_mask[i:i + batch_size])})
+        totals.append(np.asarray(total)), counts.append(np.asarray(count))
+    n = len(rows) - fill
+    return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
+
+
+__all__ = ["heldout_loss", "token_logprobs", "batch_arrays", "parameter_count", "agreement_and_kl",
+           "sequence_loglikelihoods"]

@@ -12,9 +12,13 @@ object or dict that has them (duck typing: `surgery.plan.Plan` or its JSON form)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+import inspect
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+
+from .logit_loss import labels_and_weights
 
 
 @runtime_checkable
@@ -33,12 +37,58 @@ class DistillModel(Protocol):
     `hidden` and `head` only.
     """
 
-    def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
-                 capture: Iterable[str] = (), return_logits: bool = True) -> ModelOutput: ...
+    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 capture: Iterable[str] = (), return_logits: bool = True,
+                 inputs_embeds: jax.Array | None = None) -> ModelOutput:
+        """`positions` (B, T) int: RoPE positions (restarting at 0 in each packed document); `segment_ids`
+        (B, T) int: which packed document a token belongs to (0: padding), attention stays inside a document;
+        `inputs_embeds` (B, T, D): replaces the embedding lookup. `positions` and `segment_ids` are passed only
+        when the batch has them, `inputs_embeds` only by the train step's tied-embedding fold."""
+        ...
 
     def head_matrix(self) -> jax.Array: ...
 
     def logits_from_hidden(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array: ...
+
+
+# Batch keys a forward takes, beyond input_ids; a batch of packed documents has positions and segment_ids.
+FORWARD_KEYS = ("attention_mask", "positions", "segment_ids")
+
+
+def forward_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `model(input_ids, ...)` that `batch` supplies (attention_mask, positions,
+    segment_ids when present). A batch of packed documents given to a model whose `__call__` cannot take
+    `positions`/`segment_ids` is an error: without them attention would cross document boundaries."""
+    present = {key: batch[key] for key in FORWARD_KEYS if batch.get(key) is not None}
+    wanted = set(present) - {"attention_mask"}
+    if wanted:
+        parameters = inspect.signature(type(model).__call__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        missing = sorted(k for k in wanted if k not in parameters and not takes_any)
+        if missing:
+            raise TypeError(f"the batch has {missing} (packed documents) but {type(model).__name__}.__call__ "
+                            f"does not take them; give the model those keywords (see DistillModel in "
+                            "distill/interface.py) or build the data with TokenBatches(return_segments=False).")
+    return present
+
+
+def next_token_targets(batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(labels, weights, real) of a (B, T) batch. `weights[b, t]` scores the prediction at t of token t + 1:
+    0 in the last column, where `loss_mask` is 0, at padding (attention_mask 0 at t or t + 1) and, with
+    `segment_ids`, where token t + 1 starts another document or is padding (segment 0), so a packed row scores
+    each document exactly as it would be scored alone. `real` (float32) marks non-padding positions."""
+    input_ids, attention_mask, segments = batch["input_ids"], batch.get("attention_mask"), batch.get("segment_ids")
+    labels, weights = labels_and_weights(input_ids, batch.get("loss_mask"), attention_mask)
+    real = (jnp.ones(input_ids.shape, jnp.float32) if attention_mask is None
+            else attention_mask.astype(jnp.float32))
+    if segments is not None:
+        same_next = jnp.concatenate([segments[:, 1:] == segments[:, :-1],
+                                     jnp.zeros_like(segments[:, :1], bool)], axis=1)
+        inside = segments > 0
+        weights = weights * (same_next & inside).astype(jnp.float32)
+        real = real * inside.astype(jnp.float32)
+    return labels, weights, real
 
 
 def check_model(model: Any, role: str) -> None:
@@ -122,5 +172,5 @@ def identity_correspondence(num_layers: int) -> Correspondence:
     return Correspondence(layer_map=tuple((i, i) for i in range(num_layers)))
 
 
-__all__ = ["DistillModel", "ModelOutput", "Correspondence", "correspondence_from_plan", "identity_correspondence",
-           "check_model"]
+__all__ = ["DistillModel", "ModelOutput", "FORWARD_KEYS", "forward_inputs", "next_token_targets", "Correspondence",
+           "correspondence_from_plan", "identity_correspondence", "check_model"]

@@ -25,6 +25,7 @@ import numpy as np
 from . import freeze
 from .checkpointing import Checkpointer
 from .config import DistillConfig
+from .interface import FORWARD_KEYS
 from .mesh import put_batch
 from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
 from .step import hyper_values
@@ -36,13 +37,15 @@ def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np
     if "input_ids" not in keys:
         raise KeyError(f"a batch needs 'input_ids' (B, T) int32; it has {sorted(keys)}.")
     stacked = {key: np.stack([np.asarray(b[key]) for b in batches])
-               for key in ("input_ids", "loss_mask", "attention_mask") if key in keys}
+               for key in ("input_ids", "loss_mask", *FORWARD_KEYS) if key in keys}
     shape = stacked["input_ids"].shape[1:]
     expected = (config.batch_size or shape[0], config.seq_len or shape[1])
     if shape != expected or any(v.shape[1:] != shape for v in stacked.values()):
         raise ValueError(f"batch arrays have shapes { {k: v.shape[1:] for k, v in stacked.items()} }; the config "
                          f"expects (batch_size, seq_len) = {expected} for every key.")
-    stacked["input_ids"] = stacked["input_ids"].astype(np.int32)
+    for key in ("input_ids", "positions", "segment_ids"):
+        if key in stacked:
+            stacked[key] = stacked[key].astype(np.int32)
     return stacked
 
 

@@ -7,7 +7,8 @@ Functional style (research/hf_nnx.md §5.2): models are split once into graphdef
     opt      optax state of `params` only (frozen parameters have none)      (donated)
     frozen   the rest of the student (not differentiated, no gradient computed for it)
     teacher  the teacher's state, any dtype, never differentiated
-    batch    {"input_ids", ["loss_mask"], ["attention_mask"]}, each (A, B, T) for A accumulated micro-batches
+    batch    {"input_ids", ["loss_mask"], ["attention_mask"], ["positions", "segment_ids"]}, each (A, B, T) for
+             A accumulated micro-batches; packed documents (segment_ids) attend and are scored each on its own
     hyper    traced scalars: lr, weight_decay, temperature and the loss weights (no recompile when they change)
 
 Losses are normalised by the supervised-token count of the whole step (all micro-batches), so accumulating A
@@ -36,8 +37,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .interface import Correspondence
-from .logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from .interface import Correspondence, forward_inputs, next_token_targets
+from .logit_loss import LogitLossSpec, fused_logit_loss, reference_logit_loss
 from .losses import attention_transfer_loss, feature_loss
 
 HYPER_KEYS = ("lr", "weight_decay", "temperature", "kl", "reverse_kl", "jsd", "ce", "attention", "feature")
@@ -95,9 +96,7 @@ def _captures(spec: StepSpec) -> tuple[str, ...]:
 
 def _normalisers(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Supervised tokens and real positions over all micro-batches (each at least 1)."""
-    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
-    _, weights = labels_and_weights(flat["input_ids"], flat.get("loss_mask"), flat.get("attention_mask"))
-    real = flat.get("attention_mask", jnp.ones(flat["input_ids"].shape)).astype(jnp.float32)
+    _, weights, real = next_token_targets({k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
     return {"tokens": jnp.maximum(weights.sum(), 1.0), "positions": jnp.maximum(real.sum(), 1.0)}
 
 
@@ -105,10 +104,10 @@ def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
     """loss(params, frozen, teacher, micro_batch, norms, hyper) -> (total, metric sums) for one micro-batch."""
     captures = _captures(spec)
 
-    def student_forward(trainable, frozen, input_ids, attention_mask, inputs_embeds):
+    def student_forward(trainable, frozen, input_ids, inputs, inputs_embeds):
         student = nnx.merge(student_graph, trainable, frozen)
         embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-        out = student(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False, **embeds)
+        out = student(input_ids, **inputs, capture=captures, return_logits=False, **embeds)
         residual = out.residual if spec.feature else None
         probs = out.attention_probs if spec.attention else None
         return out.final_hidden, residual, probs
@@ -127,18 +126,18 @@ def make_loss_fn(student_graph, teacher_graph, spec: StepSpec) -> Callable:
         frozen = _cast(frozen, spec.compute_dtype)
         teacher = None if teacher_graph is None else nnx.merge(teacher_graph, teacher_state)
         student = nnx.merge(student_graph, trainable, frozen)
-        input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
-        labels, weights = labels_and_weights(input_ids, batch.get("loss_mask"), attention_mask)
+        input_ids = batch["input_ids"]
+        labels, weights, real = next_token_targets(batch)  # packed documents: no target crosses a boundary
         weights = weights / norms["tokens"]
-        real = jnp.ones(input_ids.shape, jnp.float32) if attention_mask is None else attention_mask.astype(jnp.float32)
         query_weights = real / norms["positions"]
 
         t_out = t_hidden = t_head = None
         if teacher is not None:  # no teacher: plain cross-entropy training (spec.logit.teacher is False)
-            t_out = teacher(input_ids, attention_mask=attention_mask, capture=captures, return_logits=False)
+            t_out = teacher(input_ids, **forward_inputs(teacher, batch), capture=captures, return_logits=False)
             t_hidden = jax.lax.stop_gradient(t_out.final_hidden)
             t_head = jax.lax.stop_gradient(teacher.head_matrix())
-        s_hidden, s_residual, s_probs = student_forward(trainable, frozen, input_ids, attention_mask, inputs_embeds)
+        s_hidden, s_residual, s_probs = student_forward(trainable, frozen, input_ids, forward_inputs(student, batch),
+                                                        inputs_embeds)
         # the fused loss takes the master-dtype head (cast once inside, gradient kept in the master dtype)
         s_head = student.head_matrix() if spec.logit_impl == "reference" else master_head
 

@@ -1,0 +1,328 @@
+"""The evaluation a student is judged by: several models side by side on held-out text.
+
+    result = evaluate_suite({"teacher": t, "pruned": p, "distilled": s, "control": c}, batches, documents,
+                            tokenizer=folder, generate=surgery.generate, out_path="runs/x/suite.md")
+
+Per model: held-out cross-entropy and perplexity; top-1 agreement with the reference model (the teacher) and
+KL(reference || model) per scored token; greedy continuations of held-out prompts scored against the reference's
+with BLEU (sacrebleu, corpus level) and ROUGE-L F1 (rouge-score, mean over prompts, x100, on code-aware tokens:
+words and single punctuation marks); a next-line multiple-choice task; and the sample continuations themselves.
+
+Prompts and multiple-choice items are cut from held-out documents (strings, e.g. `TokenBatches.eval_texts()`) at
+line boundaries, deterministically from `seed`. A multiple-choice item is the true next line of a held-out
+document among `distractors` lines drawn from other held-out documents (from elsewhere in the same document when
+there is only one), each re-indented like the true line so indentation alone does not give the answer. The
+model picks the candidate with the highest mean log-likelihood per token given the preceding lines (length-
+normalised, the reported `accuracy`; the summed log-likelihood's accuracy is reported too). Chance is
+1 / (distractors + 1).
+
+`distill` does not import `surgery`: generation is the `generate(model, prompt_ids, max_new_tokens) -> new ids`
+argument (`surgery.generate` binds it). Continuations are cut at the first EOS before decoding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .data import DataError, TextTokenizer, load_tokenizer
+from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
+
+GenerateFn = Callable[[Any, list[list[int]], int], list[list[int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteSettings:
+    prompts: int = 8  # held-out prompts for continuations and samples
+    prompt_tokens: int = 96  # at most, whole lines
+    min_prompt_tokens: int = 16
+    new_tokens: int = 48  # greedy continuation length
+    choice_items: int = 64  # multiple-choice items
+    distractors: int = 3  # wrong lines per item
+    context_tokens: int = 96  # multiple-choice context, at most, whole lines
+    line_tokens: int = 48  # longest candidate line
+    seed: int = 0
+    score_batch: int = 8  # rows per scoring forward
+    vocab_chunk: int = 16384  # vocabulary block of the agreement/KL pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str
+    ids: list[int]  # BOS (when the tokenizer adds one) + the text's tokens
+    document: int
+    line: int  # the continuation starts at this line of the document
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceItem:
+    context: str
+    context_ids: list[int]  # BOS + context tokens
+    choices: list[str]
+    choice_ids: list[list[int]]
+    answer: int  # index of the true line in `choices`
+
+
+# ------------------------------------------------------------------------------------------------ held-out text
+def _prefix(tok: TextTokenizer) -> list[int]:
+    return [tok.bos_id] if tok.add_bos else []
+
+
+def _encode(tok: TextTokenizer, text: str) -> list[int]:
+    return list(tok.encode_batch([text])[0])
+
+
+def _window(lines: list[str], end: int, tok: TextTokenizer, max_tokens: int) -> tuple[str, list[int]]:
+    """The longest run of whole lines ending before line `end` whose tokens fit in `max_tokens`."""
+    counts = [len(ids) for ids in tok.encode_batch(lines[max(0, end - max_tokens):end])]
+    start, total = end, 0
+    for count in reversed(counts):
+        if total + count > max_tokens:
+            break
+        start, total = start - 1, total + count
+    while start < end:  # per-line counts are an estimate: the joined text is what counts
+        ids = _encode(tok, "".join(lines[start:end]))
+        if len(ids) <= max_tokens:
+            return "".join(lines[start:end]), ids
+        start += 1
+    return "", []
+
+
+def heldout_prompts(documents: Sequence[str], tokenizer: Any, *, count: int = 8, max_tokens: int = 96,
+                    min_tokens: int = 16, seed: int = 0) -> list[Prompt]:
+    """Up to `count` prompts, one per document in an order drawn from `seed`: whole lines ending at a random line
+    boundary followed by a non-blank line, at most `max_tokens` and at least `min_tokens` tokens."""
+    tok = load_tokenizer(tokenizer)
+    rng = np.random.default_rng([seed, 0x9E7])
+    prompts: list[Prompt] = []
+    for index in rng.permutation(len(documents)):
+        lines = documents[index].splitlines(keepends=True)
+        cuts = [c for c in range(1, len(lines)) if lines[c].strip()]
+        for cut in rng.permutation(cuts)[:4] if cuts else []:
+            text, ids = _window(lines, int(cut), tok, max_tokens)
+            if len(ids) >= min_tokens and text.strip():
+                prompts.append(Prompt(text, _prefix(tok) + ids, int(index), int(cut)))
+                break
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def _candidate_lines(documents: Sequence[str], tok: TextTokenizer, max_tokens: int) -> list[tuple[int, int, str]]:
+    """(document, line, stripped text) of every non-blank line of at most `max_tokens` tokens."""
+    found = []
+    for index, document in enumerate(documents):
+        lines = document.splitlines()
+        lengths = [len(ids) for ids in tok.encode_batch([line.strip() + "\n" for line in lines])] if lines else []
+        found += [(index, number, line.strip()) for number, (line, n) in enumerate(zip(lines, lengths))
+                  if line.strip() and n <= max_tokens]
+    return found
+
+
+def multiple_choice_items(documents: Sequence[str], tokenizer: Any, *, count: int = 64, distractors: int = 3,
+                          context_tokens: int = 96, line_tokens: int = 48, seed: int = 0) -> list[ChoiceItem]:
+    """Up to `count` next-line items (module docstring), drawn from `seed`."""
+    tok = load_tokenizer(tokenizer)
+    pool = _candidate_lines(documents, tok, line_tokens)
+    rng = np.random.default_rng([seed, 0xC401CE])
+    items: list[ChoiceItem] = []
+    for pick in rng.permutation(len(pool)):
+        document, number, true_text = pool[pick]
+        lines = documents[document].splitlines(keepends=True)
+        context, context_ids = _window(lines, number, tok, context_tokens)
+        if not context.strip() or not context.endswith("\n"):
+            continue
+        others = [p for p in pool if p[0] != document] or [p for p in pool if p[1] != number]
+        wrong: list[str] = []
+        for other in rng.permutation(len(others)):
+            text = others[other][2]
+            if text != true_text and text not in wrong:
+                wrong.append(text)
+            if len(wrong) == distractors:
+                break
+        if len(wrong) < distractors:
+            raise DataError(f"the held-out documents give fewer than {distractors} distinct distractor lines; pass "
+                            "more held-out text or fewer distractors.")
+        indent = lines[number][:len(lines[number]) - len(lines[number].lstrip())]
+        choices = [indent + text + "\n" for text in [true_text] + wrong]
+        order = rng.permutation(len(choices))
+        choices = [choices[i] for i in order]
+        items.append(ChoiceItem(context, _prefix(tok) + context_ids, choices,
+                                [list(ids) for ids in tok.encode_batch(choices)], int(np.argmin(order))))
+        if len(items) == count:
+            break
+    return items
+
+
+# ------------------------------------------------------------------------------------------------ scores
+def multiple_choice(model: Any, items: Sequence[ChoiceItem], *, pad_id: int = 0, batch_size: int = 8) -> dict:
+    """Accuracy of picking the true line: by mean log-likelihood per candidate token (`accuracy`) and by summed
+    log-likelihood (`accuracy_unnormalised`); ties count as wrong. `chance` = 1 / number of choices."""
+    if not items:
+        raise DataError("multiple_choice: no items; give held-out documents with enough non-blank lines.")
+    sequences = [(item.context_ids + ids, len(item.context_ids)) for item in items for ids in item.choice_ids]
+    length = -(-max(len(s) for s, _ in sequences) // 8) * 8
+    rows = np.full((len(sequences), length), pad_id, np.int32)
+    scored = np.zeros(rows.shape, bool)
+    for r, (sequence, start) in enumerate(sequences):
+        rows[r, :len(sequence)] = sequence
+        scored[r, start:len(sequence)] = True
+    totals, counts = sequence_loglikelihoods(model, rows, scored, batch_size=batch_size)
+    normalised, summed, offset = [], [], 0
+    for item in items:
+        total, count = totals[offset:offset + len(item.choices)], counts[offset:offset + len(item.choices)]
+        offset += len(item.choices)
+        normalised.append(_unique_best(total / np.maximum(count, 1)) == item.answer)
+        summed.append(_unique_best(total) == item.answer)
+    return {"accuracy": float(np.mean(normalised)), "accuracy_unnormalised": float(np.mean(summed)),
+            "chance": 1.0 / len(items[0].choices), "items": len(items)}
+
+
+def _unique_best(scores: np.ndarray) -> int:
+    best = int(np.argmax(scores))
+    return best if np.sum(scores == scores[best]) == 1 else -1
+
+
+def _code_tokens(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+class _CodeTokenizer:
+    """rouge-score's tokenizer interface: words and single punctuation marks, case kept (code, not prose)."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return _code_tokens(text)
+
+
+def continuation_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Corpus BLEU (sacrebleu, 0-100) and mean ROUGE-L F1 (x100) of `hypotheses` against `references`."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    if len(hypotheses) != len(references) or not hypotheses:
+        raise ValueError(f"continuation_scores: {len(hypotheses)} hypotheses for {len(references)} references.")
+    bleu = sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score
+    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_CodeTokenizer())
+    rouge = [scorer.score(ref, hyp)["rougeL"].fmeasure for hyp, ref in zip(hypotheses, references)]
+    return {"bleu": float(bleu), "rouge_l": 100.0 * float(np.mean(rouge))}
+
+
+def continuations(model: Any, prompts: Sequence[Prompt], generate: GenerateFn, tokenizer: TextTokenizer,
+                  new_tokens: int) -> list[str]:
+    """Greedy continuations of `prompts` by `model`, cut at the first EOS and decoded."""
+    if tokenizer.decode is None:
+        raise DataError("scoring generations needs the tokenizer's decode; pass a tokenizer folder/object, or "
+                        "load_tokenizer(callable, decode=...).")
+    new_ids = generate(model, [list(p.ids) for p in prompts], new_tokens)
+    if len(new_ids) != len(prompts):
+        raise ValueError(f"generate returned {len(new_ids)} continuations for {len(prompts)} prompts.")
+    texts = []
+    for ids in new_ids:
+        ids = [int(i) for i in ids]
+        ids = ids[:ids.index(tokenizer.eos_id)] if tokenizer.eos_id in ids else ids
+        texts.append(tokenizer.decode(ids))
+    return texts
+
+
+# ------------------------------------------------------------------------------------------------ the suite
+def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]], documents: Sequence[str], *,
+                   tokenizer: Any, generate: GenerateFn, reference: str = "teacher",
+                   settings: SuiteSettings = SuiteSettings(), out_path: str | os.PathLike | None = None) -> dict:
+    """Score every model of `models` (name -> model, in table order) on held-out `batches` (pipeline dicts, e.g.
+    `TokenBatches.eval_batches()`) and held-out `documents` (strings, e.g. `TokenBatches.eval_texts()`), against
+    `models[reference]`. Returns a JSON-serialisable dict (`models`: metrics per model; `samples`: every model's
+    continuation of each prompt; `multiple_choice`, `settings`); with `out_path`, also writes it as Markdown
+    (metrics table, then the samples) and as JSON next to it (same name, .json)."""
+    if reference not in models:
+        raise ValueError(f"reference {reference!r} is not one of the models {list(models)}; pass reference=.")
+    tok = load_tokenizer(tokenizer)
+    prompts = heldout_prompts(documents, tok, count=settings.prompts, max_tokens=settings.prompt_tokens,
+                              min_tokens=settings.min_prompt_tokens, seed=settings.seed)
+    items = multiple_choice_items(documents, tok, count=settings.choice_items, distractors=settings.distractors,
+                                  context_tokens=settings.context_tokens, line_tokens=settings.line_tokens,
+                                  seed=settings.seed)
+    if not prompts:
+        raise DataError(f"no held-out document gives a prompt of {settings.min_prompt_tokens}+ tokens that ends at "
+                        "a line boundary; pass more held-out text or lower min_prompt_tokens.")
+    texts = {name: continuations(model, prompts, generate, tok, settings.new_tokens)
+             for name, model in models.items()}
+    rows = {}
+    for name, model in models.items():
+        row: dict[str, Any] = {"parameters": parameter_count(model), **heldout_loss(model, batches)}
+        row["eval_tokens"] = row.pop("tokens")
+        if name == reference:
+            row.update(top1_agreement=None, kl=None, bleu=None, rouge_l=None)  # 1, 0, 100, 100 by definition
+        else:
+            row.update(agreement_and_kl(model, models[reference], batches, vocab_chunk=settings.vocab_chunk))
+            row.pop("tokens")
+            row.update(continuation_scores(texts[name], texts[reference]))
+        choice = multiple_choice(model, items, pad_id=tok.pad_id, batch_size=settings.score_batch)
+        row.update(mc_accuracy=choice["accuracy"], mc_accuracy_unnormalised=choice["accuracy_unnormalised"])
+        rows[name] = row
+    result = {
+        "reference": reference, "models": rows, "settings": dataclasses.asdict(settings),
+        "multiple_choice": {"items": len(items), "choices": settings.distractors + 1,
+                            "chance": 1.0 / (settings.distractors + 1),
+                            "scored_by": "mean log-likelihood per token of the candidate line (length-normalised)"},
+        "samples": [{"prompt": p.text, "document": p.document, "line": p.line,
+                     "continuations": {name: texts[name][i] for name in models}} for i, p in enumerate(prompts)],
+    }
+    if out_path is not None:
+        write_suite(result, out_path)
+    return result
+
+
+COLUMNS = (("parameters", "parameters", "{:,}"), ("loss", "held-out CE (nats)", "{:.4f}"),
+           ("perplexity", "perplexity", "{:.3f}"), ("top1_agreement", "top-1 agreement", "{:.2%}"),
+           ("kl", "KL(ref || model)", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
+           ("mc_accuracy", "next-line MC acc.", "{:.2%}"), ("mc_accuracy_unnormalised", "MC acc. (sum)", "{:.2%}"))
+
+
+def suite_markdown(result: dict) -> str:
+    """The suite's result as Markdown: a metrics table (one row per model) and the sample continuations."""
+    reference, mc = result["reference"], result["multiple_choice"]
+    lines = ["| model | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+             "|---|" + "---:|" * len(COLUMNS)]
+    for name, row in result["models"].items():
+        cells = ["(reference)" if row.get(key) is None and name == reference else
+                 "-" if row.get(key) is None else form.format(row[key]) for key, _, form in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"Agreement, KL, BLEU and ROUGE-L (F1 x100) are against `{reference}` on held-out text; BLEU and "
+                  f"ROUGE-L compare greedy continuations of {len(result['samples'])} held-out prompts "
+                  f"({result['settings']['new_tokens']} new tokens). Multiple choice: {mc['items']} items, the "
+                  f"true next line among {mc['choices']} candidates, scored by {mc['scored_by']}; chance "
+                  f"{mc['chance']:.2%}.", "", "## Sample generations", ""]
+    for number, sample in enumerate(result["samples"], start=1):
+        where = f"held-out document {sample['document']}, continued from line {sample['line'] + 1}"
+        lines += [f"### Prompt {number} ({where})", "",
+                  _fenced(sample["prompt"]), ""]
+        for name, text in sample["continuations"].items():
+            lines += [f"**{name}**", "", _fenced(text), ""]
+    return "\n".join(lines)
+
+
+def _fenced(text: str) -> str:
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"{fence}\n{text.rstrip()}\n{fence}"
+
+
+def write_suite(result: dict, out_path: str | os.PathLike) -> str:
+    """Write `result` as Markdown at `out_path` and as JSON beside it (`.json`); returns the Markdown path."""
+    path = os.fspath(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(suite_markdown(result) + "\n")
+    with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+__all__ = ["SuiteSettings", "Prompt", "ChoiceItem", "GenerateFn", "evaluate_suite", "heldout_prompts",
+           "multiple_choice_items", "multiple_choice", "continuations", "continuation_scores", "suite_markdown",
+           "write_suite", "agreement_and_kl", "heldout_loss"]
