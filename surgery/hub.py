@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from typing import Iterator
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,21 @@ def check_model_folder(folder: str | os.PathLike) -> list[str]:
         raise HubError(f"{folder} has config.json but no .safetensors weights; save the model with "
                        "surgery.save_pretrained (pickled .bin checkpoints are not published).")
     if INDEX_FILE in files:
-        with open(os.path.join(folder, INDEX_FILE)) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        missing = sorted(set(weight_map.values()) - set(shards))
+        index_path = os.path.join(folder, INDEX_FILE)
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise HubError(f"{index_path} is not a valid safetensors index ({type(err).__name__}); save the folder "
+                           "again.") from None
+        from .safetensors_io import CheckpointError, confined_path
+        for name in names:
+            try:
+                confined_path(folder, name, f"{index_path}: weight_map")
+            except CheckpointError as err:
+                raise HubError(str(err)) from None
+        missing = sorted(set(names) - set(shards))
         if missing:
             raise HubError(f"{folder}: {INDEX_FILE} references {missing[:3]}, which are missing; the folder is "
                            "incomplete (interrupted save?). Save it again.")
@@ -91,7 +104,7 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
     api = HfApi(endpoint=endpoint, token=token)
     where = endpoint or constants.ENDPOINT
     with _translated_errors(token, where, repo_id):
-        identity = api.whoami()
+        identity = _retrying(api.whoami, "whoami")
         user = identity.get("name")
         orgs = [org.get("name") for org in identity.get("orgs", [])]
         if "/" not in repo_id:
@@ -106,13 +119,17 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
         if role == "read":
             raise HubError(f"cannot push to {repo_id}: the token is read-only; create a token with write access.",
                            status_code=403)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if private and api.model_info(repo_id).private is False:  # create_repo ignores `private` for old repos
+        _retrying(lambda: api.create_repo(repo_id, private=private, exist_ok=True), "create_repo")
+        if private and _retrying(lambda: api.model_info(repo_id), "model_info").private is False:
+            # create_repo ignores `private` for a repo that already exists
             raise HubError(f"{repo_id} already exists and is public, but private=True was asked for; make the "
                            "repo private on the Hub, or pass private=False to publish there.")
         if revision and revision != constants.DEFAULT_REVISION:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
+            _retrying(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), "create_branch")
         logger.info("uploading %s to %s (revision %s, private=%s)", folder, repo_id, revision or "main", private)
+        # Each request of the upload is retried by huggingface_hub itself (http_backoff: 408, 429, 5xx and dropped
+        # connections, 1 s doubling to 8 s, 5 retries). Re-running an interrupted push uploads only what the Hub
+        # lacks: LFS files it already has are skipped by the LFS batch answer.
         commit = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
                                    commit_message=commit_message or f"Upload {os.path.basename(folder)} "
                                                                     "(nnx-surgery student)",
@@ -120,6 +137,34 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
                                    delete_patterns=list(STALE_WEIGHT_PATTERNS))
     logger.info("pushed %s to %s", folder, commit)
     return commit
+
+
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's own http_backoff retries
+RETRIES, RETRY_WAIT_S, RETRY_MAX_WAIT_S = 5, 1.0, 8.0
+
+
+def _retrying(call, what: str):
+    """`call()` with huggingface_hub's backoff policy, for the API calls that do not go through its
+    `http_backoff` (whoami, create_repo, model_info, create_branch): transient answers (RETRY_STATUS) and dropped
+    connections are retried RETRIES times, waiting RETRY_WAIT_S doubling up to RETRY_MAX_WAIT_S."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    wait = RETRY_WAIT_S
+    for attempt in range(RETRIES + 1):
+        try:
+            return call()
+        except HfHubHTTPError as err:
+            status = err.response.status_code if err.response is not None else None
+            if status not in RETRY_STATUS or attempt == RETRIES:
+                raise
+            reason = f"HTTP {status}"
+        except _transport_errors() as err:
+            if attempt == RETRIES:
+                raise
+            reason = type(err).__name__
+        logger.warning("%s: %s; retrying in %.1f s (retry %d of %d)", what, reason, wait, attempt + 1, RETRIES)
+        time.sleep(wait)
+        wait = min(RETRY_MAX_WAIT_S, wait * 2)
 
 
 def _transport_errors() -> tuple[type, ...]:
@@ -155,13 +200,22 @@ def _translated_errors(token: str, endpoint: str, repo_id: str) -> Iterator[None
         elif status == 403:
             message = (f"no write access to {repo_id} (403: {server or detail}); the repo belongs to someone else "
                        "or the token lacks write permission. Push to your own namespace or ask for access.")
+        elif status == 404:
+            message = (f"the Hub at {endpoint} answered 404 (not found: {server or detail}) while pushing to "
+                       f"{repo_id}; check the repo id, the revision and HF_ENDPOINT, and that the token can see "
+                       "the repo.")
+        elif status is not None and status >= 500 or status in RETRY_STATUS:
+            message = (f"the Hub at {endpoint} failed while pushing to {repo_id} (HTTP {status}: "
+                       f"{server or detail}), also after {RETRIES} retries; it is having trouble: push again "
+                       "later (files already uploaded are not uploaded again).")
         else:
             message = f"pushing to {repo_id} failed: HTTP {status}: {server or detail}"
         raise HubError(message, status_code=status) from None
     except ValueError as err:  # e.g. README.md metadata rejected by /api/validate-yaml
         raise HubError(f"pushing to {repo_id} failed: {scrub(str(err))}") from None
     except _transport_errors() as err:
-        raise HubError(f"cannot reach the Hub at {endpoint} ({type(err).__name__}: {scrub(str(err))}); check the "
-                       "network, a proxy or HF_ENDPOINT, and push again.") from None
+        raise HubError(f"cannot reach the Hub at {endpoint}, or it dropped the connection ({type(err).__name__}: "
+                       f"{scrub(str(err))}), also after {RETRIES} retries; check the network, a proxy or "
+                       "HF_ENDPOINT, and push again (files already uploaded are not uploaded again).") from None
     except Exception as err:  # anything else (e.g. from hf_xet): same message, token scrubbed, no chained repr
         raise HubError(f"pushing to {repo_id} failed: {type(err).__name__}: {scrub(str(err))}") from None

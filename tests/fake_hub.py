@@ -93,6 +93,7 @@ class FakeHub:
         self.lfs: dict[str, bytes] = {}
         self.requests: list[tuple[str, str, bool]] = []
         self.unhandled: list[str] = []
+        self.faults: list[list] = []  # [method, path regex, status or "drop", times left]
         self.lock = threading.RLock()
         self.secret = hashlib.sha256(str(time.time_ns()).encode()).digest()
         self.lifetime_s = lifetime_s
@@ -125,6 +126,25 @@ class FakeHub:
             self._timer.cancel()
             server.shutdown()
             server.server_close()
+
+    # -------------------------------------------------------------------------------------------- faults
+    def fail(self, method: str, path: str, answer: int | str, times: int = 1) -> None:
+        """Answer the next `times` requests `method` on a path matching regex `path` with HTTP status `answer`,
+        or with "drop": the connection is closed without an answer (a dropped connection)."""
+        with self.lock:
+            self.faults.append([method, re.compile(path), answer, times])
+
+    def fault_for(self, method: str, path: str) -> int | str | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault[0] == method and fault[1].search(path) and fault[3] > 0:
+                    fault[3] -= 1
+                    return fault[2]
+        return None
+
+    def clear_faults(self) -> None:
+        with self.lock:
+            self.faults.clear()
 
     # -------------------------------------------------------------------------------------------- model
     def user_of(self, headers) -> tuple | None:
@@ -193,6 +213,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         hub.requests.append((method, path, bool(self.headers.get("Authorization"))))
         try:
             body = self.read_body()
+            fault = hub.fault_for(method, path)
+            if fault == "drop":
+                self.close_connection = True
+                return
+            if fault is not None:
+                raise HubReply(int(fault), f"injected failure {fault}")
             with hub.lock:
                 status, headers, payload = self.route(method, path, query, body)
         except HubReply as reply:
@@ -232,6 +258,8 @@ class RequestHandler(BaseHTTPRequestHandler):
     def route(self, method: str, path: str, query: dict, body: bytes):
         hub, user = self.hub, self.hub.user_of(self.headers)
         segments = path.strip("/").split("/")
+        if path.startswith("/__control/") and method == "POST":  # tests steer the hub from a client process
+            return self.control(segments[1], json.loads(body or b"{}"))
         if path == "/api/whoami-v2" and method == "GET":
             return self.whoami(user)
         if path == "/api/repos/create" and method == "POST":
@@ -271,6 +299,20 @@ class RequestHandler(BaseHTTPRequestHandler):
         raise HubReply(404, f"fake hub does not serve {method} {path}")
 
     # -------------------------------------------------------------------------------------------- endpoints
+    def control(self, action: str, payload: dict):
+        """fail {method, path, answer, times} | clear | count {method, path}: requests so far that match."""
+        if action == "fail":
+            self.hub.fail(payload["method"], payload["path"], payload["answer"], payload.get("times", 1))
+        elif action == "clear":
+            self.hub.clear_faults()
+        elif action == "count":
+            pattern = re.compile(payload["path"])
+            return 200, {}, {"count": sum(1 for m, p, _ in self.hub.requests
+                                          if m == payload["method"] and pattern.search(p))}
+        else:
+            raise HubReply(404, f"no control action {action!r}")
+        return 200, {}, {}
+
     def whoami(self, user):
         if user is None:
             raise HubReply(401, "Authorization header is required")

@@ -145,6 +145,37 @@ def test_no_token_and_unreachable_hub(published, hub, workdir):
     assert [r for r in hub.requests[before:] if r[1] != "/api/agent-harnesses"] == []
 
 
+def test_hub_failures_give_clear_errors_and_transient_ones_are_retried(published, hub, workdir):
+    result = run_scenario("faults", workdir, online_env(hub, workdir))
+    hub.clear_faults()
+    assert result["retried_push_ok"]  # a 503, a 502 and a dropped LFS upload, each once: retried, pushed
+    assert result["retried"] == {"whoami": 2, "preupload": 2, "lfs_put": 2}
+    errors = result["errors"]
+    assert "HubError" in errors["server_5xx"] and "503" in errors["server_5xx"] and "retries" in errors["server_5xx"]
+    assert "404" in errors["not_found"] and "repo id" in errors["not_found"]
+    assert "401" in errors["unauthorised"] and "rejected the token" in errors["unauthorised"]
+    assert "403" in errors["forbidden"] and "no write access" in errors["forbidden"]
+    assert "dropped the connection" in errors["dropped"]
+    assert result["whoami_attempts_5xx"] == 6  # the first try and 5 retries
+    # An interrupted push (the commit failed after the LFS uploads) completes on a re-run without re-uploading.
+    assert "HubError" in errors["interrupted"] and "HTTP 400" in errors["interrupted"]
+    assert result["lfs_uploads_first"] >= 1 and result["lfs_uploads_rerun"] == 0
+    assert "model.safetensors" in result["resumed_files"] and result["resumed_ok"]
+    tree = hub.repos["alice/resumed-student"].commits[hub.repos["alice/resumed-student"].branches["main"]]
+    assert hub.file_content(tree["model.safetensors"]) == (workdir / "resumed" / "model.safetensors").read_bytes()
+
+
+def test_index_naming_a_file_outside_is_not_published(tmp_path):
+    from surgery.hub import HubError, check_model_folder
+
+    (tmp_path / "config.json").write_text('{"model_type": "gemma"}')
+    (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "../../etc/passwd"}}))
+    with pytest.raises(HubError, match=r"\.\./\.\./etc/passwd"):
+        check_model_folder(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ scenarios
 def _setup_logging():
     import logging
@@ -268,9 +299,11 @@ def scenario_offline(workdir: str) -> None:
 
 
 def scenario_no_token(workdir: str) -> None:
+    import surgery.hub as hub_module
     from surgery.hub import push_to_hub
 
     _setup_logging()
+    hub_module.RETRY_WAIT_S = 0.01  # the unreachable endpoint is retried like a dropped connection
     student = os.path.join(workdir, "student")
     out = {"no_token": _error(lambda: push_to_hub(student, REPO)),
            "unreachable": _error(lambda: push_to_hub(student, REPO, token=os.environ["TEST_PUSH_TOKEN"],
@@ -278,6 +311,77 @@ def scenario_no_token(workdir: str) -> None:
     print("RESULT " + json.dumps(out))
 
 
+def _control(action: str, **payload) -> dict:
+    request = urllib.request.Request(f"{os.environ['HF_ENDPOINT']}/__control/{action}", method="POST",
+                                     data=json.dumps(payload).encode())
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.loads(answer.read() or b"{}")
+
+
+def _count(method: str, path: str) -> int:
+    return _control("count", method=method, path=path)["count"]
+
+
+def _fresh_copy(student: str, name: str, shift: float) -> str:
+    """The student with one norm shifted: weights the Hub has not seen, so their LFS upload really happens."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = shutil.copytree(student, os.path.join(os.path.dirname(student), name))
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + shift
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def scenario_faults(workdir: str) -> None:
+    from huggingface_hub import list_repo_files
+
+    import surgery.hub as hub_module
+    from surgery.hub import push_to_hub
+
+    _setup_logging()
+    hub_module.RETRY_WAIT_S = 0.01  # our own retries (whoami, create_repo, ...) at test speed
+    student = os.path.join(workdir, "student")
+    paths = {"whoami": "^/api/whoami-v2$", "preupload": "/preupload/", "lfs_put": "^/__lfs/"}
+    before = {name: _count("PUT" if name == "lfs_put" else "POST" if name == "preupload" else "GET", path)
+              for name, path in paths.items()}
+    _control("fail", method="GET", path=paths["whoami"], answer=503)
+    _control("fail", method="POST", path=paths["preupload"], answer=502)
+    _control("fail", method="PUT", path=paths["lfs_put"], answer="drop")
+    out = {"retried_push_ok": bool(push_to_hub(_fresh_copy(student, "retry", 0.5), "alice/retry-student").oid)}
+    out["retried"] = {name: _count("PUT" if name == "lfs_put" else "POST" if name == "preupload" else "GET", path)
+                      - before[name] for name, path in paths.items()}
+
+    errors, calls = {}, _count("GET", paths["whoami"])
+    _control("fail", method="GET", path=paths["whoami"], answer=503, times=99)
+    errors["server_5xx"] = _error(lambda: push_to_hub(student, REPO))
+    out["whoami_attempts_5xx"] = _count("GET", paths["whoami"]) - calls
+    _control("clear")
+    _control("fail", method="POST", path="^/api/repos/create$", answer=404)
+    errors["not_found"] = _error(lambda: push_to_hub(student, "alice/missing-student"))
+    _control("fail", method="GET", path="^/api/models/alice/tiny-student$", answer=401)
+    errors["unauthorised"] = _error(lambda: push_to_hub(student, REPO))
+    _control("fail", method="POST", path="/preupload/", answer=403)
+    errors["forbidden"] = _error(lambda: push_to_hub(student, REPO))
+    _control("fail", method="GET", path=paths["whoami"], answer="drop", times=99)
+    errors["dropped"] = _error(lambda: push_to_hub(student, REPO))
+    _control("clear")
+
+    lfs, student = _count("PUT", paths["lfs_put"]), _fresh_copy(student, "resumed", 0.25)
+    _control("fail", method="POST", path="^/api/models/alice/resumed-student/commit/", answer=400)
+    errors["interrupted"] = _error(lambda: push_to_hub(student, "alice/resumed-student"))
+    out["lfs_uploads_first"] = _count("PUT", paths["lfs_put"]) - lfs
+    lfs = _count("PUT", paths["lfs_put"])
+    out["resumed_ok"] = bool(push_to_hub(student, "alice/resumed-student").oid)
+    out["lfs_uploads_rerun"] = _count("PUT", paths["lfs_put"]) - lfs
+    out["resumed_files"] = list_repo_files("alice/resumed-student")
+    out["errors"] = errors
+    print("RESULT " + json.dumps(out))
+
+
 if __name__ == "__main__":
-    {"publish": scenario_publish, "offline": scenario_offline, "no_token": scenario_no_token}[sys.argv[1]](
-        sys.argv[2])
+    {"publish": scenario_publish, "offline": scenario_offline, "no_token": scenario_no_token,
+     "faults": scenario_faults}[sys.argv[1]](sys.argv[2])
