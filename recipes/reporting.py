@@ -69,23 +69,43 @@ def _has_weights(folder: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(folder))
 
 
+CONTROL_ROWS = ("CE-retrained pruned student (control)", "scratch student (same shape)")
+
+
 def results_table(results: dict) -> str:
-    head = "| model | parameters | held-out loss | perplexity | tokens used |"
-    lines = [head, "|---|---|---|---|---|"]
+    """The results table (one row per model), the verdict against the control, and the suite's extra columns."""
+    extra = [key for key in ("top1_agreement", "kl_to_teacher", "bleu", "rouge_l", "multiple_choice")
+             if any(key in row for row in results["rows"])]
+    head = "| model | parameters (non-embedding) | held-out CE | perplexity | tokens used |"
+    head += "".join(f" {key.replace('_', ' ')} |" for key in extra)
+    lines = [head, "|---" * (5 + len(extra)) + "|"]
     for row in results["rows"]:
-        lines.append(f"| {row['model']} | {row['parameters'] / 1e6:.2f}M | {row['loss']:.4f} | "
-                     f"{row['perplexity']:.3f} | {row['tokens']:,} |")
+        non_embedding = row.get("non_embedding_parameters")
+        size = f"{row['parameters'] / 1e6:.2f}M" + (f" ({non_embedding / 1e6:.1f}M)" if non_embedding else "")
+        line = (f"| {row['model']} | {size} | {row['loss']:.4f} | {row['perplexity']:.3f} | {row['tokens']:,} |")
+        line += "".join(f" {_cell(row.get(key))} |" for key in extra)
+        lines.append(line)
     by_name = {r["model"]: r for r in results["rows"]}
     distilled = by_name.get("distilled student")
-    scratch = by_name.get("scratch student (same shape)")
-    if distilled and scratch:
-        gap = scratch["loss"] - distilled["loss"]
+    control = next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)
+    teacher, pruned = by_name.get("teacher"), by_name.get("pruned (before distillation)")
+    lines.append("")
+    if distilled and teacher and pruned and pruned["loss"] > teacher["loss"]:
+        closed = (pruned["loss"] - distilled["loss"]) / (pruned["loss"] - teacher["loss"])
+        lines.append(f"Distillation closed {closed:.1%} of the pruned-to-teacher gap in held-out CE.")
+    if distilled and control:
+        gap = control["loss"] - distilled["loss"]
         verdict = "beats" if gap > 0 else "does NOT beat"
-        lines.append("")
-        lines.append(f"The distilled student {verdict} the scratch student at equal tokens by {gap:+.4f} nats/token "
-                     f"(perplexity {scratch['perplexity']:.3f} -> {distilled['perplexity']:.3f}).")
+        lines.append(f"The distilled student {verdict} the {control['model']} at equal tokens by {gap:+.4f} "
+                     f"nats/token (perplexity {control['perplexity']:.3f} -> {distilled['perplexity']:.3f}).")
     lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def write_results(out: str, results: dict, table: str) -> None:
@@ -95,21 +115,23 @@ def write_results(out: str, results: dict, table: str) -> None:
         f.write(table + "\n")
 
 
-def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], scratch: list[dict],
-                tokens_per_step: int) -> str:
-    """Student cross-entropy on the training batches against tokens seen: distilled (stage A, then the stage-B
-    surgery and its distillation) vs the scratch student."""
+def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], control: list[dict], tokens_per_step: int, *,
+                control_name: str = "", recovery: dict | None = None, teacher_loss: float | None = None) -> str:
+    """Left: student cross-entropy on its training batches against tokens seen (distilled, with stage A then
+    stage B when staged, and the control). Right, when evaluated: the recovery curves, held-out CE of both."""
     from matplotlib.figure import Figure
 
     def points(history, first_step=0):
         return [((first_step + i + 1) * tokens_per_step, r["student_ce"]) for i, r in enumerate(history)
                 if "student_ce" in r]
 
-    fig = Figure(figsize=(7.5, 4.2))
-    ax = fig.subplots()
-    for label, data in (("distilled: stage A (depth + MLP)", points(stage_a)),
-                        ("distilled: stage B (hidden, heads, KV merge)", points(stage_b, len(stage_a))),
-                        ("scratch student, same shape", points(scratch))):
+    recovery = {k: v for k, v in (recovery or {}).items() if v}
+    fig = Figure(figsize=(12.5 if recovery else 7.5, 4.2))
+    axes = fig.subplots(1, 2 if recovery else 1)
+    ax = axes[0] if recovery else axes
+    for label, data in (("distilled" + (": stage A (depth + MLP)" if stage_a else ""), points(stage_a)),
+                        ("distilled" + (": stage B" if stage_a else ""), points(stage_b, len(stage_a))),
+                        (control_name or "control", points(control))):
         if data:
             ax.plot(*zip(*data), label=label, linewidth=1)
     if stage_a:
@@ -118,6 +140,17 @@ def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], scratch: li
     ax.set_ylabel("student cross-entropy on its batch (nats/token)")
     ax.set_title("training curves at equal token budgets")
     ax.legend()
+    if recovery:
+        ax = axes[1]
+        for label, curve in recovery.items():
+            name = control_name if label == "control" and control_name else label
+            ax.plot([p["tokens"] for p in curve], [p["ce"] for p in curve], marker="o", label=name)
+        if teacher_loss is not None:
+            ax.axhline(teacher_loss, color="grey", linestyle="--", linewidth=1, label="teacher")
+        ax.set_xlabel("training tokens seen")
+        ax.set_ylabel("held-out cross-entropy (nats/token)")
+        ax.set_title("recovery curves (held-out)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

