@@ -15,6 +15,7 @@ end, producing the next tensor while the current one is written.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ from flax import nnx
 from .config import GemmaConfig
 from .model import Gemma, abstract_model, parameter_sharding
 from .block_reads import LoadJob, fill_parameters
-from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, checkpoint_weight_map, copy_aux_files,
-                             dtype_code, iter_groups_by_file, open_safetensors, write_json, write_model_files)
+from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, check_relative_name,
+                             checkpoint_weight_map, copy_aux_files, dtype_code, iter_groups_by_file, open_safetensors,
+                             write_json, write_model_files)
 
 # Checkpoint name prefixes that belong to parts of a multimodal Gemma 3 we do not build.
 IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -131,12 +133,19 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> st
         return source
     if os.path.exists(source):
         raise CheckpointError(f"{source} is a file; pass the model folder that holds config.json.")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
 
+    patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
     try:
-        return snapshot_download(source, revision=revision,
-                                 allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
+        if not constants.is_offline_mode():  # names from the Hub's listing stay inside the snapshot folder
+            for sibling in HfApi().model_info(source, revision=revision).siblings or []:
+                if any(fnmatch.fnmatchcase(sibling.rfilename, p) for p in patterns):
+                    check_relative_name(sibling.rfilename, f"Hub repo {source} (revision {revision or 'main'})",
+                                        "the repo")
+        return snapshot_download(source, revision=revision, allow_patterns=patterns)
+    except CheckpointError:
+        raise
     except HFValidationError:
         raise CheckpointError(f"{source!r} is neither a local folder nor a valid Hub repo id.") from None
     except Exception as err:  # offline, missing repo, no access: say which and how to fix it

@@ -45,17 +45,22 @@ def dtype_code(dtype) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ paths
+def check_relative_name(name: str, where: str, folder: str = "its folder") -> None:
+    """CheckpointError naming the entry unless `name` is a plain relative file name (no `..`, not absolute)."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{where}: file name {name!r} is not a usable file name.")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith("\\") or ".." in parts or ":" in parts[0]:
+        raise CheckpointError(f"{where}: file name {name!r} leads outside {folder}; a checkpoint may only name "
+                              "files inside its own folder.")
+
+
 def confined_path(folder: str, name: str, where: str) -> str:
     """`folder/name` for a file name read from untrusted metadata (an index, a plan, a Hub listing), or a
     CheckpointError naming the entry (`where`) when it would lead outside `folder`: an absolute path, a `..`
     segment, or a symlink (at any level) resolving outside. A Hugging Face cache snapshot links its files to
     `../../blobs/`; those links stay inside the cached repo and are allowed."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise CheckpointError(f"{where}: file name {name!r} is not a usable file name.")
-    parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or name.startswith("\\") or ".." in parts or ":" in parts[0]:
-        raise CheckpointError(f"{where}: file name {name!r} leads outside the folder {folder}; a checkpoint may "
-                              "only name files inside its own folder.")
+    check_relative_name(name, where, folder)
     path = os.path.join(folder, name)
     resolved, roots = os.path.realpath(path), [os.path.realpath(folder)]
     snapshot = os.path.abspath(folder)

@@ -146,7 +146,15 @@ def test_no_token_and_unreachable_hub(published, hub, workdir):
 
 
 def test_hub_failures_give_clear_errors_and_transient_ones_are_retried(published, hub, workdir):
+    from fake_hub import Blob, Repo
+
+    source = hub.repos[REPO]  # a copy of the student whose listing also names a file outside the snapshot
+    tree = dict(source.commits[source.branches["main"]], **{"../escape.json": Blob(2, content=b"{}")})
+    escape = hub.repos["alice/escape-student"] = Repo("alice/escape-student", private=True)
+    escape.branches["main"] = hub.new_commit(escape, None, tree, "hand-made")
     result = run_scenario("faults", workdir, online_env(hub, workdir))
+    assert "CheckpointError" in result["escape"] and "'../escape.json'" in result["escape"]
+    assert not any(name.endswith("escape.json") for _, _, names in os.walk(workdir / "hf_home") for name in names)
     hub.clear_faults()
     assert result["retried_push_ok"]  # a 503, a 502 and a dropped LFS upload, each once: retried, pushed
     assert result["retried"] == {"whoami": 2, "preupload": 2, "lfs_put": 2}
@@ -379,6 +387,12 @@ def scenario_faults(workdir: str) -> None:
     out["lfs_uploads_rerun"] = _count("PUT", paths["lfs_put"]) - lfs
     out["resumed_files"] = list_repo_files("alice/resumed-student")
     out["errors"] = errors
+    from surgery import CheckpointError, load_pretrained
+    try:
+        load_pretrained("alice/escape-student")
+        out["escape"] = "loaded"
+    except CheckpointError as err:
+        out["escape"] = f"CheckpointError: {err}"
     print("RESULT " + json.dumps(out))
 
 
