@@ -22,31 +22,31 @@ Gemma 2's soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`) and Ge
 (50, 30), and Gemma 3 270M/1B have no scaling, so for them the two configs are identical. transformers has no
 GGUF support for Gemma 1 (`gemma`); its config is built the same way from the same keys.
 
-Tensors are dequantised with `gguf.quants.dequantize` one at a time while the previous one is written
-(`write_model_files`), into a temporary folder renamed into place at the end: a checkpoint is never held twice and
-a failed import leaves nothing behind. Everything is checked (architecture, sizes, tensor names, shapes and
-quantisation types) before anything is written.
+Tensors are dequantised with `gguf.quants.dequantize` one at a time (in row chunks, straight into the output)
+while the previous one is written (`write_model_files`), into a temporary folder renamed into place at the end: a
+checkpoint is never held twice and a failed import leaves nothing behind. Everything is checked (architecture,
+sizes, tensor names, shapes, quantisation types, the file's length) before anything is written.
 """
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from .checkpoint import resolve_dtype, tensor_table, torch_dtype_name
 from .config import ARCHITECTURES, ConfigError, GemmaConfig
 from .gguf_tokenizer import build_tokenizer, tokenizer_configs
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, write_json, write_model_files)
 
 MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
-DTYPES = {"float32": np.float32, "fp32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16,
-          "float16": np.float16, "fp16": np.float16, "half": np.float16}
 # Per-layer tensors: HF name -> llama.cpp name (gguf's TensorNameMap for each architecture).
 LAYER_TENSORS = {
-    "input_layernorm": "attn_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -54,6 +54,29 @@ LAYER_TENSORS = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes dequantised at once
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `shape` in numpy (HF) order, innermost last, and where its bytes are."""
+
+    name: str
+    type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def rows(self, mapping: np.ndarray) -> np.ndarray:
+        """The stored data as (rows, innermost) in the form `gguf.quants.dequantize` takes (and GGUFReader gives):
+        float32/float16 values, or the bytes of each row's quantisation blocks."""
+        from gguf import GGMLQuantizationType as Q
+
+        raw = mapping[self.offset:self.offset + self.nbytes]
+        values = {Q.F32: np.float32, Q.F16: np.float16}.get(self.type)
+        if values is not None:
+            return raw.view(values).reshape(-1, self.shape[-1])
+        return raw.reshape(-1, self.nbytes // max(1, int(np.prod(self.shape[:-1], dtype=np.int64))))
 
 
 @dataclass(frozen=True)
@@ -62,37 +85,97 @@ class GGUFTensorPlan:
 
     hf_name: str
     shape: tuple[int, ...]
-    source: Any  # gguf.ReaderTensor
+    source: GGUFTensor
     is_norm: bool
 
 
-def read_gguf(path: str):
-    """A `gguf.GGUFReader` over `path`; a missing, foreign or truncated file is a CheckpointError naming it."""
-    from gguf import GGUFReader
+class GGUFFile:
+    """The metadata (plain Python values) and tensor table of a little-endian GGUF v2/v3 file, parsed without
+    materialising the arrays GGUFReader builds per token (0.7 GB and seconds for a 262k vocabulary); tensor data
+    is read through a read-only memory map only when a tensor is dequantised."""
 
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read ({err.strerror}).") from None
-    if magic != b"GGUF":
-        raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF').")
-    try:
-        reader = GGUFReader(path)
-    except Exception as err:  # the reader fails on short arrays in many ways (ValueError, IndexError, ...)
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({size} bytes; {type(err).__name__}: "
-                              f"{err}); download or convert it again.") from None
-    for tensor in reader.tensors:
-        if tensor.data.nbytes != int(tensor.n_bytes):
-            raise CheckpointError(f"{path}: truncated: tensor {tensor.name} needs {int(tensor.n_bytes)} bytes, the "
-                                  f"file holds {tensor.data.nbytes}; download or convert it again.")
-    return reader
+    SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}
+    STRING, ARRAY = 8, 9
 
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                self.buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else b""
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot be read ({err.strerror}).") from None
+        if self.buffer[:4] != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (it starts with {bytes(self.buffer[:4])!r}, not b'GGUF').")
+        try:
+            self._parse()
+        except (struct.error, ValueError, UnicodeDecodeError, KeyError) as err:
+            raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({self.size} bytes; {type(err).__name__}:"
+                                  f" {err}); download or convert it again.") from None
+        for tensor in self.tensors.values():
+            if tensor.offset + tensor.nbytes > self.size:
+                raise CheckpointError(f"{path}: truncated: tensor {tensor.name} ends at byte "
+                                      f"{tensor.offset + tensor.nbytes}, the file has {self.size}; download or "
+                                      "convert it again.")
 
-def gguf_metadata(reader) -> dict[str, Any]:
-    """Every key-value pair of the file as plain Python values (strings decoded, arrays as lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+    def _read(self, fmt: str):
+        value = struct.unpack_from(fmt, self.buffer, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        length = self._read("<Q")
+        if self.pos + length > self.size:
+            raise ValueError(f"a string of {length} bytes runs past the end of the file")
+        self.pos += length
+        return bytes(self.buffer[self.pos - length:self.pos]).decode("utf-8")
+
+    def _value(self, kind: int):
+        if kind == self.STRING:
+            return self._string()
+        if kind != self.ARRAY:
+            return self._read(self.SCALARS[kind])
+        item, count = self._read("<I"), self._read("<Q")
+        if item == self.STRING:
+            return [self._string() for _ in range(count)]
+        if item == self.ARRAY:
+            return [self._value(self.ARRAY) for _ in range(count)]
+        dtype = np.dtype(self.SCALARS[item])
+        values = np.frombuffer(self.buffer, dtype, count, self.pos)
+        self.pos += count * dtype.itemsize
+        return values.tolist()
+
+    def _parse(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.pos = 4
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (byte-swapped or unknown); only little-endian v2/v3 files "
+                             "are read")
+        tensor_count, kv_count = self._read("<Q"), self._read("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = self._string()
+            self.metadata[key] = self._value(self._read("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = [self._read("<Q") for _ in range(self._read("<I"))]
+            infos.append((name, dims, self._read("<I"), self._read("<Q")))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        start = self.pos + (-self.pos % alignment)
+        self.tensors: dict[str, GGUFTensor] = {}
+        for name, dims, kind, offset in infos:
+            kind = GGMLQuantizationType(kind)
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            count = int(np.prod(dims, dtype=np.int64))
+            self.tensors[name] = GGUFTensor(name, kind, tuple(int(d) for d in reversed(dims)), start + offset,
+                                            count // block * block_bytes)
+
+    def mapping(self) -> np.ndarray:
+        return np.frombuffer(self.buffer, np.uint8)
 
 
 def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str) -> dict[str, Any]:
@@ -163,90 +246,90 @@ def _layer_types(metadata: dict, arch: str, num_layers: int, default_pattern: in
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
 
 
-def tensor_plans(config: GemmaConfig, reader, where: str) -> list[GGUFTensorPlan]:
-    """Every HF tensor of `config`, matched to its GGUF tensor, shape and type checked; extra GGUF tensors are an
-    error too (a file this mapping does not describe)."""
-    from gguf.quants import _type_traits
+def tensor_plans(config: GemmaConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
+    """Every HF tensor of `config` (in transformers' order), matched to its GGUF tensor, shape and type checked;
+    GGUF tensors left over are an error too (a file this mapping does not describe)."""
     from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
 
     readable = set(_type_traits) | {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
-    by_name = {t.name: t for t in reader.tensors}
-    plans = []
-    for hf_name, shape, gguf_name in _hf_tensors(config):
-        tensor = by_name.pop(f"{gguf_name}.weight", None)
+    left, plans = dict(file.tensors), []
+    for entry in tensor_table(config):
+        name, shape = llama_cpp_name(entry.hf_name, config.model_type), hf_tensor_shape(entry.hf_name, config)
+        tensor = left.pop(name, None)
         if tensor is None:
-            raise CheckpointError(f"{where}: tensor {gguf_name}.weight (for {hf_name}) is missing; the file does not "
+            raise CheckpointError(f"{file.path}: tensor {name} (for {entry.hf_name}) is missing; the file does not "
                                   f"hold a complete {config.model_type} model.")
-        found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        if found != shape:
-            raise CheckpointError(f"{where}: tensor {tensor.name} has shape {list(found)}, the metadata implies "
-                                  f"{list(shape)} (for {hf_name}).")
-        if tensor.tensor_type not in readable:
-            raise CheckpointError(f"{where}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
-                                  "gguf.quants cannot dequantise; re-quantise the model to a supported type "
-                                  "(F32, F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K, IQ*).")
-        plans.append(GGUFTensorPlan(hf_name, shape, tensor, gguf_name.endswith("norm")))
-    if by_name:
-        raise CheckpointError(f"{where}: {len(by_name)} tensor(s) a {config.model_type} model does not use, e.g. "
-                              f"{sorted(by_name)[:3]}; this is not a plain Gemma text model.")
+        if tensor.shape != shape:
+            raise CheckpointError(f"{file.path}: tensor {name} has shape {list(tensor.shape)}, the metadata implies "
+                                  f"{list(shape)} (for {entry.hf_name}).")
+        if tensor.type not in readable:
+            raise CheckpointError(f"{file.path}: tensor {name} has type {tensor.type.name}, which gguf.quants cannot "
+                                  "dequantise; re-quantise the model to a supported type (F32, F16, BF16, "
+                                  "Q4_0..Q8_0, Q2_K..Q6_K, IQ*).")
+        plans.append(GGUFTensorPlan(entry.hf_name, shape, tensor, name.endswith("norm.weight")))
+    if left:
+        raise CheckpointError(f"{file.path}: {len(left)} tensor(s) a {config.model_type} model does not use, e.g. "
+                              f"{sorted(left)[:3]}; this is not a plain Gemma text model.")
     return plans
 
 
-def _hf_tensors(config: GemmaConfig) -> list[tuple[str, tuple[int, ...], str]]:
-    """(HF name, HF shape, GGUF base name) in the order transformers writes them."""
-    d, f, h, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+def llama_cpp_name(hf_name: str, model_type: str) -> str:
+    """The GGUF name of an HF tensor. Gemma 1's post-attention norm is its pre-MLP norm: llama.cpp's ffn_norm."""
+    module = hf_name.removesuffix(".weight")
+    if not module.startswith("model.layers."):
+        return f"{GLOBAL_TENSORS[module]}.weight"
+    _, _, index, part = module.split(".", 3)
+    if model_type == "gemma" and part == "post_attention_layernorm":
+        return f"blk.{index}.ffn_norm.weight"
+    return f"blk.{index}.{LAYER_TENSORS[part]}.weight"
+
+
+def hf_tensor_shape(hf_name: str, config: GemmaConfig) -> tuple[int, ...]:
+    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * h, config.num_key_value_heads * h
-    shapes = {"input_layernorm": (d,), "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d),
-              "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q), "self_attn.q_norm": (h,),
-              "self_attn.k_norm": (h,), "post_attention_layernorm": (d,), "pre_feedforward_layernorm": (d,),
-              "post_feedforward_layernorm": (d,), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+    module = hf_name.removesuffix(".weight")
+    part = module.split(".", 3)[3] if module.startswith("model.layers.") else module.removeprefix("model.")
+    shapes = {"embed_tokens": (config.vocab_size, d), "lm_head": (config.vocab_size, d), "self_attn.q_proj": (q, d),
+              "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
+              "self_attn.q_norm": (h,), "self_attn.k_norm": (h,), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
               "mlp.down_proj": (d, f)}
-    # Gemma 1's only post-attention norm is the pre-MLP norm; llama.cpp calls it ffn_norm.
-    layer_names = dict(LAYER_TENSORS, post_attention_layernorm="ffn_norm" if config.model_type == "gemma"
-                       else "post_attention_norm")
-    wanted = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
-    wanted += ["self_attn.q_norm", "self_attn.k_norm"] if config.uses_qk_norm else []
-    wanted += ["post_attention_layernorm"]
-    wanted += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if config.uses_sandwich_norms else []
-    wanted += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    out = [("model.embed_tokens.weight", (v, d), GLOBAL_TENSORS["model.embed_tokens"])]
-    for i in range(config.num_hidden_layers):
-        out += [(f"model.layers.{i}.{name}.weight", shapes[name], f"blk.{i}.{layer_names[name]}") for name in wanted]
-    out.append(("model.norm.weight", (d,), GLOBAL_TENSORS["model.norm"]))
-    if not config.tie_word_embeddings:
-        out.append(("lm_head.weight", (v, d), GLOBAL_TENSORS["lm_head"]))
-    return out
+    return shapes.get(part, (d,))  # every other tensor is a hidden-size norm
 
 
-def pending_tensor(plan: GGUFTensorPlan, dtype: np.dtype, where: str) -> PendingTensor:
-    """Dequantised (float32), the norm offset removed in float32, cast to `dtype`: when its turn to be written
-    comes, and not before."""
+def pending_tensor(plan: GGUFTensorPlan, file: GGUFFile, dtype: np.dtype,
+                   chunk_bytes: int = DEQUANT_CHUNK_BYTES) -> PendingTensor:
+    """Dequantised to float32, the norm offset removed in float32, cast to `dtype`: when its turn to be written
+    comes, and not before. Rows are dequantised a chunk at a time straight into the output (a quantisation block
+    never spans two rows, so this is exactly `gguf.quants.dequantize` of the whole tensor): the only full-size
+    buffer is the result, in `dtype`."""
     from gguf.quants import dequantize
 
+    source = plan.source
+
     def produce() -> np.ndarray:
+        data = source.rows(file.mapping())
+        out = np.empty(plan.shape, dtype).reshape(data.shape[0], -1)
+        step = max(1, chunk_bytes // max(1, 4 * out.shape[1]))
         try:
-            values = dequantize(plan.source.data, plan.source.tensor_type)
+            for start in range(0, data.shape[0], step):
+                values = dequantize(data[start:start + step], source.type)
+                if plan.is_norm:
+                    values = values.astype(np.float32) - np.float32(1.0)
+                out[start:start + step] = values.reshape(-1, out.shape[1])
         except Exception as err:
-            raise CheckpointError(f"{where}: tensor {plan.source.name} ({plan.source.tensor_type.name}) could not be "
+            raise CheckpointError(f"{file.path}: tensor {source.name} ({source.type.name}) could not be "
                                   f"dequantised ({type(err).__name__}: {err}).") from None
-        values = values.reshape(plan.shape)
-        if plan.is_norm:
-            values = values.astype(np.float32) - np.float32(1.0)
-        return values.astype(dtype, copy=False)
+        return out.reshape(plan.shape)
 
     return PendingTensor(plan.hf_name, plan.shape, dtype, produce)
 
 
 def resolve_gguf_dtype(dtype) -> np.dtype:
-    name = dtype.lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            pass
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported for a GGUF import; use float32, bfloat16 or float16.")
-    return np.dtype(DTYPES[name])
+    resolved = resolve_dtype(dtype)
+    if resolved is None:
+        raise ValueError(f"dtype {dtype!r}: a GGUF import needs an explicit float32, bfloat16 or float16.")
+    return resolved
 
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype="bfloat16") -> str:
@@ -256,24 +339,23 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     unsupported architecture or tensor type, or missing tensors, before anything is written."""
     path, out_dir = os.path.abspath(os.fspath(gguf_path)), os.fspath(out_dir)
     out_dtype = resolve_gguf_dtype(dtype)
-    reader = read_gguf(path)
-    metadata = gguf_metadata(reader)
-    config_dict = hf_config_dict(metadata, {t.name for t in reader.tensors}, path)
+    file = GGUFFile(path)
+    metadata = file.metadata
+    config_dict = hf_config_dict(metadata, set(file.tensors), path)
     try:
         config = GemmaConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
-    plans = tensor_plans(config, reader, path)
+    plans = tensor_plans(config, file)
     tokenizer = build_tokenizer(metadata, path)
     tokenizer_config, special_map = tokenizer_configs(metadata, list(metadata["tokenizer.ggml.tokens"]), path)
-    torch_dtype = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-                   np.dtype(np.float16): "float16"}[out_dtype]
     generation = {"_from_model_config": True, **{k: config_dict[k] for k in
                                                   ("bos_token_id", "eos_token_id", "pad_token_id") if k in config_dict}}
     with atomic_folder(out_dir) as tmp:
-        write_model_files(tmp, [pending_tensor(p, out_dtype, path) for p in plans], "5GB")
-        write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=torch_dtype))
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        del tokenizer  # its vocabulary and merges are not kept alongside the largest tensor
+        write_model_files(tmp, [pending_tensor(p, file, out_dtype) for p in plans], "5GB")
+        write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=torch_dtype_name(out_dtype)))
         write_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_config)
         write_json(os.path.join(tmp, "special_tokens_map.json"), special_map)
         write_json(os.path.join(tmp, "generation_config.json"), generation)
