@@ -15,6 +15,7 @@ from typing import Callable
 
 import distill
 import surgery
+from distill.mesh import MeshError
 from distill.trainer import DivergenceError
 
 SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
@@ -31,7 +32,7 @@ class RecipeError(ValueError):
 
 # The toolkit's own refusals: printed as one line (exit 2); anything else is a bug and keeps its traceback.
 USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surgery.SpecError, surgery.PlanError,
-               surgery.HubError, distill.DataError, DivergenceError, FileNotFoundError, PermissionError)
+               surgery.HubError, distill.DataError, MeshError, DivergenceError, FileNotFoundError, PermissionError)
 
 
 def student_spec(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec:

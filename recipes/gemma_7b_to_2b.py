@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, help="weight of the KL term; 1 - alpha goes to hard-label CE")
     p.add_argument("--temperature", type=float, help="distillation temperature")
     p.add_argument("--mesh", help="mesh axis sizes, e.g. fsdp=8,tp=1 (default: one device)")
+    p.add_argument("--mesh-devices", type=int, help="run the mesh on the first N devices only (logged); by "
+                                                        "default the mesh sizes must use every device")
     p.add_argument("--precision", choices=("bf16", "fp32"),
                    help="bf16: bf16 teacher and bf16 student compute with float32 master weights")
     p.add_argument("--compression", choices=("staged", "oneshot"),
@@ -143,6 +145,7 @@ def stage_a_spec(teacher_config: surgery.GemmaConfig, final: surgery.StudentSpec
 def distill_config(args, phase: str, stages, plan, out: str) -> distill.DistillConfig:
     return distill.DistillConfig(
         stages=tuple(stages), batch_size=args.batch_size, seq_len=args.seq_len, plan=plan, mesh=args.mesh,
+        mesh_devices=args.mesh_devices,
         compute_dtype="bfloat16" if args.precision == "bf16" else "float32",
         checkpoint=distill.CheckpointConfig(directory=os.path.join(out, "checkpoints", phase),
                                             every=args.checkpoint_every, resume=True),
@@ -164,7 +167,7 @@ def run_phase(args, phase, teacher, student, data, stages, plan, out):
     if result.steps < config.total_steps:
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")
-    surgery.save_pretrained(result.student, done, source=args.teacher_folder,
+    surgery.save_pretrained(result.student, done, source=args.teacher_folder, overwrite=True,
                             extra_files={"history.json": {"train": result.history, "eval": result.evals}})
     return result.student, result.history, result.evals
 
@@ -173,7 +176,7 @@ def mesh_of(args):
     if not args.mesh:
         return None
     if getattr(args, "_mesh", None) is None:
-        args._mesh = distill.make_mesh(args.mesh)
+        args._mesh = distill.make_mesh(args.mesh, devices=args.mesh_devices)
     return args._mesh
 
 
@@ -290,7 +293,7 @@ def main(argv=None) -> dict:
     extra = {"results.json": results, "README.md": card_writer(args, plan, plan_a, results, tokens)}
     if plan_a is not None:
         extra["plan_stage_a.json"] = plan_a.to_dict()
-    surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra)
+    surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra, overwrite=True)
     plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
                 args.batch_size * args.seq_len, control_name=CONTROL_NAMES.get(args.control, ""),
                 recovery=results["recovery_curves"], teacher_loss=results["rows"][0]["loss"])
@@ -323,7 +326,7 @@ def make_student(args, source_model, plan, out, phase):
     prune_checkpoint, which reads only the kept slices of the teacher's files, and load it."""
     if args.from_disk and source_model is not None and plan.teacher_config == args.teacher_config:
         folder = os.path.join(out, "surgery", phase)
-        surgery.prune_checkpoint(args.teacher_folder, plan, folder)
+        surgery.prune_checkpoint(args.teacher_folder, plan, folder, overwrite=True)
         return surgery.load_pretrained(folder, dtype="float32", mesh=mesh_of(args))
     return surgery.apply_plan(source_model, plan)
 

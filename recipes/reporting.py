@@ -5,14 +5,13 @@ import json
 import os
 
 import surgery
+from distill.mesh import parse_mesh_spec
 
 BYTES = {"bf16": 2, "fp32": 4}
 
 
 def _mesh_sizes(mesh: str | None) -> dict[str, int]:
-    if not mesh:
-        return {}
-    return {k.strip(): int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+    return parse_mesh_spec(mesh) if mesh else {}
 
 
 def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec) -> str:

@@ -32,7 +32,7 @@ TEACHER_LEARNING_RATE = 3e-3
 def corpus_files(args) -> list[str]:
     files = stdlib_corpus(max_bytes=args.corpus_bytes, seed=args.seed)
     if not files:
-        raise SystemExit("the Python standard library's source was not found; pass --data with text files.")
+        raise distill.DataError("the Python standard library's source was not found; pass --data with text files.")
     return files
 
 
@@ -76,7 +76,7 @@ def prepare(args) -> tuple[str, list[str]]:
         record = {"steps": args.teacher_steps, "tokens": args.teacher_steps * args.batch_size * args.seq_len,
                   "heldout": result.evals[-1] if result.evals else None, "corpus_files": len(files)}
         os.makedirs(args.cache_dir, exist_ok=True)
-        surgery.save_pretrained(result.student, folder, source=tokenizer_folder,
+        surgery.save_pretrained(result.student, folder, source=tokenizer_folder, overwrite=True,
                                 extra_files={"training.json": record})
     return folder, files
 
