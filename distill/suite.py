@@ -45,6 +45,7 @@ class SuiteSettings:
     distractors: int = 3  # wrong lines per item
     context_tokens: int = 96  # multiple-choice context, at most, whole lines
     line_tokens: int = 48  # longest candidate line
+    choice_documents: int = 256  # at most this many held-out documents supply multiple-choice lines
     seed: int = 0
     score_batch: int = 8  # rows per scoring forward
     vocab_chunk: int = 16384  # vocabulary block of the agreement/KL pass
@@ -112,11 +113,13 @@ def heldout_prompts(documents: Sequence[str], tokenizer: Any, *, count: int = 8,
     return prompts
 
 
-def _candidate_lines(documents: Sequence[str], tok: TextTokenizer, max_tokens: int) -> list[tuple[int, int, str]]:
-    """(document, line, stripped text) of every non-blank line of at most `max_tokens` tokens."""
+def _candidate_lines(documents: Sequence[str], chosen: Sequence[int], tok: TextTokenizer,
+                     max_tokens: int) -> list[tuple[int, int, str]]:
+    """(document, line, stripped text) of every non-blank line of at most `max_tokens` tokens of the documents
+    `chosen`."""
     found = []
-    for index, document in enumerate(documents):
-        lines = document.splitlines()
+    for index in chosen:
+        lines = documents[index].splitlines()
         lengths = [len(ids) for ids in tok.encode_batch([line.strip() + "\n" for line in lines])] if lines else []
         found += [(index, number, line.strip()) for number, (line, n) in enumerate(zip(lines, lengths))
                   if line.strip() and n <= max_tokens]
@@ -124,11 +127,14 @@ def _candidate_lines(documents: Sequence[str], tok: TextTokenizer, max_tokens: i
 
 
 def multiple_choice_items(documents: Sequence[str], tokenizer: Any, *, count: int = 64, distractors: int = 3,
-                          context_tokens: int = 96, line_tokens: int = 48, seed: int = 0) -> list[ChoiceItem]:
-    """Up to `count` next-line items (module docstring), drawn from `seed`."""
+                          context_tokens: int = 96, line_tokens: int = 48, seed: int = 0,
+                          max_documents: int = 256) -> list[ChoiceItem]:
+    """Up to `count` next-line items (module docstring), drawn from `seed`, from at most `max_documents` of the
+    documents (drawn from `seed` too: a large held-out set is not tokenised line by line in full)."""
     tok = load_tokenizer(tokenizer)
-    pool = _candidate_lines(documents, tok, line_tokens)
     rng = np.random.default_rng([seed, 0xC401CE])
+    chosen = sorted(rng.permutation(len(documents))[:max_documents].tolist())
+    pool = _candidate_lines(documents, chosen, tok, line_tokens)
     items: list[ChoiceItem] = []
     for pick in rng.permutation(len(pool)):
         document, number, true_text = pool[pick]
@@ -207,7 +213,9 @@ def continuation_scores(hypotheses: Sequence[str], references: Sequence[str]) ->
         raise ValueError(f"continuation_scores: {len(hypotheses)} hypotheses for {len(references)} references.")
     bleu = sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score
     scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_CodeTokenizer())
-    rouge = [scorer.score(ref, hyp)["rougeL"].fmeasure for hyp, ref in zip(hypotheses, references)]
+    # two continuations without a token (e.g. only newlines) are identical: F1 1, where rouge-score says 0
+    rouge = [scorer.score(ref, hyp)["rougeL"].fmeasure if _code_tokens(hyp) or _code_tokens(ref) else 1.0
+             for hyp, ref in zip(hypotheses, references)]
     return {"bleu": float(bleu), "rouge_l": 100.0 * float(np.mean(rouge))}
 
 
@@ -244,7 +252,7 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]],
                               min_tokens=settings.min_prompt_tokens, seed=settings.seed)
     items = multiple_choice_items(documents, tok, count=settings.choice_items, distractors=settings.distractors,
                                   context_tokens=settings.context_tokens, line_tokens=settings.line_tokens,
-                                  seed=settings.seed)
+                                  seed=settings.seed, max_documents=settings.choice_documents)
     if not prompts:
         raise DataError(f"no held-out document gives a prompt of {settings.min_prompt_tokens}+ tokens that ends at "
                         "a line boundary; pass more held-out text or lower min_prompt_tokens.")

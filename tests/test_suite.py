@@ -208,8 +208,9 @@ def _lcs(a, b):
 def test_continuation_scores():
     refs = ["total = a + b\n    return total", "for name in names:\n    print(name)"]
     hyps = ["total = a - b\n    return", "while name in names:\n    print(name, end='')"]
-    same = continuation_scores(refs, refs)
+    same = continuation_scores(refs + ["\n\n"], refs + ["\n\n"])  # blank continuations are identical too
     assert same["bleu"] == pytest.approx(100.0) and same["rouge_l"] == pytest.approx(100.0)
+    assert continuation_scores(["\n", "x = 1"], ["y", "x = 1"])["rouge_l"] == pytest.approx(50.0)
     want = []
     for hyp, ref in zip(hyps, refs):
         h, r = _code_tokens(hyp), _code_tokens(ref)
