@@ -17,6 +17,11 @@ heads, MLP width and vocabulary. Axes that do not divide a dimension evenly are 
 `Gemma.__call__` returns a `GemmaOutput`. Intermediates (residual stream per layer, attention probabilities,
 per-head attention outputs, MLP activations) are computed only when requested with `capture=`, so the default
 forward stores nothing extra; they are plain outputs, so they work inside `jax.jit`, `grad` and `vmap`.
+
+Attention masks are built once per attention type from positions: causal (`key <= query`), within the sliding
+window, not padding, and with `segment_ids` (packed documents) inside the query's own document. With `cache=` (a
+`surgery.generate.KVCache` from `init_cache`) the keys are the cached ones plus the new tokens', and the output
+carries the updated cache: prefill a left-padded prompt batch, then decode one token at a time.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from .config import FULL, SLIDING, GemmaConfig
+from .generate import KVCache
 
 CAPTURABLE = frozenset({"residual", "attention_probs", "head_outputs", "mlp_activations", "normed_inputs"})
 
@@ -136,18 +142,22 @@ class Attention(nnx.Module):
         self.softcap = cfg.attention_softcap
         self.num_kv_heads, self.head_dim = k, h
 
-    def __call__(self, x, positions, key_mask, captured: dict | None):
+    def __call__(self, x, positions, mask, captured: dict | None, kv=None):
+        """`mask` (B, T, S) says which keys each query sees (None: causal and windowed by `positions`); `kv`, with a
+        KV cache, takes the new keys and values and returns those to attend to (cached and new, S of them)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+        if kv is not None:
+            k, v = (a.astype(x.dtype) for a in kv(k, v))
         batch, length, num_heads, _ = q.shape
         groups = num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)  # head n = kv * groups + g
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * self.scale
         if self.softcap:
             scores = jnp.tanh(scores / self.softcap) * self.softcap
-        allowed = attention_mask(positions, key_mask, self.window)  # (B, T, S)
+        allowed = mask if mask is not None else attention_mask(positions, positions, self.window)  # (B, T, S)
         scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         heads = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, num_heads, self.head_dim)
@@ -194,11 +204,11 @@ class DecoderLayer(nnx.Module):
     def attention_type(self) -> str:
         return self.self_attn.attention_type
 
-    def __call__(self, x, positions, key_mask, captured: dict | None):
+    def __call__(self, x, positions, mask, captured: dict | None, kv=None):
         normed = self.input_layernorm(x)
         if captured is not None and "normed_inputs" in captured:
             captured["normed_inputs"].append(normed)
-        attn = self.self_attn(normed, positions, key_mask, captured)
+        attn = self.self_attn(normed, positions, mask, captured, kv)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), captured))
@@ -217,6 +227,7 @@ class GemmaOutput:
     head_outputs: tuple[jax.Array, ...] | None = None  # (B, T, N, H), attention output before o_proj
     mlp_activations: tuple[jax.Array, ...] | None = None  # (B, T, F), input of down_proj
     normed_inputs: tuple[jax.Array, ...] | None = None  # (B, T, D), input_layernorm outputs
+    cache: KVCache | None = None  # the updated KV cache, when one was passed
 
 
 jax.tree_util.register_dataclass(
@@ -261,30 +272,57 @@ class Gemma(nnx.Module):
         return softcap(logits, self.config.final_logit_softcapping)
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, capture: Iterable[str] = (),
-                 return_logits: bool = True, inputs_embeds: jax.Array | None = None) -> GemmaOutput:
+                 attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 capture: Iterable[str] = (), return_logits: bool = True, inputs_embeds: jax.Array | None = None,
+                 cache: KVCache | None = None) -> GemmaOutput:
         """`input_ids` (B, T) int. `attention_mask` (B, T) marks real tokens (1) vs padding (0), as in transformers.
+        `segment_ids` (B, T) int marks packed documents (0: padding): a token sees only earlier tokens of its own
+        document; `positions` then count from 0 in each document (derived from `segment_ids` when not given).
         `capture` names intermediates to return (see CAPTURABLE). `inputs_embeds` (B, T, D), when given, replaces
         `self.embed(input_ids)` (already scaled by sqrt(D)): a training step can then differentiate the embedding
-        lookup itself, e.g. to add its gradient straight into the tied LM head's."""
+        lookup itself, e.g. to add its gradient straight into the tied LM head's.
+
+        `cache` (from `init_cache`): the tokens continue the cached ones (positions follow on per row unless given;
+        `attention_mask` marks left padding of a prompt); the output's `cache` holds them too."""
         capture = frozenset(capture)
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
         captured = {name: [] for name in capture} if capture else None
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        key_mask = None if attention_mask is None else attention_mask.astype(bool)
+        windows = {layer.attention_type: layer.self_attn.window for layer in self.layers}
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with cache=; decode one document per row.")
+            step = cache.begin(input_ids.shape[1], attention_mask, positions)
+            positions = step.positions
+            masks = {kind: attention_mask_of(positions, keys, windows[kind], keys >= 0)
+                     for kind, keys in step.key_positions.items()}
+        else:
+            if positions is None:
+                positions = (segment_positions(segment_ids) if segment_ids is not None else
+                             jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape))
+            key_mask = None if attention_mask is None else attention_mask.astype(bool)
+            masks = {kind: attention_mask_of(positions, positions, window, key_mask, segment_ids, segment_ids)
+                     for kind, window in windows.items()}
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = [x] if "residual" in capture else None
-        for layer in self.layers:
-            x = layer(x, positions, key_mask, captured)
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else step.layer(i)
+            x = layer(x, positions, masks[layer.attention_type], captured, kv)
             if residual is not None:
                 residual.append(x)
         final_hidden = self.norm(x)
         logits = self.logits_from_hidden(final_hidden) if return_logits else None
         extras = {name: tuple(values) for name, values in (captured or {}).items() if name != "residual"}
         return GemmaOutput(logits=logits, final_hidden=final_hidden,
-                           residual=tuple(residual) if residual is not None else None, **extras)
+                           residual=tuple(residual) if residual is not None else None,
+                           cache=None if cache is None else step.finish(), **extras)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt and generated), in `dtype` (the
+        model's by default). Full-attention layers get `max_len` slots; sliding layers a ring of the window."""
+        layers = [(layer.self_attn.window, layer.attention_type, layer.self_attn.num_kv_heads,
+                   layer.self_attn.head_dim) for layer in self.layers]
+        return KVCache.create(layers, batch, max_len, self.dtype if dtype is None else dtype)
 
 
 # ------------------------------------------------------------------------------------------------ functions
@@ -304,15 +342,32 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope) -> jax.Array:
     return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
 
 
-def attention_mask(positions: jax.Array, key_mask: jax.Array | None, window: int | None) -> jax.Array:
-    """(B, T, S) bool: causal, within the sliding window (which counts the token itself), not padding."""
-    query, key = positions[:, :, None], positions[:, None, :]
+def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | None,
+                   key_mask: jax.Array | None = None, query_segments: jax.Array | None = None,
+                   key_segments: jax.Array | None = None) -> jax.Array:
+    """(B, T, S) bool: causal, within the sliding window (which counts the token itself), not padding, and with
+    segment ids in the query's own non-zero segment."""
+    query, key = query_positions[:, :, None], key_positions[:, None, :]
     allowed = key <= query
     if window is not None:
         allowed &= key > query - window
     if key_mask is not None:
         allowed &= key_mask[:, None, :]
+    if query_segments is not None:
+        keys = key_segments[:, None, :]
+        allowed &= (query_segments[:, :, None] == keys) & (keys != 0)
     return allowed
+
+
+attention_mask_of = attention_mask  # `Gemma.__call__` has an argument of that name
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions counted from 0 at the start of each segment (a run of equal ids) of every row."""
+    index = jnp.arange(segment_ids.shape[1])
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def create_model(config: GemmaConfig, *, dtype=jnp.float32, seed: int = 0, mesh=None) -> Gemma:
@@ -349,5 +404,5 @@ def layer_types_of(model: Gemma) -> tuple[str, ...]:
     return tuple(layer.attention_type for layer in model.layers)
 
 
-__all__ = ["Gemma", "GemmaOutput", "create_model", "abstract_model", "apply_rope", "attention_mask", "softcap",
-           "fitted_spec", "parameter_sharding", "CAPTURABLE", "FULL", "SLIDING"]
+__all__ = ["Gemma", "GemmaOutput", "KVCache", "create_model", "abstract_model", "apply_rope", "attention_mask",
+           "segment_positions", "softcap", "fitted_spec", "parameter_sharding", "CAPTURABLE", "FULL", "SLIDING"]

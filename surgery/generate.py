@@ -1,0 +1,402 @@
+"""Text generation: a preallocated KV cache for `Gemma`, and `generate` (left-padded batches, jitted prefill and
+a jitted decode loop, greedy or sampled, stop ids and stop strings).
+
+The cache is a pytree (`KVCache`), so it goes through `jax.jit`, `lax.while_loop` and donation like any state.
+Prompts of a batch are left padded to one length, so every row writes the same slot at each step: one scalar
+`end` indexes the buffers, while positions (for RoPE and the masks) are kept per row and per slot.
+
+Layout per layer: full-attention layers hold `max_len` slots; sliding-window layers hold a ring of
+`min(window, max_len)` slots, the most a query can see (the window counts the query itself), written at slot
+`index % ring`. A single new token is written first and then attends to its buffer (the slot it overwrites is one
+window behind it); a chunk of several tokens (the prompt) attends to the ring as it was plus its own keys, and
+then its last ring-full of keys is written, since its earlier queries still need the keys it would overwrite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated keys and values of every layer, and where their tokens sit.
+
+    `keys[i]`, `values[i]`: (B, S_i, K, H), S_i = `max_len` for full layers, `min(window, max_len)` for sliding ones.
+    `slot_positions[attention type]`: (B, S) int32 position of the token in each slot; -1 for padding or empty.
+    `end`: () int32, slots written so far (the same in every row). `next_position`: (B,) int32, the position the
+    next real token of each row gets. `max_len` (static): tokens the cache can hold per row, padding included.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    slot_positions: dict[str, jax.Array]
+    end: jax.Array
+    next_position: jax.Array
+    max_len: int = 0
+
+    @classmethod
+    def create(cls, layers: Sequence[tuple[int | None, str, int, int]], batch: int, max_len: int,
+               dtype) -> "KVCache":
+        """`layers`: (sliding window or None, attention type, KV heads, head_dim) of each layer."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1 (got batch={batch}, max_len={max_len}).")
+        sizes = [max_len if window is None else min(window, max_len) for window, _, _, _ in layers]
+        keys = tuple(jnp.zeros((batch, size, k, h), dtype) for size, (_, _, k, h) in zip(sizes, layers))
+        slot_positions = {kind: jnp.full((batch, size), -1, jnp.int32) for size, (_, kind, _, _) in zip(sizes, layers)}
+        return cls(keys=keys, values=tuple(jnp.zeros_like(k) for k in keys), slot_positions=slot_positions,
+                   end=jnp.zeros((), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+
+    @property
+    def batch(self) -> int:
+        return self.next_position.shape[0]
+
+    def begin(self, length: int, attention_mask: jax.Array | None, positions: jax.Array | None) -> "CacheStep":
+        """Start a forward pass over `length` new tokens per row (see `CacheStep`)."""
+        valid = (jnp.ones((self.batch, length), bool) if attention_mask is None else attention_mask.astype(bool))
+        if positions is None:  # as transformers' generate: real tokens count on, padding sits at 0
+            positions = self.next_position[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+            positions = jnp.maximum(positions, 0)
+        new = jnp.where(valid, positions, -1).astype(jnp.int32)
+        written, attended = {}, {}
+        for kind, old in self.slot_positions.items():
+            written[kind] = self._write(old, new)
+            attended[kind] = written[kind] if self._attend_after_write(old, length) else \
+                jnp.concatenate([old, new], axis=1)
+        return CacheStep(self, positions, attended, written, self.next_position + valid.sum(1, dtype=jnp.int32),
+                         length)
+
+    def _attend_after_write(self, buffer: jax.Array, length: int) -> bool:
+        """A buffer that cannot wrap, or one new token: write first, then attend to the buffer alone."""
+        return length == 1 or buffer.shape[1] >= self.max_len
+
+    def _write(self, buffer: jax.Array, new: jax.Array) -> jax.Array:
+        """`new` (B, T, ...) into slots `end + t` (modulo the buffer length: a ring wraps)."""
+        size, length = buffer.shape[1], new.shape[1]
+        new = new.astype(buffer.dtype)
+        if self._attend_after_write(buffer, length):
+            return jax.lax.dynamic_update_slice_in_dim(buffer, new, self.end % size, axis=1)
+        keep = min(length, size)  # a chunk longer than the ring leaves only its last `size` tokens
+        slots = (self.end + jnp.arange(length - keep, length)) % size
+        return buffer.at[:, slots].set(new[:, length - keep:])
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "slot_positions", "end", "next_position"],
+                                 meta_fields=["max_len"])
+
+
+class CacheStep:
+    """One forward pass's view of a cache: new tokens' `positions` (B, T), and per attention type the positions of
+    the keys they attend to (`key_positions`, -1 where none). `layer(i)` is the function layer i's attention calls
+    with its new keys and values; it returns those to attend to and records the written buffers. `finish()` gives
+    the updated cache."""
+
+    def __init__(self, cache: KVCache, positions, key_positions, slot_positions, next_position, length: int):
+        self.cache, self.positions, self.key_positions = cache, positions, key_positions
+        self.slot_positions, self.next_position, self.length = slot_positions, next_position, length
+        self.keys, self.values = list(cache.keys), list(cache.values)
+
+    def layer(self, i: int) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        def update(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+            old_k, old_v = self.cache.keys[i], self.cache.values[i]
+            self.keys[i], self.values[i] = self.cache._write(old_k, k), self.cache._write(old_v, v)
+            if self.cache._attend_after_write(old_k, self.length):
+                return self.keys[i], self.values[i]
+            return (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
+                    jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+        return update
+
+    def finish(self) -> KVCache:
+        return dataclasses.replace(self.cache, keys=tuple(self.keys), values=tuple(self.values),
+                                   slot_positions=self.slot_positions, end=self.cache.end + self.length,
+                                   next_position=self.next_position)
+
+
+# ------------------------------------------------------------------------------------------------ generate
+@dataclasses.dataclass
+class Generation:
+    """What `generate` returns, per prompt in the order given.
+
+    `tokens[i]`: the new token ids, up to and including the one that stopped the row (an eos / stop id, as
+    transformers keeps it, or the token completing a stop string), without prompt or padding. `texts[i]`: those
+    decoded without special tokens (None without a tokenizer). `finish_reasons[i]`: "stop" (a stop id),
+    "stop_string" or "length". Timings (seconds, compilation included on a first call): `prefill_s` runs the
+    padded prompts and picks each row's first token; `decode_s` the `decode_steps` one-token steps after it.
+    """
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    finish_reasons: list[str]
+    prompt_lengths: list[int]
+    padded_length: int  # prompt length after left padding (every row's)
+    decode_steps: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.tokens) * self.padded_length / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_steps else 0.0
+
+
+def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, stop=None, tokenizer=None,
+             max_len: int | None = None) -> Generation:
+    """Continue each prompt by up to `max_new_tokens` tokens with `model` (a `surgery.model.Gemma`).
+
+    `prompts`: a list of strings (needs `tokenizer`: a `tokenizers.Tokenizer`, a transformers fast tokenizer, or
+    a folder / tokenizer.json path; BOS is added as transformers' tokenizer adds it), a list of id lists, or a 2-D
+    id array (one prompt per row, ids used as given). A single string or 1-D id list is one prompt. Prompts are
+    left padded into one batch; `max_len` (default: longest prompt + `max_new_tokens`) sizes the KV cache.
+
+    `temperature` 0 is greedy (argmax); above 0 samples from softmax(logits / temperature) after `top_k`, then
+    `top_p` (nucleus) filtering, in transformers' order; draws depend only on `seed` (and the batch).
+    `stop`: token ids and/or strings that end a row; None means the model config's eos ids, `()` never stops
+    early. Stop strings are checked on the host every 16 steps (ids inside the jitted loop at every step).
+    """
+    sampling = _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    text = None if tokenizer is None else _TextCodec.of(tokenizer)
+    rows = _prompt_rows(prompts, text, model.config.vocab_size)
+    stop_ids, stop_strings = _stops(stop, model.config, text)
+    width = max(len(r) for r in rows)
+    max_len = width + max_new_tokens if max_len is None else int(max_len)
+    if width + max_new_tokens > max_len:
+        raise ValueError(f"max_len={max_len} is too small: the longest prompt has {width} tokens and "
+                         f"max_new_tokens={max_new_tokens}; raise max_len to at least {width + max_new_tokens}.")
+    ids, mask = _left_pad(rows, width, text.pad_id if text is not None else _config_id(model.config, "pad", 0))
+    graphdef, state = nnx.split(model)
+    key, stops = jax.random.key(seed), jnp.asarray(stop_ids or [-1], jnp.int32)
+    started = time.perf_counter()
+    carry = _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p or 1.0, max_len=max_len,
+                     max_new_tokens=max_new_tokens, sampling=sampling)
+    jax.block_until_ready(carry)
+    prefill_s, started = time.perf_counter() - started, time.perf_counter()
+    chunk = 16 if stop_strings else max_new_tokens
+    string_stopped = np.zeros(len(rows), bool)
+    while int(carry.step) < max_new_tokens and not bool(np.all(np.asarray(carry.done))):
+        limit = jnp.asarray(min(int(carry.step) + chunk, max_new_tokens), jnp.int32)
+        carry = _decode(graphdef, state, carry, limit, key, stops, temperature, top_p or 1.0, sampling=sampling)
+        if stop_strings:
+            string_stopped |= _hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], text, stop_strings,
+                                                np.asarray(carry.done))
+            carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(string_stopped))
+    tokens, steps = np.asarray(carry.tokens), int(carry.step)
+    decode_s = time.perf_counter() - started
+    kept, reasons = _finished_rows(tokens[:, :steps], stop_ids, stop_strings, string_stopped, text)
+    texts = None if text is None else [text.decode(row) for row in kept]
+    return Generation(tokens=kept, texts=texts, finish_reasons=reasons, prompt_lengths=[len(r) for r in rows],
+                      padded_length=width, decode_steps=steps - 1, prefill_s=prefill_s, decode_s=decode_s)
+
+
+class _Sampling(NamedTuple):
+    """The static part of the sampling settings (temperature and top_p values are traced: no recompilation)."""
+
+    greedy: bool
+    top_k: int | None
+    nucleus: bool
+
+
+@dataclasses.dataclass
+class _Carry:
+    cache: KVCache
+    tokens: jax.Array  # (B, max_new_tokens) int32, chosen tokens (filler after a row stopped)
+    done: jax.Array  # (B,) bool
+    step: jax.Array  # () int32, tokens chosen so far
+
+
+jax.tree_util.register_dataclass(_Carry, data_fields=["cache", "tokens", "done", "step"], meta_fields=[])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "max_new_tokens", "sampling"))
+def _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p, *, max_len: int, max_new_tokens: int,
+             sampling: _Sampling) -> _Carry:
+    """The padded prompts through an empty cache; logits of the last column only (left padding puts every row's
+    last prompt token there), and the first new token."""
+    model = nnx.merge(graphdef, state)
+    out = model(ids, attention_mask=mask, cache=model.init_cache(ids.shape[0], max_len), return_logits=False)
+    token = _choose(model.logits_from_hidden(out.final_hidden[:, -1]), jax.random.fold_in(key, 0), temperature,
+                    top_p, sampling)
+    tokens = jnp.zeros((ids.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(token)
+    return _Carry(out.cache, tokens, jnp.isin(token, stops), jnp.ones((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("carry",))
+def _decode(graphdef, state, carry: _Carry, limit, key, stops, temperature, top_p, *, sampling: _Sampling) -> _Carry:
+    """One-token steps until `limit` tokens are chosen or every row has stopped (the cache is updated in place)."""
+    model = nnx.merge(graphdef, state)
+
+    def step(c: _Carry) -> _Carry:
+        last = jax.lax.dynamic_slice_in_dim(c.tokens, c.step - 1, 1, axis=1)
+        out = model(last, cache=c.cache, return_logits=False)
+        token = _choose(model.logits_from_hidden(out.final_hidden[:, 0]), jax.random.fold_in(key, c.step),
+                        temperature, top_p, sampling)
+        token = jnp.where(c.done, 0, token)
+        tokens = jax.lax.dynamic_update_slice_in_dim(c.tokens, token[:, None], c.step, axis=1)
+        return _Carry(out.cache, tokens, c.done | jnp.isin(token, stops), c.step + 1)
+
+    return jax.lax.while_loop(lambda c: (c.step < limit) & ~jnp.all(c.done), step, carry)
+
+
+def _choose(logits: jax.Array, key, temperature, top_p, sampling: _Sampling) -> jax.Array:
+    """(B, V) float32 logits -> (B,) token ids: argmax, or a draw after temperature, top-k, then top-p (nucleus:
+    drop the least likely tokens whose probabilities sum to at most 1 - top_p, keeping at least one), as
+    transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper do."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if sampling.top_k is None and not sampling.nucleus:
+        return jax.random.categorical(key, logits).astype(jnp.int32)
+    values, indices = jax.lax.top_k(logits, min(sampling.top_k or logits.shape[-1], logits.shape[-1]))
+    if sampling.nucleus:  # values are sorted descending; transformers accumulates from the least likely
+        ascending = jnp.cumsum(jax.nn.softmax(values[:, ::-1], axis=-1), axis=-1)
+        removed = (ascending <= 1.0 - top_p).at[:, -1].set(False)[:, ::-1]
+        values = jnp.where(removed, -jnp.inf, values)
+    choice = jax.random.categorical(key, values)
+    return jnp.take_along_axis(indices, choice[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> _Sampling:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer.")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy decoding).")
+    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be a positive integer or None.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] or None.")
+    nucleus = top_p is not None and top_p < 1
+    return _Sampling(greedy=temperature == 0, top_k=None if top_k is None else int(top_k), nucleus=nucleus)
+
+
+class _TextCodec:
+    """Text <-> ids with a `tokenizers.Tokenizer`: BOS as transformers adds it, special tokens skipped on output."""
+
+    def __init__(self, tokenizer, config: dict):
+        self.tokenizer = tokenizer
+        self.bos_id = self._id(config.get("bos_token"), "<bos>")
+        self.eos_id = self._id(config.get("eos_token"), "<eos>")
+        self.pad_id = self._id(config.get("pad_token"), "<pad>")
+        self.pad_id = 0 if self.pad_id is None else self.pad_id
+        self.add_bos = bool(config.get("add_bos_token")) and self.bos_id is not None
+
+    @classmethod
+    def of(cls, tokenizer) -> "_TextCodec":
+        if isinstance(tokenizer, (str, os.PathLike)):
+            path = os.fspath(tokenizer)
+            file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+            if not os.path.isfile(file):
+                raise ValueError(f"tokenizer={path!r}: no tokenizer.json there; pass a Hugging Face model folder, "
+                                 "a tokenizer.json file or a tokenizers.Tokenizer.")
+            config: dict = {}
+            for name in ("special_tokens_map.json", "tokenizer_config.json"):
+                candidate = os.path.join(os.path.dirname(file), name)
+                if os.path.isfile(candidate):
+                    with open(candidate) as f:
+                        config.update(json.load(f))
+            from tokenizers import Tokenizer
+            return cls(Tokenizer.from_file(file), config)
+        if getattr(tokenizer, "backend_tokenizer", None) is not None:  # a transformers fast tokenizer
+            names = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
+            return cls(tokenizer.backend_tokenizer, names)
+        if all(hasattr(tokenizer, a) for a in ("encode", "decode", "token_to_id")):
+            return cls(tokenizer, {})
+        raise ValueError(f"tokenizer={type(tokenizer).__name__} is not usable; pass a tokenizers.Tokenizer, a "
+                         "transformers fast tokenizer, or a folder / tokenizer.json path.")
+
+    def _id(self, entry, fallback: str) -> int | None:
+        name = entry.get("content") if isinstance(entry, dict) else entry
+        return self.tokenizer.token_to_id(name or fallback)
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _prompt_rows(prompts, text: _TextCodec | None, vocab_size: int) -> list[np.ndarray]:
+    if isinstance(prompts, str) or (isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1):
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
+        prompts = [prompts]
+    elif isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) != 2:
+        raise ValueError(f"prompts: an id array must be 1-D or 2-D (B, T), got shape {np.shape(prompts)}.")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; pass at least one string or list of token ids.")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if text is None:
+                raise ValueError("prompts are strings but tokenizer=None; pass tokenizer= (a tokenizers.Tokenizer "
+                                 "or the model's folder) or token ids.")
+            prompt = text.encode(prompt)
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompts[{i}] must be a string or a 1-D list of token ids, got {ids.dtype} {ids.shape}.")
+        if ids.size == 0:
+            raise ValueError(f"prompts[{i}] is empty (no tokens); every prompt needs at least one token.")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}), the model's vocabulary.")
+        rows.append(ids.astype(np.int32))
+    return rows
+
+
+def _left_pad(rows: list[np.ndarray], width: int, pad_id: int) -> tuple[jax.Array, jax.Array]:
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def _config_id(config, name: str, default):
+    value = config.raw.get(f"{name}_token_id")
+    return default if value is None else value
+
+
+def _stops(stop, config, text: _TextCodec | None) -> tuple[list[int], list[str]]:
+    if stop is None:
+        eos = _config_id(config, "eos", None if text is None else text.eos_id)
+        return ([] if eos is None else [int(e) for e in np.atleast_1d(eos)]), []
+    items = [stop] if isinstance(stop, (str, int, np.integer)) else list(stop)
+    strings = [s for s in items if isinstance(s, str)]
+    ids = [int(s) for s in items if not isinstance(s, str)]
+    if strings and text is None:
+        raise ValueError(f"stop={strings!r} has strings but tokenizer=None; pass tokenizer= to use stop strings.")
+    if any(not s for s in strings):
+        raise ValueError("stop contains an empty string; stop strings must have at least one character.")
+    return ids, strings
+
+
+def _hits_stop_string(tokens: np.ndarray, text: _TextCodec, strings: list[str], done: np.ndarray) -> np.ndarray:
+    return np.array([not d and any(s in text.decode(row) for s in strings) for row, d in zip(tokens, done)])
+
+
+def _finished_rows(tokens: np.ndarray, stop_ids, strings, string_stopped, text) -> tuple[list[list[int]], list[str]]:
+    """Each row's tokens through its stop (the first stop id, or the shortest prefix holding a stop string)."""
+    kept, reasons = [], []
+    for row, by_string in zip(tokens.tolist(), string_stopped):
+        hit = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        if by_string:
+            hit = next(n for n in range(1, len(row) + 1) if any(s in text.decode(row[:n]) for s in strings)) - 1
+        kept.append(row if hit is None else row[:hit + 1])
+        reasons.append("length" if hit is None else "stop_string" if by_string else "stop")
+    return kept, reasons
+
+
+__all__ = ["KVCache", "CacheStep", "Generation", "generate"]
