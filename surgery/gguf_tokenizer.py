@@ -87,7 +87,8 @@ def build_tokenizer(metadata: dict[str, Any], where: str):
     named = [special[k] for k in ("unk_token", "bos_token", "eos_token", "pad_token") if k in special]
     named += [MASK_TOKEN] if MASK_TOKEN in vocab else []
     control = [t for t, kind in zip(tokens, types) if kind == CONTROL]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named + control)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in dict.fromkeys(named + control)])
     user = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab]
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     tokenizer.post_processor = post_processor(processors, special, vocab, add_bos(metadata),

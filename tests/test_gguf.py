@@ -129,15 +129,16 @@ def write_gguf(model, path, qtype=Q.F32, *, arch: str | None = None, skip=(), re
 
 @pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory):
-    """(family, qtype) -> (original transformers model, GGUF path), written once per module."""
+    """(family, qtype, config overrides) -> (original transformers model, GGUF path), written once per module."""
     cache = {}
 
-    def get(family: str, qtype=Q.F32):
-        if (family, qtype) not in cache:
-            model = tiny_model(family, seed=len(cache))
+    def get(family: str, qtype=Q.F32, **overrides):
+        key = (family, qtype, tuple(sorted(overrides.items())))
+        if key not in cache:
+            model = tiny_model(family, seed=len(cache), **overrides)
             path = tmp_path_factory.mktemp(f"{family}-{qtype.name}") / "tiny.gguf"
-            cache[(family, qtype)] = (model, write_gguf(model, path, qtype))
-        return cache[(family, qtype)]
+            cache[key] = (model, write_gguf(model, path, qtype))
+        return cache[key]
 
     return get
 
@@ -172,13 +173,17 @@ def ours_logits(folder: str, ids=IDS) -> np.ndarray:
     return np.asarray(load_pretrained(folder, dtype="float32")(jnp.asarray(ids)).logits)
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text"])
-def test_tiny_import_matches_transformers(tiny_file, tmp_path, family, qtype):
-    original, path = tiny_file(family, qtype)
+TINY_CASES = [(family, qtype, {}) for family in ("gemma", "gemma2", "gemma3_text") for qtype in (Q.F32, Q.F16, Q.Q8_0)]
+TINY_CASES += [("gemma3_text", Q.Q8_0, dict(tie_word_embeddings=False, num_key_value_heads=1))]  # output.weight, MQA
+
+
+@pytest.mark.parametrize("family,qtype,overrides", TINY_CASES,
+                         ids=[f"{f}-{q.name}{'-untied-mqa' if o else ''}" for f, q, o in TINY_CASES])
+def test_tiny_import_matches_transformers(tiny_file, tmp_path, family, qtype, overrides):
+    original, path = tiny_file(family, qtype, **overrides)
     folder = import_gguf(path, tmp_path / "hf", dtype="float32")
     config = GemmaConfig.from_file(folder)
-    assert config.model_type == family and config.tie_word_embeddings
+    assert config.model_type == family and config.tie_word_embeddings == original.config.tie_word_embeddings
     if family == "gemma":  # transformers reads no Gemma 1 GGUF
         with pytest.raises(Exception, match="gemma"):
             transformers_gguf(path)
@@ -288,7 +293,8 @@ def mixed_text() -> str:
     unicode = ("Größenordnung, déjà vu, naïve café — «guillemets» ¿qué? 東京は日本の首都です。 Ελληνικά, "
                "русский текст, العربية, हिन्दी, 한국어. Emoji: 🚀🔥👩‍💻 ✓ ∑ ∫ √ ≠ ≤ ½ € ¥ \u00a0nbsp \u200bzwsp")
     whitespace = "a  b   c    d\t\te\n\n\nf   \n    indented\r\nwindows line    \n\n\n\n\n  trailing   "
-    special = "<bos> <eos> <start_of_turn>user\nhi<end_of_turn> [multimodal] <unused5> <pad> <0x41> @#$%^&*()_+{}|:\"<>?~`"
+    special = ("<bos> <eos> <start_of_turn>user\nhi<end_of_turn> [multimodal] <unused5> <pad> <0x41> "
+               "@#$%^&*()_+{}|:\"<>?~`")
     return "\n\n".join([prose, code, unicode, whitespace, special])
 
 
