@@ -3,24 +3,19 @@
     folder = import_gguf("gemma-3-270m-q4_k_m.gguf", "gemma-3-270m", dtype="float32")
     folder = cached_import("gemma-3-270m-q4_k_m.gguf", "bfloat16")   # once per file and dtype, then cached
 
-The folder is what transformers itself makes of the file (`from_pretrained(dir, gguf_file=name)`), so
-`surgery.load_pretrained(folder)` gives its logits. What llama.cpp's converter changed is undone as transformers
-undoes it:
+The folder is what transformers makes of the file (`from_pretrained(dir, gguf_file=name)`), so
+`surgery.load_pretrained(folder)` gives its logits. llama.cpp's conversion is undone as transformers undoes it:
+RMSNorm weights were stored as `1 + w` (w = stored - 1, in float32 after dequantisation, before the cast); the
+dequantised arrays (GGUF lists dims innermost first) are already HF's `[out, in]`, Gemma's q/k unpermuted; a tied
+head is not stored, so a file with `output.weight` is untied.
 
-* every RMSNorm weight was stored as `1 + w` (llama.cpp's RMSNorm does not add the 1): `w` is the stored value
-  minus one, computed in float32 after dequantisation and before the cast to `dtype`;
-* GGUF lists shapes innermost first; the dequantised arrays are already in HF's `[out, in]` layout, and Gemma's
-  q/k projections are stored unpermuted (llama.cpp permutes them for Llama only);
-* the tied LM head is not stored: a file with `output.weight` has an untied head (`tie_word_embeddings=false`).
-
-The config takes every size the file states (`{arch}.*` keys), the special-token ids, and, for what the file does
-not state, transformers' config-class defaults: `query_pre_attn_scalar` 256, the sliding RoPE base 10000 (Gemma 3),
-the layer pattern (Gemma 2 alternates, Gemma 3 has one full layer in six). Two facts the file can state and
-transformers 5.24 drops are kept, because they change the model the file describes (llama.cpp applies them):
-Gemma 2's soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`) and Gemma 3's linear RoPE scaling
-(`rope.scaling.*`, full-attention layers only). Released Gemma 2 files state the soft-caps transformers assumes
-(50, 30), and Gemma 3 270M/1B have no scaling, so for them the two configs are identical. transformers has no
-GGUF support for Gemma 1 (`gemma`); its config is built the same way from the same keys.
+The config takes every size and special-token id the file states, and transformers' config-class defaults for
+what it does not: `query_pre_attn_scalar` 256, the sliding RoPE base 10000 (Gemma 3), the layer pattern (Gemma 2
+alternates, Gemma 3 has one full layer in six). Two facts a file can state that transformers 5.24 drops are kept,
+since they change the model the file describes (llama.cpp applies them): Gemma 2's soft-caps and Gemma 3's linear
+RoPE scaling of full layers. Released Gemma 2 files state the soft-caps transformers assumes (50, 30) and Gemma 3
+270M/1B have no scaling, so there the configs are identical. transformers reads no Gemma 1 (`gemma`) GGUF; its
+config is built the same way from the same keys.
 
 Tensors are dequantised with `gguf.quants.dequantize` one at a time (in row chunks, straight into the output)
 while the previous one is written (`write_model_files`), into a temporary folder renamed into place at the end: a
@@ -341,6 +336,9 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     out_dtype = resolve_gguf_dtype(dtype)
     file = GGUFFile(path)
     metadata = file.metadata
+    if int(metadata.get("split.count", 1)) > 1:
+        raise CheckpointError(f"{path}: part of a split GGUF ({metadata['split.count']} files); merge the parts "
+                              "first (llama.cpp's `llama-gguf-split --merge`).")
     config_dict = hf_config_dict(metadata, set(file.tensors), path)
     try:
         config = GemmaConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")

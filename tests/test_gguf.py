@@ -39,6 +39,7 @@ DEFAULTED = {"gemma": {}, "gemma2": dict(query_pre_attn_scalar=256, attn_logit_s
                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}})}
 IDS = sample_ids(2, 13, vocab=300)  # 13 > sliding window 5
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
 
 
 def tiny_vocab() -> tuple[list[str], list[int]]:
@@ -102,6 +103,7 @@ def write_gguf(model, path, qtype=Q.F32, *, arch: str | None = None, skip=(), re
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
     if family == "gemma3_text":
         writer.add_add_space_prefix(False)
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == ARCH[family]),
@@ -223,6 +225,7 @@ def test_tokenizer_matches_transformers(tiny_file, tmp_path):
     assert (loaded.bos_id, loaded.eos_id, loaded.pad_id, loaded.add_bos) == (2, 1, 0, True)
     plain = theirs(texts[:2], add_special_tokens=False)["input_ids"]
     assert loaded.encode_batch(texts[:2]) == plain
+    assert reloaded.chat_template == theirs.chat_template == CHAT_TEMPLATE
     generation = transformers.GenerationConfig.from_pretrained(folder)
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (2, 1, 0)
 
