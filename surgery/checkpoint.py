@@ -207,9 +207,13 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
     Raises ConfigError for an unusable config.json and CheckpointError (naming file and tensor) when the
     tensors do not match it: never returns a model with unfilled or random weights. `check_finite`: also
     refuse NaN or infinite weights (one more pass over the loaded parameters, on their devices), including
-    values that overflow when converted to `dtype`.
+    values that overflow when converted to `dtype`. A `.gguf` file is imported once into a cached HF folder
+    (`surgery.gguf.cached_import`; float32 unless `dtype` asks otherwise: dequantised values are exact there).
     """
     dtype = resolve_dtype(dtype)
+    if os.fspath(source).endswith(".gguf") and os.path.isfile(source):
+        from .gguf import cached_import  # gguf.py imports this module
+        source = cached_import(source, "float32" if dtype is None else jnp.dtype(dtype).name)
     folder = resolve_source(source, revision)
     config = GemmaConfig.from_file(folder)
     weight_map = checkpoint_weight_map(folder)

@@ -371,3 +371,14 @@ def test_real_270m_tokenizer(real_import):
         ours_json, theirs_json = json.load(f), json.load(g)
     assert ours_json["model"] == theirs_json["model"]  # vocabulary and merges: the same ids for any text
     assert ours_json["added_tokens"] == theirs_json["added_tokens"]
+
+
+def test_load_pretrained_takes_a_gguf_path(tiny_file, tmp_path, monkeypatch):
+    """`load_pretrained(x.gguf)` goes through the same cached import: equal to importing, then loading."""
+    monkeypatch.setenv("NNX_SURGERY_CACHE", str(tmp_path / "cache"))
+    _, path = tiny_file("gemma3_text")
+    direct = np.asarray(load_pretrained(path)(jnp.asarray(IDS)).logits)
+    imported = import_gguf(path, str(tmp_path / "folder"), dtype="float32")
+    np.testing.assert_array_equal(direct, ours_logits(imported))
+    assert load_pretrained(path, dtype="bfloat16").dtype == jnp.bfloat16
+    assert sorted(os.listdir(tmp_path / "cache" / "gguf")) and len(os.listdir(tmp_path / "cache" / "gguf")) == 2
