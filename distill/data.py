@@ -6,9 +6,13 @@ package is installed), plain Python strings, or pre-tokenised numpy arrays. Each
 is split off first (deterministic for the seed). The training documents are concatenated and cut into rows of
 `seq_len` tokens without padding; the incomplete tail is dropped unless `drop_remainder=False`, which pads it.
 
-A batch is `{"input_ids": int32 (B, T), "loss_mask": float32 (B, T)}`: `loss_mask[b, t]` weights the prediction
-made at position t of token t+1. It is 0 in the last column, where that target is padding, a BOS, or a prompt
-token (records with a prompt and a completion train only on the completion).
+A batch is `{"input_ids": int32 (B, T), "loss_mask": float32 (B, T), "positions": int32 (B, T), "segment_ids":
+int32 (B, T)}`: `loss_mask[b, t]` weights the prediction made at position t of token t+1. It is 0 in the last
+column, where that target is padding, a BOS, or a prompt token (records with a prompt and a completion train only
+on the completion). `segment_ids` numbers the documents of a row from 1 (0: padding) and `positions` count from 0
+in each document, so the model attends inside each document only and the step scores no target across a boundary:
+a packed document trains as it would alone (the part of a document cut by a row end starts the next row at
+position 0). `return_segments=False` leaves both out (documents then see each other, as plain packing does).
 
 Each epoch visits every row once in an order drawn from (seed, epoch); a batch that crosses the end of an epoch
 takes its remaining rows from the next one, so no row is dropped. `state()` / `restore()` resume exactly. With
@@ -153,7 +157,7 @@ class TokenBatches:
     def __init__(self, documents: Sequence[tuple[np.ndarray, np.ndarray]], *, seq_len: int, batch_size: int,
                  seed: int = 0, eval_fraction: float = 0.05, eval_documents: int | None = None,
                  eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
-                 pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = False):
+                 pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True):
         if seq_len < 2 or batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
         if not 0 <= process_index < process_count or batch_size % process_count:

@@ -30,10 +30,9 @@ def _documents():
     return [rng.integers(4, VOCAB, n).astype(np.int32) for n in LENGTHS]
 
 
-def _packed(return_segments=True, batch_size=3):
+def _packed(batch_size=3):
     data = TokenBatches.from_arrays(_documents(), eos_id=EOS, bos_id=BOS, seq_len=SEQ, batch_size=batch_size,
-                                    eval_fraction=0, shuffle=False, drop_remainder=False,
-                                    return_segments=return_segments)
+                                    eval_fraction=0, shuffle=False, drop_remainder=False)  # segments by default
     return data.next_batch()
 
 

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill.data import TokenBatches, load_tokenizer
+from distill.data import DataError, TokenBatches, load_tokenizer
 from distill.evaluate import agreement_and_kl, heldout_loss, sequence_loglikelihoods
 from distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
                            multiple_choice, multiple_choice_items)
 from distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
 from surgery.config import GemmaConfig
+from surgery.generate import generate
 from surgery.model import create_model
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -65,6 +66,11 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 
     out = np.asarray(run(state, ids, lengths))
     return [out[r, n:n + new_tokens].tolist() for r, n in enumerate(lengths)]
+
+
+def surgery_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The `generate` argument as a recipe binds it."""
+    return generate(model, prompts, max_new_tokens=new_tokens).tokens
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +233,7 @@ def test_suite_end_to_end_writes_markdown(models, heldout, tokenizer_folder, tmp
     clone = nnx.clone(teacher)
     out = tmp_path / "suite.md"
     result = evaluate_suite({"teacher": teacher, "copy": clone, "student": student}, batches, texts,
-                            tokenizer=tokenizer_folder, generate=greedy, settings=SETTINGS, out_path=out)
+                            tokenizer=tokenizer_folder, generate=surgery_greedy, settings=SETTINGS, out_path=out)
     rows = result["models"]
     assert list(rows) == ["teacher", "copy", "student"]
     assert rows["copy"]["top1_agreement"] == 1.0 and abs(rows["copy"]["kl"]) < 1e-5
@@ -244,10 +250,22 @@ def test_suite_end_to_end_writes_markdown(models, heldout, tokenizer_folder, tmp
     assert len(samples) == 3 and all(set(s["continuations"]) == set(rows) for s in samples)
     tok = load_tokenizer(tokenizer_folder)
     prompts = heldout_prompts(texts, tok, count=3, max_tokens=40, min_tokens=8, seed=0)
-    new = greedy(student, [p.ids for p in prompts], 12)
+    new = greedy(student, [p.ids for p in prompts], 12)  # full forwards: surgery.generate's KV cache agrees
     expected = [tok.decode(ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids) for ids in new]
     assert [s["continuations"]["student"] for s in samples] == expected
     markdown = out.read_text()
     assert markdown.startswith("| model | parameters | held-out CE (nats) |")
     assert "| teacher |" in markdown and "(reference)" in markdown and "## Sample generations" in markdown
     assert json.loads((tmp_path / "suite.json").read_text()) == json.loads(json.dumps(result))
+
+
+def test_multiple_choice_items_from_one_document_and_too_few_lines(tokenizer_folder):
+    lines = "".join(f"value_{i} = {i}\n" for i in range(8))
+    items = multiple_choice_items([lines], tokenizer_folder, count=3, distractors=2, seed=0)
+    assert len(items) == 3
+    for item in items:
+        end = lines.index(item.context) + len(item.context)
+        assert item.choices[item.answer] == lines[end:].splitlines(keepends=True)[0]  # the line after the context
+        assert all(c in lines for c in item.choices) and len(set(item.choices)) == 3
+    with pytest.raises(DataError, match="distinct distractor lines"):
+        multiple_choice_items(["x = 1\ny = 2\nx = 1\n"], tokenizer_folder, count=1, distractors=2)
