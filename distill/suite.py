@@ -126,6 +126,28 @@ def _candidate_lines(documents: Sequence[str], chosen: Sequence[int], tok: TextT
     return found
 
 
+def _distractors(pool: list[tuple[int, int, str]], document: int, true_text: str, count: int,
+                 rng: np.random.Generator, single: bool) -> list[str]:
+    """`count` distinct lines unlike `true_text`, from documents other than `document` (from any when the pool
+    has a `single` document): random draws first, then a scan of the rest in a random order."""
+    wrong: list[str] = []
+
+    def consider(entry) -> None:
+        if (single or entry[0] != document) and entry[2] != true_text and entry[2] not in wrong:
+            wrong.append(entry[2])
+
+    for draw in rng.integers(0, len(pool), 20 * count):
+        consider(pool[draw])
+        if len(wrong) == count:
+            return wrong
+    for index in rng.permutation(len(pool)):
+        consider(pool[index])
+        if len(wrong) == count:
+            return wrong
+    raise DataError(f"the held-out documents give fewer than {count} distinct distractor lines; pass more held-out "
+                    "text or fewer distractors.")
+
+
 def multiple_choice_items(documents: Sequence[str], tokenizer: Any, *, count: int = 64, distractors: int = 3,
                           context_tokens: int = 96, line_tokens: int = 48, seed: int = 0,
                           max_documents: int = 256) -> list[ChoiceItem]:
@@ -135,6 +157,7 @@ def multiple_choice_items(documents: Sequence[str], tokenizer: Any, *, count: in
     rng = np.random.default_rng([seed, 0xC401CE])
     chosen = sorted(rng.permutation(len(documents))[:max_documents].tolist())
     pool = _candidate_lines(documents, chosen, tok, line_tokens)
+    single = len({entry[0] for entry in pool}) == 1
     items: list[ChoiceItem] = []
     for pick in rng.permutation(len(pool)):
         document, number, true_text = pool[pick]
@@ -142,17 +165,7 @@ def multiple_choice_items(documents: Sequence[str], tokenizer: Any, *, count: in
         context, context_ids = _window(lines, number, tok, context_tokens)
         if not context.strip() or not context.endswith("\n"):
             continue
-        others = [p for p in pool if p[0] != document] or [p for p in pool if p[1] != number]
-        wrong: list[str] = []
-        for other in rng.permutation(len(others)):
-            text = others[other][2]
-            if text != true_text and text not in wrong:
-                wrong.append(text)
-            if len(wrong) == distractors:
-                break
-        if len(wrong) < distractors:
-            raise DataError(f"the held-out documents give fewer than {distractors} distinct distractor lines; pass "
-                            "more held-out text or fewer distractors.")
+        wrong = _distractors(pool, document, true_text, distractors, rng, single)
         indent = lines[number][:len(lines[number]) - len(lines[number].lstrip())]
         choices = [indent + text + "\n" for text in [true_text] + wrong]
         order = rng.permutation(len(choices))
