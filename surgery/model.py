@@ -109,16 +109,23 @@ IN_HEADS_OUT = (1, 2, 0)  # o_proj (D, N, H) drawn as (N, H, D)
 
 
 class Projection(nnx.Module):
-    """A bias-free projection whose `weight` is HF's `[out, in]` matrix with named axes; `spec` is the einsum
-    applied to the input (`"BTD,FD->BTF"`: input first, weight second)."""
+    """A bias-free projection whose `weight` is HF's `[out, in]` matrix with named axes; `spec` names the einsum
+    applied to the input (`"BTD,NHD->BTNH"`: input first, weight second; the weight's input axes come last). It
+    runs as one 2-D matmul over the flattened head axes: given a 3-D weight, XLA on CPU would transpose it on
+    every call, which costs more than the matmul itself when decoding one token."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: str, *, drawn_as: tuple[int, ...],
                  dtype, rngs: nnx.Rngs):
         self.weight = _param(_normal(0.02, drawn_as), rngs, shape, axes, dtype)
         self.spec = spec
+        inputs, weight = spec.split("->")[0].split(",")
+        self.num_in_axes = sum(axis in inputs for axis in weight)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum(self.spec, x, self.weight[...].astype(x.dtype))
+        weight, k = self.weight[...].astype(x.dtype), self.num_in_axes
+        out_shape, lead = weight.shape[:-k], x.shape[:x.ndim - k]
+        matrix = weight.reshape(math.prod(out_shape), -1)
+        return jnp.einsum("...I,OI->...O", x.reshape(*lead, -1), matrix).reshape(*lead, *out_shape)
 
 
 class Attention(nnx.Module):
