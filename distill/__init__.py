@@ -11,19 +11,23 @@ hidden states, plus requested intermediates), so the package does not depend on 
 """
 from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Ramp, Stage)
 from .trainer import DistillResult, DivergenceError, run
-from .mesh import initialize_distributed, make_mesh, put_batch, shard_model
+from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
 from .logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
 from .losses import attention_transfer_loss, feature_loss
 from .metrics import plot_history, step_flops
-from .evaluate import heldout_loss
+from .evaluate import agreement_and_kl, heldout_loss
+from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
+                    multiple_choice_items)
 from .data import DataError, TokenBatches, load_tokenizer, stdlib_corpus
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
-           "DistillResult", "DivergenceError", "run", "initialize_distributed", "make_mesh", "put_batch",
+           "DistillResult", "DivergenceError", "run", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
            "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
            "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSpec",
            "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",
-           "feature_loss", "plot_history", "step_flops", "heldout_loss", "DataError", "TokenBatches",
+           "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
+           "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
+           "DataError", "TokenBatches",
            "load_tokenizer", "stdlib_corpus"]

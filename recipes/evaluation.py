@@ -1,27 +1,51 @@
 """The recipe's evaluation: every model of the results table on the same held-out data, and the recovery curves.
 
-Held-out cross-entropy and perplexity for each row; with a tokenizer, `distill.evaluate_suite` adds agreement
-and KL to the teacher, greedy continuations scored against the teacher's (BLEU, ROUGE-L), a multiple-choice
-task scored by log-likelihood, and the same prompts answered by every model.
+Held-out cross-entropy and perplexity for each row; unless `--eval-prompts 0`, `distill.evaluate_suite` adds
+top-1 agreement and KL to the teacher, greedy continuations of held-out prompts scored against the teacher's
+(BLEU, ROUGE-L), a next-line multiple-choice task scored by log-likelihood, and the same prompts answered by every
+model (`suite.md` / `suite.json` in the run folder).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import distill
 from distill.evaluate import heldout_loss
+from surgery.generate import generate
+
+# results.json row keys for the suite's metrics
+SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
+              "mc_accuracy": "multiple_choice"}
 
 
 def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str) -> dict:
-    """`rows`: (name, model, training tokens used). Returns the results dict of results.json."""
+    """`rows`: (name, model, training tokens used), the teacher first. Returns the results dict of results.json."""
     eval_batches = data.eval_batches()[: args.eval_batches]
+    suite = None
+    if args.eval_prompts > 0:
+        settings = distill.SuiteSettings(prompts=args.eval_prompts, new_tokens=args.new_tokens,
+                                         choice_items=args.choice_items, seed=args.seed)
+        suite = distill.evaluate_suite({name: model for name, model, _ in rows}, eval_batches, data.eval_texts(),
+                                       tokenizer=args.teacher_folder, generate=greedy, reference=rows[0][0],
+                                       settings=settings, out_path=os.path.join(out, "suite.md"))
     results: dict[str, Any] = {"rows": []}
     for name, model, used in rows:
-        scores = heldout_loss(model, eval_batches)
-        results["rows"].append({"model": name, "parameters": model.config.num_parameters(),
-                                "non_embedding_parameters": non_embedding(model.config), "tokens": used,
-                                "loss": scores["loss"], "perplexity": scores["perplexity"],
-                                "eval_tokens": scores["tokens"]})
+        scores = suite["models"][name] if suite else dict(heldout_loss(model, eval_batches))
+        row = {"model": name, "parameters": model.config.num_parameters(),
+               "non_embedding_parameters": non_embedding(model.config), "tokens": used, "loss": scores["loss"],
+               "perplexity": scores["perplexity"], "eval_tokens": scores.get("eval_tokens", scores.get("tokens"))}
+        row.update({ours: scores[theirs] for theirs, ours in SUITE_KEYS.items() if scores.get(theirs) is not None})
+        results["rows"].append(row)
+    if suite:
+        results["samples"] = suite["samples"]
+        results["multiple_choice"] = suite["multiple_choice"]
     return results
+
+
+def greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The suite's generation: greedy, batched, KV-cached, stopping at the model's EOS."""
+    return generate(model, prompt_ids, max_new_tokens=max_new_tokens).tokens
 
 
 def non_embedding(config) -> int:
@@ -30,14 +54,25 @@ def non_embedding(config) -> int:
 
 def curve(evals: list[dict], args) -> list[dict]:
     """Held-out evaluations of one training run as points: tokens seen, cross-entropy, and (when the run had a
-    teacher) KL to it and top-1 agreement."""
+    teacher) KL to it and the teacher-student logit correlation."""
     tokens_per_step = args.batch_size * args.seq_len
     points = []
     for record in evals:
         point = {"step": record["step"], "tokens": record["step"] * tokens_per_step,
                  "ce": round(record["student_ce"], 4)}
-        for key in ("kl", "top1_agreement"):
+        for key in ("kl", "logit_corr"):
             if key in record:
                 point[key] = round(record[key], 4)
         points.append(point)
     return points
+
+
+def sample_section(results: dict, limit: int = 3) -> str:
+    """A few held-out prompts with every model's greedy continuation, for the console and results.md."""
+    lines = []
+    for sample in results.get("samples", [])[:limit]:
+        prompt = sample["prompt"].rstrip("\n").splitlines()[-3:]
+        lines += ["", "prompt (last lines): " + " / ".join(line.strip() for line in prompt)]
+        for name, text in sample["continuations"].items():
+            lines.append(f"  {name:>40}: {' '.join(text.split())[:160]!r}")
+    return "\n".join(lines)

@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-scratch", action="store_true", help="same as --control none")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for generations and BLEU/ROUGE")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt in the evaluation")
+    p.add_argument("--choice-items", type=int, default=32,
+                   help="next-line multiple-choice items scored by log-likelihood in the evaluation")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
     p.add_argument("--overwrite", action="store_true", help="start over, deleting what is in --output")
@@ -287,7 +289,7 @@ def main(argv=None) -> dict:
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
     results["recovery_curves"] = {"distilled": evaluation.curve(evals_b, args),
                                   "control": evaluation.curve(evals_control, args)}
-    table = results_table(results)
+    table = results_table(results) + evaluation.sample_section(results)
     print(table)
     final = os.path.join(out, "student")
     extra = {"results.json": results, "README.md": card_writer(args, plan, plan_a, results, tokens)}
