@@ -18,9 +18,11 @@ from .report import format_report, plot_report
 from .hub import HubError, push_to_hub
 from .card import write_model_card
 from .gguf import cached_import, import_gguf
+from .generate import Generation, generate
 
 __all__ = ["ConfigError", "CheckpointError", "GemmaConfig", "Gemma", "GemmaOutput", "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
-           "push_to_hub", "write_model_card", "import_gguf", "cached_import"]
+           "push_to_hub", "write_model_card", "import_gguf", "cached_import", "Generation",
+           "generate"]
