@@ -76,3 +76,17 @@ def sample_section(results: dict, limit: int = 3) -> str:
         for name, text in sample["continuations"].items():
             lines.append(f"  {name:>40}: {' '.join(text.split())[:160]!r}")
     return "\n".join(lines)
+
+
+def step_stats(history: list[dict]) -> dict | None:
+    """Median step time, tokens/s and TFLOP/s of a training phase, compilation steps left out."""
+    steady = [r for r in history if not r.get("warmup") and "step_time_s" in r]
+    if not steady:
+        return None
+
+    def median(key):
+        values = sorted(r[key] for r in steady)
+        return round(values[len(values) // 2], 4)
+
+    return {"steps": len(steady), "step_time_s": median("step_time_s"), "tokens_per_s": median("tokens_per_s"),
+            "tflops_per_s": median("tflops_per_s")}

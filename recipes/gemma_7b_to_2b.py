@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-warmup", type=float, default=0.1,
                    help="share of --steps training only merged K/V projections and norms after stage B")
     p.add_argument("--feature-weight", type=float, help="feature loss on mapped layers (0: off)")
+    p.add_argument("--frozen", action="append", metavar="PATTERN",
+                   help="parameters kept frozen in every training phase, control included (e.g. embed_tokens, "
+                        "'layers.{0-5}.*'); repeatable")
     p.add_argument("--calibration-samples", type=int, help="sequences for importance scoring (Minitron: 1024)")
     p.add_argument("--from-disk", action="store_true",
                    help="do the surgery with prune_checkpoint (reads only the kept slices of the teacher files)")
@@ -236,7 +239,8 @@ def main(argv=None) -> dict:
         print(surgery.format_report(plan_a))
         stages_a = [distill.Stage(steps=max(1, round(args.steps * args.stage_a_fraction)), name="A: depth+MLP",
                                   learning_rate=args.learning_rate, warmup_steps=warmup_steps(args),
-                                  weights=loss_weights(args, args.feature_weight), temperature=args.temperature)]
+                                  frozen=args.frozen, weights=loss_weights(args, args.feature_weight),
+                                  temperature=args.temperature)]
         student, history_a, _ = run_phase(args, "stage_a", teacher, student, data, stages_a, plan_a, out)
         steps_b = args.steps - stages_a[0].steps
     else:
@@ -259,7 +263,7 @@ def main(argv=None) -> dict:
                                       trainable=["*.self_attn.k_proj", "*.self_attn.v_proj", "*norm*"],
                                       learning_rate=args.learning_rate, warmup_steps=max(1, warmup // 10),
                                       weights=distill.LossWeights(kl=1.0), temperature=args.temperature))
-    stages_b.append(distill.Stage(steps=max(1, steps_b - warmup), name="B2: everything",
+    stages_b.append(distill.Stage(steps=max(1, steps_b - warmup), name="B2: everything", frozen=args.frozen,
                                   learning_rate=args.learning_rate, warmup_steps=warmup_steps(args),
                                   weights=loss_weights(args, feature), temperature=args.temperature))
     student, history_b, evals_b = run_phase(args, "stage_b", teacher, student, data, stages_b, lineage, out)
@@ -272,7 +276,7 @@ def main(argv=None) -> dict:
         else:
             control, lr = surgery.create_model(pruned.config, seed=args.seed + 1, mesh=mesh), \
                 args.scratch_learning_rate
-        stages_c = [distill.Stage(steps=args.steps, name=args.control, learning_rate=lr,
+        stages_c = [distill.Stage(steps=args.steps, name=args.control, learning_rate=lr, frozen=args.frozen,
                                   warmup_steps=warmup_steps(args), weights=distill.LossWeights(kl=0.0, ce=1.0))]
         control, history_control, evals_control = run_phase(args, "control", None, control, data, stages_c,
                                                              None, out)
@@ -287,6 +291,8 @@ def main(argv=None) -> dict:
                    control=args.control)
     results["final_losses"] = {k: round(v, 4) for k, v in (history_b[-1] if history_b else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
+    results["step_stats"] = {"distilled": evaluation.step_stats(history_b),
+                             "control": evaluation.step_stats(history_control)}
     results["recovery_curves"] = {"distilled": evaluation.curve(evals_b, args),
                                   "control": evaluation.curve(evals_control, args)}
     table = results_table(results) + evaluation.sample_section(results)

@@ -1,0 +1,121 @@
+"""BENCHMARKS.md section: the real Gemma 3 270M (GGUF import, generation, the demo's distillation step, the demo's
+quality table and the recovery curves).
+
+    python bench/report_real.py [bench/results/real-270m.jsonl] > /tmp/section.md
+
+Reads the committed records in bench/results/real-270m.jsonl: `gguf_import` and `generate` summaries (from
+bench/gguf_import.py and bench/generate.py), `demo` records (a results.json of `make demo`, added with
+`--add-demo runs/gemma3-270m/results.json`) and `recovery` records (bench/real_recovery.py's lines).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+REAL_RESULTS = os.path.join(common.BENCH, "results", "real-270m.jsonl")
+CPU_PEAK_GFLOPS = 180.0  # measured fp32 matmul peak of the 2-core development machine (bench/flops.py)
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().startswith("{")]
+
+
+def _latest(records: list[dict], bench: str, **match) -> dict | None:
+    found = [r for r in records if r.get("bench") == bench and r.get("summary", True)
+             and all(r.get(k) == v for k, v in match.items())]
+    return found[-1] if found else None
+
+
+def section_import(records: list[dict]) -> list[str]:
+    lines = ["### GGUF import (Q4_K_M, 253 MB) -> HF folder", "",
+             "`python bench/gguf_import.py --peers ours,transformers`: ours writes a complete HF folder (safetensors, "
+             "tokenizer, configs); transformers' `from_pretrained(gguf_file=)` only builds the model in memory. "
+             "Fresh process per run, file in the page cache.", "",
+             "| dtype | ours (s) | ours peak RSS (GiB) | transformers (s) | transformers peak RSS (GiB) | speedup |",
+             "|---|---|---|---|---|---|"]
+    for dtype in ("float32", "bfloat16"):
+        row = _latest(records, "gguf_import", dtype=dtype)
+        if row:
+            lines.append(f"| {dtype} | {row.get('ours_import_s')} | {row.get('ours_peak_rss_gib')} | "
+                         f"{row.get('transformers_import_s')} | {row.get('transformers_peak_rss_gib')} | "
+                         f"{row.get('speedup_vs_transformers')}x |")
+    return lines + [""]
+
+
+def section_generate(records: list[dict]) -> list[str]:
+    lines = ["### Generation: `surgery.generate` vs `transformers.generate` (greedy, float32, CPU)", "",
+             "`python bench/generate.py`: the same prompts and lengths for both, medians of repeats in one run; "
+             "`same tokens` checks both produced identical ids.", "",
+             "| batch | prompt + new | ours prefill tok/s | transformers prefill tok/s | ratio | ours decode tok/s | "
+             "transformers decode tok/s | ratio | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for batch in (1, 8):
+        row = _latest(records, "generate", batch=batch)
+        if row:
+            lines.append(f"| {batch} | {row['prompt']} + {row['new']} | {row['ours_prefill_tokens_per_s']} | "
+                         f"{row['transformers_prefill_tokens_per_s']} | {row['prefill_speedup']}x | "
+                         f"{row['ours_decode_tokens_per_s']} | {row['transformers_decode_tokens_per_s']} | "
+                         f"{row['decode_speedup']}x | {row['same_tokens']} |")
+    return lines + [""]
+
+
+def section_demo(records: list[dict]) -> list[str]:
+    demo = _latest(records, "demo")
+    if not demo:
+        return []
+    lines = [f"### `make demo`: {demo.get('description', '')}", "",
+             "| model | parameters (non-embedding) | held-out CE | perplexity | tokens | top-1 agreement | "
+             "KL to teacher | BLEU | ROUGE-L | next-line MC |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in demo["rows"]:
+        def cell(key, spec="{:.4f}"):
+            return "-" if row.get(key) is None else spec.format(row[key])
+        lines.append(f"| {row['model']} | {row['parameters'] / 1e6:.1f}M ({row['non_embedding_parameters'] / 1e6:.1f}M)"
+                     f" | {row['loss']:.4f} | {row['perplexity']:.2f} | {row['tokens']:,} | "
+                     f"{cell('top1_agreement', '{:.2%}')} | {cell('kl_to_teacher')} | {cell('bleu', '{:.1f}')} | "
+                     f"{cell('rouge_l', '{:.1f}')} | {cell('multiple_choice', '{:.2%}')} |")
+    lines += ["", demo.get("verdict", ""), ""]
+    for phase, stats in (demo.get("step_stats") or {}).items():
+        if stats:
+            gflops = stats["tflops_per_s"] * 1e3
+            lines.append(f"- {phase} phase step: {stats['step_time_s']:.2f} s median ({stats['tokens_per_s']:.0f} "
+                         f"tokens/s, {gflops:.0f} GFLOP/s = {gflops / CPU_PEAK_GFLOPS:.0%} of the "
+                         f"{CPU_PEAK_GFLOPS:.0f} GFLOP/s matmul peak) over {stats['steps']} steps")
+    lines.append(f"- wall time of the run (install excluded): {demo.get('wall_time_s', 0):.0f} s")
+    return lines + [""]
+
+
+def section_recovery(records: list[dict]) -> list[str]:
+    points = [r for r in records if r.get("bench") == "recovery" and "run" in r]
+    if not points:
+        return []
+    runs: dict[str, list[dict]] = {}
+    for point in points:
+        runs.setdefault(point["series"], []).append(point)
+    steps = sorted({p["step"] for p in points})
+    lines = ["### Recovery curves: held-out CE after each number of steps, same student, same batches", "",
+             points[0].get("setup", ""), "",
+             "| recipe | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for name, series in runs.items():
+        by_step = {p["step"]: p["ce"] for p in series}
+        lines.append(f"| {name} | " + " | ".join(f"{by_step[s]:.4f}" if s in by_step else "-" for s in steps) + " |")
+    return lines + [""]
+
+
+def render(records: list[dict]) -> list[str]:
+    body = section_demo(records) + section_recovery(records) + section_import(records) + section_generate(records)
+    return ["## Real Gemma 3 270M (offline, CPU)", ""] + body if body else []
+
+
+def main(argv=None) -> None:
+    args = argv if argv is not None else sys.argv[1:]
+    print("\n".join(render(_records(args[0] if args else REAL_RESULTS))))
+
+
+if __name__ == "__main__":
+    main()
