@@ -19,12 +19,19 @@ import json
 import math
 import os
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+if TYPE_CHECKING:
+    from .model import Gemma
+
+Prompts = Union[str, Sequence[str], Sequence[Sequence[int]], np.ndarray]
+Stop = Union[int, str, Sequence[Union[int, str]], None]
+MAX_LEN_MULTIPLE = 128  # the default max_len is rounded up to this: other prompt lengths reuse the decode loop
 
 
 # ------------------------------------------------------------------------------------------------ KV cache
@@ -152,15 +159,16 @@ class Generation:
         return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_steps else 0.0
 
 
-def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, stop=None, tokenizer=None,
-             max_len: int | None = None) -> Generation:
+def generate(model: Gemma, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop: Stop = None,
+             tokenizer: Any = None, max_len: int | None = None) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens with `model` (a `surgery.model.Gemma`).
 
     `prompts`: a list of strings (needs `tokenizer`: a `tokenizers.Tokenizer`, a transformers fast tokenizer, or
     a folder / tokenizer.json path; BOS is added as transformers' tokenizer adds it), a list of id lists, or a 2-D
     id array (one prompt per row, ids used as given). A single string or 1-D id list is one prompt. Prompts are
-    left padded into one batch; `max_len` (default: longest prompt + `max_new_tokens`) sizes the KV cache.
+    left padded into one batch; `max_len` sizes the KV cache (default: longest prompt + `max_new_tokens`,
+    rounded up to a multiple of 128 so that other prompt lengths reuse the compiled decode loop).
 
     `temperature` 0 is greedy (argmax); above 0 samples from softmax(logits / temperature) after `top_k`, then
     `top_p` (nucleus) filtering, in transformers' order; draws depend only on `seed` (and the batch).
@@ -172,7 +180,9 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     rows = _prompt_rows(prompts, text, model.config.vocab_size)
     stop_ids, stop_strings = _stops(stop, model.config, text)
     width = max(len(r) for r in rows)
-    max_len = width + max_new_tokens if max_len is None else int(max_len)
+    if max_len is None:
+        max_len = -(-(width + max_new_tokens) // MAX_LEN_MULTIPLE) * MAX_LEN_MULTIPLE
+    max_len = int(max_len)
     if width + max_new_tokens > max_len:
         raise ValueError(f"max_len={max_len} is too small: the longest prompt has {width} tokens and "
                          f"max_new_tokens={max_new_tokens}; raise max_len to at least {width + max_new_tokens}.")

@@ -18,10 +18,9 @@ heads, MLP width and vocabulary. Axes that do not divide a dimension evenly are 
 per-head attention outputs, MLP activations) are computed only when requested with `capture=`, so the default
 forward stores nothing extra; they are plain outputs, so they work inside `jax.jit`, `grad` and `vmap`.
 
-Attention masks are built once per attention type from positions: causal (`key <= query`), within the sliding
-window, not padding, and with `segment_ids` (packed documents) inside the query's own document. With `cache=` (a
-`surgery.generate.KVCache` from `init_cache`) the keys are the cached ones plus the new tokens', and the output
-carries the updated cache: prefill a left-padded prompt batch, then decode one token at a time.
+Masks come from positions, once per attention type: causal, in the sliding window, not padding, and with
+`segment_ids` (packed documents) in the query's own document. With `cache=` (`init_cache`, surgery/generate.py)
+keys include the cached ones and the output carries the updated cache: prefill a prompt batch, then decode.
 """
 from __future__ import annotations
 
@@ -110,9 +109,8 @@ IN_HEADS_OUT = (1, 2, 0)  # o_proj (D, N, H) drawn as (N, H, D)
 
 class Projection(nnx.Module):
     """A bias-free projection whose `weight` is HF's `[out, in]` matrix with named axes; `spec` names the einsum
-    applied to the input (`"BTD,NHD->BTNH"`: input first, weight second; the weight's input axes come last). It
-    runs as one 2-D matmul over the flattened head axes: given a 3-D weight, XLA on CPU would transpose it on
-    every call, which costs more than the matmul itself when decoding one token."""
+    applied to the input (`"BTD,NHD->BTNH"`: input first, weight second, its input axes last). It runs as one 2-D
+    matmul over flattened head axes: XLA on CPU transposes a 3-D weight on every call (slower than the matmul)."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: str, *, drawn_as: tuple[int, ...],
                  dtype, rngs: nnx.Rngs):
@@ -287,34 +285,17 @@ class Gemma(nnx.Module):
         document; `positions` then count from 0 in each document (derived from `segment_ids` when not given).
         `capture` names intermediates to return (see CAPTURABLE). `inputs_embeds` (B, T, D), when given, replaces
         `self.embed(input_ids)` (already scaled by sqrt(D)): a training step can then differentiate the embedding
-        lookup itself, e.g. to add its gradient straight into the tied LM head's.
-
-        `cache` (from `init_cache`): the tokens continue the cached ones (positions follow on per row unless given;
-        `attention_mask` marks left padding of a prompt); the output's `cache` holds them too."""
+        lookup itself, e.g. to add its gradient straight into the tied LM head's. `cache` (`init_cache`): the tokens
+        continue the cached ones (positions too, unless given); the output's `cache` holds them as well."""
         capture = frozenset(capture)
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
         captured = {name: [] for name in capture} if capture else None
-        windows = {layer.attention_type: layer.self_attn.window for layer in self.layers}
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("segment_ids cannot be combined with cache=; decode one document per row.")
-            step = cache.begin(input_ids.shape[1], attention_mask, positions)
-            positions = step.positions
-            masks = {kind: attention_mask_of(positions, keys, windows[kind], keys >= 0)
-                     for kind, keys in step.key_positions.items()}
-        else:
-            if positions is None:
-                positions = (segment_positions(segment_ids) if segment_ids is not None else
-                             jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape))
-            key_mask = None if attention_mask is None else attention_mask.astype(bool)
-            masks = {kind: attention_mask_of(positions, positions, window, key_mask, segment_ids, segment_ids)
-                     for kind, window in windows.items()}
+        positions, masks, step = self._masks(input_ids.shape, positions, attention_mask, segment_ids, cache)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = [x] if "residual" in capture else None
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else step.layer(i)
-            x = layer(x, positions, masks[layer.attention_type], captured, kv)
+            x = layer(x, positions, masks[layer.attention_type], captured, None if step is None else step.layer(i))
             if residual is not None:
                 residual.append(x)
         final_hidden = self.norm(x)
@@ -322,13 +303,29 @@ class Gemma(nnx.Module):
         extras = {name: tuple(values) for name, values in (captured or {}).items() if name != "residual"}
         return GemmaOutput(logits=logits, final_hidden=final_hidden,
                            residual=tuple(residual) if residual is not None else None,
-                           cache=None if cache is None else step.finish(), **extras)
+                           cache=None if step is None else step.finish(), **extras)
+
+    def _masks(self, shape, positions, padding, segment_ids, cache):
+        """Positions (B, T), one (B, T, S) attention mask per attention type, and the cache step (or None)."""
+        windows = {layer.attention_type: layer.self_attn.window for layer in self.layers}
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with cache=; decode one document per row.")
+            step = cache.begin(shape[1], padding, positions)
+            return step.positions, {kind: attention_mask(step.positions, keys, windows[kind], keys >= 0)
+                                    for kind, keys in step.key_positions.items()}, step
+        if positions is None:
+            positions = (segment_positions(segment_ids) if segment_ids is not None else
+                         jnp.broadcast_to(jnp.arange(shape[1]), shape))
+        key_mask = None if padding is None else padding.astype(bool)
+        return positions, {kind: attention_mask(positions, positions, window, key_mask, segment_ids, segment_ids)
+                           for kind, window in windows.items()}, None
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt and generated), in `dtype` (the
-        model's by default). Full-attention layers get `max_len` slots; sliding layers a ring of the window."""
-        layers = [(layer.self_attn.window, layer.attention_type, layer.self_attn.num_kv_heads,
-                   layer.self_attn.head_dim) for layer in self.layers]
+        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt, padding and generated) in `dtype`
+        (default: the model's). Full-attention layers get `max_len` slots, sliding layers a ring of the window."""
+        attention = [layer.self_attn for layer in self.layers]
+        layers = [(a.window, a.attention_type, a.num_kv_heads, a.head_dim) for a in attention]
         return KVCache.create(layers, batch, max_len, self.dtype if dtype is None else dtype)
 
 
@@ -364,9 +361,6 @@ def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window:
         keys = key_segments[:, None, :]
         allowed &= (query_segments[:, :, None] == keys) & (keys != 0)
     return allowed
-
-
-attention_mask_of = attention_mask  # `Gemma.__call__` has an argument of that name
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
