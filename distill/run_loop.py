@@ -7,6 +7,13 @@ directory is set) and multiplies the learning rate by `lr_backoff`. The data str
 around the divergence are skipped. After `max_rollbacks` the run stops with DivergenceError; with the guard
 disabled a non-finite loss stops the run at once. It never continues on NaNs. The in-memory copy holds the student
 and its Adam state on the host (about 3x the trainable size in float32): set a checkpoint directory for big models.
+
+Interruption: a first SIGINT (Ctrl-C) or SIGTERM lets the current step finish, checkpoints it (when a checkpoint
+directory is set) and raises RunInterrupted, which says which step was saved and how to resume; a second one stops
+at once, even in the middle of that checkpoint write. Orbax writes a checkpoint into a temporary folder and renames
+it when complete, so a write cut short (a second signal, SIGKILL, a full disk) is never resumed from, and the next
+run removes its leftovers. A checkpoint's `meta` also holds the step records and evaluations so far, so a resumed
+run reports the whole history (DistillResult.full_history).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from . import freeze
 from .checkpointing import Checkpointer
 from .config import DistillConfig
 from .interface import FORWARD_KEYS
+from .interruption import RunInterrupted, StopSignals, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
 from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
 from .step import hyper_values
@@ -69,6 +77,11 @@ def _eval_source(eval_data: Any, data_source: Any, count: int) -> list[dict[str,
     return batches
 
 
+def _by_step(records: list[dict[str, Any]], last_step: int) -> list[dict[str, Any]]:
+    """One record per step up to `last_step` (the latest written wins: a step redone after a rollback)."""
+    return sorted({r["step"]: r for r in records if r["step"] <= last_step}.values(), key=lambda r: r["step"])
+
+
 class Loop:
     def __init__(self, session, data, config: DistillConfig, mesh, eval_data, teacher, student):
         self.session, self.data, self.config, self.mesh = session, data, config, mesh
@@ -77,7 +90,12 @@ class Loop:
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        self.resumed_history: list[dict[str, Any]] = []  # records of steps done before this call (from `meta`)
+        self.resumed_evals: list[dict[str, Any]] = []
+        self.stop = StopSignals()
+        self.skipped_checkpoints: list[str] = []
         ckpt = config.checkpoint
+        self.stale_saves = remove_unfinished_saves(ckpt.directory) if ckpt.directory else []
         self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
         if self.checkpointer is None and config.guard.enabled and jax.process_count() > 1:
             raise ValueError("a multi-host run keeps its rollback state in checkpoints: set checkpoint.directory "
@@ -95,6 +113,18 @@ class Loop:
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> None:
+        """The loop under StopSignals: a first signal stops it after a checkpoint of the last completed step; a
+        second, or one arriving while that checkpoint is written, stops it at once (RunInterrupted either way)."""
+        with self.stop:
+            try:
+                self._run()
+                self._stop_if_asked()  # a signal during the last step or evaluation: the run is complete, stop
+            except KeyboardInterrupt as error:
+                if isinstance(error, RunInterrupted) or self.stop.received is None:
+                    raise
+                raise self._interrupted(str(error) or self.stop.received, saved=False) from None
+
+    def _run(self) -> None:
         config = self.config
         resumed = self._resume()
         if not resumed:
@@ -104,9 +134,16 @@ class Loop:
         if config.run_dir and jax.process_index() == 0:
             with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
                 json.dump(dataclasses.asdict(config), handle, indent=1, default=repr)
+        if self.stale_saves:
+            self._event("cleanup", f"removed {len(self.stale_saves)} unfinished checkpoint write(s) of an earlier "
+                                   f"run: {', '.join(self.stale_saves)}")
+        for note in self.skipped_checkpoints:
+            self._event("checkpoint_unreadable", note)
         if resumed:
             self._event("resume", f"resumed from step {self.step} (stage {self.session.stage_index}) in "
                                   f"{self.checkpointer.directory}")
+            if self._eval_due():  # the run stopped between this checkpoint and its evaluation
+                self._evaluate()
         else:
             self._event("stage", self._stage_line(self.session.stage_index, 0), stage=self.session.stage_index,
                         carried=0)
@@ -115,6 +152,7 @@ class Loop:
         last_step = min(config.total_steps, config.halt_after or config.total_steps)
         prefetched = None
         while self.step < config.total_steps:
+            self._stop_if_asked()
             index, in_stage = config.stage_at(self.step)
             if index != self.session.stage_index:
                 carried = self._enter(index, carry=True)
@@ -137,7 +175,7 @@ class Loop:
             self._log_step(values, hyper, elapsed, index, batch)
             if self.step % config.checkpoint.every == 0 or self.step == config.total_steps:
                 self._mark_good()
-            if config.eval_every and self.step % config.eval_every == 0:
+            if self._eval_due():
                 self._evaluate()
             if config.halt_after is not None and self.step >= config.halt_after:
                 self._mark_good()
@@ -194,6 +232,11 @@ class Loop:
         self.history.append(record)
         self.logger.step(record)
 
+    def _eval_due(self) -> bool:
+        """An evaluation at this step not done yet: at step 0 (before training) and every `eval_every` steps."""
+        every = self.config.eval_every
+        return (self.step == 0 or bool(every) and self.step % every == 0) and self._last_eval_step != self.step
+
     def _evaluate(self) -> None:
         if not self.eval_batches:
             return
@@ -245,10 +288,40 @@ class Loop:
                                 f"rollback {self.rollbacks} of {guard.max_rollbacks}.",
                     failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale)
 
+    # ------------------------------------------------------------------------------------------ interruption
+    def _stop_if_asked(self) -> None:
+        """After a first SIGINT/SIGTERM: checkpoint the last completed step (when a directory is set) and raise
+        RunInterrupted. A second signal during that write abandons it (orbax never finalises it)."""
+        if self.stop.received is None:
+            return
+        if self.checkpointer is not None:
+            self._mark_good()
+        raise self._interrupted(self.stop.received, saved=self.checkpointer is not None)
+
+    def _interrupted(self, cause: str, *, saved: bool) -> RunInterrupted:
+        where = self.checkpointer.directory if self.checkpointer is not None else None
+        latest = None if where is None else self.step if saved else self._latest_complete_step()
+        message = interruption_message(cause, self.step, self.config.total_steps, saved=saved, directory=where,
+                                       checkpoint_step=latest)
+        if self.logger is not None:
+            self._event("interrupt", message, checkpoint_step=latest)
+        return RunInterrupted(message, step=self.step, checkpoint_step=latest, directory=where)
+
+    def _latest_complete_step(self) -> int | None:
+        """The newest finalised checkpoint on disk (not the manager's cached list: a write may have been cut)."""
+        try:
+            self.checkpointer.manager.reload()
+            return self.checkpointer.latest_step()
+        except Exception:  # noqa: BLE001 - only for the message; the checkpoint itself is not touched
+            return None
+
+    # ------------------------------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
         return {"step": self.step, "stage": self.session.stage_index, "data_state": self.data_state,
                 "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
-                "seed": self.config.seed, "total_steps": self.config.total_steps}
+                "seed": self.config.seed, "total_steps": self.config.total_steps,
+                "history": _by_step(self.resumed_history + self.history, self.step),
+                "evals": _by_step(self.resumed_evals + self.evals, self.step)}
 
     def _mark_good(self) -> None:
         """Record the current state as the rollback target (checkpoint, else host copy)."""
@@ -288,13 +361,28 @@ class Loop:
         checkpointer = self.checkpointer
         if checkpointer is None or not self.config.checkpoint.resume or checkpointer.latest_step() is None:
             return False
-        meta = self._restore_checkpoint(checkpointer.latest_step())
+        meta = self._restore_newest_readable()
         self.data.restore(meta["data_state"])
         self.data_state = meta["data_state"]
         self.lr_scale, self.rollbacks = float(meta["lr_scale"]), int(meta["rollbacks"])
         self.good_losses = [float(x) for x in meta["good_losses"]]
-        self._last_eval_step = self.step
+        self.resumed_history, self.resumed_evals = list(meta.get("history", [])), list(meta.get("evals", []))
+        self._last_eval_step = max((r["step"] for r in self.resumed_evals), default=-1)
         return True
+
+    def _restore_newest_readable(self) -> dict[str, Any]:
+        """Restore the newest checkpoint that reads back; an unreadable one (damaged after it was written) is
+        reported and the next older one is tried."""
+        steps = sorted(self.checkpointer.manager.all_steps(), reverse=True)
+        for position, step in enumerate(steps):
+            try:
+                return self._restore_checkpoint(step)
+            except Exception as error:  # noqa: BLE001 - any read failure: fall back, or re-raise on the last
+                if position == len(steps) - 1:
+                    raise
+                self.skipped_checkpoints.append(f"step {step} in {self.checkpointer.directory} could not be read "
+                                                f"({type(error).__name__}: {error}); trying step {steps[position + 1]}")
+        raise AssertionError("unreachable: latest_step() named a checkpoint")
 
 
 __all__ = ["Loop"]

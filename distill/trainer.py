@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import freeze
 from .config import DistillConfig
 from .interface import Correspondence, check_model, correspondence_from_plan
+from .interruption import RunInterrupted
 from .logit_loss import LogitLossSpec
 from .losses import init_projections
 from .mesh import check_mesh_fits, make_mesh, model_on_mesh, shard_model
@@ -49,6 +50,19 @@ class DistillResult:
     projections: dict[str, jax.Array]  # learned feature projections (empty unless feature_projection)
     steps: int
     run_dir: str | None = None
+    # After a resume: the records of the steps and evaluations done before this call (from the checkpoint).
+    resumed_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    resumed_evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    data_state: Any = None  # the data position after the last step (pass it to `data.restore` to continue)
+
+    @property
+    def full_history(self) -> list[dict[str, Any]]:
+        """One record per step of the whole run, across resumes (`history` holds this call's steps only)."""
+        return self.resumed_history + self.history
+
+    @property
+    def full_evals(self) -> list[dict[str, Any]]:
+        return self.resumed_evals + self.evals
 
 
 class DataStream:
@@ -312,7 +326,11 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional `loss_mask` (B, T)
     (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and `attention_mask`.
     `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). Returns a DistillResult with
-    per-step metrics, evaluations and events (stage switches, rollbacks, resume)."""
+    per-step metrics, evaluations and events (stage switches, rollbacks, resume).
+
+    With `config.checkpoint.directory` set, a run resumes from the newest complete checkpoint there. A first
+    SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
+    KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
     from .run_loop import Loop  # imports DivergenceError from here
 
     check_model(student, "student")
@@ -352,7 +370,8 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
         loop.close()
     return DistillResult(student=student, history=loop.history, evals=loop.evals, events=loop.events,
                          projections=session.params["proj"] if session.params else projections,
-                         steps=loop.step, run_dir=config.run_dir)
+                         steps=loop.step, run_dir=config.run_dir, resumed_history=loop.resumed_history,
+                         resumed_evals=loop.resumed_evals, data_state=loop.data_state)
 
 
-__all__ = ["run", "DistillResult", "DivergenceError", "DataStream", "Session", "resolve_correspondence"]
+__all__ = ["run", "DistillResult", "DivergenceError", "RunInterrupted", "DataStream", "Session", "resolve_correspondence"]

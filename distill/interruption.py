@@ -1,0 +1,96 @@
+"""Stopping a distillation run on request without losing work: SIGINT (Ctrl-C) and SIGTERM (a scheduler's
+preemption notice) handling, the error that says what was saved and how to resume, and the cleanup of checkpoint
+writes that a killed run left unfinished.
+
+A first signal lets the current step finish; the loop then checkpoints it and raises RunInterrupted. A second one
+raises at once, even in the middle of that checkpoint write. Orbax writes a checkpoint into a temporary folder
+(`<step>.orbax-checkpoint-tmp-<time>`) and renames it to `<step>` only when every item is written, so a write cut
+short by a second signal, SIGKILL or a full disk is never taken for a checkpoint; `remove_unfinished_saves`
+deletes such folders when the next run starts.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+from typing import Any
+
+import jax
+
+UNFINISHED_SAVE = ".orbax-checkpoint-tmp"  # in the name of a checkpoint folder orbax has not finished writing
+RESUME_HOW = "run the same call again (checkpoint.resume=True, the default; a recipe: the same command with --resume)"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run stopped on SIGINT/SIGTERM. `step`: the last completed step; `checkpoint_step`: the step a resumed
+    run continues from (None: nothing saved); `directory`: the checkpoint directory (None: none configured)."""
+
+    def __init__(self, message: str, *, step: int, checkpoint_step: int | None, directory: str | None):
+        super().__init__(message)
+        self.step, self.checkpoint_step, self.directory = step, checkpoint_step, directory
+
+
+def interruption_message(cause: str, step: int, total: int, *, saved: bool, directory: str | None,
+                         checkpoint_step: int | None) -> str:
+    what = (f"saved step {step} of {total}" if saved and directory is not None
+            else f"stopped after step {step} of {total}" if directory is None
+            else f"stopped at once after step {step} of {total}, before its checkpoint was complete")
+    if directory is None:
+        advice = ("no checkpoint directory is set, so nothing was saved (the student module holds the weights of "
+                  "the last completed step); set checkpoint.directory to make a run resumable.")
+    elif checkpoint_step is None:
+        advice = f"no complete checkpoint is in {directory} yet; {RESUME_HOW} to start over."
+    else:
+        advice = f"{RESUME_HOW} to continue from step {checkpoint_step} (checkpoint in {directory})."
+    return f"{cause}: {what}; {advice}"
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while the loop runs (main thread only; a signal the process ignores stays ignored): the
+    first one is noted for the loop to act on at the next step boundary; a second raises KeyboardInterrupt at once.
+    The previous handlers come back on exit."""
+
+    NAMES = ("SIGINT", "SIGTERM")
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in self.NAMES:
+                number = getattr(signal, name)
+                previous = signal.getsignal(number)
+                if previous is not signal.SIG_IGN:
+                    self._previous[number] = signal.SIG_DFL if previous is None else previous
+                    signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+
+    def _handle(self, number: int, frame) -> None:
+        name = signal.Signals(number).name
+        if self.received is not None:
+            raise KeyboardInterrupt(f"{name} again")
+        self.received = name
+        print(f"\n{name}: finishing the current step, then saving a checkpoint and stopping (send it again to stop "
+              "at once).", file=sys.stderr, flush=True)
+
+
+def remove_unfinished_saves(directory: str) -> list[str]:
+    """Delete the temporary folders of checkpoint writes that never completed (a killed run's); returns their
+    names. Only process 0 deletes (the directory is shared storage on multi-host runs)."""
+    if not os.path.isdir(directory) or jax.process_index() != 0:
+        return []
+    stale = sorted(name for name in os.listdir(directory) if UNFINISHED_SAVE in name)
+    for name in stale:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return stale
+
+
+__all__ = ["RunInterrupted", "StopSignals", "interruption_message", "remove_unfinished_saves", "UNFINISHED_SAVE"]
