@@ -38,6 +38,10 @@ RECIPES = {
     "mix_lr3": (dict(kl=0.5, ce=0.5), 1.0, 3.0, None),
     "ce_lr3": (dict(kl=0.0, ce=1.0), 1.0, 3.0, None),
     "kl_lr3": (dict(kl=1.0), 1.0, 3.0, None),
+    "mixf_noemb": (dict(kl=0.5, ce=0.5, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
+    "klf_noemb": (dict(kl=1.0, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
+    "f_noemb": (dict(kl=0.0, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
+    "mixt2_noemb": (dict(kl=0.5, ce=0.5), 2.0, 1.0, "frozen:embed_tokens"),
 }
 
 
@@ -66,7 +70,13 @@ def main() -> None:
     args = p.parse_args()
     out = open(args.out, "a") if args.out else None
 
+    setup = (f"Student {args.student} of the teacher, cut by plan_student with calibration; batch {args.batch_size} x "
+             f"{args.seq_len}, cosine learning rate over {args.steps} steps (2 warm-up), the same batches in the same "
+             f"order for every recipe; held-out CE on {args.eval_batches} batches of held-out stdlib modules.")
+
     def emit(record):
+        if "run" in record:
+            record = {"bench": "recovery", "series": record.pop("run"), "setup": setup, **record}
         line = json.dumps(record)
         print(line, flush=True)
         if out:
@@ -106,7 +116,7 @@ def main() -> None:
                                            checkpoint=distill.CheckpointConfig(
                                                directory=f"/tmp/recovery-ckpt/{name.replace('@', '_')}", every=chunk))
             t0 = time.perf_counter()
-            result = distill.run(teacher if weights.get("kl") or weights.get("feature") else None,
+            result = distill.run(teacher if any(weights.get(k) for k in ("kl", "feature")) else None,
                                  student, run_data, config)
             student, done = result.student, result.steps
             emit({"run": name, "step": done, "train_s": round(time.perf_counter() - t0, 1),

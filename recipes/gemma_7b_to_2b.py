@@ -172,9 +172,10 @@ def run_phase(args, phase, teacher, student, data, stages, plan, out):
     if result.steps < config.total_steps:
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")
+    history, evals = result.full_history, result.full_evals  # across resumes
     surgery.save_pretrained(result.student, done, source=args.teacher_folder, overwrite=True,
-                            extra_files={"history.json": {"train": result.history, "eval": result.evals}})
-    return result.student, result.history, result.evals
+                            extra_files={"history.json": {"train": history, "eval": evals}})
+    return result.student, history, evals
 
 
 def mesh_of(args):
