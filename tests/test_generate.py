@@ -81,6 +81,7 @@ def test_greedy_matches_transformers_batched_and_alone(tiny, family):
     got = generate(model, prompts, max_new_tokens=NEW_TOKENS)
     assert got.tokens == want
     assert got.prompt_lengths == list(PROMPT_LENGTHS) and got.padded_length == max(PROMPT_LENGTHS)
+    assert got.decode_steps == max(map(len, want)) - 1 and got.prefill_s > 0 and got.decode_s > 0
     for prompt in prompts:  # unbatched: no padding at all; one max_len, so one compilation per prompt length
         alone = generate(model, [prompt], max_new_tokens=NEW_TOKENS, max_len=32)
         assert alone.tokens == hf_greedy(hf_model, [prompt], NEW_TOKENS, pad_token_id=0)
@@ -193,6 +194,13 @@ def test_text_prompts_stop_ids_and_stop_strings(tiny):
     by_string = generate(model, texts[:1], max_new_tokens=8, tokenizer=folder, stop=[" " + piece])
     assert by_string.tokens == [row[:row.index(stop_id) + 1]] and by_string.finish_reasons == ["stop_string"]
     assert by_string.texts[0].endswith(piece)
+
+
+def test_the_loop_ends_when_every_row_has_stopped(tiny):
+    _, model, _ = tiny["gemma"]
+    out = generate(model, _prompts(seed=5), max_new_tokens=NEW_TOKENS, stop=list(range(96)))
+    assert out.decode_steps == 0 and all(len(row) == 1 for row in out.tokens)
+    assert out.finish_reasons == ["stop"] * len(PROMPT_LENGTHS)
 
 
 @pytest.mark.parametrize("kwargs, argument", [
