@@ -17,7 +17,8 @@ position 0). `return_segments=False` leaves both out (documents then see each ot
 Each epoch visits every row once in an order drawn from (seed, epoch); a batch that crosses the end of an epoch
 takes its remaining rows from the next one, so no row is dropped. `state()` / `restore()` resume exactly. With
 `process_count > 1`, every process walks the same global order and keeps its own `batch_size / process_count`
-rows of each batch.
+rows of each batch. `max_positions` (the teacher's `max_position_embeddings`) refuses rows longer than the model
+supports; `check_vocabulary` refuses a tokenizer that is not the teacher's.
 """
 from __future__ import annotations
 
@@ -58,12 +59,7 @@ def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | N
         return tokenizer
     config: dict = {}
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = os.fspath(tokenizer)
-        folder = path if os.path.isdir(path) else os.path.dirname(path)
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise DataError(f"no tokenizer.json at {path}; pass the teacher's folder, a tokenizer object or a "
-                            "callable text -> ids.")
+        folder, file = _tokenizer_file(tokenizer)
         from tokenizers import Tokenizer
 
         for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
@@ -90,6 +86,17 @@ def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None, bos_id: int | N
                         pad_id, decode)
     raise DataError(f"cannot use {type(tokenizer).__name__} as a tokenizer; pass a folder with tokenizer.json, "
                     "a tokenizers.Tokenizer, a transformers tokenizer or a callable text -> ids.")
+
+
+def _tokenizer_file(path: str | os.PathLike) -> tuple[str, str]:
+    """(folder, tokenizer.json) for a folder or a tokenizer.json path."""
+    path = os.fspath(path)
+    folder, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path),
+                                                                                                 path)
+    if not os.path.isfile(file):
+        raise DataError(f"no tokenizer.json at {path}; pass the teacher's folder, a tokenizer object or a callable "
+                        "text -> ids.")
+    return folder, file
 
 
 def _from_tokenizers(tok, config, eos_id, bos_id, add_bos, pad_id, decode=None) -> TextTokenizer:
@@ -125,6 +132,48 @@ def _plain_text_copy(tok):
     return copy
 
 
+def tokenizer_size(tokenizer: Any) -> int | None:
+    """How many ids `tokenizer` can produce (added tokens included): for a folder or tokenizer.json, a
+    `tokenizers.Tokenizer` or a transformers tokenizer; None when it cannot tell (a callable, a TextTokenizer)."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(_tokenizer_file(tokenizer)[1])
+    if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+    if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer
+        return len(tokenizer)
+    return None
+
+
+def check_vocabulary(tokenizer: Any, vocab_size: int, where: str | None = None) -> int | None:
+    """Refuse a tokenizer that is not that of a model whose embedding has `vocab_size` rows: more tokens (ids past
+    the table), or so many fewer that the table is not just padded (Gemma 3 4B: 262,145 tokens, 262,208 rows;
+    more than max(256, 1 %) spare rows means another model's tokenizer). Of a TextTokenizer or callable (size
+    unknown) only the special ids are checked. `where` names it in the message (default: its path). Returns the
+    token count, or None when unknown."""
+    where = where or (os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else type(tokenizer).__name__)
+    count = tokenizer_size(tokenizer)
+    if count is None:
+        special = {name: getattr(tokenizer, name, None) for name in ("eos_id", "bos_id", "pad_id")}
+        beyond = {name: value for name, value in special.items() if value is not None and value >= vocab_size}
+        if beyond:
+            raise DataError(f"tokenizer {where} has special ids {beyond} beyond the teacher's embedding of "
+                            f"{vocab_size:,} rows; use the teacher's own tokenizer.")
+        return None
+    if count > vocab_size or vocab_size - count > max(256, vocab_size // 100):
+        raise DataError(f"tokenizer at {where} has {count:,} tokens but the teacher's embedding has {vocab_size:,} "
+                        "rows; use the teacher's own tokenizer (the teacher's folder holds it).")
+    return count
+
+
+def check_positions(seq_len: int, max_positions: int | None, source: str | None = None) -> None:
+    """Refuse rows longer than the model supports. `source` says where the limit comes from."""
+    if max_positions is not None and seq_len > max_positions:
+        raise DataError(f"seq_len {seq_len} is longer than the {max_positions} positions the model supports "
+                        f"({source or 'max_positions'}); lower seq_len to at most {max_positions}.")
+
+
 def _checked(encode_batch, eos, bos, add_bos, pad, decode=None) -> TextTokenizer:
     if eos is None:
         raise DataError("the tokenizer has no EOS token; pass eos_id= (documents are joined with EOS).")
@@ -157,9 +206,11 @@ class TokenBatches:
     def __init__(self, documents: Sequence[tuple[np.ndarray, np.ndarray]], *, seq_len: int, batch_size: int,
                  seed: int = 0, eval_fraction: float = 0.05, eval_documents: int | None = None,
                  eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
-                 pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True):
+                 pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True,
+                 max_positions: int | None = None, max_positions_source: str | None = None):
         if seq_len < 2 or batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
+        check_positions(seq_len, max_positions, max_positions_source)
         if not 0 <= process_index < process_count or batch_size % process_count:
             raise DataError(f"batch_size {batch_size} must split evenly over {process_count} processes and "
                             f"process_index {process_index} must be in [0, {process_count}).")
@@ -192,6 +243,7 @@ class TokenBatches:
     # ---------------------------------------------------------------------------- constructors
     @classmethod
     def from_records(cls, records: Sequence[Record], tokenizer: Any, **kwargs) -> "TokenBatches":
+        check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         tok = load_tokenizer(tokenizer)
         kwargs.setdefault("pad_id", tok.pad_id)
         batches = cls(tokenize_records(records, tok), **kwargs)
@@ -201,6 +253,7 @@ class TokenBatches:
     @classmethod
     def from_files(cls, paths, tokenizer: Any, *, separator: str | None = None, text_field: str = "text",
                    prompt_field: str | None = None, completion_field: str | None = None, **kwargs) -> "TokenBatches":
+        check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         records = read_records(paths, separator=separator, text_field=text_field, prompt_field=prompt_field,
                                completion_field=completion_field)
         return cls.from_records(records, tokenizer, **kwargs)
@@ -210,6 +263,7 @@ class TokenBatches:
                         prompt_field: str | None = None, completion_field: str | None = None,
                         config_name: str | None = None, max_records: int | None = None,
                         **kwargs) -> "TokenBatches":
+        check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         records = hf_dataset_records(name_or_path, split=split, text_field=text_field, prompt_field=prompt_field,
                                      completion_field=completion_field, config_name=config_name,
                                      max_records=max_records)

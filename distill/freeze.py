@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 from typing import Any, Callable, Sequence
 
@@ -27,22 +28,48 @@ Filter = Any  # patterns (str or list of str), an nnx filter, or None
 _BRACE = re.compile(r"\{([^{}]*)\}")
 
 
+MAX_EXPANSION = 100_000  # patterns one brace pattern may expand to (a model has far fewer parameter paths)
+
+
 def expand_braces(pattern: str) -> list[str]:
-    """`layers.{0-2}.mlp` -> [`layers.0.mlp`, `layers.1.mlp`, `layers.2.mlp`]; `{a,b}` gives alternatives."""
-    match = _BRACE.search(pattern)
-    if match is None:
-        return [pattern]
-    body = match.group(1)
+    """`layers.{0-2}.mlp` -> [`layers.0.mlp`, `layers.1.mlp`, `layers.2.mlp`]; `{a,b}` gives alternatives. More
+    than MAX_EXPANSION results (e.g. `{0-99999999}`) is a ValueError naming the pattern, raised before any is
+    built."""
+    return list(_expand(pattern))
+
+
+def _span(pattern: str, body: str) -> tuple[int, int] | None:
     span = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", body)
-    if span:
-        low, high = int(span.group(1)), int(span.group(2))
-        if low > high:
-            raise ValueError(f"pattern {pattern!r}: range {{{body}}} runs backwards; write {{{high}-{low}}}.")
-        options = [str(i) for i in range(low, high + 1)]
-    else:
-        options = [option.strip() for option in body.split(",")]
-    head, tail = pattern[:match.start()], pattern[match.end():]
-    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
+    if span is None:
+        return None
+    low, high = int(span.group(1)), int(span.group(2))
+    if low > high:
+        raise ValueError(f"pattern {pattern!r}: range {{{body}}} runs backwards; write {{{high}-{low}}}.")
+    return low, high
+
+
+@functools.lru_cache(maxsize=256)
+def _expand(pattern: str) -> tuple[str, ...]:
+    """One brace group (the innermost first) of every pattern per round, the order of the groups kept; the
+    running count is checked before anything bigger than MAX_EXPANSION is built."""
+    patterns = [pattern]
+    while any(_BRACE.search(p) for p in patterns):
+        expanded: list[str] = []
+        for current in patterns:
+            match = _BRACE.search(current)
+            if match is None:
+                expanded.append(current)
+                continue
+            body = match.group(1)
+            span = _span(pattern, body)
+            count = span[1] - span[0] + 1 if span else body.count(",") + 1
+            if len(expanded) + count > MAX_EXPANSION:
+                raise ValueError(f"pattern {pattern!r} expands to more than {MAX_EXPANSION:,} paths; use a narrower "
+                                 "range or a `*` glob (e.g. layers.*).")
+            options = [str(i) for i in range(span[0], span[1] + 1)] if span else [o.strip() for o in body.split(",")]
+            expanded += [current[:match.start()] + option + current[match.end():] for option in options]
+        patterns = expanded
+    return tuple(patterns)
 
 
 def path_string(path: Sequence[Any]) -> str:
@@ -50,7 +77,7 @@ def path_string(path: Sequence[Any]) -> str:
 
 
 def pattern_matches(pattern: str, path: str) -> bool:
-    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in expand_braces(pattern))
+    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in _expand(pattern))
 
 
 def _as_patterns(spec: Any) -> list[str] | None:

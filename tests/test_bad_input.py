@@ -509,6 +509,34 @@ def _empty_folder(tmp):
     return str(tmp / "corpus")
 
 
+def _rows_too_long(w, ckpt, tmp):
+    from distill.data import TokenBatches
+    from distill.tokenizer import byte_tokenizer
+
+    source = f"max_position_embeddings in {w['good'] / 'single' / 'config.json'}"
+    return (lambda: TokenBatches.from_records(["some text " * 40] * 4, byte_tokenizer(), seq_len=64, batch_size=1,
+                                              max_positions=32, max_positions_source=source),
+            ("seq_len 64", "32 positions", source))
+
+
+def _foreign_tokenizer(vocab_size, *culprits):
+    def make(w, ckpt, tmp):
+        from distill.data import check_vocabulary
+        from distill.tokenizer import save_byte_tokenizer
+
+        folder = tmp / "tokenizer"
+        save_byte_tokenizer(folder)  # 260 byte-level tokens
+        return lambda: check_vocabulary(str(folder), vocab_size), (str(folder), "260 tokens", *culprits)
+    return make
+
+
+def _freeze_pattern(pattern):
+    def make(w, ckpt, tmp):
+        from distill.freeze import check_patterns
+        return lambda: check_patterns(w["teacher"], [pattern]), (repr(pattern), "100,000")
+    return make
+
+
 # ------------------------------------------------------------------------------------------------ meshes, outputs
 def _mesh(fn, *culprits):
     return _call(lambda w, tmp: fn(), *culprits)
@@ -622,6 +650,13 @@ CASES = {
     "data folder with no text": (DataError, _records(_empty_folder, lambda p: (p, "no text"))),
     "data record without its field": (DataError, _records(_file("rows.jsonl", b'{"text": "a"}\n{"body": "b"}\n'),
                                                           lambda p: (f"{p}:2", "'text'"))),
+    "data rows longer than the model supports": (DataError, _rows_too_long),
+    "tokenizer with more tokens than the embedding": (DataError, _foreign_tokenizer(96, "96 rows",
+                                                                                    "teacher's own tokenizer")),
+    "tokenizer of a far bigger model's embedding": (DataError, _foreign_tokenizer(256000, "256,000 rows")),
+    # freeze patterns
+    "freeze brace range of 1e8 paths": (ValueError, _freeze_pattern("layers.{0-99999999}.mlp")),
+    "freeze brace product over the cap": (ValueError, _freeze_pattern("layers.{0-999}.{0-999}")),
     # meshes (this process has one device; the 8-device cases are below)
     "mesh spec with a bad size": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.parse_mesh_spec(
         "fsdp=two"), "'two'")),
@@ -745,3 +780,18 @@ def test_mesh_table(case, mesh_results):
         assert culprit in results[case][1], f"{case}: {culprit!r} not named in {results[case][1]!r}"
     if case == "subset asked for":  # a subset on purpose is logged
         assert "LOG mesh fsdp=3,tp=1 runs on 3 of the 8 devices" in log
+
+
+def test_the_teachers_own_tokenizer_and_rows_at_the_limit_pass(tmp_path):
+    """The checks of the data rows above refuse only what is wrong: the teacher's own tokenizer, an embedding
+    padded past it (Gemma 3 4B: 262,145 tokens, 262,208 rows) and rows exactly as long as the limit pass."""
+    from distill.data import TokenBatches, check_vocabulary
+    from distill.tokenizer import VOCAB_SIZE, byte_tokenizer, save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path / "tok")
+    assert check_vocabulary(str(tmp_path / "tok"), VOCAB_SIZE) == VOCAB_SIZE == 260
+    assert check_vocabulary(str(tmp_path / "tok"), 320) == 260  # rows rounded up to a multiple of 64
+    assert check_vocabulary(byte_tokenizer(), 260) == 260
+    batches = TokenBatches.from_records(["some text " * 40] * 4, byte_tokenizer(), seq_len=32, batch_size=1,
+                                        max_positions=32)
+    assert batches.next_batch()["input_ids"].shape == (1, 32)
