@@ -6,7 +6,7 @@ A first signal lets the current step finish; the loop then checkpoints it and ra
 raises at once, even in the middle of that checkpoint write. Orbax writes a checkpoint into a temporary folder
 (`<step>.orbax-checkpoint-tmp-<time>`) and renames it to `<step>` only when every item is written, so a write cut
 short by a second signal, SIGKILL or a full disk is never taken for a checkpoint; `remove_unfinished_saves`
-deletes such folders when the next run starts.
+deletes such folders when the next run starts, and `drop_torn_line` the partial last line of its metrics log.
 """
 from __future__ import annotations
 
@@ -93,4 +93,18 @@ def remove_unfinished_saves(directory: str) -> list[str]:
     return stale
 
 
-__all__ = ["RunInterrupted", "StopSignals", "interruption_message", "remove_unfinished_saves", "UNFINISHED_SAVE"]
+def drop_torn_line(path: str) -> None:
+    """A run killed while writing its JSONL log leaves a partial last line: cut it before this run appends."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        tail_start = max(0, size - (1 << 20))  # a record is far shorter than 1 MiB
+        handle.seek(tail_start)
+        tail = handle.read()
+        if tail and not tail.endswith(b"\n"):
+            handle.truncate(tail_start + tail.rfind(b"\n") + 1)
+
+
+__all__ = ["RunInterrupted", "StopSignals", "interruption_message", "remove_unfinished_saves", "drop_torn_line",
+           "UNFINISHED_SAVE"]

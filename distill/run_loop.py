@@ -33,7 +33,7 @@ from . import freeze
 from .checkpointing import Checkpointer
 from .config import DistillConfig
 from .interface import FORWARD_KEYS
-from .interruption import RunInterrupted, StopSignals, interruption_message, remove_unfinished_saves
+from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
 from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
 from .step import hyper_values
@@ -129,6 +129,8 @@ class Loop:
         resumed = self._resume()
         if not resumed:
             self._enter(config.stage_at(0)[0], carry=False)
+        if config.run_dir and jax.process_index() == 0:
+            drop_torn_line(os.path.join(config.run_dir, "metrics.jsonl"))
         self.logger = MetricsLogger(config.run_dir, config.total_steps, start_step=self.step,
                                     progress=config.progress)
         if config.run_dir and jax.process_index() == 0:

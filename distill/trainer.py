@@ -321,10 +321,10 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
 
     `teacher`, `student`: NNX modules with the DistillModel interface (interface.py); the teacher is never trained
     and may be in a lower precision. `teacher=None` trains the student on hard labels alone (every stage may only
-    weight `ce`), e.g. to make a small teacher for demos. With `config.mesh` both are placed on the mesh by their `axes` metadata
-    unless they already live there. `data`: an object with `next_batch()` (optionally `state()`/`restore()` and
-    `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional `loss_mask` (B, T)
-    (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and `attention_mask`.
+    weight `ce`), e.g. to make a small teacher for demos. With `config.mesh` both are placed on the mesh by their
+    `axes` metadata unless they already live there. `data`: an object with `next_batch()` (optionally `state()`/
+    `restore()` and `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional `loss_mask`
+    (B, T) (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and `attention_mask`.
     `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). Returns a DistillResult with
     per-step metrics, evaluations and events (stage switches, rollbacks, resume).
 
@@ -374,4 +374,5 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
                          resumed_evals=loop.resumed_evals, data_state=loop.data_state)
 
 
-__all__ = ["run", "DistillResult", "DivergenceError", "RunInterrupted", "DataStream", "Session", "resolve_correspondence"]
+__all__ = ["run", "DistillResult", "DivergenceError", "RunInterrupted", "DataStream", "Session",
+           "resolve_correspondence"]

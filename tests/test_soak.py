@@ -1,0 +1,150 @@
+"""Soak: a tiny recipe run killed with SIGKILL at random points of its distillation, resumed each time with
+--resume, ends with the student an uninterrupted run makes, bit for bit (CPU): every tensor of model.safetensors
+and every loss in results.json.
+
+The kill points come from a seeded RNG (SOAK_SEED to vary it) and are printed: each is a delay after a progress mark
+(a checkpoint or a finished phase appearing on disk). One always falls between the two distillation phases, where
+the data position is in memory only. A failure names the kill points, so the run can be repeated.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
+TINY = ["--preset", "tiny", "--teacher-steps", "20", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
+        "--corpus-bytes", "60000", "--calibration-samples", "4", "--eval-prompts", "0", "--control", "none",
+        "--checkpoint-every", "1"]
+KILLS = 5
+STAGE_A_STEPS, STAGE_B_STEPS = 4, 8  # --steps 12 with the default --stage-a-fraction 0.3
+# Progress marks of a run, in order: a checkpoint folder appears when its write completes, a phase folder when
+# the phase is saved. A kill point is a mark and a delay after it.
+MARKS = ([f"checkpoints/stage_a/{step}" for step in range(STAGE_A_STEPS + 1)] + ["phases/stage_a"]
+         + [f"checkpoints/stage_b/{step}" for step in range(STAGE_B_STEPS + 1)] + ["phases/stage_b"])
+GAP = MARKS.index("phases/stage_a")  # then the stage-B plan: the data position lives only in memory until the
+# first stage-B checkpoint, so one kill always lands here
+DELAY_S = (0.0, 1.2)
+
+
+def _env(compile_cache) -> dict[str, str]:
+    """CPU, offline, and a persistent compilation cache shared by the runs: a resumed run loads what the first one
+    compiled instead of compiling it again (the same executables; most of a tiny run's time)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "JAX_COMPILATION_CACHE_DIR": str(compile_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _start(output, cache, compile_cache, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, RECIPE, *TINY, "--output", str(output), "--cache-dir", str(cache),
+                             *extra], env=_env(compile_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+class Output:
+    """Collects a child's output in a thread."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.text = ""
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc) -> None:
+        for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+            self.text += chunk.decode("utf-8", "replace")
+
+    def tail(self, lines: int = 12) -> str:
+        return "\n".join(self.text.replace("\r", "\n").splitlines()[-lines:])
+
+
+def kill_points(seed: int) -> list[tuple[int, float]]:
+    """KILLS (mark index, delay) pairs in the order of progress: the gap after stage A and random others."""
+    rng = random.Random(seed)
+    others = rng.sample([i for i in range(len(MARKS)) if i != GAP], KILLS - 1)
+    return [(mark, round(rng.uniform(*DELAY_S), 2)) for mark in sorted(others + [GAP])]
+
+
+def _kill_after(output, cache, compile_cache, mark: int, delay: float) -> tuple[str, str]:
+    """Start a resumed run and SIGKILL it `delay` s after MARKS[mark] appears (or the first mark after it, when
+    the earlier run already got past it). Returns (where it was killed, or 'finished'; its last output)."""
+    while mark < len(MARKS) - 1 and os.path.exists(os.path.join(output, MARKS[mark])):
+        mark += 1
+    proc = _start(output, cache, compile_cache, "--resume")
+    out = Output(proc)
+    while proc.poll() is None and not os.path.exists(os.path.join(output, MARKS[mark])):
+        time.sleep(0.005)
+    deadline = time.monotonic() + delay
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    killed = proc.poll() is None
+    if killed:
+        proc.send_signal(signal.SIGKILL)
+    code = proc.wait(timeout=600)
+    out.thread.join(timeout=10)
+    if not killed:
+        assert code == 0, f"run failed ({code}):\n{out.tail(40)}"
+    return (f"{delay} s after {MARKS[mark]}" if killed else "finished"), out.tail(3)
+
+
+def _finish(output, cache, compile_cache, *extra) -> str:
+    proc = _start(output, cache, compile_cache, *extra)
+    out = Output(proc)
+    code = proc.wait(timeout=900)
+    out.thread.join(timeout=10)
+    assert code == 0, f"run failed ({code}):\n{out.tail(40)}"
+    return out.text
+
+
+def _tensors(folder) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(folder, "student", "model.safetensors"))
+
+
+def _losses(folder) -> dict:
+    with open(os.path.join(folder, "results.json")) as handle:
+        results = json.load(handle)
+    return {"rows": [(row["model"], row["loss"], row["perplexity"]) for row in results["rows"]],
+            "final_losses": results.get("final_losses")}
+
+
+def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path):
+    cache, compile_cache = tmp_path / "cache", tmp_path / "compile-cache"
+    started = time.monotonic()
+    # The uninterrupted run trains and caches the tiny teacher; the soaked runs start once it is cached and run
+    # beside the rest of it (two processes: most of a tiny run's time is single-threaded tracing).
+    reference = _start(tmp_path / "full", cache, compile_cache)
+    reference_out = Output(reference)
+    while reference.poll() is None and not glob.glob(str(cache / "tiny-teacher-*" / "training.json")):
+        time.sleep(0.05)
+
+    seed = int(os.environ.get("SOAK_SEED", "12"))
+    points = kill_points(seed)
+    print(f"SOAK_SEED={seed}: kill points {[(MARKS[m], d) for m, d in points]}", flush=True)
+    kills: list[str] = []
+    for mark, delay in points:
+        where, tail = _kill_after(tmp_path / "soaked", cache, compile_cache, mark, delay)
+        last = " | ".join(line.strip()[:90] for line in tail.splitlines() if line.strip())
+        kills.append(f"SIGKILL {where}; last output: {last}")
+        print(f"kill {len(kills)}: {kills[-1]}", flush=True)
+    report = f"SOAK_SEED={seed}:\n  " + "\n  ".join(kills)
+    assert sum(not k.startswith("SIGKILL finished") for k in kills) >= KILLS, report
+    _finish(tmp_path / "soaked", cache, compile_cache, "--resume")
+    code = reference.wait(timeout=900)
+    reference_out.thread.join(timeout=10)
+    assert code == 0, f"the uninterrupted run failed ({code}):\n{reference_out.tail(40)}"
+    print(f"soak: {time.monotonic() - started:.0f} s in all", flush=True)
+
+    want, got = _tensors(tmp_path / "full"), _tensors(tmp_path / "soaked")
+    assert sorted(got) == sorted(want), report
+    differing = [name for name in want if not np.array_equal(want[name], got[name])]
+    assert not differing, f"tensors differ after the kills: {differing[:6]}\n{report}"
+    assert _losses(tmp_path / "soaked") == _losses(tmp_path / "full"), report
