@@ -50,7 +50,8 @@ def interruption_message(cause: str, step: int, total: int, *, saved: bool, dire
 class StopSignals:
     """SIGINT and SIGTERM while the loop runs (main thread only; a signal the process ignores stays ignored): the
     first one is noted for the loop to act on at the next step boundary; a second raises KeyboardInterrupt at once.
-    The previous handlers come back on exit."""
+    The previous handlers come back on exit. Not on multi-host runs: a checkpoint is written by every process
+    together, and each would stop at its own step boundary, so there a signal keeps its default effect."""
 
     NAMES = ("SIGINT", "SIGTERM")
 
@@ -59,7 +60,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
             for name in self.NAMES:
                 number = getattr(signal, name)
                 previous = signal.getsignal(number)

@@ -204,6 +204,24 @@ def _assert_same_as_reference(reference, out) -> dict:
     return got_log
 
 
+def test_stop_signals_note_the_first_signal_raise_on_the_second_and_restore_the_handlers():
+    from distill.interruption import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGTERM"  # noted, nothing raised: the loop acts at its next step boundary
+        with pytest.raises(KeyboardInterrupt, match="SIGINT again"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals():  # a signal the process ignores (nohup, a background job) stays ignored
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+
+
 def test_sigint_checkpoints_the_step_says_how_to_resume_and_resumes_exactly(reference, tmp_path):
     code, lines, stderr = _run("sigint", tmp_path / "ckpt", tmp_path / "out.npz", signal_at=SIGNAL_AT_BATCH)
     assert code == 130, stderr[-3000:]
