@@ -8,8 +8,9 @@ Prompts of a batch are left padded to one length, so every row writes the same s
 Layout per layer: full-attention layers hold `max_len` slots; sliding-window layers hold a ring of
 `min(window, max_len)` slots, the most a query can see (the window counts the query itself), written at slot
 `index % ring`. A single new token is written first and then attends to its buffer (the slot it overwrites is one
-window behind it); a chunk of several tokens (the prompt) attends to the ring as it was plus its own keys, and
-then its last ring-full of keys is written, since its earlier queries still need the keys it would overwrite.
+window behind it); a chunk of several tokens attends to the ring as it was plus its own keys, and then its last
+ring-full of keys is written, since its earlier queries still need the keys it would overwrite. The first pass
+over a new cache (`fresh`, known when tracing) attends to its own keys only, not to the empty slots.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class KVCache:
     `slot_positions[attention type]`: (B, S) int32 position of the token in each slot; -1 for padding or empty.
     `end`: () int32, slots written so far (the same in every row). `next_position`: (B,) int32, the position the
     next real token of each row gets. `max_len` (static): tokens the cache can hold per row, padding included.
+    `fresh` (static): nothing written yet.
     """
 
     keys: tuple[jax.Array, ...]
@@ -51,6 +53,7 @@ class KVCache:
     end: jax.Array
     next_position: jax.Array
     max_len: int = 0
+    fresh: bool = True
 
     @classmethod
     def create(cls, layers: Sequence[tuple[int | None, str, int, int]], batch: int, max_len: int,
@@ -75,17 +78,22 @@ class KVCache:
             positions = self.next_position[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
             positions = jnp.maximum(positions, 0)
         new = jnp.where(valid, positions, -1).astype(jnp.int32)
-        written, attended = {}, {}
-        for kind, old in self.slot_positions.items():
-            written[kind] = self._write(old, new)
-            attended[kind] = written[kind] if self._attend_after_write(old, length) else \
-                jnp.concatenate([old, new], axis=1)
+        written = {kind: self._write(old, new) for kind, old in self.slot_positions.items()}
+        attended = {kind: self._attended(old, written[kind], new) for kind, old in self.slot_positions.items()}
         return CacheStep(self, positions, attended, written, self.next_position + valid.sum(1, dtype=jnp.int32),
                          length)
 
     def _attend_after_write(self, buffer: jax.Array, length: int) -> bool:
         """A buffer that cannot wrap, or one new token: write first, then attend to the buffer alone."""
         return length == 1 or buffer.shape[1] >= self.max_len
+
+    def _attended(self, old: jax.Array, written: jax.Array, new: jax.Array) -> jax.Array:
+        """What the new tokens attend to: themselves (fresh cache), the written buffer, or the old one and them."""
+        if self.fresh:
+            return new
+        if self._attend_after_write(old, new.shape[1]):
+            return written
+        return jnp.concatenate([old, new.astype(old.dtype)], axis=1)
 
     def _write(self, buffer: jax.Array, new: jax.Array) -> jax.Array:
         """`new` (B, T, ...) into slots `end + t` (modulo the buffer length: a ring wraps)."""
@@ -99,7 +107,7 @@ class KVCache:
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "slot_positions", "end", "next_position"],
-                                 meta_fields=["max_len"])
+                                 meta_fields=["max_len", "fresh"])
 
 
 class CacheStep:
@@ -117,16 +125,13 @@ class CacheStep:
         def update(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
             old_k, old_v = self.cache.keys[i], self.cache.values[i]
             self.keys[i], self.values[i] = self.cache._write(old_k, k), self.cache._write(old_v, v)
-            if self.cache._attend_after_write(old_k, self.length):
-                return self.keys[i], self.values[i]
-            return (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
-                    jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+            return self.cache._attended(old_k, self.keys[i], k), self.cache._attended(old_v, self.values[i], v)
         return update
 
     def finish(self) -> KVCache:
         return dataclasses.replace(self.cache, keys=tuple(self.keys), values=tuple(self.values),
                                    slot_positions=self.slot_positions, end=self.cache.end + self.length,
-                                   next_position=self.next_position)
+                                   next_position=self.next_position, fresh=False)
 
 
 # ------------------------------------------------------------------------------------------------ generate
