@@ -60,20 +60,17 @@ class KVCache:
                dtype) -> "KVCache":
         """`layers`: (sliding window or None, attention type, KV heads, head_dim) of each layer."""
         if batch < 1 or max_len < 1:
-            raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1 (got batch={batch}, max_len={max_len}).")
+            raise ValueError(f"init_cache needs batch >= 1 and max_len >= 1 (got batch={batch}, max_len={max_len}).")
         sizes = [max_len if window is None else min(window, max_len) for window, _, _, _ in layers]
         keys = tuple(jnp.zeros((batch, size, k, h), dtype) for size, (_, _, k, h) in zip(sizes, layers))
         slot_positions = {kind: jnp.full((batch, size), -1, jnp.int32) for size, (_, kind, _, _) in zip(sizes, layers)}
         return cls(keys=keys, values=tuple(jnp.zeros_like(k) for k in keys), slot_positions=slot_positions,
                    end=jnp.zeros((), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
-    @property
-    def batch(self) -> int:
-        return self.next_position.shape[0]
-
     def begin(self, length: int, attention_mask: jax.Array | None, positions: jax.Array | None) -> "CacheStep":
         """Start a forward pass over `length` new tokens per row (see `CacheStep`)."""
-        valid = (jnp.ones((self.batch, length), bool) if attention_mask is None else attention_mask.astype(bool))
+        batch = self.next_position.shape[0]
+        valid = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:  # as transformers' generate: real tokens count on, padding sits at 0
             positions = self.next_position[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
             positions = jnp.maximum(positions, 0)
@@ -302,10 +299,9 @@ class _TextCodec:
 
     def __init__(self, tokenizer, config: dict):
         self.tokenizer = tokenizer
-        self.bos_id = self._id(config.get("bos_token"), "<bos>")
-        self.eos_id = self._id(config.get("eos_token"), "<eos>")
-        self.pad_id = self._id(config.get("pad_token"), "<pad>")
-        self.pad_id = 0 if self.pad_id is None else self.pad_id
+        self.bos_id, self.eos_id, pad = (self._id(config.get(f"{name}_token"), f"<{name}>")
+                                         for name in ("bos", "eos", "pad"))
+        self.pad_id = 0 if pad is None else pad
         self.add_bos = bool(config.get("add_bos_token")) and self.bos_id is not None
 
     @classmethod
