@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import fmt, latest  # noqa: E402
 from report_gpu import GPU_MFU_TARGET, GPU_RESULTS, gpu_run, section_gpu  # noqa: E402
+import report_real  # noqa: E402
 
 PEER_NAMES = {"ours": "ours (`load_pretrained` / `distill.run`)",
               "ours-fast": "ours, aligned reads (bench/fastload.py)",
@@ -329,6 +330,7 @@ def render(records: list[dict]) -> str:
     for section in (section_targets, section_load, section_prune, section_distill, section_mesh, section_quality,
                     section_gpu):
         lines += section(records)
+    lines += report_real.render(report_real.read(report_real.REAL_RESULTS))  # committed real-270M records
     if os.path.exists(NOTES_FILE):
         with open(NOTES_FILE) as f:
             lines += [f.read().rstrip(), ""]

@@ -20,7 +20,7 @@ REAL_RESULTS = os.path.join(common.BENCH, "results", "real-270m.jsonl")
 CPU_PEAK_GFLOPS = 180.0  # measured fp32 matmul peak of the 2-core development machine (bench/flops.py)
 
 
-def _records(path: str) -> list[dict]:
+def read(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -34,6 +34,8 @@ def _latest(records: list[dict], bench: str, **match) -> dict | None:
 
 
 def section_import(records: list[dict]) -> list[str]:
+    if not _latest(records, "gguf_import"):
+        return []
     lines = ["### GGUF import (Q4_K_M, 253 MB) -> HF folder", "",
              "`python bench/gguf_import.py --peers ours,transformers`: ours writes a complete HF folder (safetensors, "
              "tokenizer, configs); transformers' `from_pretrained(gguf_file=)` only builds the model in memory. "
@@ -50,6 +52,8 @@ def section_import(records: list[dict]) -> list[str]:
 
 
 def section_generate(records: list[dict]) -> list[str]:
+    if not _latest(records, "generate"):
+        return []
     lines = ["### Generation: `surgery.generate` vs `transformers.generate` (greedy, float32, CPU)", "",
              "`python bench/generate.py`: the same prompts and lengths for both, medians of repeats in one run; "
              "`same tokens` checks both produced identical ids.", "",
@@ -114,7 +118,7 @@ def render(records: list[dict]) -> list[str]:
 
 def main(argv=None) -> None:
     args = argv if argv is not None else sys.argv[1:]
-    print("\n".join(render(_records(args[0] if args else REAL_RESULTS))))
+    print("\n".join(render(read(args[0] if args else REAL_RESULTS))))
 
 
 if __name__ == "__main__":
