@@ -72,18 +72,25 @@ def kill_points(seed: int) -> list[tuple[int, float]]:
     return [(mark, round(rng.uniform(*DELAY_S), 2)) for mark in sorted(others + [GAP])]
 
 
-def _kill_after(output, cache, compile_cache, mark: int, delay: float) -> tuple[str, str]:
-    """Start a resumed run and SIGKILL it `delay` s after MARKS[mark] appears (or the first mark after it, when
-    the earlier run already got past it). Returns (where it was killed, or 'finished'; its last output)."""
-    while mark < len(MARKS) - 1 and os.path.exists(os.path.join(output, MARKS[mark])):
+def _kill_after(output, cache, compile_cache, mark: int, delay: float) -> tuple[str | None, str]:
+    """Start a resumed run and SIGKILL it `delay` s after MARKS[mark] appears, or when the next mark appears if
+    that comes first (so a kill never gets past the next kill point). A mark the earlier run already passed moves
+    to the first one it did not. Returns (where it was killed, None if it finished first; its last output)."""
+    def reached(index: int) -> bool:
+        return index < len(MARKS) and os.path.exists(os.path.join(output, MARKS[index]))
+
+    while mark < len(MARKS) - 1 and reached(mark):
         mark += 1
     proc = _start(output, cache, compile_cache, "--resume")
     out = Output(proc)
-    while proc.poll() is None and not os.path.exists(os.path.join(output, MARKS[mark])):
+    while proc.poll() is None and not reached(mark):
         time.sleep(0.005)
     deadline = time.monotonic() + delay
-    while proc.poll() is None and time.monotonic() < deadline:
+    while proc.poll() is None and time.monotonic() < deadline and not reached(mark + 1):
         time.sleep(0.005)
+    where = f"{delay} s after {MARKS[mark]}"
+    if reached(mark + 1):
+        where = f"as {MARKS[mark + 1]} appeared, {time.monotonic() - deadline + delay:.2f} s after {MARKS[mark]}"
     killed = proc.poll() is None
     if killed:
         proc.send_signal(signal.SIGKILL)
@@ -91,7 +98,7 @@ def _kill_after(output, cache, compile_cache, mark: int, delay: float) -> tuple[
     out.thread.join(timeout=10)
     if not killed:
         assert code == 0, f"run failed ({code}):\n{out.tail(40)}"
-    return (f"{delay} s after {MARKS[mark]}" if killed else "finished"), out.tail(3)
+    return (where if killed else None), out.tail(3)
 
 
 def _finish(output, cache, compile_cache, *extra) -> str:
@@ -116,6 +123,22 @@ def _losses(folder) -> dict:
             "final_losses": results.get("final_losses")}
 
 
+def _soak(output, cache, compile_cache, seed: int) -> str:
+    """KILLS killed and resumed runs in `output`, then one to the end; returns the kill points as text."""
+    points = kill_points(seed)
+    print(f"SOAK_SEED={seed}: kill points {[(MARKS[m], d) for m, d in points]}", flush=True)
+    kills: list[str] = []
+    for mark, delay in points:
+        where, tail = _kill_after(output, cache, compile_cache, mark, delay)
+        last = " | ".join(line.strip()[:90] for line in tail.splitlines() if line.strip())
+        kills.append(f"SIGKILL {where}; last output: {last}" if where else "finished before its kill point")
+        print(f"kill {len(kills)}: {kills[-1]}", flush=True)
+    report = f"SOAK_SEED={seed}:\n  " + "\n  ".join(kills)
+    assert sum(k.startswith("SIGKILL") for k in kills) >= KILLS, report
+    _finish(output, cache, compile_cache, "--resume")
+    return report
+
+
 def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path):
     cache, compile_cache = tmp_path / "cache", tmp_path / "compile-cache"
     started = time.monotonic()
@@ -123,22 +146,15 @@ def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path):
     # beside the rest of it (two processes: most of a tiny run's time is single-threaded tracing).
     reference = _start(tmp_path / "full", cache, compile_cache)
     reference_out = Output(reference)
-    while reference.poll() is None and not glob.glob(str(cache / "tiny-teacher-*" / "training.json")):
-        time.sleep(0.05)
-
-    seed = int(os.environ.get("SOAK_SEED", "12"))
-    points = kill_points(seed)
-    print(f"SOAK_SEED={seed}: kill points {[(MARKS[m], d) for m, d in points]}", flush=True)
-    kills: list[str] = []
-    for mark, delay in points:
-        where, tail = _kill_after(tmp_path / "soaked", cache, compile_cache, mark, delay)
-        last = " | ".join(line.strip()[:90] for line in tail.splitlines() if line.strip())
-        kills.append(f"SIGKILL {where}; last output: {last}")
-        print(f"kill {len(kills)}: {kills[-1]}", flush=True)
-    report = f"SOAK_SEED={seed}:\n  " + "\n  ".join(kills)
-    assert sum(not k.startswith("SIGKILL finished") for k in kills) >= KILLS, report
-    _finish(tmp_path / "soaked", cache, compile_cache, "--resume")
-    code = reference.wait(timeout=900)
+    try:
+        while reference.poll() is None and not glob.glob(str(cache / "tiny-teacher-*" / "training.json")):
+            time.sleep(0.05)
+        assert reference.poll() in (None, 0), f"the uninterrupted run failed:\n{reference_out.tail(40)}"
+        report = _soak(tmp_path / "soaked", cache, compile_cache, int(os.environ.get("SOAK_SEED", "12")))
+        code = reference.wait(timeout=900)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
     reference_out.thread.join(timeout=10)
     assert code == 0, f"the uninterrupted run failed ({code}):\n{reference_out.tail(40)}"
     print(f"soak: {time.monotonic() - started:.0f} s in all", flush=True)
