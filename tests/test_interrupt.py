@@ -51,6 +51,9 @@ class Batches:
                 time.sleep(0.01)
         return batch
 
+    def eval_batches(self):
+        return [{"input_ids": ids} for ids in self.ids[-2:]]
+
     def state(self):
         return {"position": self.position}
 
@@ -122,7 +125,7 @@ def child(mode: str, checkpoint_dir: str, out: str) -> None:
     stages = (Stage(steps=STEPS[0], learning_rate=1e-2, weights=LossWeights.mixed(0.7)),
               Stage(steps=STEPS[1], learning_rate=5e-3, frozen=["embed_tokens"], weights=LossWeights(kl=1.0)))
     settings = DistillConfig(stages=stages, batch_size=2, seq_len=16, progress=False, logit_chunk=32,
-                             checkpoint=CheckpointConfig(checkpoint_dir, every=2), plots=False,
+                             checkpoint=CheckpointConfig(checkpoint_dir, every=2), plots=False, eval_every=2,
                              compiler_options={"xla_backend_optimization_level": 0})
     data = Batches(SIGNAL_AT_BATCH if mode in ("sigint", "double") else None)
     try:
@@ -136,6 +139,7 @@ def child(mode: str, checkpoint_dir: str, out: str) -> None:
     with open(out + ".json", "w") as handle:
         json.dump({"losses": [r["loss"] for r in result.full_history],
                    "steps": [r["step"] for r in result.full_history],
+                   "evals": [(r["step"], r["loss"]) for r in result.full_evals],
                    "events": [e["event"] for e in result.events]}, handle)
 
 
@@ -201,6 +205,7 @@ def _assert_same_as_reference(reference, out) -> dict:
     assert not differing, f"parameters differ from the uninterrupted run's: {differing[:5]}"
     assert got_log["steps"] == list(range(1, sum(STEPS) + 1))  # the whole history, across the resume
     assert got_log["losses"] == want_log["losses"]
+    assert got_log["evals"] == want_log["evals"] and [s for s, _ in want_log["evals"]] == [0, 2, 4, 6, 8]
     return got_log
 
 
