@@ -5,6 +5,7 @@
 * A second SIGINT while that checkpoint is being written (just before orbax commits it) stops the run at once:
   the unfinished write is never resumed from; the next run removes it and continues from the last complete one.
 * SIGKILL in the middle of a checkpoint write: the same.
+* A complete checkpoint damaged afterwards is reported and skipped for the one before.
 
 This file is also the child script: `python tests/test_interrupt.py MODE CHECKPOINT_DIR OUT`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,11 +196,11 @@ def reference(tmp_path_factory):
     COMPILE_CACHE[:] = [str(base / "compile-cache")]
     code, lines, stderr = _run("plain", base / "ckpt", base / "ref.npz")
     assert code == 0, stderr[-3000:]
-    return _load(base / "ref")
+    return (*_load(base / "ref"), base / "ckpt")
 
 
 def _assert_same_as_reference(reference, out) -> dict:
-    want, want_log = reference
+    want, want_log = reference[:2]
     got, got_log = _load(out)
     assert set(got) == set(want)
     differing = [k for k in want if not np.array_equal(want[k], got[k])]
@@ -275,6 +277,19 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(referen
     assert code == 0, stderr[-3000:]
     _assert_same_as_reference(reference, tmp_path / "out")
     assert _steps_on_disk(tmp_path / "ckpt") == ([6, 8], [])
+
+
+def test_a_checkpoint_damaged_after_it_was_written_is_skipped_for_the_previous_one(reference, tmp_path):
+    """A complete checkpoint whose files were damaged later (a bad disk, a partial copy): resume reports it and
+    continues from the one before."""
+    shutil.copytree(reference[2], tmp_path / "ckpt")  # checkpoints 6 and 8 of the finished run
+    for folder, _, names in os.walk(tmp_path / "ckpt" / "8" / "student"):
+        for name in names:
+            os.truncate(os.path.join(folder, name), 0)
+    code, _, stderr = _run("plain", tmp_path / "ckpt", tmp_path / "out.npz")
+    assert code == 0, stderr[-3000:]
+    log = _assert_same_as_reference(reference, tmp_path / "out")  # steps 7 and 8 redone from checkpoint 6
+    assert log["events"][:2] == ["checkpoint_unreadable", "resume"]
 
 
 if __name__ == "__main__":
