@@ -20,7 +20,8 @@ from .metrics import plot_history, step_flops
 from .evaluate import agreement_and_kl, heldout_loss
 from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
                     multiple_choice_items)
-from .data import DataError, TokenBatches, load_tokenizer, stdlib_corpus
+from .data import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
+from .interruption import RunInterrupted
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "DistillResult", "DivergenceError", "run", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
@@ -29,5 +30,5 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
-           "DataError", "TokenBatches",
+           "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
            "load_tokenizer", "stdlib_corpus"]

@@ -8,6 +8,7 @@ line instead of a traceback when the toolkit refuses something.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -97,9 +98,9 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
         if not debug:
             print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command with --resume to continue from the last checkpoint.",
-              file=sys.stderr)
+    except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
+        print(str(stop) or "interrupted; rerun the same command with --resume to continue from the last "
+              "checkpoint.", file=sys.stderr)
         sys.exit(130)
 
 
@@ -139,3 +140,16 @@ def teacher_folder(teacher: str, revision: str | None, cache_dir: str) -> str:
         from surgery.gguf import cached_import
         return cached_import(teacher, "float32")
     return surgery.checkpoint.resolve_source(teacher, revision)
+
+
+def position_limit(folder: str) -> dict:
+    """TokenBatches' `max_positions` from the teacher's config.json (rows longer than the model supports are a
+    DataError naming the limit and this file)."""
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config = config.get("text_config", config)
+    limit = config.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return {}
+    return {"max_positions": limit, "max_positions_source": f"max_position_embeddings in {path}"}

@@ -171,6 +171,8 @@ def run_phase(args, phase, teacher, student, data, stages, plan, out):
         with open(os.path.join(done, "history.json")) as f:
             logged = json.load(f)
         history, evals = (logged["train"], logged["eval"]) if isinstance(logged, dict) else (logged, [])
+        if isinstance(logged, dict) and logged.get("data_state") is not None:
+            data.restore(logged["data_state"])  # the next phase continues where this one stopped
         return surgery.load_pretrained(done, dtype="float32", mesh=mesh_of(args)), history, evals
     config = distill_config(args, phase, stages, plan, out)
     result = distill.run(teacher, student, data, config)
@@ -179,7 +181,8 @@ def run_phase(args, phase, teacher, student, data, stages, plan, out):
                           "rerun with --resume to continue.")
     history, evals = result.full_history, result.full_evals  # across resumes
     surgery.save_pretrained(result.student, done, source=args.teacher_folder, overwrite=True,
-                            extra_files={"history.json": {"train": history, "eval": evals}})
+                            extra_files={"history.json": {"train": history, "eval": evals,
+                                                          "data_state": result.data_state}})
     return result.student, history, evals
 
 
@@ -234,6 +237,7 @@ def main(argv=None) -> dict:
     mesh = mesh_of(args)
     teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
+    distill.data.check_vocabulary(args.teacher_folder, teacher_config.vocab_size)
     data = tiny_teacher.batches(args, corpus) if corpus is not None else load_data(args)
     calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
 
@@ -260,7 +264,7 @@ def main(argv=None) -> dict:
     lineage = composed_map(plan_a, plan)  # teacher layer -> student layer, teacher channels kept
 
     # 3. Distillation: after a KV merge, a K/V warm-up with the rest frozen; then everything.
-    merged = plan.methods.get("kv") == "merge" and teacher_config.num_key_value_heads != spec.num_key_value_heads
+    merged = str(plan.methods.get("kv", "")).startswith("merge") and teacher_config.num_key_value_heads != spec.num_key_value_heads
     warmup = max(1, round(args.steps * args.kv_warmup)) if args.kv_warmup > 0 and merged else 0
     feature = args.feature_weight
     stages_b = []
@@ -357,7 +361,7 @@ def load_data(args) -> distill.TokenBatches:
     if not args.data:
         raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                  eval_batch_size=args.batch_size)
+                  eval_batch_size=args.batch_size, **cli.position_limit(args.teacher_folder))
     if args.data.startswith("hf:"):
         return distill.TokenBatches.from_hf_dataset(args.data[3:], args.teacher_folder, **common)
     return distill.TokenBatches.from_files(args.data, args.teacher_folder, **common)

@@ -15,6 +15,7 @@ import tempfile
 
 import distill
 import surgery
+from recipes import cli
 from distill.data import stdlib_corpus
 from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from surgery.safetensors_io import atomic_folder, write_json
@@ -38,9 +39,10 @@ def corpus_files(args) -> list[str]:
 
 def batches(args, files: list[str], tokenizer_folder: str | None = None) -> distill.TokenBatches:
     """Packed byte-token batches of the corpus with a held-out split (5% of the files, fixed by the seed)."""
-    return distill.TokenBatches.from_files(files, tokenizer_folder or args.teacher_folder,
-                                           batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                                           eval_batch_size=args.batch_size)
+    folder = tokenizer_folder or args.teacher_folder
+    limit = cli.position_limit(args.teacher_folder) if getattr(args, "teacher_folder", None) else {}
+    return distill.TokenBatches.from_files(files, folder, batch_size=args.batch_size, seq_len=args.seq_len,
+                                           seed=args.seed, eval_batch_size=args.batch_size, **limit)
 
 
 def prepare(args) -> tuple[str, list[str]]:
