@@ -73,7 +73,7 @@ def section_demo(records: list[dict]) -> list[str]:
     demo = _latest(records, "demo")
     if not demo:
         return []
-    lines = [f"### `make demo`: {demo.get('description', '')}", "",
+    lines = ["### `make demo`: the main job", "", f"{demo.get('description', '')}.", "",
              "| model | parameters (non-embedding) | held-out CE | perplexity | tokens | top-1 agreement | "
              "KL to teacher | BLEU | ROUGE-L | next-line MC |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in demo["rows"]:
@@ -91,6 +91,16 @@ def section_demo(records: list[dict]) -> list[str]:
                          f"tokens/s, {gflops:.0f} GFLOP/s = {gflops / CPU_PEAK_GFLOPS:.0%} of the "
                          f"{CPU_PEAK_GFLOPS:.0f} GFLOP/s matmul peak) over {stats['steps']} steps")
     lines.append(f"- wall time of the run (install excluded): {demo.get('wall_time_s', 0):.0f} s")
+    curves = {k: v for k, v in (demo.get("recovery_curves") or {}).items() if v}
+    if curves:
+        steps = sorted({p["step"] for curve in curves.values() for p in curve})
+        lines += ["", "Recovery curves of this run (held-out CE at each evaluation; the teacher is at "
+                  f"{demo['rows'][0]['loss']:.4f}):", "",
+                  "| run | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+        for name, curve in curves.items():
+            by_step = {p["step"]: p["ce"] for p in curve}
+            lines.append(f"| {name} | " + " | ".join(f"{by_step[s]:.4f}" if s in by_step else "-" for s in steps)
+                         + " |")
     return lines + [""]
 
 
