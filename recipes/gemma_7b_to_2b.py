@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
         args.data_description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
     else:
         args.data_description = args.data or ""
-    args.teacher_folder = cli.teacher_folder(args.teacher, args.revision, args.cache_dir)
+    args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
     teacher_config = args.teacher_config = surgery.GemmaConfig.from_file(args.teacher_folder)
     spec = cli.student_spec(args.student, teacher_config)
     if args.dry_run:
