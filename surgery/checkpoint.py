@@ -1,11 +1,13 @@
-"""Hugging Face checkpoint <-> NNX Gemma: the tensor table, streaming load and streaming save.
+"""Hugging Face checkpoint <-> NNX model: the tensor table, streaming load and streaming save.
 
-`tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes. The
-model keeps HF's own layouts (surgery/model.py), so the only change is a reshape that names the head axes:
+`tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes, read
+from the family's tensor schema (schema.py). The model keeps HF's own layouts (surgery/model.py), so the only
+change is a reshape that names the head axes:
 
     same        norms, embedding, gate/up/down, lm_head     identical
     split_rows  q/k/v_proj                                  HF [N*H, D] -> (N, H, D)
     split_cols  o_proj                                      HF [D, N*H] -> (D, N, H)
+    flat        q/k/v_proj biases (Qwen2)                   HF [N*H] -> (N, H)
 
 Loading builds the model abstractly (no memory), checks every tensor against it, then reads each parameter once,
 straight into 64-byte-aligned host buffers that XLA:CPU adopts without copying (`surgery.block_reads`: row
@@ -24,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import GemmaConfig
-from .model import Gemma, abstract_model, parameter_sharding
+from .config import ModelConfig
+from .model import CausalLM, abstract_model
+from .schema import bound_tensors
+from .sharding import parameter_sharding
 from .block_reads import LoadJob, fill_parameters
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, check_relative_name,
                              checkpoint_weight_map, copy_aux_files, dtype_code, iter_groups_by_file, open_safetensors,
@@ -62,35 +66,14 @@ def resolve_dtype(dtype):
 class TensorEntry:
     hf_name: str
     path: tuple  # NNX state path, e.g. ("layers", 0, "self_attn", "q_proj", "weight")
-    layout: str  # same | split_rows | split_cols
+    layout: str  # same | split_rows | split_cols | flat
+    axes: tuple[str, ...] = ()  # the NNX parameter's named axes (schema.py)
 
 
-def tensor_table(config: GemmaConfig) -> list[TensorEntry]:
-    """Every tensor of an HF Gemma checkpoint for `config`, in the order transformers writes them."""
-    entries = [TensorEntry("model.embed_tokens.weight", ("embed_tokens",), "same")]
-    for i in range(config.num_hidden_layers):
-        layer, prefix = ("layers", i), f"model.layers.{i}"
-        entries.append(TensorEntry(f"{prefix}.input_layernorm.weight", layer + ("input_layernorm", "scale"), "same"))
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            entries.append(TensorEntry(f"{prefix}.self_attn.{proj}.weight",
-                                       layer + ("self_attn", proj, "weight"), "split_rows"))
-        entries.append(TensorEntry(f"{prefix}.self_attn.o_proj.weight",
-                                   layer + ("self_attn", "o_proj", "weight"), "split_cols"))
-        if config.uses_qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                entries.append(TensorEntry(f"{prefix}.self_attn.{norm}.weight",
-                                           layer + ("self_attn", norm, "scale"), "same"))
-        norms = ["post_attention_layernorm"]
-        if config.uses_sandwich_norms:
-            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        for norm in norms:
-            entries.append(TensorEntry(f"{prefix}.{norm}.weight", layer + (norm, "scale"), "same"))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            entries.append(TensorEntry(f"{prefix}.mlp.{proj}.weight", layer + ("mlp", proj, "weight"), "same"))
-    entries.append(TensorEntry("model.norm.weight", ("norm", "scale"), "same"))
-    if not config.tie_word_embeddings:
-        entries.append(TensorEntry("lm_head.weight", ("lm_head",), "same"))
-    return entries
+def tensor_table(config: ModelConfig) -> list[TensorEntry]:
+    """Every tensor of an HF checkpoint for `config`, in the order transformers writes them (from the family's
+    tensor schema)."""
+    return [TensorEntry(t.hf_name, t.path, t.layout, t.axes) for t in bound_tensors(config)]
 
 
 def hf_shape(layout: str, nnx_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -99,6 +82,8 @@ def hf_shape(layout: str, nnx_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(nnx_shape)
     if layout == "split_rows":  # (N, H, D) -> [N*H, D]
         return (nnx_shape[0] * nnx_shape[1], nnx_shape[2])
+    if layout == "flat":  # (N, H) -> [N*H] (a bias over heads)
+        return (nnx_shape[0] * nnx_shape[1],)
     return (nnx_shape[0], nnx_shape[1] * nnx_shape[2])  # split_cols (D, N, H) -> [D, N*H]
 
 
@@ -114,6 +99,11 @@ def read_nnx_block(hf_slice, layout: str, nnx_shape: tuple[int, ...], index: tup
     bounds = [s.indices(n)[:2] for s, n in zip(index, nnx_shape)] if index else [(0, n) for n in nnx_shape]
     if layout == "same":
         return hf_slice[tuple(slice(a, b) for a, b in bounds)]
+    if layout == "flat":  # block (n, h) of (N, H) from [N*H]
+        (n0, n1), (h0, h1) = bounds
+        head_dim = nnx_shape[1]
+        block = hf_slice[n0 * head_dim:n1 * head_dim].reshape(n1 - n0, head_dim)
+        return block if h1 - h0 == head_dim else np.ascontiguousarray(block[:, h0:h1])
     if layout == "split_rows":  # block (n, h, d) of (N, H, D) from [N*H, D]
         (n0, n1), (h0, h1), (d0, d1) = bounds
         head_dim = nnx_shape[1]
@@ -170,7 +160,7 @@ def canonical_names(weight_map: dict[str, str]) -> tuple[dict[str, str], list[st
     return canonical, ignored
 
 
-def checkpoint_dtype(folder: str, config: GemmaConfig, weight_map: dict[str, str], names: dict[str, str]):
+def checkpoint_dtype(folder: str, config: ModelConfig, weight_map: dict[str, str], names: dict[str, str]):
     """The checkpoint's stored dtype, which decides the model dtype when none is asked for. A checkpoint whose
     tensors mix dtypes has none: CheckpointError naming a tensor of each (pass dtype= to convert them all)."""
     seen: dict[str, tuple[str, str]] = {}  # dtype code -> (file, a tensor stored in it)
@@ -200,8 +190,9 @@ def _get_slice(f, name: str, path: str):
 
 
 def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revision: str | None = None,
-                    check_finite: bool = False) -> Gemma:
-    """Load an HF Gemma 1/2/3 checkpoint into an NNX `Gemma`, streaming, sharded over `mesh` when given.
+                    check_finite: bool = False) -> CausalLM:
+    """Load an HF checkpoint (Gemma 1/2/3, Llama, Mistral, Qwen2) into an NNX model, streaming, sharded over
+    `mesh` when given.
 
     `dtype` (jnp/numpy dtype or "float32"/"bfloat16"/"float16") defaults to the checkpoint's own dtype.
     Raises ConfigError for an unusable config.json and CheckpointError (naming file and tensor) when the
@@ -215,7 +206,7 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
         from .gguf import cached_import  # gguf.py imports this module
         source = cached_import(source, "float32" if dtype is None else jnp.dtype(dtype).name)
     folder = resolve_source(source, revision)
-    config = GemmaConfig.from_file(folder)
+    config = ModelConfig.from_file(folder)
     weight_map = checkpoint_weight_map(folder)
     names, ignored = canonical_names(weight_map)
     table = tensor_table(config)
@@ -295,7 +286,7 @@ def _check_tied_head(folder, weight_map, names, rows_per_read: int = 8192) -> No
 
 
 # ------------------------------------------------------------------------------------------------ saving
-def model_tensors(model: Gemma, dtype=None) -> list[PendingTensor]:
+def model_tensors(model: CausalLM, dtype=None) -> list[PendingTensor]:
     """The model's tensors in HF names and layout, each produced (gathered to host) only when written."""
     state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = []
@@ -317,7 +308,7 @@ def torch_dtype_name(dtype) -> str:
     return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype_code(dtype)]
 
 
-def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTensor], *, source: str | None = None,
+def write_hf_folder(out_dir: str, config: ModelConfig, tensors: list[PendingTensor], *, source: str | None = None,
                     max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None,
                     produce_ahead: int = 1, overwrite: bool = False) -> str:
     """Write config.json, safetensors and the teacher's tokenizer files into `out_dir`, atomically.
@@ -339,7 +330,7 @@ def write_hf_folder(out_dir: str, config: GemmaConfig, tensors: list[PendingTens
     return os.path.abspath(out_dir)
 
 
-def save_pretrained(model: Gemma, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
+def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
                     dtype=None, max_shard_size: int | str = "5GB",
                     extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
     """Write `model` as an HF folder transformers loads (`AutoModelForCausalLM.from_pretrained(out_dir)`).

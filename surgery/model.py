@@ -1,22 +1,22 @@
-"""Gemma 1 / 2 / 3 (text) in Flax NNX, shaped like the Hugging Face checkpoint.
+"""Causal LMs of every family the toolkit knows (Gemma 1/2/3, Llama/Mistral/Qwen2) in Flax NNX, shaped like the
+Hugging Face checkpoint.
 
-One module per HF tensor group, with the same names: a projection's NNX path is its HF tensor name without the
-`model.` prefix (`model.layers.3.self_attn.q_proj.weight` is `model.layers[3].self_attn.q_proj.weight` here, NNX
-path `layers.3.self_attn.q_proj.weight`); norms hold HF's `.weight` as `.scale`, and `embed_tokens` / `lm_head`
-are bare parameters. Every projection holds HF's own `[out, in]` weight, only reshaped to name its head axes
-(q_proj `(N, H, D)` is HF's `(N*H, D)`, k/v_proj `(K, H, D)`, o_proj `(D, N, H)` is HF's `(D, N*H)`, gate/up
-`(F, D)`, down `(D, F)`, untied lm_head `(V, D)`), so loading and saving are straight byte copies, never
+One module per HF tensor group, with the same names, and every parameter made from its declaration in the
+family's tensor schema (surgery/schema.py, surgery/families/): a projection's NNX path is its HF tensor name
+without the `model.` prefix (`model.layers.3.self_attn.q_proj.weight` is `layers.3.self_attn.q_proj.weight`
+here); norms hold HF's `.weight` as `.scale`, and `embed_tokens` / `lm_head` are bare parameters. Every
+projection holds HF's own `[out, in]` weight, only reshaped to name its head axes (q_proj `(N, H, D)` is HF's
+`(N*H, D)`, o_proj `(D, N, H)` is HF's `(D, N*H)`), so loading and saving are straight byte copies, never
 transposes. Each einsum names its axes:
 
     D hidden   F MLP width   N query heads   K KV heads   G query heads per KV head   H head_dim
     B batch    T query positions   S key positions   V vocabulary
 
-Dimension names in the parameter metadata (`axes`) map to mesh axes: "fsdp" shards the hidden side, "tp" shards
-heads, MLP width and vocabulary. Axes that do not divide a dimension evenly are left unsharded.
+Parameters carry logical axis names (`axes`); sharding.py's rules table maps them to mesh axes.
 
-`Gemma.__call__` returns a `GemmaOutput`. Intermediates (residual stream per layer, attention probabilities,
-per-head attention outputs, MLP activations) are computed only when requested with `capture=`, so the default
-forward stores nothing extra; they are plain outputs, so they work inside `jax.jit`, `grad` and `vmap`.
+`CausalLM.__call__` returns a `ModelOutput`. Intermediates (see CAPTURABLE) are computed only when requested
+with `capture=`, so the default forward stores nothing extra; they are plain outputs, so they work inside
+`jax.jit`, `grad` and `vmap`. `skip_layers` replaces layers by the identity (for layer-removal scores).
 
 Masks come from positions, once per attention type: causal, in the sliding window, not padding, and with
 `segment_ids` (packed documents) in the query's own document. With `cache=` (`init_cache`, surgery/generate.py)
@@ -31,121 +31,121 @@ from typing import Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from .config import FULL, SLIDING, GemmaConfig
+from .config import FULL, SLIDING, ModelConfig
 from .generate import KVCache
+from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
+from .schema import declared, nnx_shape
+from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding
 
-CAPTURABLE = frozenset({"residual", "attention_probs", "head_outputs", "mlp_activations", "normed_inputs"})
+# residual: the stream before the first and after every layer; mid_residual: between attention and MLP;
+# attention_outputs / mlp_outputs: what each block adds (before Gemma 2/3's post-norms); head_outputs: per head,
+# before o_proj; mlp_activations: the input of down_proj; normed_inputs: input_layernorm's output.
+CAPTURABLE = frozenset({"residual", "mid_residual", "attention_outputs", "mlp_outputs", "attention_probs",
+                        "head_outputs", "mlp_activations", "normed_inputs"})
 
 
-# ------------------------------------------------------------------------------------------------ sharding helpers
-def fitted_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh=None) -> tuple[str | None, ...]:
-    """Mesh axis names for a tensor, dropping axes the mesh lacks or that do not divide the dimension."""
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if mesh is not None and not mesh.empty else {}
-    return tuple(a if a in sizes and dim % sizes[a] == 0 else None for dim, a in zip(shape, axes))
-
-
+# ------------------------------------------------------------------------------------------------ parameters
 _ABSTRACT = contextvars.ContextVar("surgery_abstract_parameters", default=False)
 
 
-def _param(init, rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
-    """A parameter carrying its logical `axes`; sharded at creation when a mesh is active (Flax eager sharding).
-
-    Inside `abstract_model` the value is a `jax.ShapeDtypeStruct` made directly (no initialiser is traced, no
-    random key is drawn), with the sharding the concrete parameter would get."""
+def _param(init, rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
+           sharded: bool = True) -> nnx.Param:
+    """A parameter carrying its logical `axes` and the `mesh_axes` the rules table maps them to; sharded at
+    creation when a mesh is active (Flax eager sharding). Inside `abstract_model` the value is a
+    `jax.ShapeDtypeStruct` made directly (no initialiser is traced, no random key is drawn), with the sharding the
+    concrete parameter would get."""
+    names = mesh_axes(axes) if sharded else (None,) * len(shape)
     mesh = jax.sharding.get_abstract_mesh()
-    spec = fitted_spec(shape, axes, mesh) if mesh is not None and not mesh.empty else None
+    spec = fitted_spec(shape, names, mesh) if mesh is not None and not mesh.empty else None
+    meta = dict(axes=axes, mesh_axes=names)
     if _ABSTRACT.get():
         sharding = None if spec is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        variable = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding), axes=axes)
+        variable = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding), **meta)
         if spec is not None:
             variable.set_metadata("out_sharding", spec)  # as eager sharding records it, without placing anything
         return variable
     value = init(None if rngs is None else rngs.params(), shape, dtype)
     if spec is not None:
-        return nnx.Param(value, axes=axes, out_sharding=spec)
-    return nnx.Param(value, axes=axes)
+        return nnx.Param(value, out_sharding=spec, **meta)
+    return nnx.Param(value, **meta)
 
 
-def _normal(std: float, drawn_as: tuple[int, ...] | None = None):
-    """normal(std) values; with `drawn_as`, drawn in the axis order `drawn_as` of the parameter's shape and then
-    moved into place (projections draw in (in, out) order, so `create_model(config, seed=s)` gives the same
-    weights as before projections were stored in HF's [out, in] layout)."""
-    if drawn_as is None:
-        return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _declared(cfg: ModelConfig, name: str, init, rngs, dtype) -> nnx.Param:
+    """The parameter the family's schema declares under `name` (shape and axes from the declaration)."""
+    decl = declared(cfg, name)
+    return _param(init, rngs, nnx_shape(cfg, decl), decl.axes, dtype, sharded=not decl.norm)
 
-    def init(key, shape, dtype):
-        drawn = std * jax.random.normal(key, tuple(shape[a] for a in drawn_as), jnp.float32)
-        return jnp.transpose(drawn, tuple(int(a) for a in np.argsort(drawn_as))).astype(dtype)
-    return init
+
+def _normal(key, shape, dtype):
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def _zeros(key, shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
+def _ones(key, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
 # ------------------------------------------------------------------------------------------------ modules
 class RMSNorm(nnx.Module):
-    """Gemma RMSNorm: `x * rsqrt(mean(x²) + eps) * (1 + w)` in float32, cast back to the input dtype."""
+    """RMSNorm in float32. Gemma (`offset`): `x * rsqrt(mean(x²) + eps) * (1 + w)`, cast back to the input dtype.
+    Llama: the normalised `x` is cast back first, then multiplied by `w` (as transformers does each)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
-        self.scale = _param(_zeros, None, (dim,), (None,), dtype)
-        self.eps = eps
+    def __init__(self, cfg: ModelConfig, name: str, *, dtype, rngs: nnx.Rngs):
+        self.offset = cfg.norm_offset
+        self.scale = _declared(cfg, name, _zeros if self.offset else _ones, None, dtype)
+        self.eps = cfg.rms_norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
-
-
-# Axis orders in which projections draw their initial values: (in, out), as Flax kernels were stored.
-IN_OUT = (1, 0)  # [out, in] matrices: gate/up (F, D), down (D, F), lm_head (V, D)
-IN_OUT_HEADS = (2, 0, 1)  # q/k/v (N, H, D) drawn as (D, N, H)
-IN_HEADS_OUT = (1, 2, 0)  # o_proj (D, N, H) drawn as (N, H, D)
+        if self.offset:
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
 class Projection(nnx.Module):
-    """A bias-free projection whose `weight` is HF's `[out, in]` matrix with named axes; `spec` names the einsum
-    applied to the input (`"BTD,NHD->BTNH"`: input first, weight second, its input axes last). It runs as one 2-D
-    matmul over flattened head axes: XLA on CPU transposes a 3-D weight on every call (slower than the matmul)."""
+    """A projection whose `weight` is HF's `[out, in]` matrix with named axes (and an optional `bias` over the
+    output axes); `equation` names the einsum applied to the input (`"BTD,NHD->BTNH"`: input first, weight
+    second, its input axes last). It runs as one 2-D matmul over flattened head axes: XLA on CPU transposes a
+    3-D weight on every call, which costs more than the matmul."""
 
-    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: str, *, drawn_as: tuple[int, ...],
-                 dtype, rngs: nnx.Rngs):
-        self.weight = _param(_normal(0.02, drawn_as), rngs, shape, axes, dtype)
-        self.spec = spec
-        inputs, weight = spec.split("->")[0].split(",")
+    def __init__(self, cfg: ModelConfig, name: str, equation: str, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+        self.weight = _declared(cfg, f"{name}.weight", _normal, rngs, dtype)
+        if bias:
+            self.bias = _declared(cfg, f"{name}.bias", _zeros, None, dtype)
+        self.equation = equation
+        inputs, weight = equation.split("->")[0].split(",")
         self.num_in_axes = sum(axis in inputs for axis in weight)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight, k = self.weight[...].astype(x.dtype), self.num_in_axes
         out_shape, lead = weight.shape[:-k], x.shape[:x.ndim - k]
         matrix = weight.reshape(math.prod(out_shape), -1)
-        return jnp.einsum("...I,OI->...O", x.reshape(*lead, -1), matrix).reshape(*lead, *out_shape)
+        out = jnp.einsum("...I,OI->...O", x.reshape(*lead, -1), matrix).reshape(*lead, *out_shape)
+        return out + self.bias[...].astype(x.dtype) if hasattr(self, "bias") else out
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: GemmaConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
-        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Projection((n, h, d), ("tp", None, "fsdp"), "BTD,NHD->BTNH",
-                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
-        self.k_proj = Projection((k, h, d), ("tp", None, "fsdp"), "BSD,KHD->BSKH",
-                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
-        self.v_proj = Projection((k, h, d), ("tp", None, "fsdp"), "BSD,KHD->BSKH",
-                                 drawn_as=IN_OUT_HEADS, dtype=dtype, rngs=rngs)
-        self.o_proj = Projection((d, n, h), ("fsdp", "tp", None), "BTNH,DNH->BTD",
-                                 drawn_as=IN_HEADS_OUT, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
+        common = dict(dtype=dtype, rngs=rngs)
+        self.q_proj = Projection(cfg, "self_attn.q_proj", "BTD,NHD->BTNH", bias=cfg.attention_bias, **common)
+        self.k_proj = Projection(cfg, "self_attn.k_proj", "BSD,KHD->BSKH", bias=cfg.attention_bias, **common)
+        self.v_proj = Projection(cfg, "self_attn.v_proj", "BSD,KHD->BSKH", bias=cfg.attention_bias, **common)
+        self.o_proj = Projection(cfg, "self_attn.o_proj", "BTNH,DNH->BTD", bias=cfg.output_bias, **common)
         if cfg.uses_qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.q_norm = RMSNorm(cfg, "self_attn.q_norm.scale", **common)
+            self.k_norm = RMSNorm(cfg, "self_attn.k_norm.scale", **common)
         self.attention_type = attention_type
         self.rope = cfg.rope[attention_type]
         self.window = cfg.sliding_window if attention_type == SLIDING else None
         self.scale = cfg.attention_scale
         self.softcap = cfg.attention_softcap
-        self.num_kv_heads, self.head_dim = k, h
+        self.num_kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
 
     def __call__(self, x, positions, mask, captured: dict | None, kv=None):
         """`mask` (B, T, S) says which keys each query sees (None: causal and windowed by `positions`); `kv`, with a
@@ -166,42 +166,45 @@ class Attention(nnx.Module):
         scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         heads = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, num_heads, self.head_dim)
-        if captured is not None:
-            if "attention_probs" in captured:
-                captured["attention_probs"].append(probs.reshape(batch, num_heads, length, -1))
-            if "head_outputs" in captured:
-                captured["head_outputs"].append(heads)
+        if captured is not None and "attention_probs" in captured:
+            captured["attention_probs"].append(probs.reshape(batch, num_heads, length, -1))
+        _keep(captured, "head_outputs", heads)
         return self.o_proj(heads)
 
 
 class MLP(nnx.Module):
-    """GeGLU: `down(gelu_tanh(gate(x)) * up(x))`."""
+    """Gated: `down(act(gate(x)) * up(x))`, act the tanh GELU (GeGLU, Gemma) or SiLU (SwiGLU, Llama)."""
 
-    def __init__(self, cfg: GemmaConfig, *, dtype, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Projection((f, d), ("tp", "fsdp"), "BTD,FD->BTF", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
-        self.up_proj = Projection((f, d), ("tp", "fsdp"), "BTD,FD->BTF", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
-        self.down_proj = Projection((d, f), ("fsdp", "tp"), "BTF,DF->BTD", drawn_as=IN_OUT, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Projection(cfg, "mlp.gate_proj", "BTD,FD->BTF", dtype=dtype, rngs=rngs)
+        self.up_proj = Projection(cfg, "mlp.up_proj", "BTD,FD->BTF", dtype=dtype, rngs=rngs)
+        self.down_proj = Projection(cfg, "mlp.down_proj", "BTF,DF->BTD", dtype=dtype, rngs=rngs)
+        self.silu = cfg.hidden_act == "silu"
 
     def __call__(self, x, captured: dict | None):
-        activations = jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x)
-        if captured is not None and "mlp_activations" in captured:
-            captured["mlp_activations"].append(activations)
+        gate = self.gate_proj(x)
+        activations = (jax.nn.silu(gate) if self.silu else jax.nn.gelu(gate, approximate=True)) * self.up_proj(x)
+        _keep(captured, "mlp_activations", activations)
         return self.down_proj(activations)
 
 
-class DecoderLayer(nnx.Module):
-    """One block. Gemma 1: `post_attention_layernorm` is the pre-MLP norm. Gemma 2/3: it normalises the attention
-    output, and `pre_/post_feedforward_layernorm` wrap the MLP (same tensor name, different meaning)."""
+def _keep(captured: dict | None, name: str, value: jax.Array) -> None:
+    if captured is not None and name in captured:
+        captured[name].append(value)
 
-    def __init__(self, cfg: GemmaConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
-        eps, d = cfg.rms_norm_eps, cfg.hidden_size
-        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+
+class DecoderLayer(nnx.Module):
+    """One block. Gemma 1 and Llama: `post_attention_layernorm` is the pre-MLP norm. Gemma 2/3: it normalises the
+    attention output, and `pre_/post_feedforward_layernorm` wrap the MLP (same tensor name, different meaning)."""
+
+    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg, "input_layernorm.scale", dtype=dtype, rngs=rngs)
         self.self_attn = Attention(cfg, attention_type, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg, "post_attention_layernorm.scale", dtype=dtype, rngs=rngs)
         if cfg.uses_sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-            self.post_feedforward_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+            self.pre_feedforward_layernorm = RMSNorm(cfg, "pre_feedforward_layernorm.scale", dtype=dtype, rngs=rngs)
+            self.post_feedforward_layernorm = RMSNorm(cfg, "post_feedforward_layernorm.scale", dtype=dtype,
+                                                      rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
         self.sandwich = cfg.uses_sandwich_norms
 
@@ -211,18 +214,24 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, mask, captured: dict | None, kv=None):
         normed = self.input_layernorm(x)
-        if captured is not None and "normed_inputs" in captured:
-            captured["normed_inputs"].append(normed)
+        _keep(captured, "normed_inputs", normed)
         attn = self.self_attn(normed, positions, mask, captured, kv)
+        _keep(captured, "attention_outputs", attn)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), captured))
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x), captured)
+            _keep(captured, "mid_residual", x)
+            _keep(captured, "mlp_outputs", mlp_out)
+            return x + self.post_feedforward_layernorm(mlp_out)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), captured)
+        mlp_out = self.mlp(self.post_attention_layernorm(x), captured)
+        _keep(captured, "mid_residual", x)
+        _keep(captured, "mlp_outputs", mlp_out)
+        return x + mlp_out
 
 
 @dataclasses.dataclass
-class GemmaOutput:
+class ModelOutput:
     """What a forward pass returns. Tuples are per layer; `residual` has L + 1 entries (embeddings first)."""
 
     logits: jax.Array | None
@@ -232,26 +241,29 @@ class GemmaOutput:
     head_outputs: tuple[jax.Array, ...] | None = None  # (B, T, N, H), attention output before o_proj
     mlp_activations: tuple[jax.Array, ...] | None = None  # (B, T, F), input of down_proj
     normed_inputs: tuple[jax.Array, ...] | None = None  # (B, T, D), input_layernorm outputs
+    mid_residual: tuple[jax.Array, ...] | None = None  # (B, T, D), the stream between attention and MLP
+    attention_outputs: tuple[jax.Array, ...] | None = None  # (B, T, D), o_proj's output
+    mlp_outputs: tuple[jax.Array, ...] | None = None  # (B, T, D), down_proj's output
     cache: KVCache | None = None  # the updated KV cache, when one was passed
 
 
+GemmaOutput = ModelOutput
 jax.tree_util.register_dataclass(
-    GemmaOutput, data_fields=[f.name for f in dataclasses.fields(GemmaOutput)], meta_fields=[])
+    ModelOutput, data_fields=[f.name for f in dataclasses.fields(ModelOutput)], meta_fields=[])
 
 
-class Gemma(nnx.Module):
-    """A Gemma causal LM. `config` decides the family, sizes and every layer's attention type."""
+class CausalLM(nnx.Module):
+    """A causal LM of any known family. `config` decides the family, sizes and every layer's attention type."""
 
-    def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         if rngs is None and not _ABSTRACT.get():  # abstract parameters draw no keys (nnx.Rngs costs a compile)
             rngs = nnx.Rngs(0)
         self.config = config
-        d, v = config.hidden_size, config.vocab_size
-        self.embed_tokens = _param(_normal(0.02), rngs, (v, d), ("tp", "fsdp"), dtype)
+        self.embed_tokens = _declared(config, "embed_tokens", _normal, rngs, dtype)
         self.layers = nnx.List([DecoderLayer(config, t, dtype=dtype, rngs=rngs) for t in config.layer_types])
-        self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        if not config.tie_word_embeddings:
-            self.lm_head = _param(_normal(0.02, IN_OUT), rngs, (v, d), ("tp", "fsdp"), dtype)
+        self.norm = RMSNorm(config, "norm.scale", dtype=dtype, rngs=rngs)
+        if config.unties_head:
+            self.lm_head = _declared(config, "lm_head", _normal, rngs, dtype)
 
     @property
     def dtype(self):
@@ -259,8 +271,14 @@ class Gemma(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         table = self.embed_tokens[...]
+        if not self.config.scales_embeddings:
+            return table[input_ids]
         # The scale is cast to the weight dtype first, as in transformers (bf16 rounds sqrt(3072) to 55.5).
         return table[input_ids] * jnp.asarray(math.sqrt(self.config.hidden_size), table.dtype)
+
+    def shardings(self, mesh) -> nnx.State:
+        """Where every variable goes on `mesh` (NamedSharding leaves, the tree of `nnx.state(self)`)."""
+        return model_shardings(self, mesh)
 
     def head_matrix(self) -> jax.Array:
         """The (V, D) matrix of the LM head: `logits = final_hidden @ head_matrix().T`."""
@@ -279,14 +297,16 @@ class Gemma(nnx.Module):
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  capture: Iterable[str] = (), return_logits: bool = True, inputs_embeds: jax.Array | None = None,
-                 cache: KVCache | None = None) -> GemmaOutput:
+                 cache: KVCache | None = None, skip_layers=None) -> ModelOutput:
         """`input_ids` (B, T) int. `attention_mask` (B, T) marks real tokens (1) vs padding (0), as in transformers.
         `segment_ids` (B, T) int marks packed documents (0: padding): a token sees only earlier tokens of its own
         document; `positions` then count from 0 in each document (derived from `segment_ids` when not given).
         `capture` names intermediates to return (see CAPTURABLE). `inputs_embeds` (B, T, D), when given, replaces
         `self.embed(input_ids)` (already scaled by sqrt(D)): a training step can then differentiate the embedding
         lookup itself, e.g. to add its gradient straight into the tied LM head's. `cache` (`init_cache`): the tokens
-        continue the cached ones (positions too, unless given); the output's `cache` holds them as well."""
+        continue the cached ones (positions too, unless given); the output's `cache` holds them as well.
+        `skip_layers`: layer indices to replace by the identity, or a (L,) bool array (traced: one compilation
+        serves every choice of layers)."""
         capture = frozenset(capture)
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
@@ -294,14 +314,20 @@ class Gemma(nnx.Module):
         positions, masks, step = self._masks(input_ids.shape, positions, attention_mask, segment_ids, cache)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = [x] if "residual" in capture else None
+        skip = _skip_flags(skip_layers, len(self.layers), cache)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, masks[layer.attention_type], captured, None if step is None else step.layer(i))
+            if skip[i] is True:
+                out = x
+            else:
+                out = layer(x, positions, masks[layer.attention_type], captured,
+                            None if step is None else step.layer(i))
+            x = jnp.where(skip[i], x, out) if isinstance(skip[i], jax.Array) else out
             if residual is not None:
                 residual.append(x)
         final_hidden = self.norm(x)
         logits = self.logits_from_hidden(final_hidden) if return_logits else None
         extras = {name: tuple(values) for name, values in (captured or {}).items() if name != "residual"}
-        return GemmaOutput(logits=logits, final_hidden=final_hidden,
+        return ModelOutput(logits=logits, final_hidden=final_hidden,
                            residual=tuple(residual) if residual is not None else None,
                            cache=None if step is None else step.finish(), **extras)
 
@@ -329,81 +355,48 @@ class Gemma(nnx.Module):
         return KVCache.create(layers, batch, max_len, self.dtype if dtype is None else dtype)
 
 
+Gemma = CausalLM  # the toolkit's first family; every family builds the same class
+
+
 # ------------------------------------------------------------------------------------------------ functions
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    return x if not cap else jnp.tanh(x / cap) * cap
+def _skip_flags(skip_layers, num_layers: int, cache) -> list:
+    """Per layer: False (run it), True (skip it, static) or a traced bool scalar."""
+    if skip_layers is None:
+        return [False] * num_layers
+    if cache is not None:
+        raise ValueError("skip_layers cannot be combined with cache=; a skipped layer would leave its cache stale.")
+    if getattr(skip_layers, "dtype", None) == jnp.bool_:
+        skip_layers = jnp.asarray(skip_layers)
+        if skip_layers.shape != (num_layers,):
+            raise ValueError(f"skip_layers as an array must have shape ({num_layers},), got {skip_layers.shape}.")
+        return [skip_layers[i] for i in range(num_layers)]
+    chosen = {int(i) for i in skip_layers}
+    if not chosen <= set(range(num_layers)):
+        raise ValueError(f"skip_layers {sorted(chosen)} must be layer indices in [0, {num_layers}).")
+    return [i in chosen for i in range(num_layers)]
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, rope) -> jax.Array:
-    """Rotate-half RoPE on (B, T, heads, H); cos/sin made in float32, then cast to the activation dtype."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    inv_freq = inv_freq / rope.linear_factor
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, H/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    first, second = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
-
-
-def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | None,
-                   key_mask: jax.Array | None = None, query_segments: jax.Array | None = None,
-                   key_segments: jax.Array | None = None) -> jax.Array:
-    """(B, T, S) bool: causal, within the sliding window (which counts the token itself), not padding, and with
-    segment ids in the query's own non-zero segment."""
-    query, key = query_positions[:, :, None], key_positions[:, None, :]
-    allowed = key <= query
-    if window is not None:
-        allowed &= key > query - window
-    if key_mask is not None:
-        allowed &= key_mask[:, None, :]
-    if query_segments is not None:
-        keys = key_segments[:, None, :]
-        allowed &= (query_segments[:, :, None] == keys) & (keys != 0)
-    return allowed
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Positions counted from 0 at the start of each segment (a run of equal ids) of every row."""
-    index = jnp.arange(segment_ids.shape[1])
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-
-
-def create_model(config: GemmaConfig, *, dtype=jnp.float32, seed: int = 0, mesh=None) -> Gemma:
-    """A randomly initialised Gemma (normal(0.02) weights, zero norms), sharded over `mesh` when given."""
+def create_model(config: ModelConfig, *, dtype=jnp.float32, seed: int = 0, mesh=None) -> CausalLM:
+    """A randomly initialised model (normal(0.02) weights, norms the identity), sharded over `mesh` when given."""
     if mesh is None:
-        return Gemma(config, dtype=dtype, rngs=nnx.Rngs(seed))
+        return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
     with jax.set_mesh(mesh):
-        return Gemma(config, dtype=dtype, rngs=nnx.Rngs(seed))
+        return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
-def abstract_model(config: GemmaConfig, *, dtype=jnp.float32, mesh=None) -> Gemma:
+def abstract_model(config: ModelConfig, *, dtype=jnp.float32, mesh=None) -> CausalLM:
     """The model's structure with ShapeDtypeStruct leaves (sharded like `create_model`'s under `mesh`): no memory
     is allocated and no initialiser runs, so it costs milliseconds even for a 7B config."""
     token = _ABSTRACT.set(True)
     try:
         if mesh is None:
-            return Gemma(config, dtype=dtype)
+            return CausalLM(config, dtype=dtype)
         with jax.set_mesh(mesh):
-            return Gemma(config, dtype=dtype)
+            return CausalLM(config, dtype=dtype)
     finally:
         _ABSTRACT.reset(token)
 
 
-def parameter_sharding(variable: nnx.Variable, mesh) -> jax.sharding.Sharding:
-    """Where one parameter lives: NamedSharding from its logical axes on `mesh`, else the default device."""
-    if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    axes = variable.get_metadata().get("axes") or (None,) * len(variable.shape)
-    spec = fitted_spec(tuple(variable.shape), tuple(axes), mesh)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-
-def layer_types_of(model: Gemma) -> tuple[str, ...]:
-    return tuple(layer.attention_type for layer in model.layers)
-
-
-__all__ = ["Gemma", "GemmaOutput", "KVCache", "create_model", "abstract_model", "apply_rope", "attention_mask",
-           "segment_positions", "softcap", "fitted_spec", "parameter_sharding", "CAPTURABLE", "FULL", "SLIDING"]
+__all__ = ["CausalLM", "Gemma", "ModelOutput", "GemmaOutput", "KVCache", "create_model", "abstract_model",
+           "apply_rope", "rope_frequencies", "attention_mask", "segment_positions", "softcap", "fitted_spec",
+           "parameter_sharding", "CAPTURABLE", "FULL", "SLIDING"]
