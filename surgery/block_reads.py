@@ -138,7 +138,7 @@ def _hf_rows(layout: str, shape: tuple[int, ...], bounds: list[tuple[int, int]])
     full = [bounds[i] == (0, shape[i]) for i in range(len(shape))]
     if not shape or any(b <= a for a, b in bounds):
         return None
-    if layout == "split_rows":  # (N, H, D) from [N*H, D]: whole heads, all columns
+    if layout in ("split_rows", "flat"):  # (N, H, D) from [N*H, D] or (N, H) from [N*H]: whole heads
         (n0, n1) = bounds[0]
-        return (n0 * shape[1], n1 * shape[1]) if full[1] and full[2] else None
+        return (n0 * shape[1], n1 * shape[1]) if all(full[1:]) else None
     return bounds[0] if all(full[1:]) else None  # same, split_cols (D, N, H): HF rows are NNX axis 0

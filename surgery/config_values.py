@@ -109,8 +109,9 @@ def rope_entry(entry: Any, default_theta: float, where: str) -> Rope:
 def legacy_rope(data: dict, default_theta: float, where: str) -> Rope:
     """RoPE from `rope_parameters` with a rope_theta, else from the legacy `rope_theta` + `rope_scaling` keys."""
     params = data.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return rope_entry(params, default_theta, where)
+    if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
+        theta = Numbers(data, where).float("rope_theta", default_theta)
+        return rope_entry(params, theta, where)
     scaling = dict(data.get("rope_scaling") or {})
     if not isinstance(data.get("rope_scaling") or {}, dict):
         raise ConfigError(f"{where}: rope_scaling must be an object, got {data.get('rope_scaling')!r:.80}.")

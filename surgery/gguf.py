@@ -7,7 +7,9 @@ The folder is what transformers makes of the file (`from_pretrained(dir, gguf_fi
 `surgery.load_pretrained(folder)` gives its logits. llama.cpp's conversion is undone as transformers undoes it:
 RMSNorm weights were stored as `1 + w` (w = stored - 1, in float32 after dequantisation, before the cast); the
 dequantised arrays (GGUF lists dims innermost first) are already HF's `[out, in]`, Gemma's q/k unpermuted; a tied
-head is not stored, so a file with `output.weight` is untied.
+head is not stored, so a file with `output.weight` is untied. Tensor names come from the family's schema
+(`schema.Tensor.gguf`). Llama-family files are refused: llama.cpp permutes their q/k rows for its RoPE layout, and
+undoing that is not built here.
 
 The config takes every size and special-token id the file states, and transformers' config-class defaults for
 what it does not: `query_pre_attn_scalar` 256, the sliding RoPE base 10000 (Gemma 3), the layer pattern (Gemma 2
@@ -33,22 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import resolve_dtype, tensor_table, torch_dtype_name
+from .checkpoint import resolve_dtype, torch_dtype_name
 from .config import ARCHITECTURES, ConfigError, GemmaConfig
+from .families import FAMILIES
+from .schema import bound_tensors, hf_shape_of
 from .gguf_tokenizer import build_tokenizer, tokenizer_configs
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, write_json, write_model_files)
 
-MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
-# Per-layer tensors: HF name -> llama.cpp name (gguf's TensorNameMap for each architecture).
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# llama.cpp architecture -> HF model_type, for the families whose schema names their GGUF tensors (Tensor.gguf).
+MODEL_TYPES = {arch: model_type for family in FAMILIES for arch, model_type in family.gguf_architectures.items()}
 DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes dequantised at once
 
 
@@ -249,47 +244,25 @@ def tensor_plans(config: GemmaConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
 
     readable = set(_type_traits) | {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
     left, plans = dict(file.tensors), []
-    for entry in tensor_table(config):
-        name, shape = llama_cpp_name(entry.hf_name, config.model_type), hf_tensor_shape(entry.hf_name, config)
-        tensor = left.pop(name, None)
-        if tensor is None:
-            raise CheckpointError(f"{file.path}: tensor {name} (for {entry.hf_name}) is missing; the file does not "
-                                  f"hold a complete {config.model_type} model.")
-        if tensor.shape != shape:
-            raise CheckpointError(f"{file.path}: tensor {name} has shape {list(tensor.shape)}, the metadata implies "
-                                  f"{list(shape)} (for {entry.hf_name}).")
-        if tensor.type not in readable:
-            raise CheckpointError(f"{file.path}: tensor {name} has type {tensor.type.name}, which gguf.quants cannot "
-                                  "dequantise; re-quantise the model to a supported type (F32, F16, BF16, "
+    for tensor in bound_tensors(config):
+        name, shape = tensor.gguf_name, hf_shape_of(config, tensor)
+        found = left.pop(name, None)
+        if found is None:
+            raise CheckpointError(f"{file.path}: tensor {name} (for {tensor.hf_name}) is missing; the file does "
+                                  f"not hold a complete {config.model_type} model.")
+        if found.shape != shape:
+            raise CheckpointError(f"{file.path}: tensor {name} has shape {list(found.shape)}, the metadata implies "
+                                  f"{list(shape)} (for {tensor.hf_name}).")
+        if found.type not in readable:
+            raise CheckpointError(f"{file.path}: tensor {name} has type {found.type.name}, which gguf.quants "
+                                  "cannot dequantise; re-quantise the model to a supported type (F32, F16, BF16, "
                                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ*).")
-        plans.append(GGUFTensorPlan(entry.hf_name, shape, tensor, name.endswith("norm.weight")))
+        # llama.cpp stores Gemma's RMSNorm weights as 1 + w
+        plans.append(GGUFTensorPlan(tensor.hf_name, shape, found, tensor.decl.norm and config.norm_offset))
     if left:
         raise CheckpointError(f"{file.path}: {len(left)} tensor(s) a {config.model_type} model does not use, e.g. "
                               f"{sorted(left)[:3]}; this is not a plain Gemma text model.")
     return plans
-
-
-def llama_cpp_name(hf_name: str, model_type: str) -> str:
-    """The GGUF name of an HF tensor. Gemma 1's post-attention norm is its pre-MLP norm: llama.cpp's ffn_norm."""
-    module = hf_name.removesuffix(".weight")
-    if not module.startswith("model.layers."):
-        return f"{GLOBAL_TENSORS[module]}.weight"
-    _, _, index, part = module.split(".", 3)
-    if model_type == "gemma" and part == "post_attention_layernorm":
-        return f"blk.{index}.ffn_norm.weight"
-    return f"blk.{index}.{LAYER_TENSORS[part]}.weight"
-
-
-def hf_tensor_shape(hf_name: str, config: GemmaConfig) -> tuple[int, ...]:
-    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * h, config.num_key_value_heads * h
-    module = hf_name.removesuffix(".weight")
-    part = module.split(".", 3)[3] if module.startswith("model.layers.") else module.removeprefix("model.")
-    shapes = {"embed_tokens": (config.vocab_size, d), "lm_head": (config.vocab_size, d), "self_attn.q_proj": (q, d),
-              "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
-              "self_attn.q_norm": (h,), "self_attn.k_norm": (h,), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
-              "mlp.down_proj": (d, f)}
-    return shapes.get(part, (d,))  # every other tensor is a hidden-size norm
 
 
 def pending_tensor(plan: GGUFTensorPlan, file: GGUFFile, dtype: np.dtype,

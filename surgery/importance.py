@@ -28,10 +28,11 @@ from flax import nnx
 
 from .config import GemmaConfig
 from .model import Gemma
-from .plan import norm_names
+from .schema import bound_tensors, hf_shape_of, norm_tensors
 from .slices import Reader
 
-CAPTURE = ("residual", "head_outputs", "mlp_activations", "normed_inputs")
+CAPTURE = ("residual", "mid_residual", "attention_outputs", "mlp_outputs", "head_outputs", "mlp_activations",
+           "normed_inputs")
 
 
 @dataclasses.dataclass
@@ -99,23 +100,19 @@ def _batch_stats(model: Gemma, ids: jax.Array) -> dict:
              "heads": jnp.stack([seq_mean_sq(jnp.linalg.norm(f32(h), axis=-1)) for h in out.head_outputs]),
              "hidden": jnp.stack([seq_mean_sq(jnp.abs(f32(x))) for x in out.normed_inputs]
                                  + [seq_mean_sq(jnp.abs(f32(out.final_hidden)))])}
-    influence, energy = [], {name: [] for name in norm_names(model.config)}
-    for i, layer in enumerate(model.layers):
+    influence = []
+    for i in range(len(model.layers)):
         before, after = f32(out.residual[i]), f32(out.residual[i + 1])
         cos = jnp.sum(before * after, -1) / (jnp.linalg.norm(before, axis=-1) * jnp.linalg.norm(after, axis=-1)
                                              + 1e-30)
         influence.append(jnp.sum(1.0 - cos))
-        attn = layer.self_attn.o_proj(out.head_outputs[i])
-        energy["input_layernorm"].append(energy_share(out.residual[i]))
-        if model.config.uses_sandwich_norms:
-            energy["post_attention_layernorm"].append(energy_share(attn))
-            mid = out.residual[i] + layer.post_attention_layernorm(attn)
-            energy["pre_feedforward_layernorm"].append(energy_share(mid))
-            energy["post_feedforward_layernorm"].append(energy_share(layer.mlp.down_proj(out.mlp_activations[i])))
-        else:
-            energy["post_attention_layernorm"].append(energy_share(out.residual[i] + attn))
+    # every norm's input is a captured stream the schema names (`Tensor.reads`)
+    streams = {"residual": out.residual[:-1], "mid_residual": out.mid_residual,
+               "attention_outputs": out.attention_outputs, "mlp_outputs": out.mlp_outputs}
+    energy = {t.at(0).module: jnp.stack([energy_share(x) for x in streams[t.reads]])
+              for t in norm_tensors(model.config)}
     stats["block_influence"] = jnp.stack(influence)
-    stats["energy"] = {name: jnp.stack(values) for name, values in energy.items()}
+    stats["energy"] = energy
     stats["energy"]["final"] = energy_share(out.residual[-1])
     return stats
 
@@ -140,14 +137,9 @@ def activation_stats(teacher: Gemma, batches: list[np.ndarray]) -> ActivationSta
 @nnx.jit
 def _skip_loss(model: Gemma, ids: jax.Array, skip: jax.Array) -> jax.Array:
     """Summed next-token cross-entropy with layer `skip` replaced by the identity (-1: the full model)."""
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    x = model.embed(ids)
-    for i, layer in enumerate(model.layers):
-        x = jnp.where(skip == i, x, layer(x, positions, None, None))
-    logits = model.logits_from_hidden(model.norm(x))[:, :-1]
-    targets = ids[:, 1:]
+    logits = model(ids, skip_layers=jnp.arange(len(model.layers)) == skip).logits[:, :-1]
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return -jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
 
 def layer_removal_loss(teacher: Gemma, batches: list[np.ndarray]) -> tuple[float, np.ndarray]:
@@ -166,38 +158,30 @@ def layer_removal_loss(teacher: Gemma, batches: list[np.ndarray]) -> tuple[float
 
 # ------------------------------------------------------------------------------------------------ magnitude
 def magnitude_scores(config: GemmaConfig, read: Reader, chunk_bytes: int = 16 << 20) -> dict[str, np.ndarray]:
-    """Data-free scores from weight norms, one tensor (or row block) at a time.
+    """Data-free scores from weight norms, one tensor (or row block) at a time, for any family: every matrix of
+    the schema contributes along its named axes.
 
-    MLP neuron: ||gate row|| * ||up row|| * ||down column||; query head: ||q rows|| * ||o columns||; hidden
-    channel: its share of squared norm in every tensor that reads or writes the residual stream, summed (each
-    tensor counts equally, whatever its scale)."""
-    num_layers, d, h = config.num_hidden_layers, config.hidden_size, config.head_dim
-    mlp = np.zeros((num_layers, config.intermediate_size))
-    heads = np.zeros((num_layers, config.num_attention_heads))
-    hidden = np.zeros(d)
-
-    def share(col_sq):
-        return col_sq / max(col_sq.sum(), 1e-30)
-
-    rows_sq, cols_sq = _sq_norms(read, "model.embed_tokens.weight", config.vocab_size, d, chunk_bytes)
-    hidden += share(cols_sq)
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        q_rows, q_cols = _sq_norms(read, p + "self_attn.q_proj.weight", config.num_attention_heads * h, d,
-                                   chunk_bytes)
-        o_rows, o_cols = _sq_norms(read, p + "self_attn.o_proj.weight", d, config.num_attention_heads * h,
-                                   chunk_bytes)
-        heads[i] = np.sqrt(q_rows.reshape(-1, h).sum(1) * o_cols.reshape(-1, h).sum(1))
-        hidden += share(q_cols) + share(o_rows)
-        for name in ("k_proj", "v_proj"):
-            hidden += share(_sq_norms(read, p + f"self_attn.{name}.weight", config.num_key_value_heads * h, d,
-                                      chunk_bytes)[1])
-        gate_rows, gate_cols = _sq_norms(read, p + "mlp.gate_proj.weight", config.intermediate_size, d, chunk_bytes)
-        up_rows, up_cols = _sq_norms(read, p + "mlp.up_proj.weight", config.intermediate_size, d, chunk_bytes)
-        down_rows, down_cols = _sq_norms(read, p + "mlp.down_proj.weight", d, config.intermediate_size, chunk_bytes)
-        mlp[i] = np.sqrt(gate_rows * up_rows * down_cols)
-        hidden += share(gate_cols) + share(up_cols) + share(down_rows)
-    return {"mlp": mlp, "heads": heads, "hidden": hidden}
+    MLP neuron: sqrt of the product of its row/column squared norms in every matrix with an `mlp` axis (gate row,
+    up row, down column); query head: the same over `heads` (q rows, o columns); hidden channel: its share of
+    squared norm in every matrix that reads or writes the residual stream (`embed`), summed (each tensor counts
+    equally, whatever its scale). LM heads are left out: the embedding already speaks for the vocabulary side."""
+    num_layers, h = config.num_hidden_layers, config.head_dim
+    mlp = np.ones((num_layers, config.intermediate_size))
+    heads = np.ones((num_layers, config.num_attention_heads))
+    hidden = np.zeros(config.hidden_size)
+    for tensor in bound_tensors(config):
+        decl = tensor.decl
+        if len(decl.groups) != 2 or decl.role == "head":
+            continue  # norms, biases and the untied head
+        for group, sq in zip(decl.groups, _sq_norms(read, tensor.hf_name, *hf_shape_of(config, tensor),
+                                                    chunk_bytes)):
+            if group == ("embed",):
+                hidden += sq / max(sq.sum(), 1e-30)
+            elif group == ("mlp",):
+                mlp[tensor.layer] *= sq
+            elif group[0] == "heads":
+                heads[tensor.layer] *= sq.reshape(-1, h).sum(1)
+    return {"mlp": np.sqrt(mlp), "heads": np.sqrt(heads), "hidden": hidden}
 
 
 def _sq_norms(read: Reader, name: str, nrows: int, ncols: int, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,11 +18,16 @@ so `Plan.from_json(plan.to_json()) == plan`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from .config import GemmaConfig
+from .schema import bound_tensors, hf_shape_of, norm_names  # noqa: F401  (norm_names: re-exported)
 from .spec import StudentSpec
 
 FORMAT, FORMAT_VERSION = "nnx-surgery/plan", 1
@@ -31,13 +36,6 @@ PLAN_FILE = "plan.json"
 
 class PlanError(ValueError):
     """A plan that is inconsistent, or was made for a different teacher: says what differs and what to do."""
-
-
-def norm_names(config: GemmaConfig) -> tuple[str, ...]:
-    names = ("input_layernorm", "post_attention_layernorm")
-    if config.uses_sandwich_norms:
-        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    return names
 
 
 @dataclasses.dataclass
@@ -253,15 +251,7 @@ def teacher_fingerprint(config: GemmaConfig, read) -> dict[str, Any]:
     """What identifies a teacher beyond its config: a hash of every tensor's shape, the probed values (6
     significant digits) and a SHA-256 of them rounded to bfloat16 (equal however the teacher was loaded, unless
     in float16). `read` is a surgery Reader over the teacher (in memory or on disk)."""
-    import hashlib
-
-    import ml_dtypes
-    import numpy as np
-
-    from .checkpoint import hf_shape, tensor_table  # (plan.py is imported by checkpoint's importers)
-    from .slices import nnx_shape
-
-    shapes = [(e.hf_name, list(hf_shape(e.layout, nnx_shape(config, e.path)))) for e in tensor_table(config)]
+    shapes = [(t.hf_name, list(hf_shape_of(config, t))) for t in bound_tensors(config)]
     values = {name: np.asarray(read(name, np.asarray(rows), None if cols is None else np.asarray(cols)),
                                np.float32).reshape(-1) for name, rows, cols in fingerprint_probes(config)}
     flat = np.concatenate(list(values.values()))
@@ -272,8 +262,6 @@ def teacher_fingerprint(config: GemmaConfig, read) -> dict[str, Any]:
 
 def check_fingerprint(fingerprint: Any, config: GemmaConfig, read, where: str) -> None:
     """PlanError unless the teacher behind `read` has the fingerprint a plan recorded."""
-    import numpy as np
-
     try:
         stored = {name: np.asarray(values, np.float64) for name, values in fingerprint["values"].items()}
         shapes, digest = fingerprint["shapes_sha256"], fingerprint["values_sha256"]
@@ -351,8 +339,6 @@ def _check_indices(name: str, values: list[int], count: int, bound: int) -> None
 
 def _plain(value: Any) -> Any:
     """Tuples -> lists, numpy scalars -> Python numbers, recursively (JSON-native)."""
-    import numpy as np
-
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

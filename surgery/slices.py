@@ -1,5 +1,9 @@
 """How each student tensor is made from teacher slices: one recipe per HF tensor, shared by both surgery paths.
 
+A recipe follows from the tensor's named axes in the family schema (schema.py): `embed` keeps `kept_hidden`,
+`mlp` keeps `kept_mlp`, `heads` keeps the query heads `kept_heads`, `kv_heads` are merged per `kv_groups`; `vocab`
+and `head_dim` are kept whole. Nothing here names a family's tensors.
+
 `apply_plan` (teacher in memory) and `prune_checkpoint` (teacher on disk) differ only in how they read a block
 of a teacher tensor: `read(hf_name, rows, cols, out=None)` returns the teacher's HF-layout tensor restricted to
 those row and column indices (None = all), in the model dtype. Everything else, including the arithmetic, is this
@@ -16,9 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from .checkpoint import hf_shape, tensor_table
-from .config import GemmaConfig
 from .plan import Plan
+from .schema import bound_tensors, hf_shape_of
+from .schema import nnx_shape as schema_nnx_shape
 
 # read(hf_name, rows, cols, out=None): the teacher's HF-layout tensor restricted to `rows` and `cols` (index arrays,
 # None = all), in the model dtype; written into `out` (a C-contiguous array of the result's shape) when given.
@@ -31,7 +35,8 @@ class Recipe:
 
     kind  copy   teacher[rows][:, cols]
           scale  teacher[rows][:, cols] * factor                  (embedding compensation)
-          norm   (1 + teacher[rows]) * factor - 1                 (RMSNorm (1 + w) parameterisation)
+          norm   (1 + teacher[rows]) * factor - 1                 (RMSNorm in the (1 + w) form, `offset`)
+                 teacher[rows] * factor                           (RMSNorm in the plain w form)
           merge  rows block j = sum_i w_i * teacher[head g_i] / sum_i w_i, for (g_i, w_i) in merge[j]
     """
 
@@ -46,6 +51,7 @@ class Recipe:
     factor: float = 1.0
     merge: tuple = ()  # ((teacher heads...), (weights...)) per student head
     head_dim: int = 0
+    offset: bool = True
 
 
 def head_rows(heads, head_dim: int) -> np.ndarray:
@@ -54,53 +60,51 @@ def head_rows(heads, head_dim: int) -> np.ndarray:
     return (heads[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
 
 
+def kept_indices(plan: Plan, layer: int | None) -> dict[str, np.ndarray | None]:
+    """What the plan keeps along each named axis (teacher indices), at student layer `layer` (None: global
+    tensors). `kv_heads` is not an index: those tensors are merged (`Recipe.merge`)."""
+    kept = {"embed": np.asarray(plan.kept_hidden, dtype=np.int64), "vocab": None, "head_dim": None}
+    if layer is not None:
+        kept["mlp"] = np.asarray(plan.kept_mlp[layer], dtype=np.int64)
+        kept["heads"] = np.asarray(plan.flat_heads(layer), dtype=np.int64)
+    return kept
+
+
+def _hf_index(group: tuple[str, ...], kept: dict, head_dim: int) -> np.ndarray | None:
+    """HF indices along one checkpoint axis made of `group`'s named axes (a head axis times head_dim, or one)."""
+    index = kept[group[0]]
+    if len(group) == 2 and index is not None:  # (heads, head_dim): whole heads
+        return head_rows(index, head_dim)
+    return index
+
+
+def recipe_for(plan: Plan, student, tensor) -> Recipe:
+    """The recipe of one student tensor (a schema.BoundTensor), by its named axes."""
+    decl, layer = tensor.decl, tensor.layer
+    shape = hf_shape_of(student, tensor)
+    common = dict(hf_name=tensor.hf_name, path=tensor.path, layout=tensor.layout, shape=shape)
+    source = tensor.hf_name if layer is None else decl.hf_name.replace("{i}", str(plan.kept_layers[layer]))
+    kept = kept_indices(plan, layer)
+    if "kv_heads" in decl.axes:  # always the leading checkpoint axis
+        merge = tuple((tuple(g), tuple(w)) for g, w in zip(plan.kv_groups[layer], plan.kv_weights[layer]))
+        cols = _hf_index(decl.groups[1], kept, student.head_dim) if len(decl.groups) > 1 else None
+        return Recipe(**common, source=source, kind="merge", cols=cols, merge=merge, head_dim=student.head_dim)
+    rows = _hf_index(decl.groups[0], kept, student.head_dim)
+    cols = _hf_index(decl.groups[1], kept, student.head_dim) if len(decl.groups) > 1 else None
+    if decl.role == "embedding":
+        return Recipe(**common, source=source, kind="scale", rows=rows, cols=cols, factor=plan.embed_scale)
+    if decl.norm:
+        if decl.axes != ("embed",):  # q/k norms over head_dim: nothing pruned, nothing to compensate
+            return Recipe(**common, source=source, kind="copy", rows=rows)
+        factor = plan.final_norm_scale if layer is None else plan.layer_norm_scale(layer, tensor.module)
+        return Recipe(**common, source=source, kind="norm", rows=rows, factor=factor, offset=student.norm_offset)
+    return Recipe(**common, source=source, kind="copy", rows=rows, cols=cols)
+
+
 def recipes(plan: Plan) -> list[Recipe]:
     """Every student tensor, in the order transformers writes them."""
     student = plan.student
-    head_dim = student.head_dim
-    hidden = np.asarray(plan.kept_hidden, dtype=np.int64)
-    tied = student.tie_word_embeddings
-    out = []
-    for entry in tensor_table(student):
-        shape = hf_shape(entry.layout, nnx_shape(student, entry.path))
-        common = dict(hf_name=entry.hf_name, path=entry.path, layout=entry.layout, shape=shape)
-        if entry.path[0] == "embed_tokens":
-            out.append(Recipe(**common, source=entry.hf_name, kind="scale", cols=hidden, factor=plan.embed_scale))
-            continue
-        if entry.path[0] == "norm":
-            out.append(Recipe(**common, source=entry.hf_name, kind="norm", rows=hidden,
-                              factor=plan.final_norm_scale))
-            continue
-        if entry.path[0] == "lm_head":  # untied head: kept hidden columns, no compensation factor
-            assert not tied
-            out.append(Recipe(**common, source=entry.hf_name, kind="copy", cols=hidden))
-            continue
-        s = entry.path[1]
-        teacher_layer = plan.kept_layers[s]
-        source = entry.hf_name.replace(f"model.layers.{s}.", f"model.layers.{teacher_layer}.", 1)
-        module, name = entry.path[2], entry.path[-2]
-        heads = head_rows(plan.flat_heads(s), head_dim)
-        mlp = np.asarray(plan.kept_mlp[s], dtype=np.int64)
-        if module.endswith("layernorm"):
-            recipe = Recipe(**common, source=source, kind="norm", rows=hidden,
-                            factor=plan.layer_norm_scale(s, module))
-        elif name in ("q_norm", "k_norm"):
-            recipe = Recipe(**common, source=source, kind="copy")
-        elif name == "q_proj":
-            recipe = Recipe(**common, source=source, kind="copy", rows=heads, cols=hidden)
-        elif name in ("k_proj", "v_proj"):
-            merge = tuple((tuple(g), tuple(w)) for g, w in zip(plan.kv_groups[s], plan.kv_weights[s]))
-            recipe = Recipe(**common, source=source, kind="merge", cols=hidden, merge=merge, head_dim=head_dim)
-        elif name == "o_proj":
-            recipe = Recipe(**common, source=source, kind="copy", rows=hidden, cols=heads)
-        elif name in ("gate_proj", "up_proj"):
-            recipe = Recipe(**common, source=source, kind="copy", rows=mlp, cols=hidden)
-        elif name == "down_proj":
-            recipe = Recipe(**common, source=source, kind="copy", rows=hidden, cols=mlp)
-        else:  # pragma: no cover - tensor_table and this function list the same tensors
-            raise AssertionError(f"no recipe for {entry.hf_name}")
-        out.append(recipe)
-    return out
+    return [recipe_for(plan, student, tensor) for tensor in bound_tensors(student)]
 
 
 def build(recipe: Recipe, read: Reader, dtype, chunk_bytes: int | None = None) -> np.ndarray:
@@ -139,21 +143,16 @@ def _arithmetic(recipe: Recipe, block: np.ndarray, dtype: np.dtype) -> np.ndarra
     factor = np.float32(recipe.factor)
     if recipe.kind == "scale":
         return (block.astype(np.float32) * factor).astype(dtype)
-    if recipe.kind == "norm":
+    if recipe.kind == "norm" and recipe.offset:
         return ((np.float32(1.0) + block.astype(np.float32)) * factor - np.float32(1.0)).astype(dtype)
+    if recipe.kind == "norm":
+        return (block.astype(np.float32) * factor).astype(dtype)
     raise AssertionError(recipe.kind)
 
 
-def nnx_shape(config: GemmaConfig, path: tuple) -> tuple[int, ...]:
-    d, f, n, k, h, v = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                        config.num_key_value_heads, config.head_dim, config.vocab_size)
-    if path[0] == "embed_tokens":
-        return (v, d)
-    if path[0] == "lm_head":
-        return (v, d)
-    if path[0] == "norm":
-        return (d,)
-    name = path[-2]
-    return {"q_proj": (n, h, d), "k_proj": (k, h, d), "v_proj": (k, h, d), "o_proj": (d, n, h),
-            "q_norm": (h,), "k_norm": (h,), "gate_proj": (f, d), "up_proj": (f, d),
-            "down_proj": (d, f)}.get(name, (d,))
+def nnx_shape(config, path: tuple) -> tuple[int, ...]:
+    """The NNX shape of the parameter at `path` (a tensor_table path) for `config`."""
+    for tensor in bound_tensors(config):
+        if tensor.path == tuple(path):
+            return schema_nnx_shape(config, tensor)
+    raise KeyError(f"{config.model_type} has no parameter {'.'.join(map(str, path))}")

@@ -5,6 +5,10 @@ import numpy as np
 import torch
 
 FAMILIES = ("gemma", "gemma2", "gemma3_text")
+# The Llama family: "llama" (GQA, untied head, Llama 3.1 RoPE scaling, explicit head_dim), "mistral" (a sliding
+# window on every layer), "qwen2" (q/k/v biases, sliding layers from max_window_layers on), "llama_tied" (tied
+# head, linear RoPE, attention_bias on q/k/v and o_proj).
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "llama_tied")
 
 
 def tiny_config(family: str, **overrides):
@@ -14,7 +18,9 @@ def tiny_config(family: str, **overrides):
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    if family == "gemma":
+    if family in LLAMA_FAMILIES:
+        cls, extra = _llama_config(family, common)
+    elif family == "gemma":
         cls, extra = transformers.GemmaConfig, dict(hidden_act="gelu_pytorch_tanh")
     elif family == "gemma2":
         cls, extra = transformers.Gemma2Config, dict(query_pre_attn_scalar=20, sliding_window=5,
@@ -27,6 +33,25 @@ def tiny_config(family: str, **overrides):
                                                          "rope_theta": 1000000.0}})
     extra.update(overrides)
     return cls(**{**common, **extra})
+
+
+def _llama_config(family: str, common: dict):
+    import transformers
+
+    common.update(tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig, dict(rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    if family == "llama_tied":
+        return transformers.LlamaConfig, dict(tie_word_embeddings=True, attention_bias=True, head_dim=8,
+                                              rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 10000.0})
+    if family == "mistral":
+        return transformers.MistralConfig, dict(sliding_window=5, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 10000.0})
+    common.pop("head_dim")  # Qwen2 derives it: 32 / 4 = 8
+    return transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
