@@ -1,8 +1,8 @@
 """`apply_plan`: a new NNX student initialised from slices of an in-memory teacher (which is left untouched).
 
-Kept slices are gathered on the teacher's devices (`jnp.take`, exact), brought to the host, finished by the
-recipes of `surgery.slices` (the same numpy float32 arithmetic `prune_checkpoint` uses) and placed with the
-sharding the student's parameters get on the teacher's mesh.
+Kept slices are gathered on the teacher's devices (`surgery.readers.MemoryReader`), brought to the host, finished
+by the recipes of `surgery.slices` (the same numpy float32 arithmetic `prune_checkpoint` uses) and placed with
+the sharding the student's parameters get on the teacher's mesh.
 """
 from __future__ import annotations
 
@@ -13,53 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .checkpoint import read_nnx_block, save_pretrained, tensor_table
+from .checkpoint import read_nnx_block, save_pretrained
 from .config import ConfigError, GemmaConfig
 from .model import Gemma, abstract_model, parameter_sharding
-from .plan import PLAN_FILE, Plan, PlanError
-from .slices import Reader, build, recipes
+from .plan import Plan, PlanError
+from .readers import MemoryReader
+from .report import student_files
+from .slices import build, recipes
 
-REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
 HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
-
-
-def memory_reader(model: Gemma) -> Reader:
-    """`read(hf_name, rows, cols, out=None)` over an NNX model's parameters, in HF layout and the model's dtype."""
-    state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    table = {entry.hf_name: entry for entry in tensor_table(model.config)}
-    head_dim = model.config.head_dim
-
-    def heads_of(index):
-        if index is None:
-            return None
-        index = np.asarray(index, dtype=np.int64).reshape(-1, head_dim)
-        heads = index[:, 0] // head_dim
-        if not np.array_equal(index, heads[:, None] * head_dim + np.arange(head_dim)):
-            raise ValueError("head-structured tensors are read in whole heads")
-        return heads
-
-    def take(array, index, axis):
-        return array if index is None else jnp.take(array, jnp.asarray(index), axis=axis)
-
-    def read(name, rows, cols, out=None):
-        block = gather(table[name], rows, cols)
-        if out is None:
-            return block
-        out[...] = block
-        return out
-
-    def gather(entry, rows, cols):
-        array = state[entry.path][...]
-        if entry.layout == "same":  # HF layout already
-            block = take(take(array, rows, 0), cols, 1) if array.ndim == 2 else take(array, rows, 0)
-            return np.asarray(jax.device_get(block))
-        if entry.layout == "split_rows":  # NNX (N, H, D) = HF [N*H, D]
-            block = np.asarray(jax.device_get(take(take(array, heads_of(rows), 0), cols, 2)))
-            return block.reshape(-1, block.shape[-1])
-        block = np.asarray(jax.device_get(take(take(array, rows, 0), heads_of(cols), 1)))  # split_cols (D, N, H)
-        return block.reshape(block.shape[0], -1)
-
-    return read
 
 
 def teacher_mesh(model: Gemma):
@@ -78,35 +40,20 @@ def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None, check_weights: bool = T
     plan's config and, with `check_weights`, the weights fingerprinted in the plan (PlanError otherwise); pass
     `check_weights=False` to apply a plan to another model of the same shape on purpose (e.g. the undistilled
     version of the model it was made for)."""
-    plan.check_teacher(teacher.config, read=memory_reader(teacher) if check_weights else None)
+    read = MemoryReader(teacher)
+    plan.check_teacher(teacher.config, read=read if check_weights else None)
     plan.validate()
     mesh = mesh if mesh is not None else teacher_mesh(teacher)
     dtype = teacher.dtype
     student = abstract_model(plan.student, dtype=dtype, mesh=mesh)
     graphdef, state = nnx.split(student)
     variables = dict(nnx.to_flat_state(state))
-    read = memory_reader(teacher)
     for recipe in recipes(plan):
         variable = variables[recipe.path]
         hf_array = build(recipe, read, dtype, HOST_CHUNK_BYTES)
         value = read_nnx_block(hf_array, recipe.layout, tuple(variable.shape), ())
         variable.set_value(jax.device_put(np.ascontiguousarray(value), parameter_sharding(variable, mesh)))
     return nnx.merge(graphdef, state)
-
-
-def student_files(plan: Plan, report: bool = True) -> dict[str, object]:
-    """Files written beside a student's weights: the plan, and (optionally) its report as text and PNG."""
-    files: dict[str, object] = {PLAN_FILE: lambda path: plan.save(path)}
-    if report:
-        from .report import format_report, plot_report
-
-        def write_text(path):
-            with open(path, "w") as f:
-                f.write(format_report(plan) + "\n")
-
-        files[REPORT_TXT] = write_text
-        files[REPORT_PNG] = lambda path: plot_report(plan, path)
-    return files
 
 
 def save_student(student: Gemma, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,

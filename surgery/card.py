@@ -10,6 +10,12 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+from .config import ConfigError, GemmaConfig
+
+# huggingface_hub is imported inside the functions that use it, as everywhere in the package: it reads HF_ENDPOINT,
+# HF_HOME, HF_HUB_OFFLINE... once, when first imported, so `import surgery` must not import it before the caller
+# has set them.
+
 BASE_TAGS = ("pruned", "distilled", "nnx-surgery")
 
 
@@ -61,7 +67,7 @@ def _body(folder, model_name, repo_id, teacher_id, teacher_revision, plan_summar
         else f"`{teacher_id}`"
     revision = f" at revision `{teacher_revision}`" if teacher_revision else ""
     lines = [f"# {model_name}", "",
-             f"A smaller Gemma derived from {teacher_link}{revision}: structured pruning initialised from the "
+             f"A smaller model derived from {teacher_link}{revision}: structured pruning initialised from the "
              "teacher's own weights, then knowledge distillation from the teacher, with nnx-surgery (Flax NNX).", ""]
     lines += _architecture(folder)
     lines += ["## Lineage", "", f"- **Teacher:** {teacher_link}{revision}", "- **Surgery plan:**"]
@@ -108,10 +114,8 @@ def _architecture(folder: str) -> list[str]:
         if key in config:
             rows.append((key, config[key]))
     try:
-        from .config import GemmaConfig
-
         rows.append(("parameters", f"{GemmaConfig.from_hf_dict(config).num_parameters():,}"))
-    except Exception:  # a config our GemmaConfig does not parse still gets a card
+    except ConfigError:  # a config the toolkit does not parse still gets a card, without the count
         pass
     return ["## Architecture", "", "| field | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
 

@@ -10,8 +10,8 @@ instead of taking them one 4 KiB page at a time inside the kernel's copy. Every 
 read (see block_reads): creating a mapping waits for the address-space lock that pre-faulting holds.
 
 Huge pages are *not* asked for by default (`HUGE_PAGES`), and are refused where numpy would ask for them (it
-advises MADV_HUGEPAGE on every large array): on the benchmark VM (free-page reporting to the host) faulting a
-5 GB model in as 2 MiB pages took 6-12 s against 2.7-4.5 s in 4 KiB pages, two threads, same runs (bench/NOTES.md).
+advises MADV_HUGEPAGE on every large array): on a VM with free-page reporting to the host, faulting a model in
+as 2 MiB pages was slower than in 4 KiB pages, and less predictable (figures in bench/NOTES.md).
 Where the kernel lacks an advice (not Linux, Linux < 5.14), the buffers simply fault on first write.
 """
 from __future__ import annotations

@@ -17,6 +17,11 @@ import os
 import time
 from typing import Iterator
 
+from .safetensors_io import CheckpointError, confined_path
+
+# huggingface_hub is imported inside the functions that use it: it reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE...
+# once, when first imported, so `import surgery` must not import it before the caller has set them.
+
 logger = logging.getLogger(__name__)
 
 # Local leftovers that must never reach the Hub: our atomic-write temporaries and hidden files.
@@ -65,7 +70,6 @@ def check_model_folder(folder: str | os.PathLike) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise HubError(f"{index_path} is not a valid safetensors index ({type(err).__name__}); save the folder "
                            "again.") from None
-        from .safetensors_io import CheckpointError, confined_path
         for name in names:
             try:
                 confined_path(folder, name, f"{index_path}: weight_map")

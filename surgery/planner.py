@@ -8,16 +8,17 @@ the calibration LM loss when the layer is skipped), or "uniform" (evenly spaced,
 lowest scores go. Width (`width=`): "activation" (Minitron) or "magnitude" (data-free weight norms). Widths are
 uniform across layers. KV heads: see `surgery.spec` ("select" or "merge", `kv_merge` "mean" or "importance").
 
-Compensation (`compensate=True`): Gemma multiplies embeddings by sqrt(hidden), so a narrower student would start
-its residual stream sqrt(H_s / H_t) smaller than the teacher's. The kept embedding columns are scaled by
-c = sqrt(H_t / H_s), restoring the teacher's values, and since the embedding is also the (tied) LM head, 1 / c is
-folded into the final norm: (1 + w') = (1 + w) / c. Measured on tiny teachers of all three families (hidden
-2/3 and 1/2 of the teacher's), this lowered KL(teacher || student) in every case (by 2-13%), so it is on by default.
+Compensation (`compensate=True`), for families that multiply embeddings by sqrt(hidden_size)
+(`config.scales_embeddings`, e.g. Gemma): a narrower student would start its residual stream sqrt(H_s / H_t)
+smaller than the teacher's. The kept embedding columns are scaled by c = sqrt(H_t / H_s), restoring the teacher's
+values, and when the embedding is also the (tied) LM head, 1 / c is folded into the final norm's effective weight
+((1 + w) for Gemma). Measured on tiny teachers of all three Gemma families, this lowered KL(teacher || student) in
+every case, so it is on by default. Families that do not scale embeddings (Llama) need no embedding factor.
 
-`norm_correction=True` (needs calibration) also multiplies every RMSNorm's (1 + w) by
+`norm_correction=True` (needs calibration; any family) also multiplies every RMSNorm's effective weight by
 r = sqrt(H_t / H_s * share of its input energy in the kept channels), undoing the change of its mean-square
 statistic when it averages over fewer channels. It is exact when the removed channels carry no energy, but on
-random teachers it raised the starting KL by ~1-3% (mostly through the final norm), so it is off by default.
+random teachers it raised the starting KL slightly (mostly through the final norm), so it is off by default.
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .apply import compensation_effect
 from .checkpoint import load_pretrained, resolve_source
 from .config import GemmaConfig
 from .importance import (activation_stats, calibration_batches, layer_removal_loss, magnitude_scores)
 from .model import Gemma
 from .plan import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
+from .readers import DiskReader, MemoryReader, Reader
 from .spec import SpecError, StudentSpec
 
 DEPTH_METHODS = ("auto", "block_influence", "loss", "uniform")
@@ -50,29 +53,22 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
                  source: str | None = None, revision: str | None = None, mesh=None) -> Plan:
     """Decide a student of shape `spec` (a StudentSpec or a named shape such as "gemma-2b") for `teacher`.
 
-    `teacher` is an NNX Gemma or an HF folder / repo id. From a folder without calibration data, scores are
+    `teacher` is an NNX model or an HF folder / repo id. From a folder without calibration data, scores are
     computed tensor by tensor from disk (the teacher is never loaded); with calibration it is loaded (over `mesh`).
     `calibration`: token ids (N, T) or an iterable of (B, T) batches; `num_samples` picks a `seed`ed subset.
     Explicit overrides (teacher indices): `layers`; `hidden`; `mlp` (one list for every layer, or one per student
     layer); `heads` (teacher query heads in student order, one list or one per layer); `kv_groups` (per student KV
     head, the teacher KV heads it is formed from; one list of lists or one per layer).
-    `compensate`: embedding rescale with the final-norm fold (module docstring). `norm_correction` (needs
-    calibration; off by default, it raised the student's starting KL slightly in our measurements): also rescale
-    every RMSNorm for its fewer channels. `measure_compensation`: build the student with and without compensation
-    and store both KL(teacher || student) values on the calibration data in `scores["compensation"]`.
+    `compensate`: embedding rescale with the final-norm fold, for families that scale embeddings (module
+    docstring). `norm_correction` (needs calibration; off by default, it raised the student's starting KL slightly
+    in our measurements): also rescale every RMSNorm for its fewer channels. `measure_compensation`: build the
+    student with and without compensation and store both KL(teacher || student) values on the calibration data in
+    `scores["compensation"]`.
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
-    if depth not in DEPTH_METHODS or width not in WIDTH_METHODS or kv_merge not in KV_MERGES:
-        raise SpecError(f"depth={depth!r}, width={width!r}, kv_merge={kv_merge!r}: choose depth from "
-                        f"{DEPTH_METHODS}, width from {WIDTH_METHODS}, kv_merge from {KV_MERGES}.")
     batches = calibration_batches(calibration, batch_size, num_samples, seed) if calibration is not None else None
-    depth = ("block_influence" if batches else "uniform") if depth == "auto" else depth
-    width = ("activation" if batches else "magnitude") if width == "auto" else width
-    if batches is None and ((depth in ("block_influence", "loss") and layers is None) or width == "activation"):
-        raise SpecError(f"depth={depth!r} / width={width!r} need calibration token ids; pass calibration=..., or "
-                        "use depth='uniform' and width='magnitude' (data-free), or give explicit indices.")
-    if norm_correction and batches is None:
-        raise SpecError("norm_correction=True measures each norm's input on calibration data; pass calibration=.")
+    depth, width = _methods(depth, width, kv_merge, batches, explicit_layers=layers is not None,
+                            norm_correction=norm_correction)
     if source is None and not isinstance(teacher, Gemma):
         source = os.fspath(teacher)
     with contextlib.ExitStack() as stack:  # checkpoint files stay open while scores are read from disk
@@ -82,16 +78,8 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
         fingerprint = teacher_fingerprint(config, read)
 
     kept_layers = _choose_layers(config, spec, depth, layers, scores)
-    kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
-        _explicit("hidden", hidden, spec.hidden_size, config.hidden_size)
-    mlp_lists = _per_layer("mlp", mlp, len(kept_layers))
-    kept_mlp = [_top(np.asarray(scores["mlp"][t]), spec.intermediate_size) if mlp_lists[s] is None else
-                _explicit(f"mlp[{s}]", mlp_lists[s], spec.intermediate_size, config.intermediate_size)
-                for s, t in enumerate(kept_layers)]
-    head_lists = _per_layer("heads", heads, len(kept_layers))
-    group_lists = _per_layer("kv_groups", kv_groups, len(kept_layers), depth_of_item=2)
-    attention = [_attention(config, spec, formation, kv_merge, np.asarray(scores["heads"][t]), head_lists[s],
-                            group_lists[s], f"student layer {s}") for s, t in enumerate(kept_layers)]
+    kept_hidden, kept_mlp = _widths(config, spec, kept_layers, scores, hidden, mlp)
+    attention = _attention_per_layer(config, spec, formation, kv_merge, kept_layers, scores, heads, kv_groups)
     student = spec.student_config(config, kept_layers)
     embed_scale, norm_scales = _compensation(config, student, kept_layers, kept_hidden,
                                              stats if norm_correction else None, compensate)
@@ -106,15 +94,30 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
         methods={"depth": "explicit" if layers is not None else depth, "width": width,
                  "kv": f"merge-{kv_merge}" if merged else "select",
                  "aggregation": "sequence mean, batch L2" if width == "activation" else None,
-                 "compensation": ("embedding+norms" if norm_correction else "embedding") if compensate else "none"},
+                 "compensation": _compensation_label(config, compensate, norm_correction)},
         scores=scores, calibration=_calibration_record(batches, batch_size, num_samples, seed),
         format_version=FORMAT_VERSION)
     plan.validate()
-    if measure_compensation and batches is not None and embed_scale != 1.0:
-        from .apply import compensation_effect
+    if measure_compensation and batches is not None and (embed_scale != 1.0 or norm_scales):
         effect = compensation_effect(model, plan, batches)
         plan.scores["compensation"] = {k: {m: _rounded(v) for m, v in d.items()} for k, d in effect.items()}
     return plan
+
+
+def _methods(depth: str, width: str, kv_merge: str, batches, *, explicit_layers: bool,
+             norm_correction: bool) -> tuple[str, str]:
+    """The depth and width methods ("auto" resolved by whether there is calibration data), or SpecError."""
+    if depth not in DEPTH_METHODS or width not in WIDTH_METHODS or kv_merge not in KV_MERGES:
+        raise SpecError(f"depth={depth!r}, width={width!r}, kv_merge={kv_merge!r}: choose depth from "
+                        f"{DEPTH_METHODS}, width from {WIDTH_METHODS}, kv_merge from {KV_MERGES}.")
+    depth = ("block_influence" if batches else "uniform") if depth == "auto" else depth
+    width = ("activation" if batches else "magnitude") if width == "auto" else width
+    if batches is None and ((depth in ("block_influence", "loss") and not explicit_layers) or width == "activation"):
+        raise SpecError(f"depth={depth!r} / width={width!r} need calibration token ids; pass calibration=..., or "
+                        "use depth='uniform' and width='magnitude' (data-free), or give explicit indices.")
+    if norm_correction and batches is None:
+        raise SpecError("norm_correction=True measures each norm's input on calibration data; pass calibration=.")
+    return depth, width
 
 
 def _scores(model, config, read, batches, depth: str, width: str) -> tuple[dict[str, Any], Any]:
@@ -135,19 +138,17 @@ def _scores(model, config, read, batches, depth: str, width: str) -> tuple[dict[
 
 
 # ------------------------------------------------------------------------------------------------ teacher access
-def _teacher(teacher, calibration, revision, mesh, stack):
+def _teacher(teacher, calibration, revision, mesh,
+             stack: contextlib.ExitStack) -> tuple[Gemma | None, GemmaConfig, Reader]:
     """(model or None, config, read) for an NNX teacher or an HF source."""
     if isinstance(teacher, Gemma):
-        from .apply import memory_reader
-        return teacher, teacher.config, memory_reader(teacher)
+        return teacher, teacher.config, MemoryReader(teacher)
     folder = resolve_source(teacher, revision)
     if calibration is not None:
         model = load_pretrained(folder, mesh=mesh)
-        from .apply import memory_reader
-        return model, model.config, memory_reader(model)
-    from .prune_disk import disk_reader
+        return model, model.config, MemoryReader(model)
     config = GemmaConfig.from_file(folder)
-    return None, config, disk_reader(folder, np.float32, stack, config)
+    return None, config, DiskReader(folder, np.float32, stack, config)
 
 
 # ------------------------------------------------------------------------------------------------ choices
@@ -163,6 +164,27 @@ def _choose_layers(config: GemmaConfig, spec: StudentSpec, depth: str, layers, s
         return [int(round(x)) for x in np.linspace(0, total - 1, keep)] if keep > 1 else [0]
     key = "block_influence" if depth == "block_influence" else "loss_increase"
     return _top(np.asarray(scores[key]), keep)
+
+
+def _widths(config: GemmaConfig, spec: StudentSpec, kept_layers: list[int], scores, hidden,
+            mlp) -> tuple[list[int], list[list[int]]]:
+    """(kept hidden channels, kept MLP neurons per student layer): the top-scoring ones unless given."""
+    kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
+        _explicit("hidden", hidden, spec.hidden_size, config.hidden_size)
+    mlp_lists = _per_layer("mlp", mlp, len(kept_layers))
+    kept_mlp = [_top(np.asarray(scores["mlp"][t]), spec.intermediate_size) if mlp_lists[s] is None else
+                _explicit(f"mlp[{s}]", mlp_lists[s], spec.intermediate_size, config.intermediate_size)
+                for s, t in enumerate(kept_layers)]
+    return kept_hidden, kept_mlp
+
+
+def _attention_per_layer(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge: str,
+                         kept_layers: list[int], scores, heads, kv_groups) -> list[tuple[list, list, list]]:
+    """`_attention` for every student layer."""
+    head_lists = _per_layer("heads", heads, len(kept_layers))
+    group_lists = _per_layer("kv_groups", kv_groups, len(kept_layers), depth_of_item=2)
+    return [_attention(config, spec, formation, kv_merge, np.asarray(scores["heads"][t]), head_lists[s],
+                       group_lists[s], f"student layer {s}") for s, t in enumerate(kept_layers)]
 
 
 def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge: str, importance: np.ndarray,
@@ -218,11 +240,16 @@ def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge:
     return groups, weights, [list(chunk) for chunk in chunks]
 
 
-def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_hidden, stats, compensate):
+def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_hidden, stats,
+                  compensate: bool) -> tuple[float, dict[str, Any]]:
+    """(embed_scale, norm_scales) for the plan (module docstring). The factors multiply each norm's effective
+    weight, whatever its form ((1 + w) or w); `surgery.slices` applies them in the family's form."""
     if not compensate or student.hidden_size == teacher.hidden_size:
         return 1.0, {}
-    c = math.sqrt(teacher.hidden_size / student.hidden_size)
     ratio = teacher.hidden_size / student.hidden_size
+    embed_scale = math.sqrt(ratio) if _scales_embeddings(teacher) else 1.0
+    if stats is None and embed_scale == 1.0:
+        return 1.0, {}
     kept = np.asarray(kept_hidden)
 
     def factor(share: np.ndarray) -> float:
@@ -233,8 +260,20 @@ def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_
         scales["layers"] = [{name: factor(stats.norm_energy[name][t]) for name in norm_names(teacher)}
                             for t in kept_layers]
     final = factor(stats.norm_energy["final"]) if stats is not None else 1.0
-    scales["final"] = _round(final / c) if teacher.tie_word_embeddings else final
-    return _round(c), scales
+    # The tied LM head is the scaled embedding: undo its factor on the logits through the final norm.
+    scales["final"] = _round(final / embed_scale) if teacher.tie_word_embeddings else final
+    return _round(embed_scale), scales
+
+
+def _compensation_label(config: GemmaConfig, compensate: bool, norm_correction: bool) -> str:
+    """What `_compensation` does for this family, as recorded in the plan's methods."""
+    parts = (["embedding"] if _scales_embeddings(config) else []) + (["norms"] if norm_correction else [])
+    return "+".join(parts) if compensate and parts else "none"
+
+
+def _scales_embeddings(config: GemmaConfig) -> bool:
+    """Whether the family multiplies embeddings by sqrt(hidden_size) (Gemma does, Llama does not)."""
+    return bool(getattr(config, "scales_embeddings", True))  # configs from before the property: Gemma
 
 
 # ------------------------------------------------------------------------------------------------ helpers

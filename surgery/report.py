@@ -1,9 +1,29 @@
-"""A surgery report a person can read: a terminal table and a PNG plot of what a plan keeps and why."""
+"""A surgery report a person can read: a terminal table and a PNG plot of what a plan keeps and why; and the
+files both surgery paths write beside a student's weights (the plan and its report)."""
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
-from .plan import Plan
+from .plan import PLAN_FILE, Plan
+
+REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
+
+
+def student_files(plan: Plan, report: bool = True) -> dict[str, Callable[[str], object]]:
+    """Files written beside a student's weights, as {file name: writer(path)}: the plan, and (with `report`)
+    its report as text and PNG. `save_student` and `prune_checkpoint` both pass these to the folder writer."""
+    files: dict[str, Callable[[str], object]] = {PLAN_FILE: lambda path: plan.save(path)}
+    if report:
+        files[REPORT_TXT] = lambda path: _write_text(path, format_report(plan) + "\n")
+        files[REPORT_PNG] = lambda path: plot_report(plan, path)
+    return files
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def kept_fractions(plan: Plan) -> dict[str, tuple[int, int]]:
@@ -56,7 +76,7 @@ def format_report(plan: Plan) -> str:
     hidden = plan.scores.get("hidden")
     if hidden:
         out.append(f"  hidden importance kept: {_share(hidden, plan.kept_hidden)}")
-    if plan.embed_scale != 1.0:
+    if plan.embed_scale != 1.0 or plan.final_norm_scale != 1.0:
         out.append(f"  embedding scale {plan.embed_scale:.6g}, final norm factor {plan.final_norm_scale:.6g}")
     effect = plan.scores.get("compensation")
     if effect:
@@ -69,7 +89,9 @@ def format_report(plan: Plan) -> str:
 
 def plot_report(plan: Plan, path: str) -> str:
     """A PNG: per-layer scores with the kept layers marked, kept fraction per axis, sorted hidden importance."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    # Imported here: matplotlib is slow to import and only this function draws. No pyplot: no global backend or
+    # figure state.
+    from matplotlib.figure import Figure
 
     teacher = plan.teacher_config
     fig = Figure(figsize=(15, 4.2))

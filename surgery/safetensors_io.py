@@ -1,7 +1,7 @@
 """Streaming safetensors reading and writing, and atomic publication of model folders.
 
 Reads go through `safe_open(..., backend="pread")` and `get_slice`, so only the bytes asked for are resident
-(hf_nnx.md §2.3: 162 MiB peak to stream a 2 GiB file, against 4 GiB for `load_file`). Writes lay out the header
+(`load_file` holds the whole file, and more while converting). Writes lay out the header
 first, then append one tensor at a time: a checkpoint is never held twice in memory. A folder is written under a
 temporary name beside its destination and renamed into place at the end, so a crash never leaves a folder that
 looks complete.
@@ -104,9 +104,9 @@ def open_safetensors(path: str):
     """Open a safetensors file for row-range reads, turning a corrupt or truncated file into a CheckpointError.
 
     `safe_open(..., backend="pread")` validates the header; reads then go through `SafetensorsFile`, because
-    safetensors 0.8's pread `get_slice(...)[rows]` reads the *whole tensor* for any slice (measured in
-    bench/NOTES.md: 151 MB read to return one row of a 7B MLP matrix; 1.1 TB read in 11 minutes of a 7B -> 2B
-    surgery), while rows [a, b) of a row-major tensor are one contiguous byte range."""
+    safetensors 0.8's pread `get_slice(...)[rows]` reads the *whole tensor* for any slice (so a surgery that
+    keeps some rows of each matrix reads every matrix many times over; figures in bench/NOTES.md), while rows
+    [a, b) of a row-major tensor are one contiguous byte range."""
     try:
         size = os.path.getsize(path)
     except OSError as err:

@@ -4,8 +4,8 @@ A spec fixes five sizes; everything else (`head_dim`, `query_pre_attn_scalar`, v
 family) stays the teacher's, and every surviving layer keeps its attention type. Widths are uniform across layers
 because a Hugging Face config has one value per size.
 
-KV heads are the axis other pruning tools trip over (anchors.md §4.1). A student KV head is formed from *whole*
-teacher KV groups, in one of two ways:
+KV heads are the axis pruning tools most often get wrong: a query head only works with the KV head it was trained
+with. So a student KV head is formed from *whole* teacher KV groups, in one of two ways:
 
     select  the student keeps some teacher KV heads as they are and, for each, query heads of that head's group;
             possible when the student has no more query heads per KV head than the teacher (G_s <= G_t).
@@ -25,7 +25,7 @@ class SpecError(ValueError):
     """A student spec, or a plan, that cannot be built from this teacher: says which constraint and how to fix it."""
 
 
-# name: (layers, hidden, intermediate, heads, kv heads, head_dim) of real Gemma checkpoints (hf_nnx.md §1.4).
+# name: (layers, hidden, intermediate, heads, kv heads, head_dim) of real Gemma checkpoints (their config.json).
 NAMED_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "gemma-2b": (18, 2048, 16384, 8, 1, 256),
     "gemma-7b": (28, 3072, 24576, 16, 16, 256),
@@ -39,6 +39,10 @@ KV_MODES = ("auto", "select", "merge")
 SIZE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 TEACHER_FIELDS = dict(zip(SIZE_FIELDS, ("num_hidden_layers", "hidden_size", "intermediate_size",
                                         "num_attention_heads", "num_key_value_heads")))
+# Model types whose transformers config rejects a hidden_size that is not a multiple of num_attention_heads even
+# though head_dim is explicit (its `validate_architecture`); tests/test_surgery_spec.py checks this against
+# transformers for every supported model type.
+HIDDEN_MULTIPLE_OF_HEADS = ("gemma2", "gemma3_text", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +114,7 @@ class StudentSpec:
             if mine > theirs:
                 raise SpecError(f"StudentSpec.{field}={mine} is larger than the teacher's {teacher_field}={theirs}; "
                                 f"a student is cut from the teacher, so use at most {theirs}.")
-        if teacher.model_type != "gemma" and self.hidden_size % self.num_attention_heads:
+        if teacher.model_type in HIDDEN_MULTIPLE_OF_HEADS and self.hidden_size % self.num_attention_heads:
             lower = self.hidden_size - self.hidden_size % self.num_attention_heads
             raise SpecError(
                 f"StudentSpec.hidden_size={self.hidden_size} is not a multiple of num_attention_heads="

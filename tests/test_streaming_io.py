@@ -19,7 +19,7 @@ import surgery.block_reads as block_reads
 import surgery.host_buffers as host_buffers
 from surgery import load_pretrained, save_pretrained
 from surgery.pipeline import work_ahead
-from surgery.prune_disk import disk_reader, row_runs
+from surgery.readers import DiskReader, Reader, row_runs
 from surgery.safetensors_io import ALIGN, CheckpointError, PendingTensor, RowSlice, open_safetensors, write_safetensors
 
 
@@ -87,7 +87,8 @@ def test_disk_reader_gathers_rows_and_columns_like_numpy(tmp_path, stored, wante
     matrix = rng.standard_normal((60, 24)).astype(stored)
     vector = rng.standard_normal(60).astype(stored)
     save_file({"model.m.weight": matrix, "model.v.weight": vector}, str(tmp_path / "model.safetensors"))
-    read = disk_reader(str(tmp_path), wanted)
+    read = DiskReader(str(tmp_path), wanted)
+    assert isinstance(read, Reader)
     cases = [(None, None), (np.arange(5, 40), None), (np.array([0, 1, 2, 30, 31, 59, 4]), None),
              (None, np.arange(8, 16)), (rng.choice(60, 20, replace=False), np.array([5, 2, 23, 0])),
              (np.arange(60), rng.permutation(24)[:10]), (np.array([], np.int64), np.array([1, 2]))]

@@ -9,7 +9,7 @@ from surgery.apply import apply_plan
 from surgery.plan import Plan, PlanError
 from surgery.planner import plan_student
 from surgery.prune_disk import prune_checkpoint
-from surgery.spec import NAMED_SHAPES, SpecError, StudentSpec
+from surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, NAMED_SHAPES, SpecError, StudentSpec
 
 
 def config(model_type="gemma2", **changes) -> GemmaConfig:
@@ -50,6 +50,25 @@ def test_spec_alone(sizes, message):
 def test_spec_against_teacher(teacher, sizes, kv_mode, message):
     with pytest.raises(SpecError, match=message):
         StudentSpec(*sizes).check_against(teacher, kv_mode)
+
+
+def test_hidden_multiple_of_heads_rule_is_transformers_own():
+    """`HIDDEN_MULTIPLE_OF_HEADS` lists exactly the supported model types whose transformers config refuses a
+    hidden_size that is not a multiple of the heads (head_dim explicit)."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import CONFIG_MAPPING
+
+    from surgery.config import SUPPORTED_MODEL_TYPES
+
+    refused = set()
+    for model_type in SUPPORTED_MODEL_TYPES:
+        try:
+            CONFIG_MAPPING[model_type](hidden_size=44, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                                       intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+        except (ValueError, StrictDataclassClassValidationError):
+            refused.add(model_type)
+    assert refused == set(HIDDEN_MULTIPLE_OF_HEADS) & set(SUPPORTED_MODEL_TYPES)
+    assert "gemma2" in refused and "gemma" not in refused
 
 
 def test_gemma1_allows_hidden_not_multiple_of_heads_and_kv_formation():
@@ -106,7 +125,8 @@ def test_plan_for_another_teacher_is_refused(teacher, tmp_path):
     ("kept_hidden", lambda p: p.kept_hidden[:-1] + p.kept_hidden[:1], "appear more than once"),
     ("kept_hidden", lambda p: p.kept_hidden[:-1], "needs exactly 32"),
     ("kept_mlp", lambda p: [m[:-1] + [999] for m in p.kept_mlp], "outside the teacher's range"),
-    ("kept_heads", lambda p: [[[0, 1], [2, 3]]] + p.kept_heads[1:], "must be 2 teacher query heads from the groups"),
+    ("kept_heads", lambda p: [p.kept_heads[0][::-1]] + p.kept_heads[1:],  # each KV head gets the other's
+     "must be 2 teacher query heads from the groups"),
     ("layer_types", lambda p: ["full_attention"] * 3, "attention types"),
     ("kv_weights", lambda p: [[[0.0], [1.0]]] * 3, "positive weight"),
 ])
