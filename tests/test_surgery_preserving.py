@@ -1,7 +1,8 @@
 """Surgery that removes only dead parts of a teacher must leave its logits unchanged.
 
 Each case zeroes something in a tiny transformers-made teacher (loaded into NNX), lets `plan_student` find it with
-its own scores, and checks that the student computes the teacher's logits (float32, <= 1e-5 relative).
+its own scores, and checks that the student computes the teacher's logits (float32, <= 1e-5 relative). Gemma 1/2/3
+and the Llama family (Llama; Qwen2 with its q/k/v biases) go through the same cases.
 """
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ IDS = sample_ids(batch=2, length=13)
 CALIBRATION = np.random.default_rng(7).integers(0, 96, (8, 16))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + ("llama", "qwen2"))
 def teacher_dir(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"teacher-{request.param}")
     return save_hf(make_hf_model(request.param, seed=3), folder)
@@ -86,6 +87,8 @@ def test_identical_kv_heads_merge_exactly(teacher_dir):
     for layer in teacher.layers:
         for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):  # (K, H, D): KV head 1 := KV head 0
             proj.weight[...] = proj.weight[...].at[1].set(proj.weight[...][0])
+            if hasattr(proj, "bias"):  # Qwen2: (K, H) biases too
+                proj.bias[...] = proj.bias[...].at[1].set(proj.bias[...][0])
     plan = plan_student(teacher, StudentSpec(4, 32, 48, 4, 1), calibration=CALIBRATION)
     assert plan.methods["kv"] == "merge-mean" and plan.kv_groups == [[[0, 1]]] * 4
     assert plan.kept_heads == [[[0, 1, 2, 3]]] * 4
@@ -104,7 +107,8 @@ def test_dead_hidden_channels_with_compensation(teacher_dir):
     spec = StudentSpec(4, 24, 48, 4, 2)
     plan = plan_student(teacher, spec, calibration=CALIBRATION, norm_correction=True)
     assert set(plan.kept_hidden).isdisjoint(dead)
-    assert plan.embed_scale == pytest.approx(np.sqrt(32 / 24))
+    # Gemma multiplies embeddings by sqrt(hidden): the kept columns are scaled back up; Llama does not
+    assert plan.embed_scale == pytest.approx(np.sqrt(32 / 24) if teacher.config.scales_embeddings else 1.0)
     _assert_same_logits(teacher, apply_plan(teacher, plan))
     plain = apply_plan(teacher, plan.without_compensation())
     assert np.abs(np.asarray(plain(IDS).logits) - np.asarray(teacher(IDS).logits)).max() > 1e-2
