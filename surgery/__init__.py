@@ -1,12 +1,14 @@
-"""nnx-surgery: exact Gemma 1/2/3 in Flax NNX, and the surgery that turns a large one into a smaller one.
+"""nnx-surgery: exact Gemma 1/2/3 and Llama/Mistral/Qwen2 in Flax NNX, and the surgery that turns a large model
+into a smaller one. Each family is a tensor schema plus a config adapter (surgery/families/).
 
     teacher = load_pretrained("google/gemma-7b")              # config.json decides everything
     plan = plan_student(teacher, StudentSpec.named("gemma-2b"), calibration=token_ids)
     student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
     save_student(student, plan, "out/student", source="google/gemma-7b")
 """
-from .config import ConfigError, GemmaConfig
-from .model import Gemma, GemmaOutput, abstract_model, create_model
+from .config import ConfigError, GemmaConfig, ModelConfig
+from .model import CausalLM, Gemma, GemmaOutput, ModelOutput, abstract_model, create_model
+from .families import SUPPORTED_MODEL_TYPES
 from .safetensors_io import CheckpointError
 from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
 from .spec import NAMED_SHAPES, SpecError, StudentSpec
@@ -20,7 +22,8 @@ from .card import write_model_card
 from .gguf import cached_import, import_gguf
 from .generate import Generation, generate
 
-__all__ = ["ConfigError", "CheckpointError", "GemmaConfig", "Gemma", "GemmaOutput", "abstract_model",
+__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "GemmaConfig", "CausalLM", "Gemma", "ModelOutput",
+           "GemmaOutput", "SUPPORTED_MODEL_TYPES", "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
