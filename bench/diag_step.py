@@ -2,7 +2,7 @@
 
     python bench/diag_step.py --scale 270m [--teacher-dtype bfloat16]
 
-Builds the step exactly as `distill.run` does (`distill.trainer.Session.enter_stage`) for a bench teacher/student
+Builds the step exactly as `distill.run` does (`distill.step_runner.StepRunner.enter_stage`) for a bench teacher/student
 pair, compiles it for one batch and prints one JSON line with `compiled.memory_analysis()`: bytes of the
 arguments (teacher, student parameters, Adam state, batch), outputs, aliased (donated) buffers and the temporaries
 XLA allocates inside the step, plus the host RSS after loading. Peak step memory is about
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     from distill.interface import Correspondence
     from distill.mesh import put_batch
     from distill.step import hyper_values
-    from distill.trainer import Session, logit_block, logit_chunk
+    from distill.step_runner import StepRunner, logit_block, logit_chunk
     from students import ensure_pair
     from surgery.checkpoint import load_pretrained
 
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     config = DistillConfig(stages=(stage,), batch_size=args.batch, seq_len=args.seq,
                            optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                            guard=GuardConfig(enabled=False), progress=False, plots=False, **extra)
-    session = Session(teacher, student, config, None, Correspondence(), {})
+    session = StepRunner(teacher, student, config, None, Correspondence(), {})
     session.enter_stage(0, carry=False)
     ids = np.random.default_rng(0).integers(0, teacher.config.vocab_size, (1, args.batch, args.seq)).astype(np.int32)
     batch = put_batch({"input_ids": ids}, None, leading=1)

@@ -51,7 +51,8 @@ def child_ours(args) -> dict:
     import numpy as np
 
     from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from distill.trainer import logit_block, logit_chunk, run
+    from distill.step_runner import logit_block, logit_chunk
+    from distill.trainer import run
     from surgery.checkpoint import load_pretrained
 
     dtype = "float32" if args.dtype == "float32" else "bfloat16"

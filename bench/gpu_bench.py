@@ -78,7 +78,8 @@ def child_sweep(args) -> dict:
     import jax
     import numpy as np
 
-    from distill.trainer import logit_chunk, run
+    from distill.step_runner import logit_chunk
+    from distill.trainer import run
     from distill_step import batches
     from surgery.checkpoint import load_pretrained
 

@@ -5,7 +5,7 @@
 Each configuration runs in its own process with `XLA_FLAGS=--xla_force_host_platform_device_count=N`, loads the
 teacher and student sharded (`load_pretrained(..., mesh=)`), trains `--steps` steps with `distill.run` and reports:
 
-* per-device bytes (the largest device) of the student's parameters, of the Adam state (`Session.enter_stage`
+* per-device bytes (the largest device) of the student's parameters, of the Adam state (`StepRunner.enter_stage`
   creates it exactly as `run` does, sharded like the parameters), and of the teacher, and their ratio to the
   1-device figure: under FSDP they must fall as 1/N;
 * the step time (8 "devices" share this machine's 2 cores, so on CPU it only shows the sharded step runs; it says
@@ -49,7 +49,8 @@ def child(args) -> dict:
     from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
     from distill.interface import Correspondence
     from distill.mesh import make_mesh
-    from distill.trainer import Session, run
+    from distill.step_runner import StepRunner
+    from distill.trainer import run
     from surgery.checkpoint import load_pretrained
 
     mesh = None if args.child == "1" else make_mesh(args.child)
@@ -59,7 +60,7 @@ def child(args) -> dict:
     config = DistillConfig(stages=(stage,), batch_size=args.batch, seq_len=args.seq, mesh=mesh,
                            optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                            guard=GuardConfig(enabled=False), progress=False, plots=False)
-    session = Session(teacher, student, config, mesh, Correspondence(), {})
+    session = StepRunner(teacher, student, config, mesh, Correspondence(), {})
     if mesh is not None:
         with jax.set_mesh(mesh):
             session.enter_stage(0, carry=False)

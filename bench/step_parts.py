@@ -55,7 +55,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     from flax import nnx
 
     from distill.logit_gradient import head_gradient, hidden_gradient
-    from distill.logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights
+    from distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights
     from surgery.checkpoint import load_pretrained
 
     compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
@@ -96,7 +96,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     labels, weights = labels_and_weights(ids, None, None)
     weights = weights / weights.sum()
     coeffs = {"temperature": 1.0, "kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.0}
-    spec = LogitLossSpec(kl=True, chunk=chunk, unit_temperature=True)
+    spec = LogitLossSettings(kl=True, chunk=chunk, unit_temperature=True)
 
     def logit_objective(h_s, head_s):
         loss, _ = fused_logit_loss(h_s, head_s, t_hidden, t_head, labels, weights, coeffs,
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.chunk is None:
         from distill.config import DistillConfig
-        from distill.trainer import logit_chunk
+        from distill.step_runner import logit_chunk
 
         args.chunk = logit_chunk(DistillConfig())
     parts = measure(args.teacher, args.student, args.batch, args.seq, args.dtype, args.chunk, args.repeats,

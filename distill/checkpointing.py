@@ -2,7 +2,7 @@
 JSON `meta` (step, stage, data position, learning-rate scale, guard history, seed).
 
 Restores go against ShapeDtypeStruct targets carrying the shardings of the arrays currently in memory, so a run
-resumes on the mesh it is started with, whichever mesh wrote the checkpoint (research/hf_nnx.md §6). The optimizer
+resumes on the mesh it is started with, whichever mesh wrote the checkpoint. The optimizer
 state's structure depends on the stage's trainable set, so `meta` is read first and the caller builds the stage
 before restoring the rest. Saves are synchronous: the step donates its input buffers right after.
 """

@@ -5,39 +5,97 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+import numbers
+from typing import Any, Iterator, Mapping, Sequence
 
+import optax
+
+from . import terms
 from .interface import Correspondence
 from .losses import FEATURE_KINDS
 
 
-@dataclasses.dataclass(frozen=True)
-class LossWeights:
-    """Weights of the loss terms (0 turns a term off and removes its computation from the step).
+class LossWeights(Mapping[str, float]):
+    """Weights of the loss terms, keyed by the registered weight names (`distill.terms`); 0 turns a term off and
+    removes its computation from the step.
 
-    kl / reverse_kl / jsd are logit divergences (multiplied by temperature^2), ce is hard-label cross-entropy,
-    attention is attention-map transfer and feature is layer-output matching (losses.py)."""
+        LossWeights(kl=0.5, ce=0.5, feature=1.0)      LossWeights({"kl": 1.0, "cosine": 0.1})
 
-    kl: float = 1.0
-    reverse_kl: float = 0.0
-    jsd: float = 0.0
-    ce: float = 0.0
-    attention: float = 0.0
-    feature: float = 0.0
+    Built in: kl / reverse_kl / jsd (logit divergences, multiplied by temperature^2) and ce (hard-label
+    cross-entropy), the kinds of the logit term; attention (attention-map transfer); feature (layer-output
+    matching, losses.py); and any registered term. `kl` is 1 unless given; every other weight is 0 unless given.
+    Iterating gives every registered weight name; `weights.kl` reads a weight too."""
+
+    def __init__(self, weights: Mapping[str, float] | None = None, /, **named: float):
+        given = {**dict(weights or {}), **named}
+        known = terms.weight_names()
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"LossWeights: unknown loss weight(s) {unknown}; registered: {', '.join(known)} "
+                             "(a new loss is registered with distill.terms.register).")
+        values = {"kl": 1.0, **given}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"LossWeights: {name}={value!r} must be a finite number.")
+        object.__setattr__(self, "_values", {name: float(value) for name, value in values.items()})
 
     @classmethod
     def mixed(cls, alpha: float, divergence: str = "kl", **others: float) -> "LossWeights":
         """The usual alpha mixing: alpha * divergence + (1 - alpha) * CE."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha={alpha} must lie in [0, 1].")
-        base = {"kl": 0.0, divergence: alpha, "ce": 1.0 - alpha, **others}
-        return cls(**base)
+        return cls({"kl": 0.0, divergence: alpha, "ce": 1.0 - alpha, **others})
+
+    def __getitem__(self, name: str) -> float:
+        if name in self._values:
+            return self._values[name]
+        if name in terms.weight_names():
+            return 0.0
+        raise KeyError(f"no loss weight {name!r}; registered: {', '.join(terms.weight_names())}.")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys((*terms.weight_names(), *self._values)))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __getattr__(self, name: str) -> float:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as error:
+            raise AttributeError(str(error)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"LossWeights is immutable; build a new one (cannot set {name}).")
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.active_items().items())))
+
+    def __eq__(self, other: Any) -> bool:
+        """Equal to another mapping with the same weights (missing names count as 0)."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return set(other) <= set(self) and all(self[name] == other.get(name, 0.0) for name in self)
+
+    def __repr__(self) -> str:
+        inside = ", ".join(f"{name}={value!r}" for name, value in self.active_items().items())
+        return f"LossWeights({inside})"
+
+    def __reduce__(self):
+        return (type(self), (dict(self._values),))
+
+    def active_items(self) -> dict[str, float]:
+        """The non-zero weights."""
+        return {name: value for name, value in self.items() if value != 0.0}
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        """Every registered weight by name (0 for those not given)."""
+        return dict(self.items())
 
     def active(self) -> frozenset[str]:
-        return frozenset(name for name, value in self.as_dict().items() if value != 0.0)
+        return frozenset(self.active_items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,21 +147,25 @@ class Stage:
             raise ValueError(f"Stage {self.name or ''}: steps={self.steps} must be at least 1.")
         if self.learning_rate < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"Stage {self.name or ''}: learning_rate must be >= 0 and min_lr_ratio in [0, 1].")
-        if isinstance(self.weights, dict):
-            object.__setattr__(self, "weights", LossWeights(**self.weights))
+        if not isinstance(self.weights, LossWeights):
+            object.__setattr__(self, "weights", LossWeights(self.weights))
         if not self.weights.active():
             raise ValueError(f"Stage {self.name or ''}: every loss weight is 0; nothing would be trained.")
         object.__setattr__(self, "temperature", _ramp(self.temperature))
         if min(self.temperature.start, self.temperature.end) <= 0:
             raise ValueError(f"Stage {self.name or ''}: temperature must stay positive.")
 
+    def learning_rate_schedule(self) -> optax.Schedule:
+        """Linear warm-up reaching `learning_rate` at step `warmup_steps - 1` (step s of the warm-up gets
+        (s + 1) / warmup_steps of it, so the first step does not get 0), then optax's cosine decay to
+        `learning_rate * min_lr_ratio` at the end of the stage."""
+        warmup = optax.linear_schedule(0.0, self.learning_rate, max(1, self.warmup_steps))
+        decay = optax.cosine_decay_schedule(self.learning_rate, max(1, self.steps - self.warmup_steps),
+                                            alpha=self.min_lr_ratio)
+        return optax.join_schedules([lambda step: warmup(step + 1), decay], [self.warmup_steps])
+
     def learning_rate_at(self, step_in_stage: int) -> float:
-        if step_in_stage < self.warmup_steps:
-            return self.learning_rate * (step_in_stage + 1) / self.warmup_steps
-        span = max(1, self.steps - self.warmup_steps)
-        fraction = min(1.0, (step_in_stage - self.warmup_steps) / span)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * fraction))
-        return self.learning_rate * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+        return float(self.learning_rate_schedule()(step_in_stage))
 
     def temperature_at(self, step_in_stage: int) -> float:
         return self.temperature.at(step_in_stage / max(1, self.steps - 1))

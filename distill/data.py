@@ -346,10 +346,6 @@ class TokenBatches:
         while True:
             yield self.next_batch()
 
-    @property
-    def tokens_per_epoch(self) -> int:
-        return self.num_rows * self.seq_len
-
     def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
                 "fingerprint": self.fingerprint}

@@ -162,11 +162,6 @@ def carry_matching(new_tree: Any, old_tree: Any) -> tuple[Any, int]:
     return jax.tree_util.tree_map_with_path(pick, new_tree), carried
 
 
-def decay_mask(tree: Any) -> Any:
-    """Weight decay on matrices only (projection weights, embeddings), not on norm scales or vectors."""
-    return jax.tree.map(lambda leaf: leaf.ndim >= 2, tree)
-
-
 def selected_paths(model: nnx.Module, trainable: Filter = None, frozen: Filter = None) -> list[str]:
     _, train_state, _ = split_trainable(model, trainable, frozen)
     return [path_string(path) for path, _ in nnx.to_flat_state(train_state)]
@@ -174,4 +169,4 @@ def selected_paths(model: nnx.Module, trainable: Filter = None, frozen: Filter =
 
 __all__ = ["expand_braces", "pattern_matches", "path_string", "to_predicate", "trainable_filter", "split_trainable",
            "check_patterns", "carry_matching", "describe_split", "count_parameters", "selected_paths",
-           "parameter_paths", "decay_mask"]
+           "parameter_paths"]

@@ -1,8 +1,9 @@
 """What distillation needs from a model, and the teacher -> student correspondence, as plain data.
 
 `distill` never imports a model class. A teacher or student is anything shaped like `DistillModel` (the NNX
-`surgery.model.Gemma` is one): a callable NNX module returning an object with `final_hidden`, and on request
-`residual` (embeddings, then each layer's output) and `attention_probs` (per layer, (B, N, T, S) probabilities).
+`surgery.model.Gemma` is one): a callable NNX module returning an object with `final_hidden`, and on request the
+captures the loss terms name (`LossTerm.captures`), e.g. `residual` (embeddings, then each layer's output) and
+`attention_probs` (per layer, (B, N, T, S) probabilities), as attributes of that name.
 
 The layer map says which teacher layer output a student layer output should imitate. A student made by the
 surgery keeps teacher layers `kept_layers` in order, so student layer j is teacher layer `kept_layers[j]`; a width
@@ -35,6 +36,15 @@ class DistillModel(Protocol):
     `logits_from_hidden(hidden, head)` must return float32 logits (soft-cap applied) and must depend on trainable
     parameters only through `head` when `head` is given: the fused logit loss differentiates it with respect to
     `hidden` and `head` only.
+
+    Optional, for meshes: `shardings(mesh) -> nnx.State`, the tree of `nnx.state(model)` with a `NamedSharding`
+    for every array; `distill.mesh.shard_model` places the model with it. A model without it is replicated on
+    every device of the mesh (`NamedSharding(mesh, PartitionSpec())`). `check_mesh_fits` reads each parameter's
+    `mesh_axes` metadata (the mesh axis of each dimension; else `out_sharding`) to refuse a mesh axis that cannot
+    split a dimension it shards.
+
+    Optional, for the tied-embedding fold of the train step: `embed(ids)` and `config.tie_word_embeddings`;
+    `config.scales_embeddings` (default True) says whether `embed` multiplies rows by sqrt(hidden_size).
     """
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
@@ -168,9 +178,5 @@ def _flat_heads(heads: Any) -> tuple[int, ...] | None:
     return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
-def identity_correspondence(num_layers: int) -> Correspondence:
-    return Correspondence(layer_map=tuple((i, i) for i in range(num_layers)))
-
-
 __all__ = ["DistillModel", "ModelOutput", "FORWARD_KEYS", "forward_inputs", "next_token_targets", "Correspondence",
-           "correspondence_from_plan", "identity_correspondence", "check_model"]
+           "correspondence_from_plan", "check_model"]

@@ -11,8 +11,8 @@ u = s / tau, teacher v = t / tau, q = softmax(u), p = softmax(v), per row:
 
 Differentiating `token_objective` with `jax.vjp` gives the same numbers, but through log-softmax's backward, with
 log-probabilities of both models materialised: about twice as many passes over the (rows, V) float32 blocks.
-Here the row statistics come from reductions over the logits and dz from one element-wise pass (on the 2-core
-CPU: 2.3x faster per 32 x 262144 chunk, 1.7x with Gemma 2's soft-cap). `distill.logit_loss` uses this when
+Here the row statistics come from reductions over the logits and dz from one element-wise pass, fewer passes
+over the largest arrays of the step. `distill.logit_loss` uses this when
 the loss has only these terms and a block holds several chunks (`closed_form_applies` says why); everything else
 goes through autodiff.
 """

@@ -18,7 +18,7 @@ and the student keeps its full-vocabulary log-probabilities, so mass outside the
 
 `fused_logit_loss` is the fast path: a `jax.custom_vjp` that walks the sequence in blocks and, inside each block,
 in chunks. Per block (`block` rows, default `chunk`): the teacher's logits in one matmul (they need no gradient,
-and large matmuls run at about twice the rate of chunk-sized ones on CPU), then per chunk the student's logits, the
+and large matmuls run faster than chunk-sized ones on CPU), then per chunk the student's logits, the
 loss and its gradient with respect to the student logits (nothing is recomputed in a backward pass), and per block
 again the two backward matmuls d(hidden) = dz @ head and d(head) += dz^T @ hidden (accumulated in float32). So
 (B, T, V) logits of either model never exist: the peak is one block of teacher logits and of dz, a few chunks of
@@ -51,8 +51,9 @@ DIAGNOSTICS = ("kl", "teacher_ce", "logit_corr")
 
 
 @dataclasses.dataclass(frozen=True)
-class LogitLossSpec:
-    """Static choices (each changes the compiled program). Weights and temperature are traced values."""
+class LogitLossSettings:
+    """Static settings of the fused logit loss (each changes the compiled program): which kinds are on (their
+    weights and the temperature are traced values), top-k, and the chunking that bounds its memory."""
 
     kl: bool = True
     reverse_kl: bool = False
@@ -86,12 +87,12 @@ class LogitLossSpec:
                              "chunks: raise it, or set None (one chunk per block).")
 
 
-def _kl_is_the_term(spec: LogitLossSpec) -> bool:
+def _kl_is_the_term(spec: LogitLossSettings) -> bool:
     """The temperature-1 KL metric is the loss's own KL term (no extra work to report it)."""
     return spec.kl and spec.unit_temperature and spec.top_k is None
 
 
-def metric_names(spec: LogitLossSpec) -> tuple[str, ...]:
+def metric_names(spec: LogitLossSettings) -> tuple[str, ...]:
     """Metric sums returned with the loss (weighted means when weights sum to one)."""
     terms = tuple(f"term/{name}" for name in ("kl", "reverse_kl", "jsd", "ce") if getattr(spec, name))
     if not spec.teacher:
@@ -101,14 +102,12 @@ def metric_names(spec: LogitLossSpec) -> tuple[str, ...]:
     return ("student_ce",) + ("kl",) * _kl_is_the_term(spec) + terms
 
 
-def closed_form_applies(spec: LogitLossSpec, chunks_per_block: int) -> bool:
+def closed_form_applies(spec: LogitLossSettings, chunks_per_block: int) -> bool:
     """The fused loss computes dz in closed form (`distill.logit_gradient`) for forward KL and/or CE terms without
     top-k or diagnostics, when a block holds several chunks (each chunk's dz is then written into the block's
-    buffer). Measured on the 2-core CPU at 270M shapes (2 x 128 rows, 262144 vocabulary, 256-row blocks): loss +
-    gradient 3.05 -> 2.85-2.95 s at 32-row chunks, 2.93 -> 2.80 s at 64, 2.87 -> 2.76 s at 128; but 2.5 -> 3.2 s
-    with one 256-row chunk per block, where XLA computes dz twice from materialised p and q (once per consumer
-    matmul). So one chunk per block (the GPU setting) stays on autodiff of `token_objective`, as do the other
-    objectives."""
+    buffer): on CPU that is faster than autodiff of `token_objective`. With one chunk per block (the GPU setting)
+    XLA would compute dz twice from materialised p and q (once per consumer matmul), which is slower, so that case
+    stays on autodiff, as do the other objectives."""
     return chunks_per_block > 1 and not (spec.reverse_kl or spec.jsd or spec.top_k is not None or spec.diagnostics)
 
 
@@ -136,7 +135,7 @@ def _logit_correlation(s: jax.Array, t: jax.Array) -> jax.Array:
 
 
 def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.Array, coeffs: dict,
-                    spec: LogitLossSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...).
 
     Metrics: `term/<name>` is each active logit term at the current temperature (before its weight and tau^2);
@@ -196,7 +195,7 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
 
 
 def reference_logit_loss(student_logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array,
-                         weights: jax.Array, coeffs: dict, spec: LogitLossSpec):
+                         weights: jax.Array, coeffs: dict, spec: LogitLossSettings):
     """The unchunked loss on full (B, T, V) logits; differentiated by plain autodiff."""
     return token_objective(student_logits, teacher_logits, labels, weights, coeffs, spec)
 
@@ -228,7 +227,7 @@ def elementwise_part(logits_fn: LogitsFn) -> Callable[[jax.Array], jax.Array]:
     return f
 
 
-def chunk_positions(batch: int, length: int, spec: LogitLossSpec) -> tuple[int, int]:
+def chunk_positions(batch: int, length: int, spec: LogitLossSettings) -> tuple[int, int]:
     """(positions per chunk, positions per block): rows are batch x positions; a block holds whole chunks and at
     most the (chunk-padded) sequence."""
     chunk = max(1, min(length, spec.chunk // batch))
@@ -237,12 +236,13 @@ def chunk_positions(batch: int, length: int, spec: LogitLossSpec) -> tuple[int, 
 
 
 def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_logits: LogitsFn,
-                 teacher_logits: LogitsFn, spec: LogitLossSpec, grad_hidden: bool, grad_head: bool):
+                 teacher_logits: LogitsFn, spec: LogitLossSettings, grad_hidden: bool, grad_head: bool):
     """One pass over the sequence: loss, metric sums and (optionally) d(hidden_s), d(head_s) for d(loss) = 1.
     `head_s` is already in the compute dtype of `h_s`; d(head_s) comes back in float32, or, when one block covers
     the sequence, as the pair (dz, hidden) whose `head_gradient` it is: the backward pass makes that matmul
     after the student trunk's backward has freed its activations, so the (V, D) gradient never coexists with
-    them (and with multiple blocks there is an accumulator anyway)."""
+    them (and with multiple blocks there is an accumulator anyway). One function on purpose: the chunk and block
+    bodies share the buffers and settings of this pass, and split apart they would pass them all around."""
     batch, length = h_s.shape[:2]
     chunk, block = chunk_positions(batch, length, spec)
     per_block = block // chunk
@@ -319,7 +319,7 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
 
 def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: jax.Array, labels: jax.Array,
                      weights: jax.Array, coeffs: dict, *, student_logits: LogitsFn, teacher_logits: LogitsFn,
-                     spec: LogitLossSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
     labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are
     None without a teacher (spec.teacher False). `head_s` may be in a wider dtype than `h_s` (float32 master
@@ -375,5 +375,8 @@ def labels_and_weights(input_ids: jax.Array, loss_mask: jax.Array | None,
     return labels, weights
 
 
-__all__ = ["LogitLossSpec", "fused_logit_loss", "reference_logit_loss", "token_objective", "labels_and_weights",
+LogitLossSpec = LogitLossSettings  # the former name, still exported by distill/__init__.py
+
+
+__all__ = ["LogitLossSettings", "LogitLossSpec", "fused_logit_loss", "reference_logit_loss", "token_objective", "labels_and_weights",
            "metric_names", "elementwise_part", "chunk_positions"]

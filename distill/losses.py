@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .interface import Correspondence
+from .loss_term import LossTerm, TermInputs, captured_pair
 
 FEATURE_KINDS = ("mse", "nmse", "cosine")
 _TINY = 1e-12
@@ -123,5 +124,22 @@ def init_projections(correspondence: Correspondence, student_width: int, teacher
             for key, (_, s) in zip(keys, correspondence.layer_map)}
 
 
+def _attention_term(inputs: TermInputs) -> jax.Array:
+    teacher, student = captured_pair(inputs, "attention_probs")
+    return attention_transfer_loss(teacher, student, inputs.correspondence, inputs.query_weights)
+
+
+def _feature_term(inputs: TermInputs) -> jax.Array:
+    teacher, student = captured_pair(inputs, "residual")
+    return feature_loss(teacher, student, inputs.correspondence, inputs.query_weights, inputs.settings.feature_kind,
+                        inputs.projections)
+
+
+# Loss terms (distill.terms registers them): attention-map transfer, and layer-output matching of the kind
+# `DistillConfig.feature_kind` ("nmse" by default).
+ATTENTION = LossTerm(name="attention", compute=_attention_term, captures=("attention_probs",), uses_layer_map=True)
+FEATURE = LossTerm(name="feature", compute=_feature_term, captures=("residual",), uses_layer_map=True,
+                   uses_projections=True)
+
 __all__ = ["attention_transfer_loss", "feature_loss", "feature_distance", "group_heads", "match_heads",
-           "init_projections", "FEATURE_KINDS"]
+           "init_projections", "FEATURE_KINDS", "ATTENTION", "FEATURE"]

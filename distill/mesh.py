@@ -1,9 +1,10 @@
 """Device meshes for distillation: parsing "fsdp=4,tp=2", placing models and batches, multi-host start.
 
 Meshes always use Auto axis types (GSPMD propagation): jax 0.10's `jax.make_mesh` defaults to Explicit axes, under
-which the models' row-parallel matmuls fail (research/hf_nnx.md §5.1). Parameters are placed by their logical
-`axes` metadata (the surgery's Gemma names them "fsdp" / "tp"); an axis the mesh lacks, or one that does not divide
-the dimension, is left unsharded. Batches are split over the data axes ("data", "fsdp") that divide the batch.
+which the models' row-parallel matmuls fail. Where a parameter lives is the model's answer, not this module's:
+`shard_model` places every variable with `model.shardings(mesh)` (the DistillModel contract, interface.py), and a
+model without that method is replicated. Batches are split over the data axes ("data", "fsdp") that divide the
+batch.
 """
 from __future__ import annotations
 
@@ -109,27 +110,32 @@ def make_mesh(spec: str | Mapping[str, int] | Mesh, devices: int | list | None =
                          devices=chosen)
 
 
-def fitted_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh: Mesh) -> PartitionSpec:
-    """PartitionSpec from logical axes, dropping axes the mesh lacks or that do not divide the dimension."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    axes = tuple(axes) if axes is not None else (None,) * len(shape)
-    return PartitionSpec(*(a if a in sizes and dim % sizes[a] == 0 else None for dim, a in zip(shape, axes)))
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
 
 
-def variable_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, fitted_spec(tuple(variable.shape), _logical_axes(variable) or None, mesh))
+def _sharding_by_path(shardings: Any) -> dict[tuple, Any]:
+    """{state path: NamedSharding} of a `model.shardings(mesh)` tree (leaves NamedSharding, or Variables holding
+    one)."""
+    flat = nnx.to_flat_state(shardings) if isinstance(shardings, nnx.State) else \
+        nnx.to_flat_state(nnx.State(shardings))
+    return {path: leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for path, leaf in flat}
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Place every variable of `model` on `mesh` by its `axes` metadata (in place; returns the model)."""
-    state = nnx.state(model)
-
-    def place(variable):
-        if isinstance(variable, nnx.Variable) and hasattr(variable.get_value(), "shape"):
-            variable.set_value(jax.device_put(variable.get_value(), variable_sharding(variable, mesh)))
-        return variable
-
-    jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """Place every variable of `model` on `mesh` (in place; returns the model): where `model.shardings(mesh)`
+    says when the model has that method, else replicated on every device."""
+    wanted = _sharding_by_path(model.shardings(mesh)) if callable(getattr(model, "shardings", None)) else None
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        value = variable.get_value() if isinstance(variable, nnx.Variable) else None
+        if not hasattr(value, "shape"):
+            continue
+        sharding = replicated(mesh) if wanted is None else wanted.get(path)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            raise MeshError(f"{type(model).__name__}.shardings(mesh) gives no sharding for "
+                            f"{'.'.join(map(str, path))}; it must return the tree of nnx.state(model) with a "
+                            "NamedSharding for every array.")
+        variable.set_value(jax.device_put(value, sharding))
     return model
 
 
@@ -139,9 +145,12 @@ def model_on_mesh(model: nnx.Module, mesh: Mesh) -> bool:
                                 and leaf.sharding.mesh.shape == mesh.shape for leaf in leaves)
 
 
-def _logical_axes(variable: nnx.Variable) -> tuple:
+def _mesh_axes(variable: nnx.Variable) -> tuple:
+    """The mesh axis each dimension of a parameter is sharded over: its `mesh_axes` metadata (the model's rules
+    table applied to its logical `axes`), else the `out_sharding` that Flax's eager sharding records."""
     meta = variable.get_metadata()
-    return tuple(meta.get("axes") or meta.get("out_sharding") or meta.get("sharding_names") or ())
+    axes = meta.get("mesh_axes")
+    return tuple(axes if axes is not None else meta.get("out_sharding") or ())
 
 
 def data_split(mesh: Mesh) -> tuple[list[str], int]:
@@ -177,7 +186,7 @@ def check_mesh_fits(mesh: Mesh | None, models: Mapping[str, Any], batch: int | N
         if model is None:
             continue
         for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            for dim, axis in zip(tuple(variable.shape), _logical_axes(variable)):
+            for dim, axis in zip(tuple(variable.shape), _mesh_axes(variable)):
                 size = sizes.get(axis, 1) if isinstance(axis, str) else 1
                 if size > 1 and dim > size and dim % size:
                     fits = [d for d in range(2, dim + 1) if dim % d == 0][:6]
@@ -233,5 +242,5 @@ def initialize_distributed(**kwargs: Any) -> bool:
 
 
 __all__ = ["MeshError", "make_mesh", "parse_mesh_spec", "format_mesh_spec", "sizes_using", "check_mesh_fits",
-           "check_batch_fits", "shard_model", "model_on_mesh", "batch_spec", "put_batch",
-           "fitted_spec", "variable_sharding", "initialize_distributed", "DATA_AXES"]
+           "check_batch_fits", "shard_model", "model_on_mesh", "replicated", "batch_spec", "put_batch",
+           "initialize_distributed", "DATA_AXES"]

@@ -1,6 +1,6 @@
 """Run metrics: FLOP accounting and MFU, a JSONL log, a progress bar, TensorBoard when installed, PNG curves.
 
-FLOPs per step (matmuls only, the convention of research/peers_270m.md §4):
+FLOPs per step (matmuls only, the usual 6N / 2N convention for a trained / forward-only model):
 
     tokens * (6 N_student + 2 N_teacher) + tokens * (3 A_student + A_teacher)
 

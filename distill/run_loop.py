@@ -24,7 +24,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -37,7 +37,10 @@ from .interruption import RunInterrupted, StopSignals, drop_torn_line, interrupt
 from .mesh import put_batch
 from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
 from .step import hyper_values
-from .trainer import DivergenceError
+
+
+class DivergenceError(RuntimeError):
+    """The loss kept diverging after the configured number of rollbacks."""
 
 
 def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np.ndarray]:
@@ -77,14 +80,23 @@ def _eval_source(eval_data: Any, data_source: Any, count: int) -> list[dict[str,
     return batches
 
 
+def _json_value(value: Any) -> Any:
+    """config.json: mappings (LossWeights) as objects, anything else JSON cannot write as its repr."""
+    return dict(value) if isinstance(value, Mapping) else repr(value)
+
+
 def _by_step(records: list[dict[str, Any]], last_step: int) -> list[dict[str, Any]]:
     """One record per step up to `last_step` (the latest written wins: a step redone after a rollback)."""
     return sorted({r["step"]: r for r in records if r["step"] <= last_step}.values(), key=lambda r: r["step"])
 
 
-class Loop:
-    def __init__(self, session, data, config: DistillConfig, mesh, eval_data, teacher, student):
-        self.session, self.data, self.config, self.mesh = session, data, config, mesh
+class TrainingLoop:
+    """Drives a run: which stage and step come next, their schedule values, logging, the divergence guard,
+    checkpoints, resume and evaluations. The student's training state lives in `runner` (a StepRunner); the loop
+    owns the run's bookkeeping (step, history, learning-rate scale, rollbacks, data position)."""
+
+    def __init__(self, runner, data, config: DistillConfig, mesh, eval_data, teacher, student):
+        self.runner, self.data, self.config, self.mesh = runner, data, config, mesh
         self.step, self.lr_scale, self.rollbacks = 0, 1.0, 0
         self.good_losses: list[float] = []
         self.history: list[dict[str, Any]] = []
@@ -124,30 +136,35 @@ class Loop:
                     raise
                 raise self._interrupted(str(error) or self.stop.received, saved=False) from None
 
-    def _run(self) -> None:
+    def _open_logs(self) -> None:
+        """The metrics logger from the current step (a line torn by an earlier kill cut), and config.json."""
         config = self.config
-        resumed = self._resume()
-        if not resumed:
-            self._enter(config.stage_at(0)[0], carry=False)
         if config.run_dir and jax.process_index() == 0:
             drop_torn_line(os.path.join(config.run_dir, "metrics.jsonl"))
         self.logger = MetricsLogger(config.run_dir, config.total_steps, start_step=self.step,
                                     progress=config.progress)
         if config.run_dir and jax.process_index() == 0:
             with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
-                json.dump(dataclasses.asdict(config), handle, indent=1, default=repr)
+                json.dump(dataclasses.asdict(config), handle, indent=1, default=_json_value)
+
+    def _run(self) -> None:
+        config = self.config
+        resumed = self._resume()
+        if not resumed:
+            self._enter(config.stage_at(0)[0], carry=False)
+        self._open_logs()
         if self.stale_saves:
             self._event("cleanup", f"removed {len(self.stale_saves)} unfinished checkpoint write(s) of an earlier "
                                    f"run: {', '.join(self.stale_saves)}")
         for note in self.skipped_checkpoints:
             self._event("checkpoint_unreadable", note)
         if resumed:
-            self._event("resume", f"resumed from step {self.step} (stage {self.session.stage_index}) in "
+            self._event("resume", f"resumed from step {self.step} (stage {self.runner.stage_index}) in "
                                   f"{self.checkpointer.directory}")
             if self._eval_due():  # the run stopped between this checkpoint and its evaluation
                 self._evaluate()
         else:
-            self._event("stage", self._stage_line(self.session.stage_index, 0), stage=self.session.stage_index,
+            self._event("stage", self._stage_line(self.runner.stage_index, 0), stage=self.runner.stage_index,
                         carried=0)
             self._mark_good()
             self._evaluate()
@@ -156,7 +173,7 @@ class Loop:
         while self.step < config.total_steps:
             self._stop_if_asked()
             index, in_stage = config.stage_at(self.step)
-            if index != self.session.stage_index:
+            if index != self.runner.stage_index:
                 carried = self._enter(index, carry=True)
                 self.good_losses = []  # the loss scale changes with the weights
                 self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
@@ -164,7 +181,7 @@ class Loop:
             stage = config.stages[index]
             hyper = hyper_values(stage, in_stage, config.optimizer.weight_decay, self.lr_scale)
             started = time.perf_counter()
-            pending = self.session.train_step(batch, hyper)  # dispatched asynchronously
+            pending, first_of_stage = self.runner.train_step(batch, hyper)  # dispatched asynchronously
             prefetched = self._next_batch() if self.step + 1 < last_step else None  # host work overlaps the step
             values = _host(pending)
             elapsed = time.perf_counter() - started
@@ -174,7 +191,7 @@ class Loop:
                 continue
             self.step += 1
             self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
-            self._log_step(values, hyper, elapsed, index, batch)
+            self._log_step(values, hyper, elapsed, index, batch, first_of_stage)
             if self.step % config.checkpoint.every == 0 or self.step == config.total_steps:
                 self._mark_good()
             if self._eval_due():
@@ -196,11 +213,11 @@ class Loop:
 
     # ------------------------------------------------------------------------------------------ pieces
     def _enter(self, index: int, *, carry: bool) -> int:
-        return self.session.enter_stage(index, carry=carry)
+        return self.runner.enter_stage(index, carry=carry)
 
     def _stage_line(self, index: int, carried: int) -> str:
-        stage, session = self.config.stages[index], self.session
-        counts = freeze.describe_split(session.params["student"], session.frozen)
+        stage, runner = self.config.stages[index], self.runner
+        counts = freeze.describe_split(runner.params["student"], runner.frozen)
         active = {k: v for k, v in stage.weights.as_dict().items() if v}
         return (f"stage {index}{' (' + stage.name + ')' if stage.name else ''}: {stage.steps} steps, "
                 f"{counts['trainable']:,} trainable / {counts['frozen']:,} frozen parameters, lr "
@@ -218,7 +235,7 @@ class Loop:
         batches = [self.data.next() for _ in range(self.config.grad_accum)]
         return put_batch(_stack(batches, self.config), self.mesh, leading=1), self.data.state()
 
-    def _log_step(self, values, hyper, elapsed: float, index: int, batch) -> None:
+    def _log_step(self, values, hyper, elapsed: float, index: int, batch, first_of_stage: bool) -> None:
         accum, batch_size, seq_len = batch["input_ids"].shape
         tokens = accum * batch_size * seq_len
         if self.flops is None:
@@ -226,9 +243,8 @@ class Loop:
         record = {"step": self.step, "stage": index, **values, "perplexity": math.exp(min(values["student_ce"], 80)),
                   "lr": float(hyper["lr"]), "temperature": float(hyper["temperature"]), "step_time_s": elapsed,
                   "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12}
-        if self.session.warmup:
+        if first_of_stage:
             record["warmup"] = True  # first step after entering a stage: may include compilation
-            self.session.warmup = False
         if self.peak:
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
         self.history.append(record)
@@ -245,7 +261,7 @@ class Loop:
         totals: dict[str, float] = {}
         count = 0.0
         for batch in self.eval_batches:
-            values = _host(self.session.evaluate(batch))
+            values = _host(self.runner.evaluate(batch))
             tokens = values.pop("supervised_tokens")
             count += tokens
             for key, value in values.items():
@@ -319,7 +335,7 @@ class Loop:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
-        return {"step": self.step, "stage": self.session.stage_index, "data_state": self.data_state,
+        return {"step": self.step, "stage": self.runner.stage_index, "data_state": self.data_state,
                 "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
                 "seed": self.config.seed, "total_steps": self.config.total_steps,
                 "history": _by_step(self.resumed_history + self.history, self.step),
@@ -327,35 +343,35 @@ class Loop:
 
     def _mark_good(self) -> None:
         """Record the current state as the rollback target (checkpoint, else host copy)."""
-        session = self.session
+        runner = self.runner
         if self.checkpointer is not None:
             if self.checkpointer.latest_step() != self.step:
-                self.checkpointer.save(self.step, student=session.full_state(), optimizer=session.opt,
-                                       projections=session.params["proj"], meta=self._meta())
+                self.checkpointer.save(self.step, student=runner.full_state(), optimizer=runner.opt,
+                                       projections=runner.params["proj"], meta=self._meta())
         elif self.config.guard.enabled:
-            self.snapshot = {"step": self.step, "stage": session.stage_index,
-                             "student": jax.device_get(session.full_state()), "opt": jax.device_get(session.opt),
-                             "proj": jax.device_get(session.params["proj"])}
+            self.snapshot = {"step": self.step, "stage": runner.stage_index,
+                             "student": jax.device_get(runner.full_state()), "opt": jax.device_get(runner.opt),
+                             "proj": jax.device_get(runner.params["proj"])}
 
     def _restore_last_good(self) -> int:
-        session = self.session
+        runner = self.runner
         if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
             meta = self._restore_checkpoint(self.checkpointer.latest_step())
             return int(meta["step"])
         if self.snapshot is None:
             raise DivergenceError("diverged before any good state was recorded.")
         snap = self.snapshot
-        session.load(snap["stage"], snap["student"], snap["opt"], snap["proj"])
+        runner.load(snap["stage"], snap["student"], snap["opt"], snap["proj"])
         self.step = snap["step"]
         return self.step
 
     def _restore_checkpoint(self, step: int) -> dict[str, Any]:
-        session, checkpointer = self.session, self.checkpointer
+        runner, checkpointer = self.runner, self.checkpointer
         meta = checkpointer.read_meta(step)
-        session.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
+        runner.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
         student_state, opt_state, projections = checkpointer.restore(
-            step, student=session.full_state(), optimizer=session.opt, projections=session.params["proj"])
-        session.load(int(meta["stage"]), student_state, opt_state, projections)
+            step, student=runner.full_state(), optimizer=runner.opt, projections=runner.params["proj"])
+        runner.load(int(meta["stage"]), student_state, opt_state, projections)
         self.step = int(meta["step"])
         return meta
 
@@ -387,4 +403,4 @@ class Loop:
         raise AssertionError("unreachable: latest_step() named a checkpoint")
 
 
-__all__ = ["Loop"]
+__all__ = ["TrainingLoop", "DivergenceError"]

@@ -18,6 +18,22 @@ def test_learning_rate_warms_up_then_follows_a_cosine_to_the_floor():
     assert stage.learning_rate_at(12) == pytest.approx(0.1)
 
 
+def test_learning_rate_schedule_equals_the_warmup_cosine_formula():
+    """optax's schedule gives the values of the formula it replaced (float32 rounding apart)."""
+    def formula(stage, step):
+        if step < stage.warmup_steps:
+            return stage.learning_rate * (step + 1) / stage.warmup_steps
+        fraction = min(1.0, (step - stage.warmup_steps) / max(1, stage.steps - stage.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * fraction))
+        return stage.learning_rate * (stage.min_lr_ratio + (1.0 - stage.min_lr_ratio) * cosine)
+
+    for stage in (Stage(steps=12, learning_rate=3e-4, warmup_steps=3, min_lr_ratio=0.1),
+                  Stage(steps=5, learning_rate=1e-2, min_lr_ratio=1.0), Stage(steps=1, learning_rate=0.5),
+                  Stage(steps=4, learning_rate=2.0, warmup_steps=4, min_lr_ratio=0.0)):
+        for step in range(stage.steps + 1):
+            assert stage.learning_rate_at(step) == pytest.approx(formula(stage, step), rel=1e-6, abs=1e-12)
+
+
 def test_temperature_schedule_and_ramps():
     stage = Stage(steps=5, temperature=(3.0, 1.0))
     assert [stage.temperature_at(i) for i in range(5)] == [3.0, 2.5, 2.0, 1.5, 1.0]
@@ -26,7 +42,7 @@ def test_temperature_schedule_and_ramps():
 
 
 def test_loss_weights_and_alpha_mixing():
-    assert LossWeights.mixed(0.7) == LossWeights(kl=0.7, ce=pytest.approx(0.3))
+    assert LossWeights.mixed(0.7).as_dict() == pytest.approx(LossWeights(kl=0.7, ce=0.3).as_dict())
     assert LossWeights.mixed(0.5, "jsd", attention=0.1).active() == {"jsd", "ce", "attention"}
     with pytest.raises(ValueError, match="alpha"):
         LossWeights.mixed(1.5)
@@ -86,7 +102,7 @@ def test_logit_chunk_default_fits_the_device():
     """None: 128 rows on CPU; on an accelerator 2048 rows, fewer where a (rows, 262144) float32 block would take
     more than 1/32 of the device's memory; an explicit chunk always wins."""
     from distill.config import DistillConfig
-    from distill.trainer import accelerator_logit_chunk, logit_chunk
+    from distill.step_runner import accelerator_logit_chunk, logit_chunk
 
     assert logit_chunk(DistillConfig()) == 128  # these tests run on CPU
     assert logit_chunk(DistillConfig(logit_chunk=96)) == 96

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distill.interface import Correspondence, correspondence_from_plan
-from distill.logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
 from distill.losses import attention_transfer_loss, feature_distance, feature_loss, group_heads
 
 COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
@@ -16,7 +16,7 @@ COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
 
 def _one_token(s, t, label=0, **spec):
     coeffs = {**COEFFS, **spec.pop("coeffs", {})}
-    spec = LogitLossSpec(**{"kl": False, "diagnostics": True, **spec})
+    spec = LogitLossSettings(**{"kl": False, "diagnostics": True, **spec})
     loss, sums = reference_logit_loss(jnp.asarray([s], jnp.float32), jnp.asarray([t], jnp.float32),
                                       jnp.asarray([label]), jnp.ones(1), coeffs, spec)
     return float(loss), {k: float(v) for k, v in sums.items()}
@@ -66,7 +66,7 @@ def test_top_k_renormalises_the_teacher_over_its_top_logits():
     jsd_loss, _ = _one_token([0.0, 0.0, 0.0], [math.log(3.0), 0.0, -1.0], jsd=True, top_k=2)
     assert math.isfinite(jsd_loss)
     with pytest.raises(ValueError, match="reverse_kl with top_k"):
-        LogitLossSpec(reverse_kl=True, top_k=4)
+        LogitLossSettings(reverse_kl=True, top_k=4)
 
 
 def test_logit_correlation_metric():
@@ -121,7 +121,7 @@ def test_fused_chunked_equals_reference_values_and_gradients(spec_kwargs, chunk)
     labels = jax.random.randint(keys[4], (batch, length), 0, vocab)
     weights = jax.random.uniform(keys[5], (batch, length)) * (jnp.arange(length) < length - 1)
     coeffs = dict(temperature=jnp.float32(temperature), kl=0.7, reverse_kl=0.4, jsd=1.3, ce=0.2)
-    spec = LogitLossSpec(**spec_kwargs, chunk=chunk)
+    spec = LogitLossSettings(**spec_kwargs, chunk=chunk)
     student, teacher = _softcapped(3.0), _softcapped(5.0)
     if not spec.teacher:
         h_t = head_t = None
@@ -216,7 +216,7 @@ def test_fused_loss_memory_does_not_grow_with_sequence_length():
     the same for T = 64 and T = 256."""
     batch, dim, vocab = 2, 16, 8192
     coeffs = dict(temperature=1.0, kl=1.0, reverse_kl=0.0, jsd=0.0, ce=0.0)
-    spec = LogitLossSpec(kl=True, chunk=32)
+    spec = LogitLossSettings(kl=True, chunk=32)
     logits = _softcapped(30.0)
 
     def temp_bytes(length, implementation):
@@ -255,7 +255,7 @@ def test_fused_bfloat16_compute_matches_float32_reference(block):
     labels = jax.random.randint(keys[4], (batch, length), 0, vocab)
     weights = jnp.full((batch, length), 1.0 / (batch * length))
     coeffs = dict(temperature=1.0, kl=1.0, reverse_kl=0.0, jsd=0.0, ce=0.5)
-    spec = LogitLossSpec(kl=True, ce=True, chunk=8, block=block)
+    spec = LogitLossSettings(kl=True, ce=True, chunk=8, block=block)
     logits = _softcapped(30.0)
 
     def fused(h, w):
@@ -286,11 +286,11 @@ def test_closed_form_gradient_covers_the_common_objectives_only():
     batch, length = 2, 7  # the shapes of test_fused_chunked_equals_reference_values_and_gradients
     closed = []
     for kwargs, chunk in CASES:
-        spec = LogitLossSpec(**{k: v for k, v in kwargs.items() if k not in ("vocab", "temperature")}, chunk=chunk)
+        spec = LogitLossSettings(**{k: v for k, v in kwargs.items() if k not in ("vocab", "temperature")}, chunk=chunk)
         positions, block = chunk_positions(batch, length, spec)
         closed.append(closed_form_applies(spec, block // positions))
     assert sum(closed) >= 5 and len(closed) - sum(closed) >= 5, closed
-    assert closed_form_applies(LogitLossSpec(kl=True, ce=True, block=64, vocab_slice=32768), 2)
-    assert not closed_form_applies(LogitLossSpec(kl=True, ce=True, block=64), 1)  # one chunk per block
+    assert closed_form_applies(LogitLossSettings(kl=True, ce=True, block=64, vocab_slice=32768), 2)
+    assert not closed_form_applies(LogitLossSettings(kl=True, ce=True, block=64), 1)  # one chunk per block
     for other in (dict(reverse_kl=True), dict(jsd=True), dict(top_k=8), dict(diagnostics=True)):
-        assert not closed_form_applies(LogitLossSpec(kl=True, **other), 2)
+        assert not closed_form_applies(LogitLossSettings(kl=True, **other), 2)

@@ -12,8 +12,8 @@ from distill.config import DistillConfig, Stage
 from distill.data import TokenBatches
 from distill.evaluate import agreement_and_kl, heldout_loss
 from distill.freeze import split_trainable
-from distill.interface import forward_inputs, identity_correspondence, next_token_targets
-from distill.logit_loss import LogitLossSpec
+from distill.interface import Correspondence, forward_inputs, next_token_targets
+from distill.logit_loss import LogitLossSettings
 from distill.run_loop import _stack
 from test_distill_train import FAST_COMPILE, VOCAB, student_from, tiny_teacher
 
@@ -21,6 +21,7 @@ BOS, EOS = 2, 1
 # raw lengths; with BOS and EOS each document is 2 longer: rows of 18 are [7 5 6], [10 8], [11 + 7 padding]
 LENGTHS = (5, 3, 4, 8, 6, 9)
 SEQ = 18
+IDENTITY = Correspondence(layer_map=((0, 0), (1, 1)))  # two-layer student of the first two teacher layers
 HYPER = {k: jnp.float32(v) for k, v in dict(lr=0.0, weight_decay=0.0, temperature=2.0, kl=1.0, reverse_kl=0.0,
                                             jsd=0.0, ce=0.5, attention=1.0, feature=1.0).items()}
 
@@ -72,22 +73,22 @@ def _terms(student, teacher, batch):
     """Every loss term and metric sum of make_loss_fn on one (B, T) batch, with the batch's own normalisers."""
     graph, trainable, frozen = split_trainable(student, None, None)
     teacher_graph, teacher_state = nnx.split(teacher)
-    spec = step_lib.StepSpec(logit=LogitLossSpec(kl=True, ce=True, chunk=8, diagnostics=True), attention=True,
-                             feature=True, correspondence=identity_correspondence(2))
-    loss_fn = step_lib.make_loss_fn(graph, teacher_graph, spec)
+    settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8, diagnostics=True),
+                                     terms=("attention", "feature"), correspondence=IDENTITY)
+    loss_fn = step_lib.make_loss_fn(graph, teacher_graph, settings)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    norms = step_lib._normalisers(jax.tree.map(lambda x: x[None], batch))
+    counts = step_lib.token_counts(jax.tree.map(lambda x: x[None], batch))
     run = jax.jit(loss_fn, compiler_options=FAST_COMPILE)
-    _, metrics = run({"student": trainable, "proj": {}}, frozen, teacher_state, batch, norms, HYPER)
-    return {k: float(v) for k, v in metrics.items()}, {k: float(v) for k, v in norms.items()}
+    _, metrics = run({"student": trainable, "proj": {}}, frozen, teacher_state, batch, counts, HYPER)
+    return {k: float(v) for k, v in metrics.items()}, {k: float(v) for k, v in counts.items()}
 
 
 def test_step_scores_each_packed_document_as_if_alone(models):
     teacher, student = models
     student = student_from(teacher, kept=(0, 1))  # identity layer map: attention and feature terms line up
-    packed, norms = _terms(student, teacher, _packed())
-    alone, alone_norms = _terms(student, teacher, _alone())
-    assert norms == alone_norms == {"tokens": sum(n + 1 for n in LENGTHS), "positions": sum(n + 2 for n in LENGTHS)}
+    packed, counts = _terms(student, teacher, _packed())
+    alone, alone_counts = _terms(student, teacher, _alone())
+    assert counts == alone_counts == {"tokens": sum(n + 1 for n in LENGTHS), "positions": sum(n + 2 for n in LENGTHS)}
     assert set(packed) == set(alone) >= {"loss/logit", "loss/attention", "loss/feature", "student_ce", "kl"}
     for key, value in packed.items():
         assert value == pytest.approx(alone[key], rel=2e-4, abs=1e-6), key
@@ -149,10 +150,10 @@ def test_gradient_accumulation_over_packed_micro_batches_equals_one_batch(models
     def one_step(batch):
         graph, trainable, frozen = split_trainable(student, None, None)
         teacher_graph, teacher_state = nnx.split(teacher)
-        spec = step_lib.StepSpec(logit=LogitLossSpec(kl=True, ce=True, chunk=8), feature=True,
-                                 correspondence=identity_correspondence(2), clip_norm=None)
+        settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8), terms=("feature",),
+                                         correspondence=IDENTITY, clip_norm=None)
         adam = step_lib.AdamSettings()
-        step = step_lib.build_train_step(graph, teacher_graph, spec, adam, compiler_options=FAST_COMPILE)
+        step = step_lib.build_train_step(graph, teacher_graph, settings, adam, compiler_options=FAST_COMPILE)
         params = {"student": jax.tree.map(jnp.copy, trainable), "proj": {}}
         hyper = {**HYPER, "lr": jnp.float32(1e-2)}
         new, _, metrics = step(params, adam.transform().init(params), frozen, teacher_state,

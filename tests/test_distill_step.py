@@ -12,12 +12,12 @@ from flax import nnx
 import distill.step as step_lib
 from distill.config import LossWeights, Stage
 from distill.freeze import path_string, split_trainable
-from distill.logit_loss import LogitLossSpec
+from distill.logit_loss import LogitLossSettings
 from surgery.model import create_model
 from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_config, tiny_teacher
 
 HYPER = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=0.5), temperature=2.0), 0, 0.0)
-NORMS = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
+COUNTS = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
 
 
 def _batch(seed=0):
@@ -25,17 +25,17 @@ def _batch(seed=0):
     return {"input_ids": jnp.asarray(ids)}
 
 
-def _gradients(student, teacher, *, frozen=None, dtype=jnp.float32, **spec_changes):
+def _gradients(student, teacher, *, frozen=None, dtype=jnp.float32, **settings_changes):
     """(fold engaged?, loss, {path: gradient}) of one micro-batch through `make_grad_fn`."""
     graph, trainable, rest = split_trainable(student, None, frozen)
     teacher_graph, teacher_state = nnx.split(teacher)
-    logit = LogitLossSpec(kl=True, ce=True, chunk=8, block=spec_changes.pop("block", None))
-    spec = step_lib.StepSpec(logit=logit, compute_dtype=dtype, **spec_changes)
+    logit = LogitLossSettings(kl=True, ce=True, chunk=8, block=settings_changes.pop("block", None))
+    settings = step_lib.StepSettings(logit=logit, compute_dtype=dtype, **settings_changes)
     params = {"student": trainable, "proj": {}}
-    fold = step_lib._embedding_fold(graph, params, rest, spec)
-    grad_fn = step_lib.make_grad_fn(graph, teacher_graph, spec)
+    fold = step_lib._embedding_fold(graph, params, rest, settings)
+    grad_fn = step_lib.make_grad_fn(graph, teacher_graph, settings)
     run = jax.jit(grad_fn, compiler_options=FAST_COMPILE)
-    (loss, _), grads = run(params, rest, teacher_state, _batch(), NORMS, HYPER)
+    (loss, _), grads = run(params, rest, teacher_state, _batch(), COUNTS, HYPER)
     return fold, float(loss), {path_string(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads["student"])}
 
 
@@ -138,10 +138,10 @@ def test_bfloat16_step_runs_every_matmul_on_bfloat16_operands():
     graph, trainable, rest = split_trainable(student_from(tiny_teacher()), None, None)
     teacher_graph, teacher_state = nnx.split(teacher)
     for block in (None, 16):  # one block (head gradient deferred to the backward pass), and a (V, D) accumulator
-        spec = step_lib.StepSpec(logit=LogitLossSpec(kl=True, ce=True, chunk=8, block=block),
-                                 compute_dtype=jnp.bfloat16)
-        grad_fn = step_lib.make_grad_fn(graph, teacher_graph, spec)
-        jaxpr = jax.make_jaxpr(grad_fn)({"student": trainable}, rest, teacher_state, _batch(), NORMS, HYPER)
+        settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8, block=block),
+                                         compute_dtype=jnp.bfloat16)
+        grad_fn = step_lib.make_grad_fn(graph, teacher_graph, settings)
+        jaxpr = jax.make_jaxpr(grad_fn)({"student": trainable}, rest, teacher_state, _batch(), COUNTS, HYPER)
         dots = [d for d in _matmul_operand_dtypes(jaxpr.jaxpr) if d[2] > 1]  # size 1: the soft-cap probe
         assert len(dots) > 20
         assert {d[:2] for d in dots} == {("bfloat16", "bfloat16")}, [d for d in dots if "float32" in d[:2]]

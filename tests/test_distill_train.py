@@ -224,16 +224,16 @@ def test_gradient_accumulation_equals_one_big_batch_and_bf16_compute_tracks_floa
 def test_gradients_reach_only_trainable_parameters():
     teacher, student = tiny_teacher(), student_from(tiny_teacher())
     from distill.freeze import split_trainable
-    from distill.logit_loss import LogitLossSpec
+    from distill.logit_loss import LogitLossSettings
 
     graph, trainable, frozen = split_trainable(student, ["layers.0.mlp", "layers.1.self_attn.{q,k}_proj"])
     teacher_graph, teacher_state = nnx.split(teacher)
-    spec = step_lib.StepSpec(logit=LogitLossSpec(kl=True, ce=True))
-    loss_fn = step_lib.make_loss_fn(graph, teacher_graph, spec)
+    settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True))
+    loss_fn = step_lib.make_loss_fn(graph, teacher_graph, settings)
     batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH)), jnp.int32)}
     hyper = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=1.0)), 0, 0.0)
-    norms = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
-    loss = jax.grad(lambda p: loss_fn(p, frozen, teacher_state, batch, norms, hyper)[0])
+    counts = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
+    loss = jax.grad(lambda p: loss_fn(p, frozen, teacher_state, batch, counts, hyper)[0])
     grads = jax.jit(loss, compiler_options=FAST_COMPILE)({"student": trainable, "proj": {}})
     paths = sorted(path_string(p) for p, _ in nnx.to_flat_state(grads["student"]))
     assert paths == ["layers.0.mlp.down_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
@@ -256,9 +256,9 @@ def test_without_a_teacher_the_student_trains_on_hard_labels(corpus):
 
 def test_stage_entry_makes_loaded_parameters_donatable_in_place(tmp_path):
     """XLA:CPU adopts the loader's aligned host buffers uncopied, and never aliases such a buffer to a donated
-    step's output (0.7 GB more peak RSS at the 270M benchmark); `_donatable` copies them so the step writes in
+    step's output (one more copy of the trainable parameters at the peak); `_donatable` copies them so the step writes in
     place, and leaves the step's own outputs untouched."""
-    from distill.trainer import _donatable
+    from distill.step_runner import _donatable
     from surgery.checkpoint import load_pretrained, save_pretrained
     save_pretrained(student_from(tiny_teacher()), str(tmp_path / "student"))
     loaded = jax.tree.leaves(nnx.state(load_pretrained(str(tmp_path / "student")), nnx.Param))

@@ -1,0 +1,223 @@
+"""`StepRunner`: the student's training state for the current stage, and the compiled steps that advance it.
+
+It owns the trainable parameters (split from the student by the stage's trainable set), the optimizer state,
+the learned projections and the compiled train and evaluation steps. The loop (run_loop.py) decides when to step,
+enter a stage, checkpoint or roll back; the runner does it.
+
+Buffer ownership: the step donates the trainable parameters; on entering a stage, those not made by the step are
+replaced by XLA-made copies (in the student module too: see `_donatable`), which the first step consumes; the
+module is written back (`sync_student`) at stage switches, checkpoints and the end of the run, also when the run
+stops with an error.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from . import freeze, terms
+from .config import DistillConfig
+from .logit_loss import LogitLossSettings
+from .logit_term import LOGIT
+from .mesh import replicated
+from .step import AdamSettings, StepSettings, build_eval_step, build_train_step
+
+DEFAULT_LOGIT_BLOCK = 256  # rows: teacher logits and head-gradient matmuls at least this tall (faster on CPU)
+CPU_LOGIT_CHUNK = 128  # rows: the fastest measured on CPU at 256-row blocks with the closed-form gradient
+ACCELERATOR_LOGIT_CHUNK = 2048  # rows: larger chunks gained nothing measurable; small ones read the head per chunk
+
+
+def logit_chunk(config: DistillConfig, device: jax.Device | None = None) -> int:
+    """Rows per chunk of the fused loss: `config.logit_chunk` when set; else 128 on CPU, and on an accelerator
+    2048 rows, halved (down to 256) until one (rows, 262144) float32 block (a Gemma 3 vocabulary) takes at most
+    1/32 of the device's memory: 2048 on 80-141 GB GPUs, 512 on a 16 GB TPU v5e. Small chunks on a GPU make the
+    student's logits matmul read the whole (V, D) head for a few rows at a time."""
+    if config.logit_chunk:
+        return config.logit_chunk
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return CPU_LOGIT_CHUNK
+    stats = device.memory_stats() or {}
+    return accelerator_logit_chunk(stats.get("bytes_limit"))
+
+
+def accelerator_logit_chunk(device_bytes: int | None, vocab: int = 262144) -> int:
+    rows = ACCELERATOR_LOGIT_CHUNK
+    while device_bytes and rows > DEFAULT_LOGIT_BLOCK and rows * vocab * 4 > device_bytes / 32:
+        rows //= 2
+    return rows
+
+
+def logit_block(config: DistillConfig) -> int:
+    """Rows per teacher-logits / head-gradient block of the fused loss: `config.logit_block` when set, else
+    max(chunk, 256). Costs one (block, V) float32 buffer; when the block covers the whole batch it also saves
+    the (V, D) accumulator."""
+    return max(logit_chunk(config), config.logit_block or DEFAULT_LOGIT_BLOCK)
+
+
+def logit_vocab_slice(config: DistillConfig) -> int | None:
+    """Vocabulary rows per head-gradient matmul of the fused loss: `config.logit_vocab_slice` when set, else
+    32768 on CPU (XLA:CPU copies the (block, V) gradient transposed for that matmul; slices bound the copy at no
+    measured cost) and None elsewhere (one matmul: GPU and TPU matmuls read either layout)."""
+    if config.logit_vocab_slice:
+        return config.logit_vocab_slice
+    return 32768 if jax.default_backend() == "cpu" else None
+
+
+def release_free_heap() -> None:
+    """Return freed heap memory to the OS (glibc's `malloc_trim`; a no-op elsewhere). Loading a checkpoint frees
+    large read buffers that glibc keeps in the heap; XLA's big step buffers are mmap-allocated and never reuse them, so they only add to the run's peak RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _shardings(tree: Any, mesh) -> Any:
+    return jax.tree.map(lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else replicated(mesh), tree)
+
+
+def _put_like(values: Any, template: Any) -> Any:
+    """Host or device values onto the dtypes and shardings of `template` (same structure); host arrays go
+    straight to their shards, never through one device."""
+    def put(value, like):
+        if isinstance(value, jax.Array):
+            value = value if value.dtype == like.dtype else value.astype(like.dtype)
+        else:
+            value = np.asarray(value, dtype=like.dtype)
+        return jax.device_put(value, like.sharding)
+    return jax.tree.map(put, values, template)
+
+
+def _donatable(tree: Any, stepped: set[int]) -> Any:
+    """`tree` with every leaf that is not a step output (ids in `stepped`) replaced by an XLA-made copy.
+
+    XLA:CPU adopts host buffers without copying (the loader's aligned reads, `device_put` of numpy), and such a
+    buffer is never reused for the donated step's outputs: the step then allocates every output anew while the
+    inputs stay alive, one extra copy of the trainable parameters at the peak. A copy costs one memcpy per stage entry, leaf by leaf. It also keeps teacher buffers the
+    student shares (tied or copied layers) out of the donation."""
+    return jax.tree.map(lambda x: x if id(x) in stepped else jnp.copy(x), tree)
+
+
+class StepRunner:
+    """The student's training state for the current stage (trainable parameters, frozen rest, optimizer state,
+    projections) and the compiled steps that advance it. `first_step_of_stage` is true until the first train step
+    after entering a stage (or restoring one) has run: that step may include compilation."""
+
+    def __init__(self, teacher, student, config: DistillConfig, mesh, correspondence, projections):
+        self.config, self.mesh, self.student = config, mesh, student
+        self.correspondence = correspondence
+        self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
+        opt = config.optimizer
+        self.adam_settings = AdamSettings(b1=opt.b1, b2=opt.b2, eps=opt.eps)
+        self.adam = self.adam_settings.transform()
+        self.stage_index: int | None = None
+        self.params: dict[str, Any] | None = None
+        self.frozen = self.opt = self.graph = None
+        self.projections = projections
+        self.first_step_of_stage = False
+        self._compiled: dict[int, Any] = {}
+        self._lowered: list[Any] = []  # (stage, batch shapes) already compiled
+
+    def step_settings(self, index: int) -> StepSettings:
+        """The static settings of stage `index`'s step: the terms its weights turn on, the logit loss's kinds and
+        chunking, numerics."""
+        config, weights = self.config, self.config.stages[index].weights
+        logit = LogitLossSettings(**LOGIT.kinds(weights), jsd_beta=config.jsd_beta, top_k=config.top_k,
+                                  chunk=logit_chunk(config), block=logit_block(config),
+                                  vocab_slice=logit_vocab_slice(config), unit_temperature=config.unit_temperature,
+                                  teacher=self.teacher_graph is not None, diagnostics=config.train_diagnostics)
+        others = tuple(term.name for term in terms.active_terms(weights) if term is not LOGIT)
+        return StepSettings(logit=logit, terms=others, correspondence=self.correspondence,
+                            feature_kind=config.feature_kind, logit_impl=config.logit_impl,
+                            compute_dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
+                            clip_norm=config.optimizer.clip_norm,
+                            decay_matrices_only=config.optimizer.decay_matrices_only)
+
+    def sync_student(self) -> None:
+        """Write the current trainable values back into the student module."""
+        if self.params is not None:
+            nnx.update(self.student, self.params["student"])
+
+    def enter_stage(self, index: int, *, carry: bool) -> int:
+        """Split the student for stage `index`; returns how many optimizer-state leaves were carried over."""
+        self.sync_student()
+        stage = self.config.stages[index]
+        stepped = {id(x) for x in jax.tree.leaves(self.params)} if self.params is not None else set()
+        self.graph, trainable, self.frozen = freeze.split_trainable(self.student, stage.trainable, stage.frozen)
+        trainable = _donatable(trainable, stepped)
+        nnx.update(self.student, trainable)  # the module lets go of the loader's buffers
+        projections = _donatable(self.params["proj"] if self.params is not None else self.projections, stepped)
+        params = {"student": trainable, "proj": projections}
+        opt_state = self.adam.init(params)
+        carried = 0
+        if carry and self.opt is not None:
+            opt_state, carried = freeze.carry_matching(opt_state, self.opt)
+        if self.mesh is not None:
+            params = jax.tree.map(jax.device_put, params, _shardings(params, self.mesh))
+            opt_state = jax.tree.map(jax.device_put, opt_state, _shardings(opt_state, self.mesh))
+        else:  # commit everything to the student's device (Adam's step counter is made uncommitted): the step's
+            # outputs are committed, and a committed input recompiles the step at its second call
+            device = next(iter(jax.tree.leaves(params)[0].devices()))
+            params, opt_state = jax.device_put((params, opt_state), device)
+        self.params, self.opt, self.stage_index = params, opt_state, index
+        self.first_step_of_stage = True
+        if index not in self._compiled:
+            settings = self.step_settings(index)
+            out = None
+            if self.mesh is not None:
+                out = (_shardings(params, self.mesh), _shardings(opt_state, self.mesh), replicated(self.mesh))
+            self._compiled[index] = build_train_step(self.graph, self.teacher_graph, settings, self.adam_settings, out,
+                                                     self.config.compiler_options)
+        return carried
+
+    def train_step(self, batch, hyper) -> tuple[dict[str, Any], bool]:
+        """Run one optimizer step (dispatched asynchronously): (metrics on the device, whether it was the first
+        step of the stage, which may include compilation)."""
+        train_fn = self._compiled[self.stage_index]
+        args = (self.params, self.opt, self.frozen, self.teacher_state, batch, hyper)
+        signature = (self.stage_index, jax.tree.map(lambda x: (x.shape, x.dtype), batch))
+        if signature not in self._lowered:
+            # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
+            # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
+            train_fn.lower(*args).compile()
+            release_free_heap()
+            self._lowered.append(signature)
+        self.params, self.opt, step_metrics = train_fn(*args)
+        first, self.first_step_of_stage = self.first_step_of_stage, False
+        return step_metrics, first
+
+    def evaluate(self, batch) -> dict[str, Any]:
+        """Held-out logit metrics of the current student (temperature 1, stage independent)."""
+        evaluate = build_eval_step(self.graph, self.teacher_graph, logit_chunk(self.config),
+                                   self.config.compiler_options)
+        return evaluate(self.full_state(), self.teacher_state, batch)
+
+    # ---- snapshots (checkpoints, rollback) ---------------------------------------------------------------
+    def full_state(self) -> nnx.State:
+        self.sync_student()
+        return nnx.state(self.student)
+
+    def load(self, stage_index: int, student_state: Any, opt_state: Any, projections: dict) -> None:
+        """Install saved values (host or device) for stage `stage_index`, on the current devices."""
+        self.sync_student()
+        nnx.update(self.student, _put_like(student_state, nnx.state(self.student)))
+        self.params = None
+        if projections:
+            self.projections = _put_like(projections, self.projections)
+        self.enter_stage(stage_index, carry=False)
+        self.opt = _donatable(_put_like(opt_state, self.opt), set())
+
+
+
+
+__all__ = ["StepRunner", "logit_chunk", "accelerator_logit_chunk", "logit_block", "logit_vocab_slice",
+           "release_free_heap"]
