@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from .cosine_loss import COSINE
 from .logit_term import LOGIT
 from .loss_term import LossTerm
 from .losses import ATTENTION, FEATURE
@@ -76,6 +77,7 @@ def any_term(stage_weights: Iterable[Mapping[str, float]], attribute: str) -> bo
 
 for _builtin in (LOGIT, ATTENTION, FEATURE):
     register(_builtin)
+register(COSINE)
 
 __all__ = ["register", "registered", "term", "weight_names", "hyper_keys", "active_terms", "needing_teacher",
            "any_term", "LossTerm", "STEP_HYPERPARAMETERS"]
