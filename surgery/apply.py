@@ -14,8 +14,8 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import read_nnx_block, save_pretrained
-from .config import ConfigError, GemmaConfig
-from .model import Gemma, abstract_model, parameter_sharding
+from .config import ConfigError, ModelConfig
+from .model import CausalLM, abstract_model, parameter_sharding
 from .plan import Plan, PlanError
 from .readers import MemoryReader
 from .report import student_files
@@ -24,7 +24,7 @@ from .slices import build, recipes
 HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
 
 
-def teacher_mesh(model: Gemma):
+def teacher_mesh(model: CausalLM):
     """The mesh the model's parameters are sharded over, or None when they are not NamedSharding-placed."""
     for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         sharding = getattr(variable[...], "sharding", None)
@@ -33,8 +33,8 @@ def teacher_mesh(model: Gemma):
     return None
 
 
-def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None, check_weights: bool = True) -> Gemma:
-    """The student `plan` describes, as a new NNX Gemma in the teacher's dtype, sharded like the teacher.
+def apply_plan(teacher: CausalLM, plan: Plan, *, mesh=None, check_weights: bool = True) -> CausalLM:
+    """The student `plan` describes, as a new NNX model in the teacher's dtype, sharded like the teacher.
 
     `mesh` defaults to the teacher's own (read from its parameters' NamedSharding). The teacher must have the
     plan's config and, with `check_weights`, the weights fingerprinted in the plan (PlanError otherwise); pass
@@ -56,7 +56,7 @@ def apply_plan(teacher: Gemma, plan: Plan, *, mesh=None, check_weights: bool = T
     return nnx.merge(graphdef, state)
 
 
-def save_student(student: Gemma, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
+def save_student(student: CausalLM, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
                  dtype=None, max_shard_size: int | str = "5GB", report: bool = True,
                  extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
     """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
@@ -74,13 +74,13 @@ def _plan_teacher_folder(plan: Plan) -> str | None:
     if not isinstance(folder, str) or not os.path.isfile(os.path.join(folder, "config.json")):
         return None
     try:
-        plan.check_teacher(GemmaConfig.from_file(folder))
+        plan.check_teacher(ModelConfig.from_file(folder))
     except (ConfigError, PlanError):
         return None
     return folder
 
 
-def logit_distance(teacher: Gemma, student: Gemma, batches) -> dict[str, float]:
+def logit_distance(teacher: CausalLM, student: CausalLM, batches) -> dict[str, float]:
     """Mean KL(teacher || student) per token and mean squared logit difference on `batches` of token ids."""
     kl_sum = mse_sum = 0.0
     count = 0
@@ -92,7 +92,7 @@ def logit_distance(teacher: Gemma, student: Gemma, batches) -> dict[str, float]:
 
 
 @nnx.jit
-def _distance(teacher: Gemma, student: Gemma, ids):
+def _distance(teacher: CausalLM, student: CausalLM, ids):
     t = teacher(ids).logits
     s = student(ids).logits
     t_logp, s_logp = jax.nn.log_softmax(t, -1), jax.nn.log_softmax(s, -1)
@@ -100,7 +100,7 @@ def _distance(teacher: Gemma, student: Gemma, ids):
     return kl, jnp.sum(jnp.mean((t - s) ** 2, axis=-1))
 
 
-def compensation_effect(teacher: Gemma, plan: Plan, batches) -> dict[str, dict[str, float]]:
+def compensation_effect(teacher: CausalLM, plan: Plan, batches) -> dict[str, dict[str, float]]:
     """How far the student starts from the teacher with the plan's compensation and without it."""
     with_comp = logit_distance(teacher, apply_plan(teacher, plan), batches)
     without = logit_distance(teacher, apply_plan(teacher, plan.without_compensation()), batches)

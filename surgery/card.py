@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from .config import ConfigError, GemmaConfig
+from .config import ConfigError, ModelConfig
 
 # huggingface_hub is imported inside the functions that use it, as everywhere in the package: it reads HF_ENDPOINT,
 # HF_HOME, HF_HUB_OFFLINE... once, when first imported, so `import surgery` must not import it before the caller
@@ -114,7 +114,7 @@ def _architecture(folder: str) -> list[str]:
         if key in config:
             rows.append((key, config[key]))
     try:
-        rows.append(("parameters", f"{GemmaConfig.from_hf_dict(config).num_parameters():,}"))
+        rows.append(("parameters", f"{ModelConfig.from_hf_dict(config).num_parameters():,}"))
     except ConfigError:  # a config the toolkit does not parse still gets a card, without the count
         pass
     return ["## Architecture", "", "| field | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]

@@ -12,7 +12,7 @@ Compensation (`compensate=True`), for families that multiply embeddings by sqrt(
 (`config.scales_embeddings`, e.g. Gemma): a narrower student would start its residual stream sqrt(H_s / H_t)
 smaller than the teacher's. The kept embedding columns are scaled by c = sqrt(H_t / H_s), restoring the teacher's
 values, and when the embedding is also the (tied) LM head, 1 / c is folded into the final norm's effective weight
-((1 + w) for Gemma). Measured on tiny teachers of all three Gemma families, this lowered KL(teacher || student) in
+((1 + w) for Gemma). Measured on tiny teachers of all three Gemma generations, this lowered KL(teacher || student) in
 every case, so it is on by default. Families that do not scale embeddings (Llama) need no embedding factor.
 
 `norm_correction=True` (needs calibration; any family) also multiplies every RMSNorm's effective weight by
@@ -32,9 +32,9 @@ import numpy as np
 
 from .apply import compensation_effect
 from .checkpoint import load_pretrained, resolve_source
-from .config import GemmaConfig
+from .config import ModelConfig
 from .importance import (activation_stats, calibration_batches, layer_removal_loss, magnitude_scores)
-from .model import Gemma
+from .model import CausalLM
 from .plan import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
 from .readers import DiskReader, MemoryReader, Reader
 from .spec import SpecError, StudentSpec
@@ -44,7 +44,7 @@ WIDTH_METHODS = ("auto", "activation", "magnitude")
 KV_MERGES = ("mean", "importance")
 
 
-def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *, calibration=None,
+def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str, *, calibration=None,
                  batch_size: int = 8, num_samples: int | None = None, seed: int = 0, depth: str = "auto",
                  width: str = "auto", kv_mode: str = "auto", kv_merge: str = "mean",
                  layers: Sequence[int] | None = None, hidden: Sequence[int] | None = None,
@@ -69,7 +69,7 @@ def plan_student(teacher: Gemma | str | os.PathLike, spec: StudentSpec | str, *,
     batches = calibration_batches(calibration, batch_size, num_samples, seed) if calibration is not None else None
     depth, width = _methods(depth, width, kv_merge, batches, explicit_layers=layers is not None,
                             norm_correction=norm_correction)
-    if source is None and not isinstance(teacher, Gemma):
+    if source is None and not isinstance(teacher, CausalLM):
         source = os.fspath(teacher)
     with contextlib.ExitStack() as stack:  # checkpoint files stay open while scores are read from disk
         model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
@@ -139,20 +139,20 @@ def _scores(model, config, read, batches, depth: str, width: str) -> tuple[dict[
 
 # ------------------------------------------------------------------------------------------------ teacher access
 def _teacher(teacher, calibration, revision, mesh,
-             stack: contextlib.ExitStack) -> tuple[Gemma | None, GemmaConfig, Reader]:
+             stack: contextlib.ExitStack) -> tuple[CausalLM | None, ModelConfig, Reader]:
     """(model or None, config, read) for an NNX teacher or an HF source."""
-    if isinstance(teacher, Gemma):
+    if isinstance(teacher, CausalLM):
         return teacher, teacher.config, MemoryReader(teacher)
     folder = resolve_source(teacher, revision)
     if calibration is not None:
         model = load_pretrained(folder, mesh=mesh)
         return model, model.config, MemoryReader(model)
-    config = GemmaConfig.from_file(folder)
+    config = ModelConfig.from_file(folder)
     return None, config, DiskReader(folder, np.float32, stack, config)
 
 
 # ------------------------------------------------------------------------------------------------ choices
-def _choose_layers(config: GemmaConfig, spec: StudentSpec, depth: str, layers, scores) -> list[int]:
+def _choose_layers(config: ModelConfig, spec: StudentSpec, depth: str, layers, scores) -> list[int]:
     total, keep = config.num_hidden_layers, spec.num_layers
     if layers is not None:
         chosen = _explicit("layers", layers, keep, total, keep_order=True)
@@ -166,7 +166,7 @@ def _choose_layers(config: GemmaConfig, spec: StudentSpec, depth: str, layers, s
     return _top(np.asarray(scores[key]), keep)
 
 
-def _widths(config: GemmaConfig, spec: StudentSpec, kept_layers: list[int], scores, hidden,
+def _widths(config: ModelConfig, spec: StudentSpec, kept_layers: list[int], scores, hidden,
             mlp) -> tuple[list[int], list[list[int]]]:
     """(kept hidden channels, kept MLP neurons per student layer): the top-scoring ones unless given."""
     kept_hidden = _top(np.asarray(scores["hidden"]), spec.hidden_size) if hidden is None else \
@@ -178,7 +178,7 @@ def _widths(config: GemmaConfig, spec: StudentSpec, kept_layers: list[int], scor
     return kept_hidden, kept_mlp
 
 
-def _attention_per_layer(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge: str,
+def _attention_per_layer(config: ModelConfig, spec: StudentSpec, formation: str, kv_merge: str,
                          kept_layers: list[int], scores, heads, kv_groups) -> list[tuple[list, list, list]]:
     """`_attention` for every student layer."""
     head_lists = _per_layer("heads", heads, len(kept_layers))
@@ -187,7 +187,7 @@ def _attention_per_layer(config: GemmaConfig, spec: StudentSpec, formation: str,
                        group_lists[s], f"student layer {s}") for s, t in enumerate(kept_layers)]
 
 
-def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge: str, importance: np.ndarray,
+def _attention(config: ModelConfig, spec: StudentSpec, formation: str, kv_merge: str, importance: np.ndarray,
                heads, groups, where: str) -> tuple[list, list, list]:
     """(kv_groups, kv_weights, kept_heads) for one student layer."""
     k_t, g_t = config.num_key_value_heads, config.num_query_groups
@@ -240,14 +240,14 @@ def _attention(config: GemmaConfig, spec: StudentSpec, formation: str, kv_merge:
     return groups, weights, [list(chunk) for chunk in chunks]
 
 
-def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_hidden, stats,
+def _compensation(teacher: ModelConfig, student: ModelConfig, kept_layers, kept_hidden, stats,
                   compensate: bool) -> tuple[float, dict[str, Any]]:
     """(embed_scale, norm_scales) for the plan (module docstring). The factors multiply each norm's effective
     weight, whatever its form ((1 + w) or w); `surgery.slices` applies them in the family's form."""
     if not compensate or student.hidden_size == teacher.hidden_size:
         return 1.0, {}
     ratio = teacher.hidden_size / student.hidden_size
-    embed_scale = math.sqrt(ratio) if _scales_embeddings(teacher) else 1.0
+    embed_scale = math.sqrt(ratio) if teacher.scales_embeddings else 1.0
     if stats is None and embed_scale == 1.0:
         return 1.0, {}
     kept = np.asarray(kept_hidden)
@@ -265,15 +265,10 @@ def _compensation(teacher: GemmaConfig, student: GemmaConfig, kept_layers, kept_
     return _round(embed_scale), scales
 
 
-def _compensation_label(config: GemmaConfig, compensate: bool, norm_correction: bool) -> str:
+def _compensation_label(config: ModelConfig, compensate: bool, norm_correction: bool) -> str:
     """What `_compensation` does for this family, as recorded in the plan's methods."""
-    parts = (["embedding"] if _scales_embeddings(config) else []) + (["norms"] if norm_correction else [])
+    parts = (["embedding"] if config.scales_embeddings else []) + (["norms"] if norm_correction else [])
     return "+".join(parts) if compensate and parts else "none"
-
-
-def _scales_embeddings(config: GemmaConfig) -> bool:
-    """Whether the family multiplies embeddings by sqrt(hidden_size) (Gemma does, Llama does not)."""
-    return bool(getattr(config, "scales_embeddings", True))  # configs from before the property: Gemma
 
 
 # ------------------------------------------------------------------------------------------------ helpers

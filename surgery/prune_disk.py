@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from .checkpoint import checkpoint_dtype, resolve_dtype, resolve_source, write_hf_folder
-from .config import GemmaConfig
+from .config import ModelConfig
 from .plan import Plan
 from .readers import DiskReader
 from .report import student_files
@@ -41,7 +41,7 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     `dst`; an existing non-empty `dst` is refused unless `overwrite=True`."""
     wanted = resolve_dtype(dtype)  # before any reading: a bad name fails at once
     folder = resolve_source(src, revision)
-    config = GemmaConfig.from_file(folder)
+    config = ModelConfig.from_file(folder)
     float32_read = DiskReader(folder, np.float32, None, config)  # for the plan's weight fingerprint
     plan.check_teacher(config, where=f"checkpoint {folder}", read=float32_read)
     plan.validate()

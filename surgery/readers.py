@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import TensorEntry, canonical_names, hf_shape, tensor_table
-from .config import GemmaConfig
-from .model import Gemma, abstract_model
+from .config import ModelConfig
+from .model import CausalLM, abstract_model
 from .safetensors_io import CheckpointError, checkpoint_weight_map, open_safetensors
 
 GAP_ROWS = 8  # read through gaps of up to this many rows rather than issuing another read
@@ -43,7 +43,7 @@ class MemoryReader:
     """A `Reader` over an NNX model's parameters, in the model's dtype. Kept slices are gathered on the model's
     devices (`jnp.take`, exact) and only the block is brought to the host."""
 
-    def __init__(self, model: Gemma):
+    def __init__(self, model: CausalLM):
         self.state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
         self.table = {entry.hf_name: entry for entry in tensor_table(model.config)}
         self.head_dim = model.config.head_dim
@@ -95,7 +95,7 @@ class DiskReader:
     per read. With `config`, every tensor's stored shape is checked against it."""
 
     def __init__(self, folder: str | os.PathLike, dtype, stack: contextlib.ExitStack | None = None,
-                 config: GemmaConfig | None = None):
+                 config: ModelConfig | None = None):
         self.folder = os.fspath(folder)
         self.dtype = np.dtype(dtype)
         self.stack = stack
@@ -149,7 +149,7 @@ class DiskReader:
         return hf_slice, shape
 
 
-def expected_hf_shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The HF shape of every tensor `config` implies (from the abstract model: no memory is allocated)."""
     params = dict(nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)))
     return {e.hf_name: hf_shape(e.layout, tuple(params[e.path].shape)) for e in tensor_table(config)}

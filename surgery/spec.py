@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import GemmaConfig
+from .config import ModelConfig
 
 
 class SpecError(ValueError):
@@ -79,7 +79,7 @@ class StudentSpec:
         return cls(layers, hidden, inter, heads, kv, name=key)
 
     @classmethod
-    def scaled(cls, teacher: GemmaConfig, *, depth: float = 1.0, hidden: float = 1.0, intermediate: float = 1.0,
+    def scaled(cls, teacher: ModelConfig, *, depth: float = 1.0, hidden: float = 1.0, intermediate: float = 1.0,
                heads: float = 1.0, kv_heads: float = 1.0) -> "StudentSpec":
         """Each teacher size times a fraction, rounded, then adjusted to the nearest valid shape: KV heads that
         whole teacher groups can form, query heads a multiple of them, hidden a multiple of the heads."""
@@ -95,10 +95,10 @@ class StudentSpec:
         return cls(layers, d, inter, n, kv)
 
     @classmethod
-    def scaled_like(cls, teacher: GemmaConfig, reference_teacher: str = "gemma-7b",
+    def scaled_like(cls, teacher: ModelConfig, reference_teacher: str = "gemma-7b",
                     reference_student: str = "gemma-2b") -> "StudentSpec":
         """A student that is to `teacher` what `reference_student` is to `reference_teacher` (per-axis ratios):
-        with the defaults, a small Gemma-architecture teacher gets the 7B:2B shape ratios."""
+        with the defaults, a teacher of any family gets Gemma 7B:2B's shape ratios."""
         big, small = cls.named(reference_teacher), cls.named(reference_student)
         ratio = {f: getattr(small, f) / getattr(big, f) for f in SIZE_FIELDS}
         return cls.scaled(teacher, depth=ratio["num_layers"], hidden=ratio["hidden_size"],
@@ -106,7 +106,7 @@ class StudentSpec:
                           kv_heads=ratio["num_key_value_heads"])
 
     # ---------------------------------------------------------------------------------------------- checks
-    def check_against(self, teacher: GemmaConfig, kv_mode: str = "auto") -> str:
+    def check_against(self, teacher: ModelConfig, kv_mode: str = "auto") -> str:
         """Raise SpecError naming the first constraint this spec breaks for `teacher`; return the KV formation
         ("select" or "merge") it will use."""
         for field, teacher_field in TEACHER_FIELDS.items():
@@ -137,8 +137,8 @@ class StudentSpec:
             raise SpecError(f"StudentSpec has no field(s) {sorted(unknown)}.")
         return cls(**data)
 
-    def student_config(self, teacher: GemmaConfig, kept_layers: list[int]) -> GemmaConfig:
-        """The student's GemmaConfig: the teacher's, with these sizes and the kept layers' attention types."""
+    def student_config(self, teacher: ModelConfig, kept_layers: list[int]) -> ModelConfig:
+        """The student's config: the teacher's, with these sizes and the kept layers' attention types."""
         return teacher.replace(
             num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_attention_heads=self.num_attention_heads,
@@ -146,7 +146,7 @@ class StudentSpec:
             layer_types=tuple(teacher.layer_types[i] for i in kept_layers))
 
 
-def kv_formation(teacher: GemmaConfig, spec: StudentSpec, mode: str = "auto") -> str:
+def kv_formation(teacher: ModelConfig, spec: StudentSpec, mode: str = "auto") -> str:
     """"select" or "merge" (see the module docstring), or a SpecError saying why neither works."""
     if mode not in KV_MODES:
         raise SpecError(f"kv_mode={mode!r}; choose one of {KV_MODES}.")
