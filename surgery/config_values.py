@@ -112,9 +112,11 @@ def legacy_rope(data: dict, default_theta: float, where: str) -> Rope:
     if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
         theta = Numbers(data, where).float("rope_theta", default_theta)
         return rope_entry(params, theta, where)
-    scaling = dict(data.get("rope_scaling") or {})
-    if not isinstance(data.get("rope_scaling") or {}, dict):
-        raise ConfigError(f"{where}: rope_scaling must be an object, got {data.get('rope_scaling')!r:.80}.")
+    scaling = data.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: a RoPE entry (rope_scaling) must be an object with rope_type / rope_theta, "
+                          f"got {scaling!r:.80}.")
+    scaling = dict(scaling)
     scaling["rope_theta"] = Numbers(data, where).float("rope_theta", default_theta)
     return rope_entry(scaling, default_theta, where)
 

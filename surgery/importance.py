@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import GemmaConfig
-from .model import Gemma
+from .config import ModelConfig
+from .model import CausalLM
 from .schema import bound_tensors, hf_shape_of, norm_tensors
-from .slices import Reader
+from .readers import Reader
 
 CAPTURE = ("residual", "mid_residual", "attention_outputs", "mlp_outputs", "head_outputs", "mlp_activations",
            "normed_inputs")
@@ -75,7 +75,7 @@ def calibration_batches(calibration, batch_size: int = 8, num_samples: int | Non
     return [sequences[i:i + batch_size] for i in range(0, len(sequences), batch_size)]
 
 
-def check_vocabulary(batches: list[np.ndarray], config: GemmaConfig) -> None:
+def check_vocabulary(batches: list[np.ndarray], config: ModelConfig) -> None:
     top = max(int(b.max()) for b in batches)
     low = min(int(b.min()) for b in batches)
     if low < 0 or top >= config.vocab_size:
@@ -85,7 +85,7 @@ def check_vocabulary(batches: list[np.ndarray], config: GemmaConfig) -> None:
 
 # ------------------------------------------------------------------------------------------------ activations
 @nnx.jit
-def _batch_stats(model: Gemma, ids: jax.Array) -> dict:
+def _batch_stats(model: CausalLM, ids: jax.Array) -> dict:
     out = model(ids, capture=CAPTURE, return_logits=False)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
 
@@ -117,7 +117,7 @@ def _batch_stats(model: Gemma, ids: jax.Array) -> dict:
     return stats
 
 
-def activation_stats(teacher: Gemma, batches: list[np.ndarray]) -> ActivationStats:
+def activation_stats(teacher: CausalLM, batches: list[np.ndarray]) -> ActivationStats:
     """Forward passes over the calibration batches, reduced on device, summed on the host in float64."""
     check_vocabulary(batches, teacher.config)
     total = None
@@ -135,14 +135,14 @@ def activation_stats(teacher: Gemma, batches: list[np.ndarray]) -> ActivationSta
 
 # ------------------------------------------------------------------------------------------------ depth by loss
 @nnx.jit
-def _skip_loss(model: Gemma, ids: jax.Array, skip: jax.Array) -> jax.Array:
+def _skip_loss(model: CausalLM, ids: jax.Array, skip: jax.Array) -> jax.Array:
     """Summed next-token cross-entropy with layer `skip` replaced by the identity (-1: the full model)."""
     logits = model(ids, skip_layers=jnp.arange(len(model.layers)) == skip).logits[:, :-1]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
 
-def layer_removal_loss(teacher: Gemma, batches: list[np.ndarray]) -> tuple[float, np.ndarray]:
+def layer_removal_loss(teacher: CausalLM, batches: list[np.ndarray]) -> tuple[float, np.ndarray]:
     """(mean calibration LM loss of the teacher, (L,) increase of that loss when each layer is removed)."""
     check_vocabulary(batches, teacher.config)
     num_layers = teacher.config.num_hidden_layers
@@ -157,7 +157,7 @@ def layer_removal_loss(teacher: Gemma, batches: list[np.ndarray]) -> tuple[float
 
 
 # ------------------------------------------------------------------------------------------------ magnitude
-def magnitude_scores(config: GemmaConfig, read: Reader, chunk_bytes: int = 16 << 20) -> dict[str, np.ndarray]:
+def magnitude_scores(config: ModelConfig, read: Reader, chunk_bytes: int = 16 << 20) -> dict[str, np.ndarray]:
     """Data-free scores from weight norms, one tensor (or row block) at a time, for any family: every matrix of
     the schema contributes along its named axes.
 

@@ -16,17 +16,13 @@ build their output a block of rows at a time, so host memory stays near the outp
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import numpy as np
 
 from .plan import Plan
+from .readers import Reader
 from .schema import bound_tensors, hf_shape_of
 from .schema import nnx_shape as schema_nnx_shape
-
-# read(hf_name, rows, cols, out=None): the teacher's HF-layout tensor restricted to `rows` and `cols` (index arrays,
-# None = all), in the model dtype; written into `out` (a C-contiguous array of the result's shape) when given.
-Reader = Callable[..., np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)

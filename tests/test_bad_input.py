@@ -172,8 +172,8 @@ def test_tied_config_with_different_lm_head(ckpt):
 
 def test_unknown_model_type(ckpt):
     folder = ckpt()
-    _edit_config(folder, model_type="llama")
-    _raises(ConfigError, folder, "config.json", "'llama'")
+    _edit_config(folder, model_type="falcon")
+    _raises(ConfigError, folder, "config.json", "'falcon'", "'llama'")  # the error lists what is supported
 
 
 def test_heads_not_multiple_of_kv_heads(ckpt):
