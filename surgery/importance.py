@@ -20,6 +20,7 @@ works from a checkpoint on disk without ever holding the teacher.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -196,5 +197,68 @@ def _sq_norms(read: Reader, name: str, nrows: int, ncols: int, chunk_bytes: int)
     return rows_sq, cols_sq
 
 
+# ------------------------------------------------------------------------------------------------ the registry
+@dataclasses.dataclass
+class ScoreInputs:
+    """What a score may read: the teacher's config, a Reader over its tensors, the model (None when planning
+    from disk) and calibration batches (None without calibration). `stats` runs the calibration forward passes
+    once, however many scores use them."""
+
+    config: ModelConfig
+    read: Reader
+    model: CausalLM | None = None
+    batches: list[np.ndarray] | None = None
+    _stats: ActivationStats | None = None
+
+    @property
+    def stats(self) -> ActivationStats:
+        if self._stats is None:
+            self._stats = activation_stats(self.model, self.batches)
+        return self._stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """An importance score the planner can use by name.
+
+    `kind` "width": `compute` returns {"mlp": (L, F), "heads": (L, N), "hidden": (D,)} (higher = keep). `kind`
+    "depth": it returns per-layer arrays (and scalars) to record in the plan, `ranks_by` naming the (L,) entry whose
+    highest values are kept. `needs_calibration`: it reads `inputs.stats` / `inputs.batches`."""
+
+    name: str
+    kind: str
+    compute: Callable[[ScoreInputs], dict[str, Any]]
+    needs_calibration: bool
+    ranks_by: str = ""
+
+
+SCORES: dict[str, Score] = {}
+
+
+def register_score(score: Score) -> Score:
+    if score.kind not in ("width", "depth") or (score.kind == "depth" and not score.ranks_by):
+        raise ValueError(f"score {score.name!r}: kind must be 'width' or 'depth' (a depth score names ranks_by).")
+    SCORES[score.name] = score
+    return score
+
+
+def _activation_widths(inputs: ScoreInputs) -> dict[str, np.ndarray]:
+    stats = inputs.stats
+    return {"mlp": stats.mlp, "heads": stats.heads, "hidden": stats.hidden}
+
+
+def _layer_removal(inputs: ScoreInputs) -> dict[str, Any]:
+    base, increase = layer_removal_loss(inputs.model, inputs.batches)
+    return {"base_loss": base, "loss_increase": increase}
+
+
+register_score(Score("activation", "width", _activation_widths, needs_calibration=True))
+register_score(Score("magnitude", "width", lambda inputs: magnitude_scores(inputs.config, inputs.read),
+                     needs_calibration=False))
+register_score(Score("block_influence", "depth", lambda inputs: {"block_influence": inputs.stats.block_influence},
+                     needs_calibration=True, ranks_by="block_influence"))
+register_score(Score("loss", "depth", _layer_removal, needs_calibration=True, ranks_by="loss_increase"))
+
+
 __all__ = ["ActivationStats", "calibration_batches", "activation_stats", "layer_removal_loss",
-           "magnitude_scores"]
+           "magnitude_scores", "Score", "ScoreInputs", "SCORES", "register_score"]

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import FULL, SLIDING, ModelConfig
-from .generate import KVCache
+from .kv_cache import KVCache
 from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
 from .schema import declared, nnx_shape
 from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding

@@ -33,14 +33,12 @@ import numpy as np
 from .apply import compensation_effect
 from .checkpoint import load_pretrained, resolve_source
 from .config import ModelConfig
-from .importance import (activation_stats, calibration_batches, layer_removal_loss, magnitude_scores)
+from .importance import SCORES, ScoreInputs, calibration_batches
 from .model import CausalLM
 from .plan import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
 from .readers import DiskReader, MemoryReader, Reader
 from .spec import SpecError, StudentSpec
 
-DEPTH_METHODS = ("auto", "block_influence", "loss", "uniform")
-WIDTH_METHODS = ("auto", "activation", "magnitude")
 KV_MERGES = ("mean", "importance")
 
 
@@ -106,13 +104,17 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
 
 def _methods(depth: str, width: str, kv_merge: str, batches, *, explicit_layers: bool,
              norm_correction: bool) -> tuple[str, str]:
-    """The depth and width methods ("auto" resolved by whether there is calibration data), or SpecError."""
-    if depth not in DEPTH_METHODS or width not in WIDTH_METHODS or kv_merge not in KV_MERGES:
+    """The depth and width methods ("auto" resolved by whether there is calibration data), or SpecError. Methods
+    are the registered scores (importance.SCORES) plus depth "uniform"."""
+    depths = ("auto", *[n for n, score in SCORES.items() if score.kind == "depth"], "uniform")
+    widths = ("auto", *[n for n, score in SCORES.items() if score.kind == "width"])
+    if depth not in depths or width not in widths or kv_merge not in KV_MERGES:
         raise SpecError(f"depth={depth!r}, width={width!r}, kv_merge={kv_merge!r}: choose depth from "
-                        f"{DEPTH_METHODS}, width from {WIDTH_METHODS}, kv_merge from {KV_MERGES}.")
+                        f"{depths}, width from {widths}, kv_merge from {KV_MERGES}.")
     depth = ("block_influence" if batches else "uniform") if depth == "auto" else depth
     width = ("activation" if batches else "magnitude") if width == "auto" else width
-    if batches is None and ((depth in ("block_influence", "loss") and not explicit_layers) or width == "activation"):
+    depth_needs = depth != "uniform" and not explicit_layers and SCORES[depth].needs_calibration
+    if batches is None and (depth_needs or SCORES[width].needs_calibration):
         raise SpecError(f"depth={depth!r} / width={width!r} need calibration token ids; pass calibration=..., or "
                         "use depth='uniform' and width='magnitude' (data-free), or give explicit indices.")
     if norm_correction and batches is None:
@@ -121,20 +123,16 @@ def _methods(depth: str, width: str, kv_merge: str, batches, *, explicit_layers:
 
 
 def _scores(model, config, read, batches, depth: str, width: str) -> tuple[dict[str, Any], Any]:
-    """Every score the plan records (rounded for JSON), and the raw calibration statistics (or None)."""
+    """Every score the plan records (rounded for JSON), and the raw calibration statistics (or None). With
+    calibration data the block influence is always recorded (the statistics also feed norm correction)."""
+    inputs = ScoreInputs(config, read, model, batches)
     scores: dict[str, Any] = {}
-    stats = activation_stats(model, batches) if batches is not None else None
-    if stats is not None:
-        scores["block_influence"] = _rounded(stats.block_influence)
-    if depth == "loss":
-        base, increase = layer_removal_loss(model, batches)
-        scores["base_loss"], scores["loss_increase"] = _rounded(base), _rounded(increase)
-    if width == "activation":
-        width_scores = {"mlp": stats.mlp, "heads": stats.heads, "hidden": stats.hidden}
-    else:
-        width_scores = magnitude_scores(config, read)
-    scores.update({name: _rounded(value) for name, value in width_scores.items()})
-    return scores, stats
+    if batches is not None:
+        scores["block_influence"] = _rounded(inputs.stats.block_influence)
+    for method in (depth, width):
+        if method in SCORES:
+            scores.update({name: _rounded(value) for name, value in SCORES[method].compute(inputs).items()})
+    return scores, inputs.stats if batches is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ teacher access
@@ -162,8 +160,7 @@ def _choose_layers(config: ModelConfig, spec: StudentSpec, depth: str, layers, s
         return chosen
     if depth == "uniform":
         return [int(round(x)) for x in np.linspace(0, total - 1, keep)] if keep > 1 else [0]
-    key = "block_influence" if depth == "block_influence" else "loss_increase"
-    return _top(np.asarray(scores[key]), keep)
+    return _top(np.asarray(scores[SCORES[depth].ranks_by]), keep)
 
 
 def _widths(config: ModelConfig, spec: StudentSpec, kept_layers: list[int], scores, hidden,
