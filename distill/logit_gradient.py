@@ -74,7 +74,8 @@ def hidden_gradient(dz: jax.Array, head: jax.Array) -> jax.Array:
 
 
 def head_gradient(dz: jax.Array, hidden: jax.Array, vocab_slice: int | None) -> jax.Array:
-    """dz^T @ hidden, (V, D) float32: the gradient of the head matmul (`logit_loss._head_matmul`) with respect to a head in `hidden.dtype`.
+    """dz^T @ hidden, (V, D) float32: the gradient of the head matmul (`logit_loss._head_matmul`) with respect to a
+    head in `hidden.dtype`.
     Both operands are in the compute dtype (`dz` is cast), accumulated in float32: with bfloat16 compute this is a
     bfloat16 matmul, not a float32 one on upcast operands (what autodiff of the float32-output forward matmul
     makes; on a GPU that runs at TF32 rate at best, over twice the bytes). With `vocab_slice` it is made about

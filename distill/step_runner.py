@@ -72,7 +72,8 @@ def logit_vocab_slice(config: DistillConfig) -> int | None:
 
 def release_free_heap() -> None:
     """Return freed heap memory to the OS (glibc's `malloc_trim`; a no-op elsewhere). Loading a checkpoint frees
-    large read buffers that glibc keeps in the heap; XLA's big step buffers are mmap-allocated and never reuse them, so they only add to the run's peak RSS."""
+    large read buffers that glibc keeps in the heap; XLA's big step buffers are mmap-allocated and never reuse
+    them, so they only add to the run's peak RSS."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -102,8 +103,9 @@ def _donatable(tree: Any, stepped: set[int]) -> Any:
 
     XLA:CPU adopts host buffers without copying (the loader's aligned reads, `device_put` of numpy), and such a
     buffer is never reused for the donated step's outputs: the step then allocates every output anew while the
-    inputs stay alive, one extra copy of the trainable parameters at the peak. A copy costs one memcpy per stage entry, leaf by leaf. It also keeps teacher buffers the
-    student shares (tied or copied layers) out of the donation."""
+    inputs stay alive, one extra copy of the trainable parameters at the peak. A copy costs one memcpy per stage
+    entry, leaf by leaf. It also keeps teacher buffers the student shares (tied or copied layers) out of the
+    donation."""
     return jax.tree.map(lambda x: x if id(x) in stepped else jnp.copy(x), tree)
 
 

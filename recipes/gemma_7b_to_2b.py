@@ -20,7 +20,8 @@ Why the defaults:
   block influence (1 - cos) for depth. Embeddings are rescaled for the smaller sqrt(hidden) (plan docs).
 * Loss: `--alpha` mixes forward KL (alpha) with hard-label cross-entropy (1 - alpha) at `--temperature`, plus a
   feature loss on mapped layers (teacher layer kept_layers[i] -> student layer i) when depth is cut
-  (`--feature-weight`). The gemma3-270m preset's values are the ones measured best at its budget (BENCHMARKS.md).
+  (`--feature-weight`), optionally with a cosine loss on the same layers (`--cosine-weight`). The gemma3-270m
+  preset's values are the ones measured best at its budget (BENCHMARKS.md).
 * The control (`--control`): `pruned-ce` retrains the same pruned student with plain cross-entropy on the same
   tokens (Minitron's baseline: what distillation must beat); `scratch` trains the student's shape from random
   initialisation.
@@ -102,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-warmup", type=float, default=0.1,
                    help="share of --steps training only merged K/V projections and norms after stage B")
     p.add_argument("--feature-weight", type=float, help="feature loss on mapped layers (0: off)")
+    p.add_argument("--cosine-weight", type=float, default=0.0,
+                   help="cosine loss (1 - cos) on mapped layer outputs, with or without the feature loss (0: off)")
     p.add_argument("--frozen", action="append", metavar="PATTERN",
                    help="parameters kept frozen in every training phase, control included (e.g. embed_tokens, "
                         "'layers.{0-5}.*'); repeatable")
@@ -143,7 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def loss_weights(args, feature: float = 0.0) -> distill.LossWeights:
-    return distill.LossWeights(kl=args.alpha, ce=1.0 - args.alpha, feature=feature)
+    return distill.LossWeights(kl=args.alpha, ce=1.0 - args.alpha, feature=feature,
+                               cosine=args.cosine_weight)
 
 
 def stage_a_spec(teacher_config: surgery.GemmaConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:

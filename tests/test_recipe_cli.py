@@ -104,3 +104,13 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(teacher, tmp_path
     proc = run("--teacher", teacher, "--student", "layers=2", "--output", str(out), "--data", teacher)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and "not empty" in proc.stderr
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_loss_weight_flags_reach_the_stages():
+    """--alpha, --feature-weight and --cosine-weight become the stage's LossWeights (cosine with feature)."""
+    from recipes import gemma_7b_to_2b as recipe
+    import distill
+
+    args = recipe.parse_args(["--preset", "tiny", "--output", "unused", "--alpha", "0.75", "--cosine-weight", "0.2"])
+    assert recipe.loss_weights(args, 0.5) == distill.LossWeights(kl=0.75, ce=0.25, feature=0.5, cosine=0.2)
+    assert recipe.loss_weights(recipe.parse_args(["--output", "unused"]), 0.0).active() <= {"kl", "ce"}
