@@ -227,7 +227,7 @@ class DistillConfig:
     correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
     plan: Any = None  # an object or dict with kept_layers / kept_hidden (surgery plan)
     feature_kind: str = "nmse"
-    feature_projection: bool = False  # learned (D_s, D_t) projections for students of another width
+    feature_projection: bool = False  # learned (D_s, D_t) projections (feature, cosine terms) for another width
     # numerics and placement
     compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
     remat: str | None = None  # None, "full" or "dots": rematerialise the student forward
