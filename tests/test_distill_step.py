@@ -13,6 +13,7 @@ import distill.step as step_lib
 from distill.config import LossWeights, Stage
 from distill.freeze import path_string, split_trainable
 from distill.logit_loss import LogitLossSettings
+from surgery.config import GemmaConfig
 from surgery.model import create_model
 from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_config, tiny_teacher
 
@@ -62,6 +63,20 @@ def test_tied_trainable_embedding_fold_equals_autodiff(models):
     # both the head's and the lookup's contributions are in the folded gradient: rows of tokens that appear only
     # as inputs (never as next-token targets) still differ from the head-only gradient
     assert float(np.abs(grads["embed_tokens"]).max()) > 1e-3
+
+
+def test_fold_of_a_tied_model_without_embedding_scale_equals_autodiff():
+    """A Llama-style tied student (`config.scales_embeddings` False: rows are not multiplied by sqrt(D)): the fold
+    adds the lookup gradient unscaled, as autodiff does."""
+    config = GemmaConfig.from_hf_dict(dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
+    assert not config.scales_embeddings
+    teacher, student = create_model(config, seed=0), create_model(config, seed=1)
+    folded, loss, grads = _gradients(student, teacher)
+    plain, plain_loss, want = _gradients(student, teacher, fold_embedding=False)
+    assert folded and not plain and loss == pytest.approx(plain_loss, rel=1e-6)
+    _assert_same(grads, want)
 
 
 def test_fold_with_bfloat16_compute_equals_bfloat16_autodiff(models):
