@@ -18,7 +18,6 @@ run reports the whole history (DistillResult.full_history).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -64,22 +63,6 @@ def _host(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-def _eval_source(eval_data: Any, data_source: Any, count: int) -> list[dict[str, Any]]:
-    if eval_data is None and hasattr(data_source, "eval_batches"):
-        eval_data = data_source.eval_batches
-        if callable(eval_data):
-            takes_count = bool(inspect.signature(eval_data).parameters)
-            eval_data = eval_data(count) if takes_count else eval_data()
-    if eval_data is None:
-        return []
-    batches = []
-    for batch in eval_data:
-        if len(batches) >= count:
-            break
-        batches.append(batch)
-    return batches
-
-
 def _json_value(value: Any) -> Any:
     """config.json: mappings (LossWeights) as objects, anything else JSON cannot write as its repr."""
     return dict(value) if isinstance(value, Mapping) else repr(value)
@@ -114,7 +97,7 @@ class TrainingLoop:
                              "(shared storage), or disable the divergence guard (guard.enabled=False).")
         self.snapshot: dict[str, Any] | None = None
         self.eval_batches = [put_batch({k: np.asarray(v) for k, v in b.items()}, mesh)
-                             for b in _eval_source(eval_data, data.source, config.eval_batches)]
+                             for b in data.eval_batches(eval_data, config.eval_batches)]
         self.teacher, self.student = teacher, student
         self.peak = device_peak_flops(config.peak_flops)
         self.devices = mesh.size if mesh is not None else 1

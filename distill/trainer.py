@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -76,6 +77,22 @@ class DataStream:
         if hasattr(self.source, "state"):
             return self.source.state()
         return {"batches_taken": self.taken}
+
+    def eval_batches(self, eval_data: Any, count: int) -> list[dict[str, Any]]:
+        """Up to `count` held-out batches: from `eval_data`, else the source's `eval_batches()` when it has one."""
+        if eval_data is None and hasattr(self.source, "eval_batches"):
+            eval_data = self.source.eval_batches
+            if callable(eval_data):
+                takes_count = bool(inspect.signature(eval_data).parameters)
+                eval_data = eval_data(count) if takes_count else eval_data()
+        if eval_data is None:
+            return []
+        batches = []
+        for batch in eval_data:
+            if len(batches) >= count:
+                break
+            batches.append(batch)
+        return batches
 
     def restore(self, state: Any) -> None:
         if hasattr(self.source, "restore"):
