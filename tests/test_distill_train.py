@@ -243,12 +243,12 @@ def test_gradients_reach_only_trainable_parameters():
 
 def test_without_a_teacher_the_student_trains_on_hard_labels(corpus):
     student = create_model(tiny_config(2), seed=3)
-    config = _short_config(stages=(Stage(steps=10, learning_rate=0.1, warmup_steps=3,
+    config = _short_config(stages=(Stage(steps=24, learning_rate=0.1, warmup_steps=3,
                                          weights=LossWeights(kl=0.0, ce=1.0)),))
     result = run(None, student, corpus["train"], config, eval_data=corpus["eval"][:2])
     first, last = result.evals[0], result.evals[-1]
     assert "kl" not in last and last["loss"] == pytest.approx(last["student_ce"])
-    assert last["student_ce"] < first["student_ce"] - 0.15, (first, last)  # measured 4.54 -> 4.14
+    assert last["student_ce"] < first["student_ce"] - 0.15, (first, last)  # measured 4.55 -> 4.31
     assert "teacher_ce" not in result.history[0] and np.isfinite(result.history[-1]["tflops_per_s"])
     with pytest.raises(ValueError, match="teacher=None trains on hard labels only"):
         run(None, student, corpus["train"], _short_config())
