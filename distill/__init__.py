@@ -7,15 +7,19 @@
                  config)
 
 The models are used only through the small interface of `distill.interface.DistillModel` (logits from final
-hidden states, plus requested intermediates), so the package does not depend on the surgery's Gemma.
+hidden states, plus requested intermediates), so the package does not depend on the surgery's models. Each loss is
+one registered object (`distill.terms`, `LossTerm`): `register_loss(term)` adds one.
 """
 from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Ramp, Stage)
 from .trainer import DistillResult, DivergenceError, run
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
-from .logit_loss import LogitLossSpec, fused_logit_loss, labels_and_weights, reference_logit_loss
+from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
 from .losses import attention_transfer_loss, feature_loss
+from .loss_term import LossTerm, ModelSide, TermInputs
+from .terms import register as register_loss
+from . import terms
 from .metrics import plot_history, step_flops
 from .evaluate import agreement_and_kl, heldout_loss
 from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
@@ -26,9 +30,9 @@ from .interruption import RunInterrupted
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "DistillResult", "DivergenceError", "run", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
            "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
-           "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSpec",
+           "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSettings",
            "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus"]
+           "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms"]

@@ -375,8 +375,7 @@ def labels_and_weights(input_ids: jax.Array, loss_mask: jax.Array | None,
     return labels, weights
 
 
-LogitLossSpec = LogitLossSettings  # the former name, still exported by distill/__init__.py
 
 
-__all__ = ["LogitLossSettings", "LogitLossSpec", "fused_logit_loss", "reference_logit_loss", "token_objective",
+__all__ = ["LogitLossSettings", "fused_logit_loss", "reference_logit_loss", "token_objective",
            "labels_and_weights", "metric_names", "elementwise_part", "chunk_positions"]
