@@ -375,7 +375,5 @@ def labels_and_weights(input_ids: jax.Array, loss_mask: jax.Array | None,
     return labels, weights
 
 
-
-
 __all__ = ["LogitLossSettings", "fused_logit_loss", "reference_logit_loss", "token_objective",
            "labels_and_weights", "metric_names", "elementwise_part", "chunk_positions"]
