@@ -16,7 +16,7 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
 
 def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec) -> str:
     """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan."""
-    student = spec.student_config(teacher, list(range(spec.num_layers)))
+    student = spec.config_for(teacher, list(range(spec.num_layers)))
     devices = 1
     for size in _mesh_sizes(args.mesh).values():
         devices *= size

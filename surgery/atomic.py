@@ -18,6 +18,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .errors import CheckpointError
+
 
 @contextlib.contextmanager
 def atomic_folder(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
@@ -28,8 +30,6 @@ def atomic_folder(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
     fsynced before the rename, so even a power cut leaves either the old folder or the complete new one. On any
     failure the temporary folder is removed and `out_dir` is left as it was; temporaries of writers that were
     killed (SIGKILL, OOM) are removed by the next save to the same place."""
-    from .safetensors_io import CheckpointError  # (a module-level import would be circular)
-
     out_dir = os.path.abspath(out_dir)
     parent, base = os.path.split(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

@@ -31,37 +31,16 @@ from .model import CausalLM, abstract_model
 from .schema import bound_tensors
 from .sharding import parameter_sharding
 from .block_reads import LoadJob, fill_parameters
+from .dtypes import STORED_DTYPES, resolve_dtype, torch_dtype_name  # noqa: F401  (re-exported)
+from .gguf import cached_import
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, check_relative_name,
-                             checkpoint_weight_map, copy_aux_files, dtype_code, iter_groups_by_file, open_safetensors,
+                             checkpoint_weight_map, copy_aux_files, iter_groups_by_file, open_safetensors,
                              write_json, write_model_files)
 
 # Checkpoint name prefixes that belong to parts of a multimodal Gemma 3 we do not build.
 IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                  "language_model.lm_head.": "lm_head."}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "half": jnp.float16}
-STORED_DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}
-
-
-def resolve_dtype(dtype):
-    """None / "auto" -> None (keep the checkpoint's dtype); a name, numpy, jnp or torch dtype -> a numpy dtype
-    among float32, bfloat16, float16. Anything else is a ValueError naming the accepted values."""
-    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
-        return None
-    name = dtype.lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name in DTYPES:
-        return np.dtype(DTYPES[name])
-    try:
-        resolved = np.dtype(dtype)
-    except TypeError:
-        resolved = None
-    if resolved not in {np.dtype(v) for v in STORED_DTYPES.values()}:
-        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16 (or None / 'auto' "
-                         "for the checkpoint's own dtype).")
-    return resolved
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     hf_name: str
@@ -203,7 +182,6 @@ def load_pretrained(source: str | os.PathLike, *, dtype=None, mesh=None, revisio
     """
     dtype = resolve_dtype(dtype)
     if os.fspath(source).endswith(".gguf") and os.path.isfile(source):
-        from .gguf import cached_import  # gguf.py imports this module
         source = cached_import(source, "float32" if dtype is None else jnp.dtype(dtype).name)
     folder = resolve_source(source, revision)
     config = ModelConfig.from_file(folder)
@@ -302,10 +280,6 @@ def model_tensors(model: CausalLM, dtype=None) -> list[PendingTensor]:
         tensors.append(PendingTensor(entry.hf_name, hf_shape(entry.layout, tuple(variable.shape)), out_dtype,
                                      produce))
     return tensors
-
-
-def torch_dtype_name(dtype) -> str:
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype_code(dtype)]
 
 
 def write_hf_folder(out_dir: str, config: ModelConfig, tensors: list[PendingTensor], *, source: str | None = None,

@@ -15,11 +15,11 @@ import math
 import os
 from typing import Any
 
-from .config_values import FULL, SLIDING, ConfigError, Numbers, Rope
+from .config_values import FULL, SLIDING, ConfigError, Numbers, Rope, linear_rope
 from .families import ARCHITECTURES, BY_MODEL_TYPE, SUPPORTED_MODEL_TYPES, Family
 from .schema import bound_tensors, nnx_shape
 
-RopeSpec = Rope  # the name before RoPE scaling kinds other than linear existed
+RopeSpec = linear_rope  # `RopeSpec(theta, linear_factor)`, as before RoPE kinds other than linear existed
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {t: d for f in BY_MODEL_TYPE.values() for t, d in f.defaults.items()}
 # Keys whose explicit null still means "the default" (elsewhere null means "off", e.g. a soft-cap).
 _NULL_MEANS_DEFAULT = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

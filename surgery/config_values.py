@@ -27,6 +27,12 @@ class Rope:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def __post_init__(self):
+        if self.kind not in ROPE_TYPES:
+            raise ConfigError(f"Rope kind {self.kind!r} is not supported (supported: {', '.join(ROPE_TYPES)}).")
+        if self.kind == "linear" and self.factor == 1.0:  # the same RoPE as the default: one spelling of it
+            object.__setattr__(self, "kind", "default")
+
     @property
     def linear_factor(self) -> float:
         return self.factor if self.kind == "linear" else 1.0
@@ -40,6 +46,11 @@ class Rope:
                     "original_max_position_embeddings": self.original_max_position_embeddings,
                     "rope_theta": self.theta}
         return {"rope_type": "default", "rope_theta": self.theta}
+
+
+def linear_rope(theta: float, linear_factor: float = 1.0) -> Rope:
+    """A default RoPE, or a linearly scaled one (the toolkit's first RoPE type, `RopeSpec(theta, factor)`)."""
+    return Rope(theta, "linear", linear_factor) if linear_factor != 1.0 else Rope(theta)
 
 
 class Numbers:

@@ -305,4 +305,4 @@ def _finished_rows(tokens: np.ndarray, stop_ids, strings, string_stopped, text) 
     return kept, reasons
 
 
-__all__ = ["KVCache", "CacheStep", "Generation", "generate"]
+__all__ = ["KVCache", "Generation", "generate"]

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import resolve_dtype, torch_dtype_name
-from .config import ARCHITECTURES, ConfigError, GemmaConfig
+from .dtypes import resolve_dtype, torch_dtype_name
+from .config import ARCHITECTURES, ConfigError, ModelConfig
 from .families import FAMILIES
 from .schema import bound_tensors, hf_shape_of
 from .gguf_tokenizer import build_tokenizer, tokenizer_configs
@@ -236,7 +236,7 @@ def _layer_types(metadata: dict, arch: str, num_layers: int, default_pattern: in
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
 
 
-def tensor_plans(config: GemmaConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
+def tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
     """Every HF tensor of `config` (in transformers' order), matched to its GGUF tensor, shape and type checked;
     GGUF tensors left over are an error too (a file this mapping does not describe)."""
     from gguf import GGMLQuantizationType
@@ -314,7 +314,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
                               "first (llama.cpp's `llama-gguf-split --merge`).")
     config_dict = hf_config_dict(metadata, set(file.tensors), path)
     try:
-        config = GemmaConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")
+        config = ModelConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
     plans = tensor_plans(config, file)

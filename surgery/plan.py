@@ -26,7 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .config import GemmaConfig
+from .config import ModelConfig
 from .schema import bound_tensors, hf_shape_of, norm_names  # noqa: F401  (norm_names: re-exported)
 from .spec import StudentSpec
 
@@ -63,12 +63,14 @@ class Plan:
 
     # ---------------------------------------------------------------------------------------------- views
     @property
-    def teacher_config(self) -> GemmaConfig:
-        return GemmaConfig.from_hf_dict(self.teacher["config"], where="plan teacher config")
+    def teacher_config(self) -> ModelConfig:
+        return ModelConfig.from_hf_dict(self.teacher["config"], where="plan teacher config")
 
+    # The JSON fields `student_config` (config.json dict) and `spec` (StudentSpec dict) are data; these views parse
+    # them: `student` is the student's ModelConfig, `student_spec` the StudentSpec it was planned from.
     @property
-    def student(self) -> GemmaConfig:
-        return GemmaConfig.from_hf_dict(self.student_config, where="plan student config")
+    def student(self) -> ModelConfig:
+        return ModelConfig.from_hf_dict(self.student_config, where="plan student config")
 
     @property
     def student_spec(self) -> StudentSpec:
@@ -214,7 +216,7 @@ class Plan:
                                     f"from the groups of teacher KV heads {group} (query head h uses KV head "
                                     f"h // {g_t}).")
 
-    def check_teacher(self, config: GemmaConfig, where: str = "teacher", read=None) -> None:
+    def check_teacher(self, config: ModelConfig, where: str = "teacher", read=None) -> None:
         """PlanError unless `config` is the teacher this plan was made for, and, with `read` (a surgery Reader
         over the teacher's tensors), unless the teacher's weights match the plan's fingerprint of them."""
         mine = self.teacher_config
@@ -223,7 +225,7 @@ class Plan:
                 check_fingerprint(self.teacher["fingerprint"], config, read,
                                   f"{where} (plan made for {self.teacher.get('source') or 'an unnamed teacher'})")
             return
-        fields = [f.name for f in dataclasses.fields(GemmaConfig) if f.compare]
+        fields = [f.name for f in dataclasses.fields(ModelConfig) if f.compare]
         diffs = [f"{name}: plan {getattr(mine, name)!r} vs {where} {getattr(config, name)!r}"
                  for name in fields if getattr(mine, name) != getattr(config, name)]
         raise PlanError(f"this plan was made for a different teacher ({self.teacher.get('source') or 'unnamed'}): "
@@ -235,7 +237,7 @@ FINGERPRINT_COLUMNS = 16  # values per probed row
 FINGERPRINT_RTOL = 1e-2  # a teacher loaded in bf16 / f16 still matches; different weights do not
 
 
-def fingerprint_probes(config: GemmaConfig) -> list[tuple[str, list[int], list[int] | None]]:
+def fingerprint_probes(config: ModelConfig) -> list[tuple[str, list[int], list[int] | None]]:
     """(HF tensor, rows, columns) sampled by the fingerprint: a few rows of the embedding, the first and last
     layers' MLP and the norms, in tensors that both surgery readers slice by plain rows and columns."""
     v, d, f, last = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers - 1
@@ -247,7 +249,7 @@ def fingerprint_probes(config: GemmaConfig) -> list[tuple[str, list[int], list[i
             ("model.norm.weight", cols(d), None)]
 
 
-def teacher_fingerprint(config: GemmaConfig, read) -> dict[str, Any]:
+def teacher_fingerprint(config: ModelConfig, read) -> dict[str, Any]:
     """What identifies a teacher beyond its config: a hash of every tensor's shape, the probed values (6
     significant digits) and a SHA-256 of them rounded to bfloat16 (equal however the teacher was loaded, unless
     in float16). `read` is a surgery Reader over the teacher (in memory or on disk)."""
@@ -260,7 +262,7 @@ def teacher_fingerprint(config: GemmaConfig, read) -> dict[str, Any]:
             "values": {name: [float(f"{x:.6g}") for x in value.tolist()] for name, value in values.items()}}
 
 
-def check_fingerprint(fingerprint: Any, config: GemmaConfig, read, where: str) -> None:
+def check_fingerprint(fingerprint: Any, config: ModelConfig, read, where: str) -> None:
     """PlanError unless the teacher behind `read` has the fingerprint a plan recorded."""
     try:
         stored = {name: np.asarray(values, np.float64) for name, values in fingerprint["values"].items()}

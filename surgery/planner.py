@@ -78,7 +78,7 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     kept_layers = _choose_layers(config, spec, depth, layers, scores)
     kept_hidden, kept_mlp = _widths(config, spec, kept_layers, scores, hidden, mlp)
     attention = _attention_per_layer(config, spec, formation, kv_merge, kept_layers, scores, heads, kv_groups)
-    student = spec.student_config(config, kept_layers)
+    student = spec.config_for(config, kept_layers)
     embed_scale, norm_scales = _compensation(config, student, kept_layers, kept_hidden,
                                              stats if norm_correction else None, compensate)
     merged = any(len(group) > 1 for groups, _, _ in attention for group in groups)

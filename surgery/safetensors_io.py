@@ -15,12 +15,13 @@ import os
 import shutil
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before reading BF16 with framework="numpy")
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from .errors import CheckpointError
 from .atomic import atomic_folder, write_json  # noqa: F401  (re-exported: writers import them from here)
 from .host_buffers import ALIGN, aligned_copy, aligned_empty
 from .pipeline import work_ahead
@@ -31,10 +32,6 @@ AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spec
              "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
-
-
-class CheckpointError(ValueError):
-    """A checkpoint on disk that cannot be read as asked: says which file and tensor, and what was expected."""
 
 
 def dtype_code(dtype) -> str:

@@ -137,7 +137,7 @@ class StudentSpec:
             raise SpecError(f"StudentSpec has no field(s) {sorted(unknown)}.")
         return cls(**data)
 
-    def student_config(self, teacher: ModelConfig, kept_layers: list[int]) -> ModelConfig:
+    def config_for(self, teacher: ModelConfig, kept_layers: list[int]) -> ModelConfig:
         """The student's config: the teacher's, with these sizes and the kept layers' attention types."""
         return teacher.replace(
             num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,

@@ -86,7 +86,7 @@ def plans(draw) -> Plan:
     spec = StudentSpec(draw(st.integers(1, 4)), heads * draw(st.integers(1, 8)), draw(st.integers(1, 48)), heads, kv)
     sample = lambda n, k: sorted(draw(st.permutations(range(n)))[:k])  # noqa: E731
     layers = sample(4, spec.num_layers)
-    student = spec.student_config(TEACHER, layers)
+    student = spec.config_for(TEACHER, layers)
     kv_groups, kept_heads = [], []
     for _ in layers:
         groups = [[g] for g in sample(2, kv)]
