@@ -34,7 +34,7 @@ USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surger
                surgery.HubError, distill.DataError, MeshError, DivergenceError, FileNotFoundError, PermissionError)
 
 
-def student_spec(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec:
+def student_spec(text: str, teacher: surgery.ModelConfig) -> surgery.StudentSpec:
     """Parse `--student` (see the module docstring) and check it against the teacher: a SpecError names the
     size that does not fit and the sizes that would."""
     text = (text or "").strip()

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Compress a Gemma: load, plan, prune, distil, evaluate, save, push. The flagship is Gemma 7B -> the 2B shape.
+"""Compress a causal LM (Gemma 1/2/3, Llama, Mistral, Qwen2): load, plan, prune, distil, evaluate, save, push.
+The flagship is Gemma 7B -> the 2B shape.
 
     python recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m   # the real Gemma 3 270M, offline
     python recipes/gemma_7b_to_2b.py --teacher google/gemma-7b --data 'corpus/*.txt' --output runs/7b-to-2b
     python recipes/gemma_7b_to_2b.py --teacher FOLDER_OR.gguf --student layers=12,mlp=0.5 --data ... --output ...
+    python recipes/gemma_7b_to_2b.py --teacher LLAMA_OR_QWEN2_FOLDER --student layers=0.5,mlp=0.5 --data ... --output ...
     python recipes/gemma_7b_to_2b.py --preset tiny --output runs/tiny      # a self-trained toy teacher (tests)
 
 Read it top to bottom: it is the documented example of the Python API (`surgery` then `distill`).
@@ -150,7 +152,7 @@ def loss_weights(args, feature: float = 0.0) -> distill.LossWeights:
                                cosine=args.cosine_weight)
 
 
-def stage_a_spec(teacher_config: surgery.GemmaConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:
+def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:
     """Depth and MLP width of the final student; hidden size and heads still the teacher's."""
     return surgery.StudentSpec(final.num_layers, teacher_config.hidden_size, final.intermediate_size,
                                teacher_config.num_attention_heads, teacher_config.num_key_value_heads)
@@ -231,7 +233,7 @@ def main(argv=None) -> dict:
     else:
         args.data_description = args.data or ""
     args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
-    teacher_config = args.teacher_config = surgery.GemmaConfig.from_file(args.teacher_folder)
+    teacher_config = args.teacher_config = surgery.ModelConfig.from_file(args.teacher_folder)
     spec = cli.student_spec(args.student, teacher_config)
     if args.dry_run:
         print(dry_run_report(args, teacher_config, spec))

@@ -125,3 +125,42 @@ def test_skip_layers_is_the_identity_for_those_layers(checkpoints):
     np.testing.assert_array_equal(np.asarray(skipped.residual[1]), np.asarray(full.residual[1]))
     traced = model(IDS[:, :8], skip_layers=jnp.arange(4) == 1)
     np.testing.assert_allclose(np.asarray(traced.logits), np.asarray(skipped.logits), atol=1e-6)
+
+
+def test_the_recipe_compresses_a_llama_teacher(checkpoints, tmp_path):
+    """`--teacher` any Llama folder: plan, prune, distil against the CE control, evaluate, save; the student
+    loads clean in transformers and computes what the run says it does."""
+    import os
+    import subprocess
+    import shutil
+
+    from hf_reference import save_tiny_tokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(checkpoints["llama"][0], teacher)
+    save_tiny_tokenizer(str(teacher))
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):  # a learnable text: lines of increasing tokens
+        starts = rng.integers(4, 80, 300)
+        (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(f"t{s + k}" for k in range(6)) for s in starts))
+    recipe = Path(__file__).parent.parent / "recipes" / "gemma_7b_to_2b.py"
+    out = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(recipe), "--teacher", str(teacher), "--student",
+                           "layers=2,mlp=0.5,heads=2,kv_heads=1", "--data", str(corpus), "--output", str(out),
+                           "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--calibration-samples", "4",
+                           "--eval-prompts", "2", "--new-tokens", "4", "--choice-items", "4"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    student_dir = out / "student"
+    saved = json.loads((student_dir / "config.json").read_text())
+    assert saved["model_type"] == "llama" and saved["num_hidden_layers"] == 2
+    reloaded, info = load_with_info(str(student_dir))
+    assert_clean_loading(info)
+    _close(hf_logits(reloaded, IDS), np.asarray(load_pretrained(str(student_dir), dtype="float32")(IDS).logits))
+    rows = {row["model"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
+    assert {"teacher", "pruned (before distillation)", "distilled student"} <= set(rows)
+    assert np.isfinite(rows["distilled student"]["loss"]) and rows["distilled student"]["parameters"] < \
+        rows["teacher"]["parameters"]
