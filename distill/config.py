@@ -205,6 +205,71 @@ class GuardConfig:
     min_history: int = 8
     lr_backoff: float = 0.5
     max_rollbacks: int = 3
+    # fallbacks besides rollback + lr backoff, combinable: "switch_to_mse", "sft_then_mix"
+    policies: tuple[str, ...] = ()
+    mse_weight: float = 1.0  # switch_to_mse: weight of the auxiliary MSE term ("mse")
+    mse_steps: int = 20  # switch_to_mse: optimizer steps it stays on after a divergence
+    mse_on: str = "logits"  # switch_to_mse: "logits" or "features"
+    sft_steps: int = 20  # sft_then_mix: steps of pure cross-entropy
+    sft_ramp_steps: int = 20  # sft_then_mix: steps to ramp the distillation weight back
+    sft_alpha: float = 0.5  # sft_then_mix: the alpha it ramps back to
+    sft_patience: int = 1  # sft_then_mix: evaluations worse than the stage's start before falling back
+
+    def __post_init__(self):
+        policies = (self.policies,) if isinstance(self.policies, str) else tuple(self.policies)
+        object.__setattr__(self, "policies", policies)
+        unknown = sorted(set(policies) - set(GUARD_POLICIES))
+        if unknown:
+            raise ValueError(f"GuardConfig: unknown policies {unknown}; choose from {GUARD_POLICIES}.")
+        if self.mse_on not in ("logits", "features"):
+            raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use 'logits' or 'features'.")
+        if not 0.0 <= self.sft_alpha <= 1.0:
+            raise ValueError(f"GuardConfig: sft_alpha={self.sft_alpha} must lie in [0, 1].")
+        if self.mse_weight < 0:
+            raise ValueError(f"GuardConfig: mse_weight={self.mse_weight} must be >= 0.")
+        for name in ("mse_steps", "sft_steps", "sft_ramp_steps", "sft_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GuardConfig: {name}={getattr(self, name)} must be >= 0.")
+
+
+GUARD_POLICIES = ("switch_to_mse", "sft_then_mix")
+OOM_STEPS = ("dots", "full", "halve_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetsConfig:
+    """Monitoring targets checked at every held-out evaluation; None switches a target off."""
+
+    kl_below: float | None = 0.1  # held-out KL(teacher || student) at T=1
+    correlation_above: float | None = 0.95  # teacher-student logit correlation on held-out data
+    perplexity_below: float | None = None  # held-out student perplexity
+    utilisation_above: float | None = 0.8  # fraction of wall time inside the step (vs data/host waits)
+    mfu_above: float | None = None  # model FLOPs utilisation, where the device peak is known
+    stop_when_met: bool = False  # end the run at the first evaluation that meets every set target
+    warn_low_utilisation: bool = True  # warn with the likely cause when utilisation stays under target
+
+    def __post_init__(self):
+        for name in ("kl_below", "correlation_above", "perplexity_below", "utilisation_above", "mfu_above"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value)):
+                raise ValueError(f"TargetsConfig: {name}={value!r} must be a finite number or None.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OOMConfig:
+    """Out-of-memory retries: on RESOURCE_EXHAUSTED while compiling or running the step, try each of `sequence`
+    in turn ("dots" / "full": that remat; "halve_batch": half the micro-batch, twice the accumulation)."""
+
+    retry: bool = True
+    sequence: tuple[str, ...] = OOM_STEPS
+
+    def __post_init__(self):
+        sequence = (self.sequence,) if isinstance(self.sequence, str) else tuple(self.sequence)
+        object.__setattr__(self, "sequence", sequence)
+        unknown = sorted(set(sequence) - set(OOM_STEPS))
+        if unknown:
+            raise ValueError(f"OOMConfig: unknown steps {unknown}; choose from {OOM_STEPS}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +302,10 @@ class DistillConfig:
     # bookkeeping
     checkpoint: CheckpointConfig = CheckpointConfig()
     guard: GuardConfig = GuardConfig()
+    targets: TargetsConfig = TargetsConfig()
+    oom: OOMConfig = OOMConfig()
+    logger: str | None = None  # "wandb" adds Weights & Biases; JSONL and TensorBoard are always written
+    wandb_project: str | None = None
     run_dir: str | None = None  # JSONL metrics, TensorBoard events and PNG curves
     eval_every: int | None = None  # steps between held-out evaluations (also run at start and end)
     eval_batches: int = 8
@@ -258,8 +327,11 @@ class DistillConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
         if self.logit_impl not in ("fused", "reference"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
-        if self.feature_kind not in FEATURE_KINDS:
-            raise ValueError(f"feature_kind={self.feature_kind!r}: choose from {FEATURE_KINDS}.")
+        feature_kinds = tuple(dict.fromkeys((*FEATURE_KINDS, "pooled")))
+        if self.feature_kind not in feature_kinds:
+            raise ValueError(f"feature_kind={self.feature_kind!r}: choose from {feature_kinds}.")
+        if self.logger not in (None, "wandb"):
+            raise ValueError(f"logger={self.logger!r}: use 'wandb' or None (JSONL and TensorBoard are always on).")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'.")
         if self.remat not in (None, "full", "dots"):
@@ -305,7 +377,8 @@ class DistillConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DistillConfig":
         data = dict(data)
-        nested = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig}
+        nested = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
+                  "targets": TargetsConfig, "oom": OOMConfig}
         for key, kind in nested.items():
             if isinstance(data.get(key), dict):
                 data[key] = kind(**data[key])
@@ -318,4 +391,5 @@ class DistillConfig:
         return cls(**data)
 
 
-__all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig"]
+__all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig",
+           "TargetsConfig", "OOMConfig", "GUARD_POLICIES", "OOM_STEPS"]
