@@ -15,27 +15,35 @@ Feature matching compares layer outputs. A width-pruned student is compared on t
 (`kept_hidden`); a student of another width needs a learned (D_s, D_t) projection per pair (`init_projections`),
 trained with the student and discarded afterwards. Kinds: "mse" (mean over channels), "nmse" (squared error over
 the teacher's squared norm, per token: scale-free, useful for Gemma's large residual stream), "cosine"
-(1 - cosine similarity; zero vectors give distance 1, not NaN).
+(1 - cosine similarity; zero vectors give distance 1, not NaN), and "pooled".
+
+"pooled" is Tunix's feature pooling (its `reduce_array_to_target_shape` with VALID padding): no learned
+parameters and no channel correspondence; the teacher's D_t channels are average-pooled down to the student's D_s
+with stride s = D_t // D_s and window w = D_t - (D_s - 1) * s, so student channel k is compared with the mean of
+teacher channels [k s, k s + w). When D_s divides D_t that is the mean of each contiguous group of D_t / D_s
+channels; otherwise neighbouring windows overlap (D_t = 10, D_s = 4: [0, 4), [2, 6), [4, 8), [6, 10)). The
+distance is Tunix's default, the cosine distance. It ignores `kept_hidden` (pooling replaces channel selection)
+and cannot be combined with learned projections.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+import einops
 import jax
 import jax.numpy as jnp
 
 from .interface import Correspondence
 from .loss_term import LossTerm, TermInputs, captured_pair
 
-FEATURE_KINDS = ("mse", "nmse", "cosine")
+FEATURE_KINDS = ("mse", "nmse", "cosine", "pooled")
 _TINY = 1e-12
 
 
 def group_heads(probs: jax.Array, groups: int) -> jax.Array:
     """(B, N, T, S) -> (B, groups, T, S): mean over consecutive blocks of N / groups heads."""
-    batch, heads, length, keys = probs.shape
-    return probs.reshape(batch, groups, heads // groups, length, keys).mean(axis=2)
+    return einops.reduce(probs, "B (G n) T S -> B G T S", "mean", G=groups)
 
 
 def match_heads(teacher: jax.Array, student: jax.Array,
@@ -74,9 +82,31 @@ def attention_transfer_loss(teacher_probs: Sequence[jax.Array], student_probs: S
     return total / len(pairs)
 
 
+def pooling_windows(teacher_width: int, student_width: int) -> tuple[int, int]:
+    """(stride, window) of Tunix's VALID average pooling from `teacher_width` channels to `student_width`."""
+    if not 1 <= student_width <= teacher_width:
+        raise ValueError(f"pooled features need a student no wider than the teacher (student {student_width}, "
+                         f"teacher {teacher_width} channels); use feature_kind 'nmse' with feature_projection.")
+    stride = teacher_width // student_width
+    return stride, teacher_width - (student_width - 1) * stride
+
+
+def pool_features(teacher: jax.Array, student_width: int) -> jax.Array:
+    """(..., D_t) -> (..., D_s): channel k is the mean of teacher channels [k s, k s + w) (`pooling_windows`)."""
+    stride, window = pooling_windows(teacher.shape[-1], student_width)
+    if stride == window:  # D_s divides D_t: contiguous, non-overlapping groups
+        return einops.reduce(teacher, "... (D g) -> ... D", "mean", D=student_width)
+    ones = (1,) * (teacher.ndim - 1)
+    total = jax.lax.reduce_window(teacher, jnp.zeros((), teacher.dtype), jax.lax.add, ones + (window,),
+                                  ones + (stride,), "VALID")
+    return total / window
+
+
 def feature_distance(student: jax.Array, teacher: jax.Array, kind: str) -> jax.Array:
-    """Per-position distance between (..., D) feature vectors."""
+    """Per-position distance between (..., D) feature vectors ("pooled": the cosine distance, Tunix's default)."""
     student, teacher = student.astype(jnp.float32), teacher.astype(jnp.float32)
+    if kind == "pooled":
+        kind = "cosine"
     if kind == "mse":
         return jnp.mean(jnp.square(student - teacher), axis=-1)
     if kind == "nmse":
@@ -93,16 +123,21 @@ def feature_loss(teacher_residual: Sequence[jax.Array], student_residual: Sequen
                  projections: dict | None = None) -> jax.Array:
     """Mean over mapped pairs of the weighted per-position distance between layer outputs. `residual[l + 1]` is
     the output of decoder layer l. `projections[str(student_layer)]` (D_s, D_t) maps student features into
-    teacher space when given."""
+    teacher space when given. Kind "pooled" pools the teacher's channels to the student's width instead."""
     pairs = correspondence.layer_map
     if not pairs:
         raise ValueError("feature matching needs at least one (teacher_layer, student_layer) pair in layer_map.")
+    if kind == "pooled" and projections is not None:
+        raise ValueError("feature_kind 'pooled' averages teacher channels down to the student's width and takes no "
+                         "learned projection; turn feature_projection off, or use feature_kind 'nmse'.")
     kept = None if correspondence.kept_hidden is None else jnp.asarray(correspondence.kept_hidden)
     total = jnp.zeros((), jnp.float32)
     for teacher_layer, student_layer in pairs:
         teacher = jax.lax.stop_gradient(teacher_residual[teacher_layer + 1])
         student = student_residual[student_layer + 1]
-        if kept is not None and correspondence.kept_hidden != tuple(range(teacher.shape[-1])):
+        if kind == "pooled":
+            teacher = pool_features(teacher.astype(jnp.float32), student.shape[-1])
+        elif kept is not None and correspondence.kept_hidden != tuple(range(teacher.shape[-1])):
             teacher = jnp.take(teacher, kept, axis=-1)
         if projections is not None:
             weight = projections[str(student_layer)]
@@ -142,4 +177,5 @@ FEATURE = LossTerm(name="feature", compute=_feature_term, captures=("residual",)
                    uses_projections=True)
 
 __all__ = ["attention_transfer_loss", "feature_loss", "feature_distance", "group_heads", "match_heads",
+           "pool_features", "pooling_windows",
            "init_projections", "FEATURE_KINDS", "ATTENTION", "FEATURE"]

@@ -9,7 +9,8 @@ import pytest
 
 from distill.interface import Correspondence, correspondence_from_plan
 from distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
-from distill.losses import attention_transfer_loss, feature_distance, feature_loss, group_heads
+from distill.losses import (attention_transfer_loss, feature_distance, feature_loss, group_heads, pool_features,
+                            pooling_windows)
 
 COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
 
@@ -208,6 +209,62 @@ def test_feature_loss_uses_kept_channels_layer_map_and_projections():
     assert float(loss) == pytest.approx((0 + 1 + 4) / 3)
     with pytest.raises(ValueError, match="kept_hidden"):
         feature_loss(teacher_residual, student_residual, Correspondence(((1, 0),)), jnp.ones((1, 1)), "mse")
+
+
+def test_pooled_features_average_teacher_channel_windows_by_hand():
+    """Tunix's VALID pooling: contiguous groups of D_t / D_s channels when D_s divides D_t, else overlapping windows
+    of width D_t - (D_s - 1) * stride at stride D_t // D_s."""
+    teacher = np.arange(12.0).reshape(1, 2, 6) ** 1.5  # (B=1, T=2, D_t=6)
+    pooled = np.asarray(pool_features(jnp.asarray(teacher), 3))
+    by_hand = [[(teacher[0, t, 0] + teacher[0, t, 1]) / 2, (teacher[0, t, 2] + teacher[0, t, 3]) / 2,
+                (teacher[0, t, 4] + teacher[0, t, 5]) / 2] for t in range(2)]
+    np.testing.assert_allclose(pooled[0], by_hand, rtol=1e-6)
+    assert pooling_windows(10, 4) == (2, 4)  # windows [0, 4), [2, 6), [4, 8), [6, 10)
+    wide = np.asarray([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]) ** 2
+    np.testing.assert_allclose(np.asarray(pool_features(jnp.asarray(wide), 4)),
+                               [(0 + 1 + 4 + 9) / 4, (4 + 9 + 16 + 25) / 4, (16 + 25 + 36 + 49) / 4,
+                                (36 + 49 + 64 + 81) / 4], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pool_features(jnp.asarray(wide), 10)), wide)  # same width: unchanged
+    with pytest.raises(ValueError, match="no wider than the teacher"):
+        pool_features(jnp.ones((1, 1, 4)), 8)
+
+
+def test_pooled_feature_loss_is_the_cosine_distance_to_the_pooled_teacher():
+    teacher_out = jnp.asarray([[[1.0, 3.0, 4.0, 0.0], [2.0, 2.0, 0.0, 6.0]]])  # (B=1, T=2, D_t=4): pooled [2, 2], [2, 3]
+    student_out = jnp.asarray([[[1.0, 0.0], [4.0, 6.0]]])  # (B=1, T=2, D_s=2)
+    residual_t = [jnp.zeros((1, 2, 4)), teacher_out]
+    residual_s = [jnp.zeros((1, 2, 2)), student_out]
+    weights = jnp.asarray([[0.25, 0.75]])
+    cos_first = 2.0 / (1.0 * math.sqrt(8.0))  # student [1, 0] vs pooled teacher [2, 2]
+    expected = 0.25 * (1 - cos_first) + 0.75 * 0.0  # [4, 6] is parallel to [2, 3]
+    # kept_hidden is ignored: pooling replaces channel selection
+    corr = Correspondence(layer_map=((0, 0),), kept_hidden=(0, 1))
+    loss = feature_loss(residual_t, residual_s, corr, weights, "pooled")
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="no learned projection"):
+        feature_loss(residual_t, residual_s, corr, weights, "pooled", {"0": jnp.ones((2, 4))})
+
+
+def test_pooled_feature_term_trains_a_width_pruned_student(tmp_path):
+    """feature_kind="pooled" in the train step: a student cut to half the teacher's width (32 -> 16 channels,
+    contiguous pairs pooled) trained on the feature term alone lowers it."""
+    from surgery import StudentSpec, apply_plan, plan_student
+    from distill.config import DistillConfig, LossWeights, Stage
+    from distill.trainer import run
+    from test_distill_train import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, teacher_samples, tiny_teacher
+
+    teacher = tiny_teacher()
+    batches = teacher_samples(teacher, 6, seed=2)
+    plan = plan_student(teacher, StudentSpec(2, 16, 32, 2, 1))
+    student = apply_plan(teacher, plan)
+    assert student.config.hidden_size == 16
+    stage = Stage(steps=8, learning_rate=1e-2, weights=LossWeights(kl=0.0, feature=1.0))
+    config = DistillConfig(stages=(stage,), batch_size=BATCH, seq_len=LENGTH, plan=plan, feature_kind="pooled",
+                           progress=False, logit_chunk=16, eval_every=0, compiler_options=FAST_COMPILE)
+    result = run(teacher, student, ArrayBatches(batches[:4]), config, eval_data=batches[4:])
+    feature = [record["loss/feature"] for record in result.history]
+    assert all(math.isfinite(value) for value in feature)
+    assert feature[-1] < 0.8 * feature[0], feature  # measured 0.80 -> 0.55
 
 
 def test_fused_loss_memory_does_not_grow_with_sequence_length():
