@@ -1,4 +1,5 @@
-"""Run metrics: FLOP accounting and MFU, a JSONL log, a progress bar, TensorBoard when installed, PNG curves.
+"""Run metrics: FLOP accounting and MFU, a JSONL log, a progress bar, TensorBoard when installed, PNG curves, and
+Weights & Biases when asked (`make_logger`; `DistillConfig.logger="wandb"`, the `wandb` extra).
 
 FLOPs per step (matmuls only, the usual 6N / 2N convention for a trained / forward-only model):
 
@@ -14,14 +15,17 @@ bf16); unknown devices (CPU) get no MFU unless `peak_flops` is configured.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Mapping, Protocol, Sequence
 
 import jax
 from flax import nnx
+
+from .wandb_logger import WandbSink, redact
 
 log = logging.getLogger("distill")
 
@@ -71,14 +75,46 @@ def _tensorboard_writer(folder: str):
     return SummaryWriter(folder)
 
 
-class MetricsLogger:
-    """One record per step (and per evaluation or event) to `run_dir/metrics.jsonl`, TensorBoard and a bar."""
+def scalars(record: Mapping[str, Any], prefix: str, skip: Sequence[str] = ("step", "eval")) -> dict[str, float]:
+    """The finite numbers of a record as `prefix + key` (nested mappings as `prefix + key/inner`; booleans as 0/1):
+    what TensorBoard and W&B chart, so both show the same values."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in skip:
+            continue
+        if isinstance(value, Mapping):
+            out.update(scalars(value, f"{prefix}{key}/", ()))
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            out[f"{prefix}{key}"] = float(value)
+    return out
 
-    def __init__(self, run_dir: str | None, total_steps: int, *, start_step: int = 0, progress: bool = True):
+
+class MetricsSink(Protocol):
+    """Somewhere else the logger's records go (`WandbSink`): scalars already flattened and prefixed."""
+
+    def step(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def evaluation(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def event(self, record: Mapping[str, Any]) -> None: ...
+
+    def summary(self, values: Mapping[str, Any]) -> None: ...
+
+    def close(self, plot_path: str | None = None) -> None: ...
+
+
+class MetricsLogger:
+    """One record per step (and per evaluation or event) to `run_dir/metrics.jsonl`, TensorBoard, a bar and any
+    `sinks`. `plot_path`: where `close()` draws the PNG curves (and hands them to the sinks); None draws none."""
+
+    def __init__(self, run_dir: str | None, total_steps: int, *, start_step: int = 0, progress: bool = True,
+                 sinks: Sequence[MetricsSink] = (), plot_path: str | None = None):
         if jax.process_index() != 0:  # multi-host: one process writes logs and draws the bar
-            run_dir, progress = None, False
+            run_dir, progress, sinks, plot_path = None, False, (), None
         self.run_dir = run_dir
         self.records: list[dict[str, Any]] = []
+        self.sinks = list(sinks)
+        self.plot_path = plot_path
         self._file = None
         self._tb = None
         if run_dir:
@@ -96,12 +132,16 @@ class MetricsLogger:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
+    def _chart(self, step: int, values: dict[str, float], kind: str) -> None:
+        if self._tb:
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, step)
+        for sink in self.sinks:
+            getattr(sink, kind)(step, values)
+
     def step(self, record: dict[str, Any]) -> None:
         self._write(record)
-        if self._tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        self._chart(record["step"], scalars(record, "train/"), "step")
         if self._bar:
             self._bar.update(1)
             self._bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "kl", "student_ce", "tokens_per_s")
@@ -109,10 +149,7 @@ class MetricsLogger:
 
     def evaluation(self, record: dict[str, Any]) -> None:
         self._write(record)
-        if self._tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "eval"):
-                    self._tb.add_scalar(f"eval/{key}", value, record["step"])
+        self._chart(record["step"], scalars(record, "eval/"), "evaluation")
         self.message(f"eval @ step {record['step']}: " + ", ".join(
             f"{k} {record[k]:.4g}" for k in ("loss", "student_ce", "perplexity", "kl") if k in record))
 
@@ -122,7 +159,8 @@ class MetricsLogger:
             self._bar.refresh()
 
     def message(self, text: str, *, event: str | None = None, **fields: Any) -> None:
-        """A clear line on the terminal (above the bar) and in the log; `event` also records it in the JSONL."""
+        """A clear line on the terminal (above the bar) and in the log; `event` also records it in the JSONL
+        and the sinks."""
         if self._bar:
             self._bar.write(text)
         if event == "rollback":
@@ -130,15 +168,62 @@ class MetricsLogger:
         else:
             log.info(text)
         if event:
-            self._write({"event": event, "message": text, **fields})
+            record = {"event": event, "message": text, **fields}
+            self._write(record)
+            for sink in self.sinks:
+                sink.event(record)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """The run's final values (targets met, last evaluation, ...) for the sinks' run summary."""
+        for sink in self.sinks:
+            sink.summary(values)
 
     def close(self) -> None:
         if self._bar:
             self._bar.close()
+        plot = plot_history(self.records, self.plot_path) if self.plot_path else None
+        for sink in self.sinks:
+            sink.close(plot)
         if self._tb:
             self._tb.close()
         if self._file:
             self._file.close()
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """A configuration as JSON values with secret-looking entries redacted (`wandb_logger.redact`): its
+    `to_dict()` (what `from_dict` reads back) when it has one and can write itself, else its fields (mappings as
+    objects, anything JSON cannot write as its repr)."""
+    try:
+        values = config.to_dict()
+    except (AttributeError, ValueError):  # no to_dict, or a stage holding an NNX filter rather than a pattern
+        values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    default = lambda value: dict(value) if isinstance(value, Mapping) else repr(value)  # noqa: E731
+    return redact(json.loads(json.dumps(values, default=default)))
+
+
+def make_logger(config: Any, run_dir: str | None = None, *, total_steps: int | None = None, start_step: int = 0,
+                progress: bool | None = None, extra_config: Mapping[str, Any] | None = None) -> MetricsLogger:
+    """The logger a run uses: JSONL, TensorBoard (when installed) and the bar, plus Weights & Biases when
+    `config.logger == "wandb"` (project `config.wandb_project`). `run_dir`, `total_steps`, `progress` default to
+    the config's; `extra_config` (e.g. the recipe's settings) joins the W&B config under "recipe". The PNG curves
+    are drawn on `close()` when `config.plots` is set. Raises ValueError naming the `wandb` extra when W&B is
+    asked for but not installed."""
+    run_dir = config.run_dir if run_dir is None else run_dir
+    kind = getattr(config, "logger", None)
+    if kind not in (None, "wandb"):
+        raise ValueError(f"logger={kind!r}: use 'wandb' or None (JSONL and TensorBoard are always written).")
+    sinks: list[MetricsSink] = []
+    if kind == "wandb" and jax.process_index() == 0:
+        values = config_values(config)
+        if extra_config:
+            values["recipe"] = redact(json.loads(json.dumps(dict(extra_config), default=repr)))
+        sinks.append(WandbSink.start(values, run_dir, project=getattr(config, "wandb_project", None),
+                                     start_step=start_step))
+    plot_path = os.path.join(run_dir, "curves.png") if run_dir and getattr(config, "plots", True) else None
+    return MetricsLogger(run_dir, config.total_steps if total_steps is None else total_steps, start_step=start_step,
+                         progress=config.progress if progress is None else progress, sinks=sinks,
+                         plot_path=plot_path)
 
 
 def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
@@ -177,5 +262,5 @@ def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
     return path
 
 
-__all__ = ["MetricsLogger", "plot_history", "step_flops", "matrix_parameters", "device_peak_flops",
+__all__ = ["MetricsLogger", "MetricsSink", "make_logger", "config_values", "scalars", "plot_history", "step_flops", "matrix_parameters", "device_peak_flops",
            "attention_flops_per_token", "PEAK_BF16_FLOPS"]
