@@ -6,121 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import optax
 
-from . import terms
 from .interface import Correspondence
+from .loss_weights import LossWeights, Ramp, _plain, _ramp
 from .losses import FEATURE_KINDS
-
-
-class LossWeights(Mapping[str, float]):
-    """Weights of the loss terms, keyed by the registered weight names (`distill.terms`); 0 turns a term off and
-    removes its computation from the step.
-
-        LossWeights(kl=0.5, ce=0.5, feature=1.0)      LossWeights({"kl": 1.0, "cosine": 0.1})
-
-    Built in: kl / reverse_kl / jsd (logit divergences, multiplied by temperature^2) and ce (hard-label
-    cross-entropy), the kinds of the logit term; attention (attention-map transfer); feature (layer-output
-    matching, losses.py); and any registered term. `kl` is 1 unless given; every other weight is 0 unless given.
-    Iterating gives every registered weight name; `weights.kl` reads a weight too."""
-
-    def __init__(self, weights: Mapping[str, float] | None = None, /, **named: float):
-        given = {**dict(weights or {}), **named}
-        known = terms.weight_names()
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            raise ValueError(f"LossWeights: unknown loss weight(s) {unknown}; registered: {', '.join(known)} "
-                             "(a new loss is registered with distill.terms.register).")
-        values = {"kl": 1.0, **given}
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"LossWeights: {name}={value!r} must be a finite number.")
-        object.__setattr__(self, "_values", {name: float(value) for name, value in values.items()})
-
-    @classmethod
-    def mixed(cls, alpha: float, divergence: str = "kl", **others: float) -> "LossWeights":
-        """The usual alpha mixing: alpha * divergence + (1 - alpha) * CE."""
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha={alpha} must lie in [0, 1].")
-        return cls({"kl": 0.0, divergence: alpha, "ce": 1.0 - alpha, **others})
-
-    def __getitem__(self, name: str) -> float:
-        if name in self._values:
-            return self._values[name]
-        if name in terms.weight_names():
-            return 0.0
-        raise KeyError(f"no loss weight {name!r}; registered: {', '.join(terms.weight_names())}.")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(dict.fromkeys((*terms.weight_names(), *self._values)))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __getattr__(self, name: str) -> float:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self[name]
-        except KeyError as error:
-            raise AttributeError(str(error)) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise dataclasses.FrozenInstanceError(f"LossWeights is immutable; build a new one (cannot set {name}).")
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.active_items().items())))
-
-    def __eq__(self, other: Any) -> bool:
-        """Equal to another mapping with the same weights (missing names count as 0)."""
-        if not isinstance(other, Mapping):
-            return NotImplemented
-        return set(other) <= set(self) and all(self[name] == other.get(name, 0.0) for name in self)
-
-    def __repr__(self) -> str:
-        inside = ", ".join(f"{name}={value!r}" for name, value in self.active_items().items())
-        return f"LossWeights({inside})"
-
-    def __reduce__(self):
-        return (type(self), (dict(self._values),))
-
-    def active_items(self) -> dict[str, float]:
-        """The non-zero weights."""
-        return {name: value for name, value in self.items() if value != 0.0}
-
-    def as_dict(self) -> dict[str, float]:
-        """Every registered weight by name (0 for those not given)."""
-        return dict(self.items())
-
-    def active(self) -> frozenset[str]:
-        return frozenset(self.active_items())
-
-
-@dataclasses.dataclass(frozen=True)
-class Ramp:
-    """A value moving from `start` to `end` over a stage, linearly or along a half cosine."""
-
-    start: float
-    end: float
-    shape: str = "linear"
-
-    def at(self, fraction: float) -> float:
-        fraction = min(max(fraction, 0.0), 1.0)
-        if self.shape == "cosine":
-            fraction = 0.5 * (1.0 - math.cos(math.pi * fraction))
-        elif self.shape != "linear":
-            raise ValueError(f"Ramp shape {self.shape!r} unknown; use 'linear' or 'cosine'.")
-        return self.start + (self.end - self.start) * fraction
-
-
-def _ramp(value: float | Ramp | Sequence[float]) -> Ramp:
-    if isinstance(value, Ramp):
-        return value
-    if isinstance(value, (tuple, list)):
-        return Ramp(float(value[0]), float(value[1]), *(value[2:]))
-    return Ramp(float(value), float(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +21,14 @@ class Stage:
 
     `trainable` / `frozen`: path patterns or NNX filters (freeze.py); None trains every parameter. The learning
     rate warms up linearly for `warmup_steps`, then follows a cosine from `learning_rate` down to
-    `learning_rate * min_lr_ratio` at the end of the stage. `temperature` is a number or (start, end)."""
+    `learning_rate * min_lr_ratio` at the end of the stage. `temperature` is a number or (start, end); loss
+    weights may ramp the same way (LossWeights).
 
-    steps: int
+    The length is `steps` (optimizer steps) or `epochs` of the training data (e.g. 0.5): epochs become steps
+    when the run starts (`distill.schedules.resolve_epochs`), from the data's rows per epoch, the batch size and
+    the gradient accumulation; the resolved stage keeps both."""
+
+    steps: int | None = None
     trainable: Any = None
     frozen: Any = None
     learning_rate: float = 1e-4
@@ -141,26 +38,35 @@ class Stage:
     temperature: Any = 1.0
     weight_decay: float | None = None  # None: OptimizerConfig.weight_decay
     name: str = ""
+    epochs: float | None = None  # the length in epochs of the data; `steps` is then filled in at the start
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"Stage {self.name or ''}: steps={self.steps} must be at least 1.")
+        if self.steps is None and self.epochs is None:
+            raise ValueError(f"{self.label}: give its length as steps=N or epochs=X.")
+        if self.steps is not None and (isinstance(self.steps, bool) or int(self.steps) != self.steps
+                                       or self.steps < 1):
+            raise ValueError(f"{self.label}: steps={self.steps} must be a whole number, at least 1.")
+        if self.epochs is not None and not (isinstance(self.epochs, numbers.Real) and 0 < self.epochs < math.inf):
+            raise ValueError(f"{self.label}: epochs={self.epochs} must be a positive number.")
         if self.learning_rate < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"Stage {self.name or ''}: learning_rate must be >= 0 and min_lr_ratio in [0, 1].")
+            raise ValueError(f"{self.label}: learning_rate must be >= 0 and min_lr_ratio in [0, 1].")
         if not isinstance(self.weights, LossWeights):
             object.__setattr__(self, "weights", LossWeights(self.weights))
         if not self.weights.active():
-            raise ValueError(f"Stage {self.name or ''}: every loss weight is 0; nothing would be trained.")
-        object.__setattr__(self, "temperature", _ramp(self.temperature))
+            raise ValueError(f"{self.label}: every loss weight is 0; nothing would be trained.")
+        object.__setattr__(self, "temperature", _ramp(self.temperature, f"{self.label}: temperature"))
+        for key in ("trainable", "frozen"):  # lists of patterns as tuples: hashable, equal after a JSON trip
+            if isinstance(getattr(self, key), list):
+                object.__setattr__(self, key, tuple(getattr(self, key)))
         if min(self.temperature.start, self.temperature.end) <= 0:
-            raise ValueError(f"Stage {self.name or ''}: temperature must stay positive.")
+            raise ValueError(f"{self.label}: temperature must stay positive.")
 
     def learning_rate_schedule(self) -> optax.Schedule:
         """Linear warm-up reaching `learning_rate` at step `warmup_steps - 1` (step s of the warm-up gets
         (s + 1) / warmup_steps of it, so the first step does not get 0), then optax's cosine decay to
         `learning_rate * min_lr_ratio` at the end of the stage."""
         warmup = optax.linear_schedule(0.0, self.learning_rate, max(1, self.warmup_steps))
-        decay = optax.cosine_decay_schedule(self.learning_rate, max(1, self.steps - self.warmup_steps),
+        decay = optax.cosine_decay_schedule(self.learning_rate, max(1, self.length - self.warmup_steps),
                                             alpha=self.min_lr_ratio)
         return optax.join_schedules([lambda step: warmup(step + 1), decay], [self.warmup_steps])
 
@@ -168,7 +74,27 @@ class Stage:
         return float(self.learning_rate_schedule()(step_in_stage))
 
     def temperature_at(self, step_in_stage: int) -> float:
-        return self.temperature.at(step_in_stage / max(1, self.steps - 1))
+        return self.temperature.at(self.fraction_at(step_in_stage))
+
+    def weights_at(self, step_in_stage: int) -> dict[str, float]:
+        """Every loss weight at a step of the stage (ramped ones moved along their ramp)."""
+        return self.weights.at(self.fraction_at(step_in_stage))
+
+    def fraction_at(self, step_in_stage: int) -> float:
+        """How far through the stage a step is: 0 at its first step, 1 at its last."""
+        return step_in_stage / max(1, self.length - 1)
+
+    @property
+    def label(self) -> str:
+        return f"Stage {self.name!r}" if self.name else "Stage"
+
+    @property
+    def length(self) -> int:
+        """`steps`, refusing a stage given in epochs that was not resolved against the data yet."""
+        if self.steps is None:
+            raise ValueError(f"{self.label} is {self.epochs} epoch(s) long and not resolved to steps yet:"
+                             " call distill.schedules.resolve_epochs(config, data) first, or give steps=N.")
+        return self.steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,15 +286,15 @@ class DistillConfig:
 
     @property
     def total_steps(self) -> int:
-        return sum(stage.steps for stage in self.stages)
+        return sum(stage.length for stage in self.stages)
 
     def stage_at(self, step: int) -> tuple[int, int]:
         """(stage index, step within the stage) of global step `step` (0-based)."""
         for index, stage in enumerate(self.stages):
-            if step < stage.steps:
+            if step < stage.length:
                 return index, step
-            step -= stage.steps
-        return len(self.stages) - 1, self.stages[-1].steps
+            step -= stage.length
+        return len(self.stages) - 1, self.stages[-1].length
 
     @property
     def unit_temperature(self) -> bool:
@@ -376,19 +302,78 @@ class DistillConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DistillConfig":
+        """The config from JSON-like data (what `to_dict` writes, or any subset of it); unknown keys, at any
+        level, are a ValueError naming them."""
         data = dict(data)
-        nested = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
-                  "targets": TargetsConfig, "oom": OOMConfig}
-        for key, kind in nested.items():
+        for key, kind in NESTED.items():
             if isinstance(data.get(key), dict):
-                data[key] = kind(**data[key])
+                data[key] = _build(kind, data[key], key)
         if isinstance(data.get("correspondence"), dict):
-            data["correspondence"] = Correspondence(**data["correspondence"])
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"DistillConfig: unknown keys {sorted(unknown)}.")
-        data["stages"] = tuple(Stage(**s) if isinstance(s, dict) else s for s in data.get("stages", cls.stages))
+            data["correspondence"] = _build(Correspondence, data["correspondence"], "correspondence")
+        _check_keys(cls, data, "DistillConfig")
+        data["stages"] = tuple(_build(Stage, s, f"stages[{i}]") if isinstance(s, dict) else s
+                               for i, s in enumerate(data.get("stages", cls.stages)))
         return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON data that `from_dict` reads back to an equal config. A jax Mesh is written as its
+        axis sizes, a plan as the fields the layer map reads; an NNX filter in a stage (not a pattern) cannot be
+        written and is a ValueError."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "stages":
+                value = [_stage_dict(stage) for stage in value]
+            elif field.name in NESTED or field.name == "correspondence" and value is not None:
+                value = _json(dataclasses.asdict(value))
+            elif field.name == "plan" and value is not None:
+                value = _json({k: _field_of(value, k) for k in ("kept_layers", "kept_hidden", "kept_heads")})
+            elif field.name == "mesh" and value is not None and not isinstance(value, (str, dict)):
+                value = {str(axis): int(size) for axis, size in dict(value.shape).items()}
+            out[field.name] = _json(value)
+        return out
+
+
+NESTED = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
+          "targets": TargetsConfig, "oom": OOMConfig}
+
+
+def _check_keys(kind: type, data: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(kind)})
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(kind))
+        raise ValueError(f"{where}: unknown keys {unknown}; {kind.__name__} takes {known}.")
+
+
+def _build(kind: type, data: dict[str, Any], where: str) -> Any:
+    _check_keys(kind, data, where)
+    return kind(**data)
+
+
+def _field_of(plan: Any, name: str) -> Any:
+    return plan.get(name) if isinstance(plan, dict) else getattr(plan, name, None)
+
+
+def _stage_dict(stage: Stage) -> dict[str, Any]:
+    out = {field.name: getattr(stage, field.name) for field in dataclasses.fields(stage)}
+    out.update(weights=stage.weights.to_dict(), temperature=_plain(stage.temperature))
+    for key in ("trainable", "frozen"):
+        value = out[key]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            out[key] = list(value)
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"{stage.label}: {key}={value!r} is an NNX filter, which a config file "
+                             "cannot hold; use path patterns (e.g. 'layers.{0-5}.*') to save the config.")
+    return out
+
+
+def _json(value: Any) -> Any:
+    """Tuples as lists, recursively (what JSON gives back)."""
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json(v) for k, v in value.items()}
+    return value
 
 
 __all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig",

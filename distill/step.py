@@ -334,10 +334,12 @@ def _eval_step(student_graph, teacher_graph, chunk: int, options_key) -> Callabl
 
 
 def hyper_values(stage, step_in_stage: int, default_weight_decay: float, lr_scale: float = 1.0) -> dict[str, Any]:
-    """Host-side schedule values for one step, as float32 scalars: every key of `terms.hyper_keys()`."""
+    """Host-side schedule values for one step, as float32 scalars: every key of `terms.hyper_keys()`. Loss
+    weights that ramp within the stage are taken at this step; they are traced, so moving them never recompiles
+    (the stage's set of computed terms is fixed by its weights' non-zero ends)."""
     values = {"lr": stage.learning_rate_at(step_in_stage) * lr_scale,
               "weight_decay": default_weight_decay if stage.weight_decay is None else stage.weight_decay,
-              "temperature": stage.temperature_at(step_in_stage), **stage.weights.as_dict()}
+              "temperature": stage.temperature_at(step_in_stage), **stage.weights_at(step_in_stage)}
     return {k: jnp.asarray(values[k], jnp.float32) for k in terms.hyper_keys()}
 
 

@@ -55,7 +55,7 @@ def non_embedding(config) -> int:
 def curve(evals: list[dict], args) -> list[dict]:
     """Held-out evaluations of one training run as points: tokens seen, cross-entropy, and (when the run had a
     teacher) KL to it and the teacher-student logit correlation."""
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = args.tokens_per_step  # micro-batch x sequence x accumulation
     points = []
     for record in evals:
         point = {"step": record["step"], "tokens": record["step"] * tokens_per_step,

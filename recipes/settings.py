@@ -1,0 +1,227 @@
+"""The recipe's settings: defaults < preset < named schedule < config file (--config) < command-line flags < --set.
+
+A config file (JSON, or YAML with pyyaml installed) holds the recipe's own settings under the flags' names
+(`"steps": 24`, `"frozen": ["embed_tokens"]`, `"temperature": [3, 1]`) and a `"distill"` section read by
+`DistillConfig.from_dict`: stages (their freeze patterns, loss weights and ramps, lengths in steps or epochs),
+optimizer, remat, checkpointing, guard, targets, OOM, logger and the rest. What the recipe sets itself from its
+own settings (batch size, sequence length, precision, mesh, seed, run folders, the surgery plan) is refused in
+the distill section with the setting to use instead. `resolved_config` is the result with every default filled
+in: `--print-config` prints it and every run saves it as `resolved_config.json`, which `--config` reads back to
+the same settings.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from typing import Any
+
+import distill
+from distill.config import NESTED
+from recipes.cli import RecipeError
+from recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
+                           distill_epilog)
+
+FORMAT = "nnx-surgery recipe config 1"
+RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_after", "dry_run", "push_to_hub",
+            "public", "cache_dir", "set", "no_scratch")  # how this invocation runs, not what it computes: never saved
+MANAGED_CHECKPOINT = ("directory", "resume")
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gemma_7b_to_2b.py", description=description or "Compress a causal LM: plan, prune, distil, save.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=distill_epilog(),
+        argument_default=argparse.SUPPRESS)
+    add_arguments(parser)
+    return parser
+
+
+def resolve(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
+    """Parse the command line, read --config and layer everything (module docstring). The namespace has every
+    recipe setting, `distill` (the resolved distill section, a dict), `explicit` (the settings given in the file
+    or on the command line) and the run-only flags."""
+    given = vars(build_parser(description).parse_args(argv))
+    file = load_config_file(given["config"]) if given.get("config") else {}
+    file_distill = file.pop("distill", None) or {}
+    file.pop("format", None)
+    unknown = sorted(set(file) - set(DEFAULTS) - set(DISTILL_FLAGS))
+    if unknown:
+        raise RecipeError(f"--config {given['config']}: unknown settings {unknown}; the recipe's settings are the "
+                          "flags' names (see --help), DistillConfig's go in the \"distill\" section.")
+    flags = {k: v for k, v in given.items() if k not in RUN_ONLY}
+    if flags.pop("no_scratch", False):
+        flags["control"] = "none"
+    preset = flags.get("preset", file.get("preset", DEFAULTS["preset"]))
+    if preset not in PRESETS:
+        raise RecipeError(f"preset {preset!r} unknown; choose from {sorted(PRESETS)}.")
+    schedule = flags.get("schedule", file.get("schedule", DEFAULTS["schedule"]))
+    settings = {**DEFAULTS, **PRESETS[preset], **SCHEDULE_DEFAULTS.get(schedule, {})}
+    for layer in (file, flags):
+        settings.update({k: v for k, v in layer.items() if k not in DISTILL_FLAGS})
+    section = distill_section(file_distill, [file, flags], given.get("set") or [], given.get("config"))
+    args = argparse.Namespace(**{key: given.get(key) for key in RUN_ONLY}, **settings, distill=section)
+    args.cache_dir = args.cache_dir or os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
+    _derive(args)
+    check(args)
+    return args
+
+
+def distill_section(file_distill: dict, layers: list[dict], overrides: list[str], source: str | None) -> dict:
+    """DistillConfig's defaults, then the file's distill section, then the distill flags (file top level, then
+    the command line), then --set KEY=VALUE."""
+    section = {k: v for k, v in distill.DistillConfig().to_dict().items() if k not in MANAGED}
+    section["stages"] = None  # None: the recipe builds its stages from its settings (or --schedule)
+    for key in MANAGED_CHECKPOINT:
+        section["checkpoint"].pop(key)
+    _merge(section, file_distill, f"--config {source}: distill")
+    for layer in layers:
+        for flag, path in DISTILL_FLAGS.items():
+            if flag in layer:
+                _put(section, path, None if (flag, layer[flag]) == ("remat", "none") else layer[flag])
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise RecipeError(f"--set {item!r}: write KEY=VALUE, e.g. --set guard.mse_weight=2.0.")
+        path = tuple(key.strip().split("."))
+        if path[0] == "distill":
+            path = path[1:]
+        _merge(section, _nest(path, _value(text)), "--set")
+    return section
+
+
+def _merge(section: dict, update: dict, where: str) -> None:
+    for key, value in update.items():
+        if key in MANAGED:
+            instead = f"; use the recipe setting {MANAGED[key]!r}" if MANAGED[key] else ""
+            raise RecipeError(f"{where}.{key}: the recipe sets it{instead}.")
+        if key not in section:
+            raise RecipeError(f"{where}.{key}: no such setting; DistillConfig's are {', '.join(sorted(section))}.")
+        if key in NESTED and isinstance(value, dict):
+            refused = sorted(set(value) & set(MANAGED_CHECKPOINT)) if key == "checkpoint" else []
+            if refused:
+                raise RecipeError(f"{where}.checkpoint.{refused[0]}: the recipe keeps checkpoints in --output "
+                                  "and resumes with --resume.")
+            unknown = sorted(set(value) - set(section[key]))
+            if unknown:
+                raise RecipeError(f"{where}.{key}: unknown keys {unknown}; it takes {', '.join(section[key])}.")
+            section[key].update(copy.deepcopy(value))
+        else:
+            section[key] = copy.deepcopy(value)
+
+
+def _put(section: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        section = section[key]
+    section[path[-1]] = list(value) if isinstance(value, tuple) else value
+
+
+def _nest(path: tuple[str, ...], value: Any) -> dict:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def _value(text: str) -> Any:
+    """--set values are JSON (2.0, true, null, ["a"], {"x": 1}); anything else is a string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def load_config_file(path: str) -> dict:
+    """A JSON or YAML (.yaml / .yml, needs pyyaml) mapping."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"--config {path}: no such file.")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except ValueError as error:  # json.JSONDecodeError and yaml.YAMLError's parse errors
+        raise RecipeError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
+                          f"{error}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"--config {path}: the file must hold a mapping of settings, not {type(data).__name__}.")
+    return data
+
+
+def _derive(args: argparse.Namespace) -> None:
+    """Settings whose default depends on others, written out so the resolved config states them."""
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 50
+    if args.scratch_learning_rate is None:
+        args.scratch_learning_rate = args.learning_rate
+    if args.distill.get("eval_every") is None:
+        args.distill["eval_every"] = max(1, args.steps // 4)
+    args.temperature = parse_ramp(args.temperature, "--temperature")
+    args.tokens_per_step = args.batch_size * args.seq_len * args.distill["grad_accum"]
+    for key in ("frozen", "trainable"):
+        if isinstance(getattr(args, key), str):
+            setattr(args, key, [getattr(args, key)])
+    if args.schedule in SCHEDULES:
+        args.schedule_options = {**SCHEDULES[args.schedule], **(args.schedule_options or {})}
+
+
+def parse_ramp(value: Any, flag: str) -> float | list:
+    """3 -> 3.0; "3:1" or [3, 1] -> [3.0, 1.0] (start to end over the run); "3:1:cosine" keeps the shape."""
+    parts = value.split(":") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) \
+        else [value]
+    try:
+        numbers = [float(p) for p in parts[:2]]
+    except (TypeError, ValueError):
+        raise RecipeError(f"{flag} {value!r}: give a number (2.0) or a ramp START:END (3:1).") from None
+    if len(parts) > 3 or min(numbers) <= 0 or (len(parts) == 3 and parts[2] not in ("linear", "cosine")):
+        raise RecipeError(f"{flag} {value!r}: values must be positive, as N or START:END[:linear|cosine].")
+    if len(numbers) == 1 or numbers[0] == numbers[1]:
+        return numbers[0]
+    return numbers + ([parts[2]] if len(parts) == 3 and parts[2] != "linear" else [])
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse impossible combinations now, before any model is loaded."""
+    if not 0.0 <= args.alpha <= 1.0 or args.steps < 1:
+        raise RecipeError(f"--alpha {args.alpha} must lie in [0, 1] and --steps {args.steps} be at least 1.")
+    if args.schedule not in ("none", *SCHEDULES):
+        raise RecipeError(f"--schedule {args.schedule!r}: choose none or one of {sorted(SCHEDULES)}.")
+    if args.schedule != "none" and args.distill.get("stages"):
+        raise RecipeError(f"--schedule {args.schedule} and stages in the config's distill section both set the "
+                          "distillation stages; keep one.")
+    if args.schedule == "progressive" and args.trainable:
+        raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
+                          "each stage; use --frozen for patterns to keep frozen throughout.")
+    try:
+        distill.DistillConfig.from_dict({**args.distill, "stages": args.distill.get("stages") or
+                                         [{"steps": 1, "weights": {"kl": 1.0}}]})
+    except (ValueError, TypeError) as error:
+        raise RecipeError(f"distill settings: {error}") from None
+
+
+def resolved_config(args: argparse.Namespace) -> dict:
+    """Every setting of the run (run-only flags left out), as JSON data --config reads back to the same."""
+    out = {"format": FORMAT}
+    out.update({key: _plain(getattr(args, key)) for key in DEFAULTS})
+    out["distill"] = copy.deepcopy(args.distill)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def save_resolved(args: argparse.Namespace, folder: str) -> str:
+    path = os.path.join(folder, "resolved_config.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(resolved_config(args), handle, indent=2)
+    return path
+
+
+__all__ = ["build_parser", "resolve", "resolved_config", "save_resolved", "load_config_file", "parse_ramp"]
