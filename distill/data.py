@@ -259,14 +259,19 @@ class TokenBatches:
         return cls.from_records(records, tokenizer, **kwargs)
 
     @classmethod
-    def from_hf_dataset(cls, name_or_path: str, tokenizer: Any, *, split: str = "train", text_field: str = "text",
-                        prompt_field: str | None = None, completion_field: str | None = None,
-                        config_name: str | None = None, max_records: int | None = None,
+    def from_hf_dataset(cls, name_or_path: str, tokenizer: Any, *, split: str | None = None,
+                        text_field: str | None = None, prompt_field: str | None = None,
+                        completion_field: str | None = None, config_name: str | None = None,
+                        max_records: int | None = None, streaming: bool | None = None,
                         **kwargs) -> "TokenBatches":
+        """A dataset through HF `datasets`: a Hub name, a `save_to_disk` folder, local data files (.jsonl, .parquet,
+        .csv, ...), optionally with options in query form (`data/qa.jsonl?prompt=question&completion=answer`; see
+        `sources.parse_hf_spec`). Keyword arguments override those options (defaults: split "train", the "text"
+        column, or the prompt/completion columns when there is no text column; a prompt is never trained on)."""
         check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         records = hf_dataset_records(name_or_path, split=split, text_field=text_field, prompt_field=prompt_field,
                                      completion_field=completion_field, config_name=config_name,
-                                     max_records=max_records)
+                                     max_records=max_records, streaming=streaming)
         return cls.from_records(records, tokenizer, **kwargs)
 
     @classmethod

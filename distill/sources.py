@@ -1,13 +1,23 @@
 """Where distillation text comes from: text files (a file, a folder, a glob; `.jsonl` lines are records), HF
-`datasets` (when the package is installed), and the Python standard library's source as an offline corpus. A
-record is a text, or a (prompt, completion) pair whose prompt is not trained on (`distill.data` packs them)."""
+`datasets` (the `datasets` extra), and the Python standard library's source as an offline corpus. A record is a
+text, or a (prompt, completion) pair whose prompt is not trained on (`distill.data` packs them).
+
+A dataset is named as the recipe's `--data hf:SPEC` names it: SPEC is a Hub name, a folder written by
+`save_to_disk`, a local data file or glob (.jsonl/.json, .parquet, .csv, .txt, .arrow) or a folder of such files,
+optionally followed by options in URL query form, e.g.
+`hf:data/qa.jsonl?prompt=question&completion=answer&split=train&max_records=5000` (options: `split`, `config`,
+`text`, `prompt`, `completion`, `max_records`, `streaming`). Records use the `text` column; a dataset without one
+that has `prompt` and `completion` columns (the prompt-completion layout of TRL and others) is read as pairs.
+"""
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import sysconfig
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
+from urllib.parse import parse_qsl
 
 import numpy as np
 
@@ -80,32 +90,118 @@ def read_text(path: str) -> str:
 def _record(row: Any, text_field: str, prompt_field: str | None, completion_field: str | None) -> Record:
     if isinstance(row, str):
         return row
+    if not isinstance(row, dict):
+        raise DataError(f"a record must be a JSON object or string, got {type(row).__name__}")
     if prompt_field and completion_field:
-        if prompt_field not in row or completion_field not in row:
+        if row.get(prompt_field) is None or row.get(completion_field) is None:
             raise DataError(f"record lacks {prompt_field!r} or {completion_field!r} (has {sorted(row)[:6]})")
         return (str(row[prompt_field]), str(row[completion_field]))
-    if text_field not in row:
+    if row.get(text_field) is None:
         raise DataError(f"record has no {text_field!r} field (has {sorted(row)[:6]}); pass text_field=")
     return str(row[text_field])
 
 
-def hf_dataset_records(name_or_path: str, *, split: str = "train", text_field: str = "text",
-                       prompt_field: str | None = None, completion_field: str | None = None,
-                       config_name: str | None = None, max_records: int | None = None) -> list[Record]:
-    """Records from HF `datasets`: a folder saved with `save_to_disk`, a local data folder, or a Hub name."""
+HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
+                    ".arrow": "arrow"}
+HF_SPEC_OPTIONS = {"split": str, "config": str, "text": str, "prompt": str, "completion": str, "max_records": int,
+                   "streaming": bool}
+
+
+def parse_hf_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """`[hf:]NAME[?key=value&...]` -> (NAME, options) with the options of `HF_SPEC_OPTIONS`, typed."""
+    name, _, query = (spec[3:] if spec.startswith("hf:") else spec).partition("?")
+    if not name:
+        raise DataError(f"{spec!r} names no dataset; write hf:NAME (a Hub name, a saved folder or a data file).")
+    options: dict[str, Any] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        kind = HF_SPEC_OPTIONS.get(key)
+        if kind is None:
+            raise DataError(f"{spec!r}: unknown option {key!r}; the options are {sorted(HF_SPEC_OPTIONS)}.")
+        try:
+            options[key] = (value.lower() in ("1", "true", "yes") if kind is bool else kind(value))
+        except ValueError:
+            raise DataError(f"{spec!r}: option {key}={value!r} must be {kind.__name__}.") from None
+    return name, options
+
+
+def _local_data_files(name: str) -> tuple[str, list[str]] | None:
+    """(builder, files) when `name` is a local data file, glob or folder of data files; None otherwise."""
+    if os.path.isdir(name):
+        files = [p for p in expand_paths(name) if os.path.splitext(p)[1] in HF_FILE_BUILDERS]
+    elif any(ch in name for ch in "*?[") or os.path.isfile(name):
+        files = expand_paths(name)
+    else:
+        return None
+    builders = {HF_FILE_BUILDERS.get(os.path.splitext(p)[1]) for p in files}
+    if not files or None in builders or len(builders) > 1:
+        raise DataError(f"{name}: datasets reads one kind of data file at a time; found "
+                        f"{sorted({os.path.splitext(p)[1] for p in files}) or 'none'} (it reads "
+                        f"{', '.join(HF_FILE_BUILDERS)}).")
+    return builders.pop(), files
+
+
+def load_hf_rows(name: str, *, split: str = "train", config_name: str | None = None,
+                 streaming: bool = False) -> tuple[Iterable[dict], list[str]]:
+    """(rows, column names) of one split of a dataset through `datasets` (see the module docstring)."""
     try:
         import datasets
     except ImportError:
-        raise DataError("reading a Hugging Face dataset needs the `datasets` package (pip install datasets); "
-                        "or export the text to .txt/.jsonl files and use TokenBatches.from_files.") from None
-    if os.path.isdir(name_or_path) and any(os.path.exists(os.path.join(name_or_path, f)) for f in
-                                           ("dataset_info.json", "state.json", "dataset_dict.json")):
-        data = datasets.load_from_disk(name_or_path)
-        data = data[split] if isinstance(data, datasets.DatasetDict) else data
-    else:
-        data = datasets.load_dataset(name_or_path, config_name, split=split)
-    rows = data if max_records is None else data.select(range(min(max_records, len(data))))
-    return [_record(row, text_field, prompt_field, completion_field) for row in rows]
+        raise DataError("reading a Hugging Face dataset needs the `datasets` package (pip install "
+                        "'nnx-surgery[datasets]'); or export the text to .txt/.jsonl files and use "
+                        "TokenBatches.from_files.") from None
+    saved = os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in
+                                        ("dataset_info.json", "state.json", "dataset_dict.json"))
+    local = None if saved else _local_data_files(name)
+    try:
+        if saved:
+            data = datasets.load_from_disk(name)
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise DataError(f"{name} has splits {sorted(data)}, not {split!r}; add ?split=NAME.")
+                data = data[split]
+        elif local is not None:
+            data = datasets.load_dataset(local[0], data_files={split: local[1]}, split=split, streaming=streaming)
+        else:
+            data = datasets.load_dataset(name, config_name, split=split, streaming=streaming)
+    except (ValueError, FileNotFoundError) as error:  # unknown split / config / name, with datasets' own detail
+        if isinstance(error, DataError):
+            raise
+        raise DataError(f"cannot load split {split!r} of dataset {name!r}: {error}") from None
+    return data, list(data.column_names or [])
+
+
+def hf_dataset_records(name_or_path: str, *, split: str | None = None, text_field: str | None = None,
+                       prompt_field: str | None = None, completion_field: str | None = None,
+                       config_name: str | None = None, max_records: int | None = None,
+                       streaming: bool | None = None) -> list[Record]:
+    """Records of a dataset named as `parse_hf_spec` reads it; keyword arguments override the spec's options."""
+    name, options = parse_hf_spec(name_or_path)
+    pick = lambda value, key, default=None: value if value is not None else options.get(key, default)  # noqa: E731
+    split, config_name = pick(split, "split", "train"), pick(config_name, "config")
+    named_text, max_records = pick(text_field, "text"), pick(max_records, "max_records")
+    text_field = named_text or "text"
+    prompt_field, completion_field = pick(prompt_field, "prompt"), pick(completion_field, "completion")
+    rows, columns = load_hf_rows(name, split=split, config_name=config_name,
+                                 streaming=bool(pick(streaming, "streaming", False)))
+    if (prompt_field is None) != (completion_field is None):
+        raise DataError(f"dataset {name}: give both a prompt and a completion field (got prompt={prompt_field!r}, "
+                        f"completion={completion_field!r}).")
+    if not (prompt_field or named_text) and "text" not in columns and {"prompt", "completion"} <= set(columns):
+        prompt_field, completion_field = "prompt", "completion"  # the prompt-completion layout
+    wanted = [prompt_field, completion_field] if prompt_field else [text_field]
+    if columns and not set(wanted) <= set(columns):
+        raise DataError(f"dataset {name} (split {split!r}) has columns {columns}, not {wanted}; name the text "
+                        "column with ?text=COLUMN, or a pair with ?prompt=COLUMN&completion=COLUMN.")
+    rows = itertools.islice(rows, max_records) if max_records is not None else rows
+    records = []
+    for index, row in enumerate(rows):
+        try:
+            records.append(_record(row, text_field, prompt_field, completion_field))
+        except DataError as error:
+            raise DataError(f"dataset {name}, split {split!r}, row {index}: {error}") from None
+    if not records:
+        raise DataError(f"dataset {name} (split {split!r}) has no rows.")
+    return records
 
 
 def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list[str]:

@@ -230,7 +230,7 @@ def test_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="fewer than batch_size"):
         TokenBatches.from_arrays([np.arange(5, 9)], eos_id=EOS, seq_len=4, batch_size=2, eval_fraction=0)
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if the package were not installed
-    with pytest.raises(DataError, match="pip install datasets"):
+    with pytest.raises(DataError, match=r"pip install 'nnx-surgery\[datasets\]'"):
         TokenBatches.from_hf_dataset("some/dataset", lambda s: [5], seq_len=4, batch_size=1)
 
 
