@@ -210,3 +210,27 @@ def test_redact_hides_secret_keys_and_token_shaped_values():
                               "max_tokens": 5, "push_to_hub": "me/model", "note": "<redacted>",
                               "nested": [{"WANDB_API_KEY": "<redacted>"}, "<redacted>"], "revision": "a" * 40,
                               "token": None}
+
+
+@needs_wandb
+def test_a_training_run_logs_its_steps_evaluations_events_and_curves_to_wandb(offline):
+    """`distill.trainer.run` with logger="wandb": W&B's history holds the run's own step and evaluation values."""
+    from distill.trainer import run
+    from test_distill_train import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, student_from, teacher_samples, \
+        tiny_teacher
+
+    teacher = tiny_teacher()
+    batches = teacher_samples(teacher, 5, seed=1)
+    settings = config(offline / "run", stages=(Stage(steps=3, learning_rate=1e-2),), batch_size=BATCH,
+                      seq_len=LENGTH, logit_chunk=16, eval_every=2, compiler_options=FAST_COMPILE)
+    result = run(teacher, student_from(teacher), ArrayBatches(batches[:4]), settings, eval_data=batches[4:])
+    (folder,) = offline_runs(offline)
+    records = read_run(folder)
+    rows = history(records)
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == [
+        (h["step"], pytest.approx(h["loss"])) for h in result.history]
+    assert [(r["step"], r["eval/kl"]) for r in rows if "eval/kl" in r] == [
+        (e["step"], pytest.approx(e["kl"])) for e in result.evals]
+    assert [r["step"] for r in rows if "event/stage" in r] == [0]
+    assert run_config(records)["stages"][0]["learning_rate"] == 1e-2
+    assert glob.glob(os.path.join(folder, "files", "media", "images", "curves_*.png"))
