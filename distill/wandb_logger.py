@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 WANDB_EXTRA = "pip install 'nnx-surgery[wandb]'"
 RUN_ID_FILE = "wandb_run.json"
@@ -26,13 +26,18 @@ REDACTED = "<redacted>"
 _SECRET_KEY = re.compile(r"(^|[_.-])(token|api_?key|secret|password|passwd|credentials?|auth)($|[_.-])", re.I)
 _SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|[0-9a-f]{40}|[A-Za-z0-9_-]{2,}-[0-9a-f]{40})$")
 _REVISION_KEY = re.compile(r"revision|commit|sha|hash|fingerprint", re.I)
+_SPECIAL_TOKEN_KEY = re.compile(r"^(bos|eos|pad|unk|sep|cls|mask)_token(_id)?$", re.I)  # a tokenizer's, no secret
+
+
+def _secret_key(name: str) -> bool:
+    return bool(_SECRET_KEY.search(name)) and not _SPECIAL_TOKEN_KEY.match(name)
 
 
 def redact(values: Any, key: str = "") -> Any:
     """A copy of nested dicts / lists with secret-looking keys and token-shaped strings replaced by "<redacted>"
     (a 40-hex-digit string under a key naming a revision, commit or hash is kept: that is a git or Hub revision)."""
     if isinstance(values, Mapping):
-        return {name: REDACTED if _SECRET_KEY.search(str(name)) and value not in (None, "", False)
+        return {name: REDACTED if _secret_key(str(name)) and value not in (None, "", False)
                 else redact(value, str(name)) for name, value in values.items()}
     if isinstance(values, (list, tuple)):
         return [redact(value, key) for value in values]

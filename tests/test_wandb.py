@@ -205,11 +205,11 @@ def test_missing_wandb_names_the_extra(offline, monkeypatch):
 
 def test_redact_hides_secret_keys_and_token_shaped_values():
     values = {"hub_token": "abc", "api_key": "k", "password": "p", "max_tokens": 5, "push_to_hub": "me/model",
-              "note": SECRET, "nested": [{"WANDB_API_KEY": "x"}, "d" * 40], "revision": "a" * 40, "token": None}
+              "note": SECRET, "nested": [{"WANDB_API_KEY": "x"}, "d" * 40], "revision": "a" * 40, "token": None, "eos_token": "<eos>"}
     assert redact(values) == {"hub_token": "<redacted>", "api_key": "<redacted>", "password": "<redacted>",
                               "max_tokens": 5, "push_to_hub": "me/model", "note": "<redacted>",
                               "nested": [{"WANDB_API_KEY": "<redacted>"}, "<redacted>"], "revision": "a" * 40,
-                              "token": None}
+                              "token": None, "eos_token": "<eos>"}
 
 
 @needs_wandb
