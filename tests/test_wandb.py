@@ -17,6 +17,9 @@ from distill.wandb_logger import RUN_ID_FILE, redact
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
                                  reason="the wandb extra is not installed (pip install 'nnx-surgery[wandb]')")
+needs_tensorboard = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("tensorboard", "tensorboardX")),
+    reason="the tensorboard extra is not installed (pip install 'nnx-surgery[tensorboard]')")
 SECRET = "hf_" + "Zq8" * 12  # shaped like a Hugging Face token; must appear in no file
 
 
@@ -115,6 +118,7 @@ def offline_runs(home) -> list[str]:
 
 
 @needs_wandb
+@needs_tensorboard
 def test_offline_run_holds_the_same_metrics_events_config_summary_and_curves(offline):
     run_dir = offline / "run"
     logger = make_logger(config(run_dir), extra_config={"teacher": "google/gemma-7b", "hub_token": SECRET})
