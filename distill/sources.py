@@ -163,10 +163,11 @@ def load_hf_rows(name: str, *, split: str = "train", config_name: str | None = N
             data = datasets.load_dataset(local[0], data_files={split: local[1]}, split=split, streaming=streaming)
         else:
             data = datasets.load_dataset(name, config_name, split=split, streaming=streaming)
-    except (ValueError, FileNotFoundError) as error:  # unknown split / config / name, with datasets' own detail
+    except (ValueError, OSError) as error:  # unknown split / config / name, no network: with datasets' detail
         if isinstance(error, DataError):
             raise
-        raise DataError(f"cannot load split {split!r} of dataset {name!r}: {error}") from None
+        hint = "" if local or saved else " (a Hub name; offline, pass a local data file or save_to_disk folder)"
+        raise DataError(f"cannot load split {split!r} of dataset {name!r}{hint}: {error}") from None
     return data, list(data.column_names or [])
 
 
