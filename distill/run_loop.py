@@ -1,4 +1,5 @@
-"""The step loop of `distill.run`: stages, logging, the divergence guard, checkpoints, resume and evaluation.
+"""The step loop of `distill.run`: stages, logging, the divergence guard and its fallbacks, monitoring targets,
+out-of-memory retries, checkpoints, resume and evaluation.
 
 Divergence guard: a step whose loss or gradient norm is not finite (the step itself then leaves the parameters
 unchanged) or whose loss exceeds `spike_factor` x the running median of recent good steps triggers a rollback to
@@ -7,39 +8,43 @@ directory is set) and multiplies the learning rate by `lr_backoff`. The data str
 around the divergence are skipped. After `max_rollbacks` the run stops with DivergenceError; with the guard
 disabled a non-finite loss stops the run at once. It never continues on NaNs. The in-memory copy holds the student
 and its Adam state on the host (about 3x the trainable size in float32): set a checkpoint directory for big models.
+`GuardConfig.policies` adds fallbacks (fallbacks.py: `switch_to_mse` after a divergence, `sft_then_mix` when the
+held-out cross-entropy gets worse than at the stage's start); they change traced loss weights only.
+
+Each evaluation checks `DistillConfig.targets` (targets.py) and may end the run (`stop_when_met`); the loop times
+its steps against the waits on data and host work where it already waits for the step's metrics (no added sync).
+An out-of-memory error while compiling or dispatching the step is retried with less memory (oom.py).
 
 Interruption: a first SIGINT (Ctrl-C) or SIGTERM lets the current step finish, checkpoints it (when a checkpoint
 directory is set) and raises RunInterrupted, which says which step was saved and how to resume; a second one stops
 at once, even in the middle of that checkpoint write. Orbax writes a checkpoint into a temporary folder and renames
 it when complete, so a write cut short (a second signal, SIGKILL, a full disk) is never resumed from, and the next
-run removes its leftovers. A checkpoint's `meta` also holds the step records and evaluations so far, so a resumed
-run reports the whole history (DistillResult.full_history).
+run removes its leftovers. A checkpoint's `meta` also holds the step records, evaluations and events so far, so a
+resumed run reports the whole history (DistillResult.full_history).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import statistics
 import time
-from typing import Any, Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from . import freeze
-from .checkpointing import Checkpointer
+from . import freeze, metrics, targets, terms
+from .checkpointing import Checkpointer, LoopCheckpoints
 from .config import DistillConfig
+from .fallbacks import DivergenceError, Fallbacks
+from .targets import TargetActions
 from .interface import FORWARD_KEYS
 from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
-from .metrics import MetricsLogger, device_peak_flops, plot_history, step_flops
+from .metrics import device_peak_flops, plot_history, step_flops
+from .oom import MemoryPlan, MemoryRetries, oom_settings, split_micro_batches
 from .step import hyper_values
-
-
-class DivergenceError(RuntimeError):
-    """The loss kept diverging after the configured number of rollbacks."""
 
 
 def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np.ndarray]:
@@ -63,20 +68,18 @@ def _host(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-def _json_value(value: Any) -> Any:
-    """config.json: mappings (LossWeights) as objects, anything else JSON cannot write as its repr."""
-    return dict(value) if isinstance(value, Mapping) else repr(value)
+def _make_logger(config: DistillConfig, start_step: int):
+    """The metrics logger (JSONL, TensorBoard, the bar; W&B when configured) from `metrics.make_logger`."""
+    if hasattr(metrics, "make_logger"):
+        return metrics.make_logger(config, config.run_dir, start_step=start_step)
+    return metrics.MetricsLogger(config.run_dir, config.total_steps, start_step=start_step, progress=config.progress)
 
 
-def _by_step(records: list[dict[str, Any]], last_step: int) -> list[dict[str, Any]]:
-    """One record per step up to `last_step` (the latest written wins: a step redone after a rollback)."""
-    return sorted({r["step"]: r for r in records if r["step"] <= last_step}.values(), key=lambda r: r["step"])
-
-
-class TrainingLoop:
-    """Drives a run: which stage and step come next, their schedule values, logging, the divergence guard,
-    checkpoints, resume and evaluations. The student's training state lives in `runner` (a StepRunner); the loop
-    owns the run's bookkeeping (step, history, learning-rate scale, rollbacks, data position)."""
+class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
+    """Drives a run: which stage and step come next, their schedule values, logging, the divergence guard and its
+    fallbacks, targets, OOM retries, checkpoints, resume and evaluations. The student's training state lives in
+    `runner` (a StepRunner); the loop owns the run's bookkeeping (step, history, learning-rate scale, rollbacks,
+    data position, fallback and memory state)."""
 
     def __init__(self, runner, data, config: DistillConfig, mesh, eval_data, teacher, student):
         self.runner, self.data, self.config, self.mesh = runner, data, config, mesh
@@ -87,6 +90,7 @@ class TrainingLoop:
         self.events: list[dict[str, Any]] = []
         self.resumed_history: list[dict[str, Any]] = []  # records of steps done before this call (from `meta`)
         self.resumed_evals: list[dict[str, Any]] = []
+        self.resumed_events: list[dict[str, Any]] = []
         self.stop = StopSignals()
         self.skipped_checkpoints: list[str] = []
         ckpt = config.checkpoint
@@ -102,9 +106,18 @@ class TrainingLoop:
         self.peak = device_peak_flops(config.peak_flops)
         self.devices = mesh.size if mesh is not None else 1
         self.flops: float | None = None
-        self.logger: MetricsLogger | None = None
+        self.logger = None
         self._last_eval_step = -1
         self.data_state = data.state()  # position after the last completed step
+        self.fallbacks = Fallbacks(config.guard, teacher is not None)
+        self.targets = config.targets
+        self.target_report: dict[str, dict[str, Any]] = {}
+        self.times, self.window = targets.StepTimes(), targets.StepTimes()  # whole run; since the last evaluation
+        self.stopped_early = False
+        self._warned_utilisation = False
+        self.oom_retry, self.oom_sequence = oom_settings(config)
+        self.memory = MemoryPlan(runner.remat)
+        self.data_rows: int | None = config.batch_size  # rows of a data batch (micro-batches may be split)
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -124,17 +137,15 @@ class TrainingLoop:
         config = self.config
         if config.run_dir and jax.process_index() == 0:
             drop_torn_line(os.path.join(config.run_dir, "metrics.jsonl"))
-        self.logger = MetricsLogger(config.run_dir, config.total_steps, start_step=self.step,
-                                    progress=config.progress)
-        if config.run_dir and jax.process_index() == 0:
-            with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
-                json.dump(dataclasses.asdict(config), handle, indent=1, default=_json_value)
+        self.logger = _make_logger(config, self.step)
+        self._write_config()
 
-    def _run(self) -> None:
-        config = self.config
+    def _start(self) -> bool:
+        """Resume or enter the first stage, open the logs, report what happened before; the evaluation of the
+        starting point. Returns whether the run should stop there (targets met)."""
         resumed = self._resume()
         if not resumed:
-            self._enter(config.stage_at(0)[0], carry=False)
+            self._enter(self.config.stage_at(0)[0], carry=False)
         self._open_logs()
         if self.stale_saves:
             self._event("cleanup", f"removed {len(self.stale_saves)} unfinished checkpoint write(s) of an earlier "
@@ -144,52 +155,81 @@ class TrainingLoop:
         if resumed:
             self._event("resume", f"resumed from step {self.step} (stage {self.runner.stage_index}) in "
                                   f"{self.checkpointer.directory}")
-            if self._eval_due():  # the run stopped between this checkpoint and its evaluation
-                self._evaluate()
-        else:
-            self._event("stage", self._stage_line(self.runner.stage_index, 0), stage=self.runner.stage_index,
-                        carried=0)
-            self._mark_good()
-            self._evaluate()
+            return self._eval_due() and self._evaluate()  # stopped between this checkpoint and its evaluation
+        self._event("stage", self._stage_line(self.runner.stage_index, 0), stage=self.runner.stage_index,
+                    carried=0)
+        self._mark_good()
+        return self._evaluate()
+
+    def _run(self) -> None:
+        config = self.config
+        if self._start():
+            return self._stop_early()
         last_step = min(config.total_steps, config.halt_after or config.total_steps)
-        prefetched = None
+        prefetched, self._clock = None, time.perf_counter()
         while self.step < config.total_steps:
             self._stop_if_asked()
             index, in_stage = config.stage_at(self.step)
-            if index != self.runner.stage_index:
-                carried = self._enter(index, carry=True)
-                self.good_losses = []  # the loss scale changes with the weights
-                self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
+            if index != self.runner.stage_index and self._switch_stage(index):
+                return self._stop_early()
+            fetch_start = time.perf_counter()
             batch, self.data_state = prefetched or self._next_batch()
-            stage = config.stages[index]
-            hyper = hyper_values(stage, in_stage, config.optimizer.weight_decay, self.lr_scale)
+            fetch_s = time.perf_counter() - fetch_start
+            hyper, active = self._hyper(index, in_stage)
             started = time.perf_counter()
-            pending, first_of_stage = self.runner.train_step(batch, hyper)  # dispatched asynchronously
+            dispatched = self._dispatch(batch, hyper)
+            if dispatched is None:  # out of memory after the step consumed its state: restored, batch skipped
+                prefetched, self._clock = None, time.perf_counter()
+                continue
+            batch, pending, warmup = dispatched
+            prefetch_start = time.perf_counter()
             prefetched = self._next_batch() if self.step + 1 < last_step else None  # host work overlaps the step
+            wait_start = time.perf_counter()
             values = _host(pending)
-            elapsed = time.perf_counter() - started
+            done = time.perf_counter()
             reason = self._divergence(values)
             if reason:
                 self._rollback(reason, values)
+                self._clock = time.perf_counter()
                 continue
             self.step += 1
             self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
-            self._log_step(values, hyper, elapsed, index, batch, first_of_stage)
-            if self.step % config.checkpoint.every == 0 or self.step == config.total_steps:
-                self._mark_good()
-            if self._eval_due():
-                self._evaluate()
-            if config.halt_after is not None and self.step >= config.halt_after:
-                self._mark_good()
-                self._event("halt", f"halted after step {self.step} (halt_after={config.halt_after})")
-                return
-        if self._last_eval_step != self.step:
-            self._evaluate()
+            record = self._log_step(values, hyper, done - started, index, batch, warmup, active)
+            step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, done - wait_start, fetch_s)
+            if not warmup:
+                self._time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s, record.get("mfu"))
+            for message, fields in self.fallbacks.on_step(self.step):
+                self._event("fallback", message, **fields)
+            outcome = self._after_step()
+            if outcome == "halt":
+                return None
+            if outcome == "targets":
+                return self._stop_early()
+            self._clock = time.perf_counter()
+        if self._last_eval_step != self.step and self._evaluate():
+            self._stop_early()
+
+    def _after_step(self) -> str | None:
+        """Checkpoint, evaluation and halt after a completed step: "targets" when the targets end the run, "halt"
+        at `halt_after`."""
+        config = self.config
+        if self.step % config.checkpoint.every == 0 or self.step == config.total_steps:
+            self._mark_good()
+        if self._eval_due() and self._evaluate():
+            return "targets"
+        if config.halt_after is not None and self.step >= config.halt_after:
+            self._mark_good()
+            self._event("halt", f"halted after step {self.step} (halt_after={config.halt_after})")
+            return "halt"
+        return None
 
     def close(self) -> None:
         if self.logger is not None:
+            if hasattr(self.logger, "summary"):  # the run summary for W&B
+                self.logger.summary(self.summary())
             self.logger.close()
-            if self.config.run_dir and self.config.plots and jax.process_index() == 0:
+            if not hasattr(self.logger, "plot_path") and self.config.run_dir and self.config.plots \
+                    and jax.process_index() == 0:  # a logger without its own curves
                 plot_history(self.logger.records, os.path.join(self.config.run_dir, "curves.png"))
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -197,6 +237,18 @@ class TrainingLoop:
     # ------------------------------------------------------------------------------------------ pieces
     def _enter(self, index: int, *, carry: bool) -> int:
         return self.runner.enter_stage(index, carry=carry)
+
+    def _switch_stage(self, index: int) -> bool:
+        """Enter stage `index` (carrying matching optimizer state); True when an evaluation there meets the
+        targets (sft_then_mix evaluates at each stage's start: its baseline)."""
+        carried = self._enter(index, carry=True)
+        self.good_losses = []  # the loss scale changes with the weights
+        self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
+        evals = self.resumed_evals + self.evals
+        for message, fields in self.fallbacks.on_stage(index, evals[-1] if evals and evals[-1]["step"] == self.step
+                                                       else None):
+            self._event("fallback", message, **fields)
+        return self.fallbacks.uses("sft_then_mix") and self._eval_due(stage_start=True) and self._evaluate()
 
     def _stage_line(self, index: int, carried: int) -> str:
         stage, runner = self.config.stages[index], self.runner
@@ -212,13 +264,28 @@ class TrainingLoop:
         self.events.append(record)
         self.logger.message(message, event=kind, step=self.step, **fields)
 
-    def _next_batch(self) -> tuple[dict[str, Any], Any]:
-        """The next step's micro-batches on the mesh, and the data position just after them (what a checkpoint
-        taken after that step records, even when a further batch has been prefetched)."""
-        batches = [self.data.next() for _ in range(self.config.grad_accum)]
-        return put_batch(_stack(batches, self.config), self.mesh, leading=1), self.data.state()
+    def _hyper(self, index: int, in_stage: int) -> tuple[dict[str, Any], list[str]]:
+        """The step's traced hyperparameters, with the loss weights the active fallbacks set."""
+        stage = self.config.stages[index]
+        hyper = hyper_values(stage, in_stage, self.config.optimizer.weight_decay, self.lr_scale)
+        if not (self.fallbacks.mse_until is not None or self.fallbacks.sft is not None):
+            return hyper, []
+        names = terms.weight_names()
+        base = {name: float(value) for name, value in jax.device_get({n: hyper[n] for n in names}).items()}
+        weights, active = self.fallbacks.weights(base, self.step)
+        hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in names})
+        return hyper, active
 
-    def _log_step(self, values, hyper, elapsed: float, index: int, batch, first_of_stage: bool) -> None:
+    def _next_batch(self) -> tuple[dict[str, Any], Any]:
+        """The next step's micro-batches on the mesh (split further after an OOM decision), and the data position
+        just after them (what a checkpoint taken after that step records, even when a further batch has been
+        prefetched)."""
+        batches = [self.data.next() for _ in range(self.config.grad_accum)]
+        stacked = _stack(batches, self.config)
+        self.data_rows = self.data_rows or int(stacked["input_ids"].shape[1])
+        return put_batch(split_micro_batches(stacked, self.memory.split), self.mesh, leading=1), self.data.state()
+
+    def _log_step(self, values, hyper, elapsed: float, index: int, batch, warmup: bool, active: list[str]):
         accum, batch_size, seq_len = batch["input_ids"].shape
         tokens = accum * batch_size * seq_len
         if self.flops is None:
@@ -226,21 +293,28 @@ class TrainingLoop:
         record = {"step": self.step, "stage": index, **values, "perplexity": math.exp(min(values["student_ce"], 80)),
                   "lr": float(hyper["lr"]), "temperature": float(hyper["temperature"]), "step_time_s": elapsed,
                   "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12}
-        if first_of_stage:
-            record["warmup"] = True  # first step after entering a stage: may include compilation
+        if warmup:
+            record["warmup"] = True  # first step of a stage or after an OOM decision: may include compilation
         if self.peak:
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
+        if active:  # a fallback sets the loss weights
+            record["fallback"] = ",".join(active)
+            record.update({f"weight/{name}": float(hyper[name]) for name in ("kl", "ce", "mse")})
         self.history.append(record)
         self.logger.step(record)
+        return record
 
-    def _eval_due(self) -> bool:
-        """An evaluation at this step not done yet: at step 0 (before training) and every `eval_every` steps."""
+    def _eval_due(self, stage_start: bool = False) -> bool:
+        """An evaluation at this step not done yet: at step 0 (before training), every `eval_every` steps, and
+        (`stage_start`) at a stage's start."""
         every = self.config.eval_every
-        return (self.step == 0 or bool(every) and self.step % every == 0) and self._last_eval_step != self.step
+        due = stage_start or self.step == 0 or bool(every) and self.step % every == 0
+        return due and self._last_eval_step != self.step
 
-    def _evaluate(self) -> None:
+    def _evaluate(self) -> bool:
+        """Held-out metrics, the targets' report and the actions they take; True when the run should stop."""
         if not self.eval_batches:
-            return
+            return False
         totals: dict[str, float] = {}
         count = 0.0
         for batch in self.eval_batches:
@@ -251,9 +325,19 @@ class TrainingLoop:
                 totals[key] = totals.get(key, 0.0) + value * tokens
         record = {"step": self.step, "eval": True, **{k: v / count for k, v in totals.items()}}
         record["perplexity"] = math.exp(min(record["student_ce"], 80))
+        record.update(self.window.fractions() or {})
+        self.window = targets.StepTimes()
+        self.target_report = targets.check_targets(self.targets, record)
+        record.update(targets.record_fields(self.target_report))
         self.evals.append(record)
         self.logger.evaluation(record)
         self._last_eval_step = self.step
+        if self.target_report:
+            self.logger.message(targets.report_line(self.step, self.target_report))
+        for message, fields in self.fallbacks.on_evaluation(self.step, self.runner.stage_index, record):
+            self._event("fallback", message, **fields)
+        self._check_utilisation()
+        return self._targets_met()
 
     # ------------------------------------------------------------------------------------------ guard
     def _divergence(self, values: dict[str, float]) -> str | None:
@@ -287,7 +371,9 @@ class TrainingLoop:
         self._event("rollback", f"DIVERGENCE at step {failed_step}: {reason}. Rolled back to step {restored} and "
                                 f"scaled the learning rate by {guard.lr_backoff:g} (now x{self.lr_scale:g}); "
                                 f"rollback {self.rollbacks} of {guard.max_rollbacks}.",
-                    failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale)
+                    failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale, reason=reason)
+        for message, fields in self.fallbacks.on_divergence(restored, reason):
+            self._event("fallback", message, **fields)
 
     # ------------------------------------------------------------------------------------------ interruption
     def _stop_if_asked(self) -> None:
@@ -307,83 +393,6 @@ class TrainingLoop:
         if self.logger is not None:
             self._event("interrupt", message, checkpoint_step=latest)
         return RunInterrupted(message, step=self.step, checkpoint_step=latest, directory=where)
-
-    def _latest_complete_step(self) -> int | None:
-        """The newest finalised checkpoint on disk (not the manager's cached list: a write may have been cut)."""
-        try:
-            self.checkpointer.manager.reload()
-            return self.checkpointer.latest_step()
-        except Exception:  # noqa: BLE001 - only for the message; the checkpoint itself is not touched
-            return None
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-    def _meta(self) -> dict[str, Any]:
-        return {"step": self.step, "stage": self.runner.stage_index, "data_state": self.data_state,
-                "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
-                "seed": self.config.seed, "total_steps": self.config.total_steps,
-                "history": _by_step(self.resumed_history + self.history, self.step),
-                "evals": _by_step(self.resumed_evals + self.evals, self.step)}
-
-    def _mark_good(self) -> None:
-        """Record the current state as the rollback target (checkpoint, else host copy)."""
-        runner = self.runner
-        if self.checkpointer is not None:
-            if self.checkpointer.latest_step() != self.step:
-                self.checkpointer.save(self.step, student=runner.full_state(), optimizer=runner.opt,
-                                       projections=runner.params["proj"], meta=self._meta())
-        elif self.config.guard.enabled:
-            self.snapshot = {"step": self.step, "stage": runner.stage_index,
-                             "student": jax.device_get(runner.full_state()), "opt": jax.device_get(runner.opt),
-                             "proj": jax.device_get(runner.params["proj"])}
-
-    def _restore_last_good(self) -> int:
-        runner = self.runner
-        if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
-            meta = self._restore_checkpoint(self.checkpointer.latest_step())
-            return int(meta["step"])
-        if self.snapshot is None:
-            raise DivergenceError("diverged before any good state was recorded.")
-        snap = self.snapshot
-        runner.load(snap["stage"], snap["student"], snap["opt"], snap["proj"])
-        self.step = snap["step"]
-        return self.step
-
-    def _restore_checkpoint(self, step: int) -> dict[str, Any]:
-        runner, checkpointer = self.runner, self.checkpointer
-        meta = checkpointer.read_meta(step)
-        runner.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
-        student_state, opt_state, projections = checkpointer.restore(
-            step, student=runner.full_state(), optimizer=runner.opt, projections=runner.params["proj"])
-        runner.load(int(meta["stage"]), student_state, opt_state, projections)
-        self.step = int(meta["step"])
-        return meta
-
-    def _resume(self) -> bool:
-        checkpointer = self.checkpointer
-        if checkpointer is None or not self.config.checkpoint.resume or checkpointer.latest_step() is None:
-            return False
-        meta = self._restore_newest_readable()
-        self.data.restore(meta["data_state"])
-        self.data_state = meta["data_state"]
-        self.lr_scale, self.rollbacks = float(meta["lr_scale"]), int(meta["rollbacks"])
-        self.good_losses = [float(x) for x in meta["good_losses"]]
-        self.resumed_history, self.resumed_evals = list(meta.get("history", [])), list(meta.get("evals", []))
-        self._last_eval_step = max((r["step"] for r in self.resumed_evals), default=-1)
-        return True
-
-    def _restore_newest_readable(self) -> dict[str, Any]:
-        """Restore the newest checkpoint that reads back; an unreadable one (damaged after it was written) is
-        reported and the next older one is tried."""
-        steps = sorted(self.checkpointer.manager.all_steps(), reverse=True)
-        for position, step in enumerate(steps):
-            try:
-                return self._restore_checkpoint(step)
-            except Exception as error:  # noqa: BLE001 - any read failure: fall back, or re-raise on the last
-                if position == len(steps) - 1:
-                    raise
-                self.skipped_checkpoints.append(f"step {step} in {self.checkpointer.directory} could not be read "
-                                                f"({type(error).__name__}: {error}); trying step {steps[position + 1]}")
-        raise AssertionError("unreachable: latest_step() named a checkpoint")
 
 
 __all__ = ["TrainingLoop", "DivergenceError"]

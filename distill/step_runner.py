@@ -12,6 +12,7 @@ stops with an error.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 from typing import Any
 
@@ -23,9 +24,12 @@ from jax.sharding import NamedSharding
 
 from . import freeze, terms
 from .config import DistillConfig
+from .fallbacks import guard_settings
 from .logit_loss import LogitLossSettings
 from .logit_term import LOGIT
 from .mesh import replicated
+from .mse_loss import MSE
+from .oom import CompileRequest, run_compile_hooks
 from .step import AdamSettings, StepSettings, build_eval_step, build_train_step
 
 DEFAULT_LOGIT_BLOCK = 256  # rows: teacher logits and head-gradient matmuls at least this tall (faster on CPU)
@@ -98,6 +102,19 @@ def _put_like(values: Any, template: Any) -> Any:
     return jax.tree.map(put, values, template)
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyStepSettings(StepSettings):
+    """StepSettings of a run whose guard policies need more in the step: `mse_on` says what the MSE term of
+    `switch_to_mse` compares ("features" asks both models for their layer outputs)."""
+
+    mse_on: str = "logits"
+
+    @property
+    def captures(self) -> tuple[str, ...]:
+        extra = ("residual",) if self.mse_on == "features" and MSE.name in self.terms else ()
+        return tuple(dict.fromkeys((*super().captures, *extra)))
+
+
 def _donatable(tree: Any, stepped: set[int]) -> Any:
     """`tree` with every leaf that is not a step output (ids in `stepped`) replaced by an XLA-made copy.
 
@@ -128,21 +145,30 @@ class StepRunner:
         self.first_step_of_stage = False
         self._compiled: dict[int, Any] = {}
         self._lowered: list[Any] = []  # (stage, batch shapes) already compiled
+        self.remat = config.remat  # the OOM handling may raise it (set_remat)
+        self.policies = guard_settings(config.guard)["policies"] if config.guard.enabled else ()
 
     def step_settings(self, index: int) -> StepSettings:
         """The static settings of stage `index`'s step: the terms its weights turn on, the logit loss's kinds and
         chunking, numerics."""
         config, weights = self.config, self.config.stages[index].weights
-        logit = LogitLossSettings(**LOGIT.kinds(weights), jsd_beta=config.jsd_beta, top_k=config.top_k,
+        policies = self.policies if self.teacher_graph is not None else ()
+        kinds = LOGIT.kinds(weights)
+        if "sft_then_mix" in policies:  # its cross-entropy weight is traced: keep the CE kind compiled in
+            kinds["ce"] = True
+        logit = LogitLossSettings(**kinds, jsd_beta=config.jsd_beta, top_k=config.top_k,
                                   chunk=logit_chunk(config), block=logit_block(config),
                                   vocab_slice=logit_vocab_slice(config), unit_temperature=config.unit_temperature,
                                   teacher=self.teacher_graph is not None, diagnostics=config.train_diagnostics)
-        others = tuple(term.name for term in terms.active_terms(weights) if term is not LOGIT)
-        return StepSettings(logit=logit, terms=others, correspondence=self.correspondence,
-                            feature_kind=config.feature_kind, logit_impl=config.logit_impl,
-                            compute_dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
-                            clip_norm=config.optimizer.clip_norm,
-                            decay_matrices_only=config.optimizer.decay_matrices_only)
+        others = [term.name for term in terms.active_terms(weights) if term is not LOGIT]
+        if "switch_to_mse" in policies and MSE.name not in others:  # computed only while its weight is not 0
+            others.append(MSE.name)
+        return PolicyStepSettings(logit=logit, terms=tuple(others), correspondence=self.correspondence,
+                                  feature_kind=config.feature_kind, logit_impl=config.logit_impl,
+                                  compute_dtype=jnp.dtype(config.compute_dtype), remat=self.remat,
+                                  clip_norm=config.optimizer.clip_norm,
+                                  decay_matrices_only=config.optimizer.decay_matrices_only,
+                                  mse_on=guard_settings(config.guard)["mse_on"])
 
     def sync_student(self) -> None:
         """Write the current trainable values back into the student module."""
@@ -172,14 +198,29 @@ class StepRunner:
             params, opt_state = jax.device_put((params, opt_state), device)
         self.params, self.opt, self.stage_index = params, opt_state, index
         self.first_step_of_stage = True
-        if index not in self._compiled:
-            settings = self.step_settings(index)
-            out = None
-            if self.mesh is not None:
-                out = (_shardings(params, self.mesh), _shardings(opt_state, self.mesh), replicated(self.mesh))
-            self._compiled[index] = build_train_step(self.graph, self.teacher_graph, settings, self.adam_settings, out,
-                                                     self.config.compiler_options)
+        self._build(index)
         return carried
+
+    def _build(self, index: int) -> None:
+        if index in self._compiled:
+            return
+        out = None
+        if self.mesh is not None:
+            out = (_shardings(self.params, self.mesh), _shardings(self.opt, self.mesh), replicated(self.mesh))
+        self._compiled[index] = build_train_step(self.graph, self.teacher_graph, self.step_settings(index),
+                                                 self.adam_settings, out, self.config.compiler_options)
+
+    def set_remat(self, remat: str | None) -> None:
+        """Rematerialise the student forward from now on (the OOM handling): the steps are rebuilt."""
+        self.remat = remat
+        self._compiled.clear()
+        self._lowered.clear()
+        if self.stage_index is not None:
+            self._build(self.stage_index)
+
+    def state_lost(self) -> bool:
+        """Whether a failed step already consumed (donated) the training state, which must then be restored."""
+        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((self.params, self.opt)))
 
     def train_step(self, batch, hyper) -> tuple[dict[str, Any], bool]:
         """Run one optimizer step (dispatched asynchronously): (metrics on the device, whether it was the first
@@ -188,6 +229,8 @@ class StepRunner:
         args = (self.params, self.opt, self.frozen, self.teacher_state, batch, hyper)
         signature = (self.stage_index, jax.tree.map(lambda x: (x.shape, x.dtype), batch))
         if signature not in self._lowered:
+            accum, rows = batch["input_ids"].shape[:2]
+            run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
             train_fn.lower(*args).compile()
@@ -221,5 +264,5 @@ class StepRunner:
 
 
 
-__all__ = ["StepRunner", "logit_chunk", "accelerator_logit_chunk", "logit_block", "logit_vocab_slice",
+__all__ = ["StepRunner", "PolicyStepSettings", "logit_chunk", "accelerator_logit_chunk", "logit_block", "logit_vocab_slice",
            "release_free_heap"]

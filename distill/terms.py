@@ -17,6 +17,7 @@ from .cosine_loss import COSINE
 from .logit_term import LOGIT
 from .loss_term import LossTerm
 from .losses import ATTENTION, FEATURE
+from .mse_loss import MSE
 
 _REGISTRY: dict[str, LossTerm] = {}
 STEP_HYPERPARAMETERS = ("lr", "weight_decay", "temperature")  # traced values that are not loss weights
@@ -78,6 +79,7 @@ def any_term(stage_weights: Iterable[Mapping[str, float]], attribute: str) -> bo
 for _builtin in (LOGIT, ATTENTION, FEATURE):
     register(_builtin)
 register(COSINE)
+register(MSE)
 
 __all__ = ["register", "registered", "term", "weight_names", "hyper_keys", "active_terms", "needing_teacher",
            "any_term", "LossTerm", "STEP_HYPERPARAMETERS"]

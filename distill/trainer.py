@@ -20,10 +20,12 @@ from flax import nnx
 
 from . import terms
 from .config import DistillConfig
+from .fallbacks import guard_settings
 from .interface import Correspondence, check_model, correspondence_from_plan
 from .interruption import RunInterrupted
 from .losses import init_projections
 from .mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
+from .oom import OutOfMemoryError
 from .run_loop import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
 
@@ -43,6 +45,19 @@ class DistillResult:
     resumed_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     resumed_evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     data_state: Any = None  # the data position after the last step (pass it to `data.restore` to continue)
+    resumed_events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # The last evaluation's targets: {name: {"metric", "value", "threshold", "met"}} (met None: not measured)
+    targets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    stopped_early: bool = False  # targets.stop_when_met ended the run
+    # Fractions of the loop's wall time (this call, compiling steps left out): utilisation (in the step),
+    # data_fraction, host_fraction, and mfu where the peak is known; empty before a measured step
+    utilisation: dict[str, float] = dataclasses.field(default_factory=dict)
+    oom_decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # memory retries (oom.py)
+
+    @property
+    def targets_met(self) -> list[str]:
+        """The set targets the last evaluation met."""
+        return [name for name, entry in self.targets.items() if entry["met"]]
 
     @property
     def full_history(self) -> list[dict[str, Any]]:
@@ -52,6 +67,10 @@ class DistillResult:
     @property
     def full_evals(self) -> list[dict[str, Any]]:
         return self.resumed_evals + self.evals
+
+    @property
+    def full_events(self) -> list[dict[str, Any]]:
+        return self.resumed_events + self.events
 
 
 class DataStream:
@@ -161,9 +180,16 @@ def _place(teacher: Any, student: Any, config: DistillConfig):
     return mesh
 
 
+def _mse_on_features(config: DistillConfig) -> bool:
+    """The switch_to_mse fallback compares mapped layer outputs (it needs the layer map and projections)."""
+    settings = guard_settings(config.guard)
+    return config.guard.enabled and "switch_to_mse" in settings["policies"] and settings["mse_on"] == "features"
+
+
 def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, student: Any, mesh) -> dict:
     """Learned (D_s, D_t) projections, when `feature_projection` is set and a stage uses a term that takes them."""
-    if not config.feature_projection or not terms.any_term([s.weights for s in config.stages], "uses_projections"):
+    uses = terms.any_term([s.weights for s in config.stages], "uses_projections") or _mse_on_features(config)
+    if not config.feature_projection or not uses:
         return {}
     d_t, d_s = teacher.head_matrix().shape[1], student.head_matrix().shape[1]
     projections = init_projections(corr, d_s, d_t, config.seed)
@@ -181,14 +207,15 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     `state()`/`restore()` and `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional
     `loss_mask` (B, T) (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and
     `attention_mask`. `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). Returns a
-    DistillResult with per-step metrics, evaluations and events (stage switches, rollbacks, resume).
+    DistillResult with per-step metrics, evaluations (with the targets they meet), events (stage switches,
+    rollbacks, fallbacks, OOM decisions, resume), the last targets' report and the loop's utilisation.
 
     With `config.checkpoint.directory` set, a run resumes from the newest complete checkpoint there. A first
     SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
     _check_models(teacher, student, config)
     mesh = _place(teacher, student, config)
-    needs_map = terms.any_term([s.weights for s in config.stages], "uses_layer_map")
+    needs_map = terms.any_term([s.weights for s in config.stages], "uses_layer_map") or _mse_on_features(config)
     corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
     projections = _projections(config, corr, teacher, student, mesh)
     runner = StepRunner(teacher, student, config, mesh, corr, projections)
@@ -203,7 +230,11 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     return DistillResult(student=student, history=loop.history, evals=loop.evals, events=loop.events,
                          projections=runner.params["proj"] if runner.params else projections,
                          steps=loop.step, run_dir=config.run_dir, resumed_history=loop.resumed_history,
-                         resumed_evals=loop.resumed_evals, data_state=loop.data_state)
+                         resumed_evals=loop.resumed_evals, data_state=loop.data_state,
+                         resumed_events=loop.resumed_events, targets=loop.target_report,
+                         stopped_early=loop.stopped_early, utilisation=loop.times.fractions() or {},
+                         oom_decisions=list(loop.memory.decisions))
 
 
-__all__ = ["run", "DistillResult", "DivergenceError", "RunInterrupted", "DataStream", "resolve_correspondence"]
+__all__ = ["run", "DistillResult", "DivergenceError", "OutOfMemoryError", "RunInterrupted", "DataStream",
+           "resolve_correspondence"]

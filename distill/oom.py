@@ -1,0 +1,216 @@
+"""Out-of-memory handling: when compiling or running the train step fails with RESOURCE_EXHAUSTED, retry with
+less memory, following `OOMConfig.sequence` (default "dots", "full", "halve_batch"):
+
+* "dots": rematerialise the student forward, saving only matmul outputs (`remat="dots"`);
+* "full": rematerialise everything (`remat="full"`);
+* "halve_batch": half the micro-batch and twice the gradient accumulation. The data still gives batches of the
+  configured size; each is split into two micro-batches inside the same optimizer step, so the update (its
+  global batch, its normalisation by the step's token count) is unchanged.
+
+A choice that would change nothing (the remat already in force, a micro-batch of one row or one that would no
+longer split over the mesh's data axes) is skipped. Each decision is an event and is written to
+`run_dir/oom_decisions.json`; `run_dir/config.json` is rewritten with the settings in force (remat, batch_size,
+grad_accum), so the run can be repeated without the failed attempts. Checkpoints keep the decisions, so a resumed
+run starts with them. When the sequence is exhausted the run stops with OutOfMemoryError, saying what was tried.
+
+`compile_hooks` are called before each compilation of the train step with a `CompileRequest`; a hook may raise
+(tests inject RESOURCE_EXHAUSTED this way: CPU memory is too plentiful to run out of honestly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from .mesh import DATA_AXES, put_batch
+
+ACTIONS = ("dots", "full", "halve_batch")
+DEFAULT_SEQUENCE = ("dots", "full", "halve_batch")
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+class OutOfMemoryError(RuntimeError):
+    """The train step ran out of device memory and every configured retry was tried."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRequest:
+    """What the train step is about to be compiled with: stage, remat, micro-batch rows, micro-batches per step."""
+
+    stage: int
+    remat: str | None
+    micro_batch: int
+    grad_accum: int
+
+
+compile_hooks: list[Callable[[CompileRequest], None]] = []
+
+
+def run_compile_hooks(request: CompileRequest) -> None:
+    for hook in list(compile_hooks):
+        hook(request)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An XLA runtime error (jax's JaxRuntimeError / XlaRuntimeError) saying RESOURCE_EXHAUSTED or out of memory."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return bool(names & {"JaxRuntimeError", "XlaRuntimeError"}) and any(m in str(error) for m in OOM_MARKERS)
+
+
+def oom_settings(config: Any) -> tuple[bool, tuple[str, ...]]:
+    """(retry, sequence) of `config.oom` (the defaults for a config without the field), checked."""
+    oom = getattr(config, "oom", None)
+    retry = bool(getattr(oom, "retry", True))
+    sequence = tuple(getattr(oom, "sequence", DEFAULT_SEQUENCE))
+    unknown = sorted(set(sequence) - set(ACTIONS))
+    if unknown:
+        raise ValueError(f"OOMConfig.sequence: unknown {unknown}; choose from {ACTIONS}.")
+    return retry, sequence
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The memory settings in force: remat, and how many micro-batches each data batch is split into."""
+
+    remat: str | None
+    split: int = 1
+    decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tried: int = 0  # entries of the sequence used up
+
+    def next_action(self, sequence: tuple[str, ...], micro_batch: int, data_split: int) -> str | None:
+        """The next useful entry of `sequence` (and mark it used); None when exhausted. `data_split`: how many
+        ways the mesh splits a micro-batch (its rows must stay a multiple of it)."""
+        while self.tried < len(sequence):
+            action = sequence[self.tried]
+            self.tried += 1
+            if action == "dots" and self.remat is None:
+                return action
+            if action == "full" and self.remat != "full":
+                return action
+            if action == "halve_batch" and micro_batch % 2 == 0 and (micro_batch // 2) % max(data_split, 1) == 0:
+                return action
+        return None
+
+    def apply(self, action: str, step: int, reason: str, micro_batch: int, grad_accum: int) -> dict[str, Any]:
+        """Take `action`; returns its decision record (also kept in `decisions`)."""
+        before = {"remat": self.remat, "micro_batch": micro_batch, "grad_accum": grad_accum}
+        if action in ("dots", "full"):
+            self.remat = action
+        else:
+            self.split *= 2
+        after = {"remat": self.remat, "micro_batch": micro_batch // (2 if action == "halve_batch" else 1),
+                 "grad_accum": grad_accum * (2 if action == "halve_batch" else 1)}
+        decision = {"step": step, "action": action, "reason": reason, "before": before, "after": after}
+        self.decisions.append(decision)
+        return decision
+
+    def state(self) -> dict[str, Any]:
+        return {"remat": self.remat, "split": self.split, "decisions": self.decisions, "tried": self.tried}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.remat, self.split = state["remat"], int(state["split"])
+            self.decisions, self.tried = list(state["decisions"]), int(state["tried"])
+
+
+def split_micro_batches(stacked: dict[str, np.ndarray], factor: int) -> dict[str, np.ndarray]:
+    """(A, B, T) host arrays -> (A * factor, B / factor, T): each micro-batch becomes `factor` consecutive ones."""
+    if factor == 1:
+        return stacked
+    out = {}
+    for key, value in stacked.items():
+        accum, rows = value.shape[:2]
+        out[key] = value.reshape(accum * factor, rows // factor, *value.shape[2:])
+    return out
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def exhausted_message(plan: MemoryPlan, error: BaseException, micro_batch: int) -> str:
+    tried = ", ".join(d["action"] for d in plan.decisions) or "nothing (no retry applies)"
+    return (f"the train step ran out of device memory ({first_line(error)}) with remat={plan.remat!r} and "
+            f"micro-batches of {micro_batch} rows, after trying {tried}. Lower batch_size or seq_len, use a mesh "
+            "over more devices (DistillConfig.mesh), a smaller logit_chunk, compute_dtype='bfloat16', or freeze "
+            "more of the student.")
+
+
+def _json_value(value: Any) -> Any:
+    """config.json: mappings (LossWeights) as objects, anything else JSON cannot write as its repr."""
+    return dict(value) if isinstance(value, Mapping) else repr(value)
+
+
+class MemoryRetries:
+    """TrainingLoop's side of the OOM handling: dispatch with retries, decisions as events (and in the run
+    folder's config.json / oom_decisions.json), resume."""
+
+    def _write_config(self) -> None:
+        """run_dir/config.json: the configuration in force (after OOM decisions), and oom_decisions.json."""
+        config, plan = self.config, self.memory
+        if not config.run_dir or jax.process_index() != 0:
+            return
+        os.makedirs(config.run_dir, exist_ok=True)
+        if plan.decisions:
+            rows = self.data_rows // plan.split if self.data_rows else None
+            config = dataclasses.replace(config, remat=plan.remat, grad_accum=config.grad_accum * plan.split,
+                                         batch_size=rows)
+            with open(os.path.join(config.run_dir, "oom_decisions.json"), "w", encoding="utf-8") as handle:
+                json.dump(plan.decisions, handle, indent=1)
+        with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
+            json.dump(dataclasses.asdict(config), handle, indent=1, default=_json_value)
+
+    def _dispatch(self, batch, hyper):
+        """Dispatch the step, retrying with less memory on RESOURCE_EXHAUSTED: (batch as run, metrics on the
+        device, whether the step may include compilation), or None when a failed run consumed the state (then
+        restored to the last good one)."""
+        retried = False
+        while True:
+            try:
+                pending, first = self.runner.train_step(batch, hyper)
+                return batch, pending, first or retried
+            except Exception as error:  # noqa: BLE001 - only out-of-memory errors are handled
+                if not (self.oom_retry and is_out_of_memory(error)):
+                    raise
+                batch, retried = self._after_oom(error, batch), True
+                if batch is None:
+                    return None
+
+    def _after_oom(self, error: BaseException, batch):
+        """The next memory decision, applied; the batch re-split for it (None when the state had to be restored)."""
+        accum, rows = batch["input_ids"].shape[:2]
+        data_split = int(np.prod([self.mesh.shape[a] for a in DATA_AXES if a in self.mesh.shape])) if self.mesh else 1
+        action = self.memory.next_action(self.oom_sequence, int(rows), data_split)
+        if action is None:
+            raise OutOfMemoryError(exhausted_message(self.memory, error, int(rows))) from error
+        decision = self.memory.apply(action, self.step + 1, first_line(error), int(rows), int(accum))
+        if action in ("dots", "full"):
+            self.runner.set_remat(self.memory.remat)
+        lost = self.runner.state_lost()
+        restored = self._restore_last_good() if lost else None
+        after = decision["after"]
+        self._event("oom", f"OUT OF MEMORY at step {self.step + 1} ({decision['reason']}): retrying with remat="
+                           f"{after['remat']!r}, micro-batches of {after['micro_batch']} rows x {after['grad_accum']}"
+                           + (f"; the failed step consumed the training state, restored step {restored}" if lost
+                              else ""), failed_step=decision["step"],
+                    **{key: value for key, value in decision.items() if key != "step"})
+        self._write_config()
+        if lost:
+            return None
+        host = jax.device_get(batch)
+        return put_batch(split_micro_batches(host, 2), self.mesh, leading=1) if action == "halve_batch" else batch
+
+    def _restore_memory_plan(self, state: dict[str, Any] | None) -> None:
+        """A resumed run starts with the memory decisions of the run it continues."""
+        if state and state.get("decisions"):
+            self.memory.restore(state)
+            self.runner.set_remat(self.memory.remat)
+
+
+__all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks", "is_out_of_memory",
+           "oom_settings", "MemoryPlan", "split_micro_batches", "exhausted_message", "ACTIONS", "DEFAULT_SEQUENCE"]

@@ -1,0 +1,178 @@
+"""Monitoring targets that act: each held-out evaluation checks the run against `DistillConfig.targets`.
+
+Quality targets (held-out, temperature 1): `kl_below` (KL(teacher || student)), `correlation_above` (Pearson
+correlation of teacher and student logits over the vocabulary), `perplexity_below` (the student's). Device targets:
+`utilisation_above` (the fraction of the loop's wall time spent in the train step, against waiting on the data or
+on host-side work) and `mfu_above` (model FLOPs utilisation, where the device's peak is known). Every evaluation
+record gets `target/<name>` (1 met, 0 missed; absent when it cannot be measured yet) and the lists
+`targets_met` / `targets_missed`; the run's summary (DistillResult.targets) is the last report.
+
+`stop_when_met` ends the run at the first evaluation that meets every set quality target. Device targets never end
+a run (training longer does not make it faster): when utilisation stays under its target, the run warns once with
+the likely cause.
+
+How the step / data / host split is measured (`StepTimes`): the loop already waits for every step's metrics (the
+guard needs the loss), so no synchronisation is added. Per step it times the unoverlapped wait for the batch
+iterator, the stretch from dispatching the step to receiving its metrics (during which the next batch is fetched),
+and the rest of the iteration (schedule values, guard, logging). When receiving the metrics still had to wait, the
+device was busy for the whole dispatch-to-metrics stretch: that is step time. When it did not wait (under
+`BUSY_WAIT_S`), the step ended while the next batch was being fetched, and that fetch counts as data time (an upper
+bound on data time, so utilisation is never overstated). Steps that include a compilation (the first of a stage)
+and the time of evaluations and checkpoints are left out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+# name -> (metric of the evaluation record, True when the value must stay below the threshold)
+TARGETS = {"kl_below": ("kl", True), "correlation_above": ("logit_corr", False),
+           "perplexity_below": ("perplexity", True), "utilisation_above": ("utilisation", False),
+           "mfu_above": ("mfu", False)}
+QUALITY_TARGETS = ("kl_below", "correlation_above", "perplexity_below")
+BUSY_WAIT_S = 5e-4  # a metrics fetch slower than this waited for the device (a finished step's takes ~0.1 ms)
+MIN_STEPS_TO_WARN = 4  # measured steps before a low utilisation is reported
+
+def check_targets(targets: Any, values: Mapping[str, float | None]) -> dict[str, dict[str, Any]]:
+    """Per set target: {"metric", "value", "threshold", "met"}; `met` is None when the value is not measured."""
+    report = {}
+    for name, (metric, below) in TARGETS.items():
+        threshold = getattr(targets, name, None)
+        if threshold is None:
+            continue
+        value = values.get(metric)
+        measured = value is not None and math.isfinite(value)
+        met = None if not measured else bool(value < threshold if below else value > threshold)
+        report[name] = {"metric": metric, "value": value, "threshold": float(threshold), "met": met}
+    return report
+
+
+def quality_met(report: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Every set quality target measured and met (False when none is set)."""
+    quality = [report[name]["met"] for name in QUALITY_TARGETS if name in report]
+    return bool(quality) and all(met is True for met in quality)
+
+
+def record_fields(report: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The evaluation record's fields: `target/<name>` as 1/0 where measured, and the met / missed lists."""
+    fields: dict[str, Any] = {f"target/{name}": float(entry["met"]) for name, entry in report.items()
+                              if entry["met"] is not None}
+    fields["targets_met"] = [name for name, entry in report.items() if entry["met"] is True]
+    fields["targets_missed"] = [name for name, entry in report.items() if entry["met"] is False]
+    return fields
+
+
+def report_line(step: int, report: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line for the terminal: each target's value, threshold and whether it is met."""
+    parts = []
+    for name, entry in report.items():
+        sign = "<" if TARGETS[name][1] else ">"
+        if entry["met"] is None:
+            parts.append(f"{entry['metric']} {sign} {entry['threshold']:g} not measured")
+        else:
+            parts.append(f"{entry['metric']} {entry['value']:.4g} {sign} {entry['threshold']:g} "
+                         f"{'met' if entry['met'] else 'MISSED'}")
+    met = sum(1 for entry in report.values() if entry["met"])
+    return f"targets @ step {step} ({met}/{len(report)} met): " + "; ".join(parts)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Seconds of loop wall time spent in train steps, waiting on the batch iterator, and in host-side work
+    between steps (see the module docstring), with the MFU of each step where known."""
+
+    step: float = 0.0
+    data: float = 0.0
+    host: float = 0.0
+    steps: int = 0
+    mfu_sum: float = 0.0
+    mfu_steps: int = 0
+
+    def add(self, step_s: float, data_s: float, host_s: float, mfu: float | None = None) -> None:
+        self.step, self.data, self.host = self.step + step_s, self.data + data_s, self.host + max(host_s, 0.0)
+        self.steps += 1
+        if mfu is not None:
+            self.mfu_sum, self.mfu_steps = self.mfu_sum + mfu, self.mfu_steps + 1
+
+    def fractions(self) -> dict[str, float] | None:
+        """{"utilisation", "data_fraction", "host_fraction", "mfu"?}; None before any measured step."""
+        total = self.step + self.data + self.host
+        if not self.steps or total <= 0:
+            return None
+        out = {"utilisation": self.step / total, "data_fraction": self.data / total,
+               "host_fraction": self.host / total}
+        if self.mfu_steps:
+            out["mfu"] = self.mfu_sum / self.mfu_steps
+        return out
+
+    def state(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def split_step(dispatch_to_metrics_s: float, overlapped_fetch_s: float, metrics_wait_s: float,
+               unoverlapped_fetch_s: float) -> tuple[float, float]:
+    """(step seconds, data seconds) of one iteration (module docstring)."""
+    if metrics_wait_s >= BUSY_WAIT_S:
+        return dispatch_to_metrics_s, unoverlapped_fetch_s
+    return max(dispatch_to_metrics_s - overlapped_fetch_s, 0.0), unoverlapped_fetch_s + overlapped_fetch_s
+
+
+def low_utilisation_cause(fractions: Mapping[str, float]) -> str:
+    """The likely cause of a low utilisation, and what to do about it."""
+    data, host = fractions["data_fraction"], fractions["host_fraction"]
+    if data >= host:
+        return (f"data-bound: {data:.0%} of the loop's time is spent waiting on the batch iterator; make batches "
+                "faster or ahead of time (pre-tokenised data, a faster tokenizer, a background loader), or do more "
+                "work per step (larger batches, more gradient accumulation).")
+    return (f"host-bound: {host:.0%} of the loop's time is host-side work between steps (Python overhead, "
+            "logging, small transfers); do more work per step (larger batches, more gradient accumulation) or "
+            "turn off per-step extras (progress=False, train_diagnostics=False).")
+
+
+class TargetActions:
+    """TrainingLoop's side of the targets: step timing, the low-utilisation warning, stopping when met."""
+
+    def _time(self, step_s: float, data_s: float, host_s: float, mfu: float | None) -> None:
+        for times in (self.times, self.window):
+            times.add(step_s, data_s, host_s, mfu)
+
+    def _check_utilisation(self) -> None:
+        """Warn once, with the likely cause, when the run's utilisation so far is under its target."""
+        target, fractions = getattr(self.targets, "utilisation_above", None), self.times.fractions()
+        if (target is None or not self.targets.warn_low_utilisation or self._warned_utilisation or not fractions
+                or self.times.steps < MIN_STEPS_TO_WARN or fractions["utilisation"] >= target):
+            return
+        self._warned_utilisation = True
+        cause = low_utilisation_cause(fractions)
+        self._event("low_utilisation", f"LOW UTILISATION: {fractions['utilisation']:.0%} of the loop's time is in "
+                                       f"the train step (target {target:.0%}); likely {cause}",
+                    reason=cause.split(":")[0], utilisation=fractions["utilisation"],
+                    data_fraction=fractions["data_fraction"], host_fraction=fractions["host_fraction"])
+
+    def _targets_met(self) -> bool:
+        """Every set quality target met: an event the first time; True (stop) with `stop_when_met`."""
+        if not quality_met(self.target_report):
+            return False
+        met = [name for name in QUALITY_TARGETS if name in self.target_report]
+        if not any(e["event"] == "targets_met" for e in self.events):
+            self._event("targets_met", f"targets met at step {self.step}: {', '.join(met)}", reason="targets met",
+                        targets=met)
+        return bool(self.targets.stop_when_met)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary: steps, whether the targets ended it, the last targets met / missed, utilisation."""
+        fields = record_fields(self.target_report)
+        return {"steps": self.step, "stopped_early": self.stopped_early, "targets_met": fields["targets_met"],
+                "targets_missed": fields["targets_missed"], **(self.times.fractions() or {})}
+
+    def _stop_early(self) -> None:
+        """End the run here (stop_when_met): checkpoint and report."""
+        self.stopped_early = True
+        self._mark_good()
+        self._event("stop", f"stopped at step {self.step} of {self.config.total_steps}: every set quality target "
+                            "is met (stop_when_met)", reason="targets met")
+
+
+__all__ = ["TargetActions", "TARGETS", "QUALITY_TARGETS", "check_targets", "quality_met", "record_fields",
+           "report_line", "StepTimes", "split_step", "low_utilisation_cause", "BUSY_WAIT_S"]
