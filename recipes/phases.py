@@ -50,12 +50,24 @@ def main_stages(args: argparse.Namespace, num_layers: int, steps: int) -> list[d
     """The stages after the final cut: the config file's, a named schedule's over `steps`, or one stage."""
     given = args.distill.get("stages")
     if given:
-        return list(distill.DistillConfig.from_dict({"stages": given}).stages)
+        return [_given_stage(dict(stage), steps, i) for i, stage in enumerate(given)]
     if args.schedule in SCHEDULE_FUNCTIONS:
         return list(scheduled(args, num_layers, steps))
     return [distill.Stage(steps=steps, name="B2: everything", trainable=args.trainable, frozen=args.frozen,
                           learning_rate=args.learning_rate, warmup_steps=warmup_steps(args),
                           weights=loss_weights(args, args.feature_weight), temperature=args.temperature)]
+
+
+def _given_stage(stage: dict, steps: int, index: int) -> distill.Stage:
+    """A stage of the config file: DistillConfig's Stage fields, and (recipe only) `fraction` of the main steps
+    instead of steps or epochs, so one file works at any --steps."""
+    if "fraction" in stage:
+        fraction = stage.pop("fraction")
+        if "steps" in stage or "epochs" in stage or not 0 < fraction <= 1:
+            raise RecipeError(f"distill.stages[{index}]: fraction={fraction} must lie in (0, 1] and replace "
+                              "steps and epochs, not join them.")
+        stage["steps"] = max(1, round(fraction * steps))
+    return distill.DistillConfig.from_dict({"stages": [stage]}).stages[0]
 
 
 def scheduled(args: argparse.Namespace, num_layers: int, steps: int) -> tuple[distill.Stage, ...]:

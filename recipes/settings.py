@@ -19,6 +19,7 @@ from typing import Any
 
 import distill
 from distill.config import NESTED
+from recipes import phases
 from recipes.cli import RecipeError
 from recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
                            distill_epilog)
@@ -137,18 +138,20 @@ def load_config_file(path: str) -> dict:
         raise RecipeError(f"--config {path}: no such file.")
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    try:
-        if path.endswith((".yaml", ".yml")):
-            try:
-                import yaml
-            except ImportError:
-                raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+        try:
             data = yaml.safe_load(text)
-        else:
+        except yaml.YAMLError as error:
+            raise RecipeError(f"--config {path}: not valid YAML: {error}") from None
+    else:
+        try:
             data = json.loads(text)
-    except ValueError as error:  # json.JSONDecodeError and yaml.YAMLError's parse errors
-        raise RecipeError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
-                          f"{error}") from None
+        except ValueError as error:
+            raise RecipeError(f"--config {path}: not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"--config {path}: the file must hold a mapping of settings, not {type(data).__name__}.")
     return data
@@ -198,9 +201,11 @@ def check(args: argparse.Namespace) -> None:
     if args.schedule == "progressive" and args.trainable:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
-    try:
-        distill.DistillConfig.from_dict({**args.distill, "stages": args.distill.get("stages") or
-                                         [{"steps": 1, "weights": {"kl": 1.0}}]})
+    try:  # the main stages as they will be built (for a student of any depth), with the distill section
+        stages = phases.main_stages(args, num_layers=10, steps=max(args.steps, 10))
+        distill.DistillConfig.from_dict({**args.distill, "stages": stages})
+    except RecipeError:
+        raise
     except (ValueError, TypeError) as error:
         raise RecipeError(f"distill settings: {error}") from None
 

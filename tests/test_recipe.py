@@ -33,7 +33,7 @@ def run_recipe(output, cache, *extra, check=True):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("recipe")
-    cache = base / "cache"
+    cache = tmp_path_factory.getbasetemp() / "recipe-cache"  # the tiny teacher, shared with test_config_surface
     full = run_recipe(base / "full", cache)
     halted = run_recipe(base / "resumed", cache, "--halt-after", "stage_b:5", check=False)
     resumed = run_recipe(base / "resumed", cache, "--resume")
