@@ -121,7 +121,7 @@ def prepare_output(args) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.print_config:
-        print(json.dumps(settings.resolved_config(args), indent=2))
+        print(json.dumps(args.resolved, indent=2))
         return {}
     if not args.output:
         raise cli.RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
@@ -146,9 +146,10 @@ def main(argv=None) -> dict:
     if args.dry_run:
         print(dry_run_report(args, teacher_config, spec))
         return {}
-    with open(os.path.join(out, "run_args.json"), "w") as f:
-        json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=2, default=str)
     settings.save_resolved(args, out)  # `--config OUT/resolved_config.json` repeats this run
+    with open(os.path.join(out, "run_args.json"), "w") as f:
+        json.dump({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "resolved"}, f, indent=2,
+                  default=str)
     mesh = mesh_of(args)
     teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)

@@ -112,19 +112,20 @@ FLAGS = [
          "batch without its memory)"),
         (("--learning-rate",), dict(type=float), "peak learning rate of the stages (cosine decay to 0.1x)"),
         (("--scratch-learning-rate",), dict(type=float), "the scratch control's (a random init takes a higher "
-         "one; default: --learning-rate)"),
-        (("--warmup-steps",), dict(type=int), "learning-rate warm-up steps (default: 2%% of --steps)"),
+         "one)"),
+        (("--warmup-steps",), dict(type=int), "learning-rate warm-up steps (a few steps keep Adam's first "
+         "updates small)"),
         (("--weight-decay",), dict(type=float), "AdamW decoupled weight decay on matrices (0: a short recovery "
          "run stays near the pruned weights)"),
         (("--schedule",), dict(choices=("none", *SCHEDULES)), "main stages: none (one stage from these flags), progressive (first 80%% of "
          "layers frozen at 1e-4, then 50%% at 5e-5, then all at 1e-5; T 3->1; alpha 0.5), sft-then-distil (CE, "
          "ramping to alpha*KL + (1-alpha)*CE); tune with schedule_options in --config"),
         (("--trainable",), dict(action="append", metavar="PATTERN"), "train only these parameters in every phase "
-         "but the K/V warm-up (e.g. 'layers.{6-8}.*'); repeatable; default: everything"),
+         "but the K/V warm-up (e.g. 'layers.{6-8}.*'); repeatable"),
         (("--frozen",), dict(action="append", metavar="PATTERN"), "keep these frozen in every phase, control "
          "included (e.g. embed_tokens: not pruned, and freezing it skips the head gradient); repeatable"),
-        (("--remat",), dict(choices=("none", "full", "dots")), "rematerialise the student forward (memory for compute); "
-         "default: off"),
+        (("--remat",), dict(choices=("none", "full", "dots")), "rematerialise the student forward: dots keeps matmul "
+         "outputs, full keeps nothing (memory for compute)"),
     ]),
     ("Loss", [
         (("--loss",), dict(choices=("kl", "reverse_kl", "jsd")), "the divergence to the teacher: forward KL "
@@ -133,8 +134,8 @@ FLAGS = [
          "distillation, best when the teacher is strong)"),
         (("--temperature",), dict(), "distillation temperature, a number or a ramp START:END over the run (e.g. "
          "3:1: soft targets first, then sharp)"),
-        (("--top-k",), dict(type=int), "divergence on the teacher's top-k logits only (default: full vocabulary, "
-         "exact)"),
+        (("--top-k",), dict(type=int), "divergence on the teacher's top-k logits only (less "
+         "memory; the full vocabulary is exact)"),
         (("--feature-weight",), dict(type=float), "feature loss on mapped layer outputs (0: off); guides a "
          "depth-cut student layer by layer"),
         (("--feature-kind",), dict(choices=("nmse", "mse", "cosine", "pooled")), "how features compare: nmse "
@@ -144,8 +145,8 @@ FLAGS = [
          "(0: off)"),
     ]),
     ("Placement and numerics", [
-        (("--mesh",), dict(), "mesh axis sizes, e.g. fsdp=8,tp=1 (default: one device)"),
-        (("--mesh-devices",), dict(type=int), "run the mesh on the first N devices only (default: all)"),
+        (("--mesh",), dict(), "mesh axis sizes, e.g. fsdp=8,tp=1"),
+        (("--mesh-devices",), dict(type=int), "run the mesh on the first N devices only"),
         (("--precision",), dict(choices=("bf16", "fp32")), "bf16: bf16 teacher and student compute with float32 "
          "master weights (half the memory; fp32 on CPU, where bf16 is slow)"),
     ]),
@@ -159,7 +160,7 @@ FLAGS = [
          "target (targets.* in --config / --set)"),
         (("--no-oom-retry",), dict(action="store_false", dest="oom_retry"), "fail on out-of-memory instead of "
          "retrying with remat dots, remat full, then half the micro-batch and twice the accumulation"),
-        (("--eval-every",), dict(type=int), "steps between held-out evaluations (default: a quarter of --steps)"),
+        (("--eval-every",), dict(type=int), "steps between held-out evaluations"),
         (("--eval-batches",), dict(type=int), "held-out batches per evaluation"),
         (("--eval-prompts",), dict(type=int), "held-out prompts for generations and BLEU/ROUGE"),
         (("--new-tokens",), dict(type=int), "tokens generated per prompt in the evaluation"),
@@ -180,8 +181,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(title)
         for names, keywords, why in flags:
             dest = keywords.get("dest", names[0].lstrip("-").replace("-", "_"))
-            default = _default_text(dest)
+            default = _default_text(dest).replace("%", "%%")  # argparse formats help with %
             group.add_argument(*names, help=f"{why} [{default}]" if default else why, **keywords)
+
+
+NONE_MEANS = {"warmup_steps": "2% of --steps", "scratch_learning_rate": "--learning-rate", "trainable": "everything",
+              "remat": "off", "mesh": "one device", "mesh_devices": "every device", "top_k": "the full vocabulary",
+              "eval_every": "a quarter of --steps", "revision": "the default branch", "logger": "JSONL and "
+              "TensorBoard only", "wandb_project": "W&B's default", "data": "the preset's corpus (tiny, "
+              "gemma3-270m)", "frozen": "nothing", "teacher": "the preset's", "student": "the preset's"}
 
 
 def _default_text(dest: str) -> str:
@@ -189,11 +197,15 @@ def _default_text(dest: str) -> str:
         value = distill.DistillConfig()
         for key in DISTILL_FLAGS[dest]:
             value = getattr(value, key)
-        return f"default: {value}"
+        return f"default: {NONE_MEANS[dest] if value is None and dest in NONE_MEANS else value}"
     by_preset = {name: values[dest] for name, values in PRESETS.items() if dest in values}
+    otherwise = NONE_MEANS.get(dest) if len(by_preset) < len(PRESETS) else None
     if by_preset:
-        return "default by preset: " + ", ".join(f"{name} {value}" for name, value in by_preset.items())
-    return f"default: {DEFAULTS[dest]}" if dest in DEFAULTS else ""
+        return ("default by preset: " + ", ".join(f"{name} {value}" for name, value in by_preset.items())
+                + (f"; otherwise {otherwise}" if otherwise else ""))
+    if dest not in DEFAULTS:
+        return ""
+    return f"default: {NONE_MEANS[dest] if DEFAULTS[dest] is None and dest in NONE_MEANS else DEFAULTS[dest]}"
 
 
 DISTILL_WHY = {

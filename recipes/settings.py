@@ -66,6 +66,7 @@ def resolve(argv: list[str] | None = None, description: str = "") -> argparse.Na
     args.cache_dir = args.cache_dir or os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
     _derive(args)
     check(args)
+    args.resolved = resolved_config(args)  # before the run fills in what it finds (e.g. the tiny teacher's folder)
     return args
 
 
@@ -223,9 +224,19 @@ def _plain(value: Any) -> Any:
 
 
 def save_resolved(args: argparse.Namespace, folder: str) -> str:
+    """Write resolved_config.json into the run folder. Resuming a run with other settings than it started with
+    is refused (the checkpoints were made under those), naming the settings that differ."""
     path = os.path.join(folder, "resolved_config.json")
+    if args.resume and os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            before = json.load(handle)
+        now = args.resolved
+        differ = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
+        if differ:
+            raise RecipeError(f"--resume: the settings {differ} differ from the run's own ({path}); resume it "
+                              f"as it was with --config {path} --resume, or start over with --overwrite.")
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(resolved_config(args), handle, indent=2)
+        json.dump(args.resolved, handle, indent=2)
     return path
 
 

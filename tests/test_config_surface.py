@@ -172,6 +172,13 @@ def test_the_resolved_config_repeats_the_settings_exactly(tmp_path, example):
     assert main_config(again, 12) == main_config(args, 12)
 
 
+def test_resume_refuses_other_settings_than_the_run_started_with(tmp_path):
+    settings.save_resolved(resolve("--steps", "8"), str(tmp_path))
+    settings.save_resolved(resolve("--steps", "8", "--resume"), str(tmp_path))  # the same settings: fine
+    with pytest.raises(RecipeError, match=r"\['alpha', 'steps'\] differ"):
+        settings.save_resolved(resolve("--steps", "9", "--alpha", "0.5", "--resume"), str(tmp_path))
+
+
 def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, env=env, timeout=120)
@@ -235,5 +242,6 @@ def test_each_example_config_runs_at_tiny_scale(example_runs, example, stage_cou
     results = json.load(open(out / "results.json"))
     assert {row["model"] for row in results["rows"]} >= {"teacher", "distilled student"}
     saved = json.load(open(out / "resolved_config.json"))
+    assert saved == settings.resolved_config(settings.resolve(["--config", os.path.join(CONFIGS, example), *TINY]))
     assert settings.resolved_config(settings.resolve(["--config", str(out / "resolved_config.json")])) == saved
     assert saved["steps"] == 3 and saved["distill"]["eval_every"] == 3  # the flags over the file
