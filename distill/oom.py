@@ -162,8 +162,12 @@ class MemoryRetries:
                                          batch_size=rows)
             with open(os.path.join(config.run_dir, "oom_decisions.json"), "w", encoding="utf-8") as handle:
                 json.dump(plan.decisions, handle, indent=1)
+        try:  # what DistillConfig.from_dict reads back (the run can be repeated from its folder)
+            data = config.to_dict()
+        except (ValueError, TypeError):  # e.g. an NNX filter in a stage: written as its repr
+            data = dataclasses.asdict(config)
         with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
-            json.dump(dataclasses.asdict(config), handle, indent=1, default=_json_value)
+            json.dump(data, handle, indent=1, default=_json_value)
 
     def _dispatch(self, batch, hyper):
         """Dispatch the step, retrying with less memory on RESOURCE_EXHAUSTED: (batch as run, metrics on the

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import freeze, metrics, targets, terms
+from . import freeze, targets, terms
 from .checkpointing import Checkpointer, LoopCheckpoints
 from .config import DistillConfig
 from .fallbacks import DivergenceError, Fallbacks
@@ -42,7 +42,7 @@ from .targets import TargetActions
 from .interface import FORWARD_KEYS
 from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
-from .metrics import device_peak_flops, plot_history, step_flops
+from .metrics import device_peak_flops, make_logger, step_flops
 from .oom import MemoryPlan, MemoryRetries, oom_settings, split_micro_batches
 from .step import hyper_values
 
@@ -66,13 +66,6 @@ def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np
 
 def _host(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
-
-
-def _make_logger(config: DistillConfig, start_step: int):
-    """The metrics logger (JSONL, TensorBoard, the bar; W&B when configured) from `metrics.make_logger`."""
-    if hasattr(metrics, "make_logger"):
-        return metrics.make_logger(config, config.run_dir, start_step=start_step)
-    return metrics.MetricsLogger(config.run_dir, config.total_steps, start_step=start_step, progress=config.progress)
 
 
 class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
@@ -137,7 +130,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         config = self.config
         if config.run_dir and jax.process_index() == 0:
             drop_torn_line(os.path.join(config.run_dir, "metrics.jsonl"))
-        self.logger = _make_logger(config, self.step)
+        self.logger = make_logger(config, config.run_dir, start_step=self.step)  # JSONL, TensorBoard, bar, W&B
         self._write_config()
 
     def _start(self) -> bool:
@@ -225,12 +218,8 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
 
     def close(self) -> None:
         if self.logger is not None:
-            if hasattr(self.logger, "summary"):  # the run summary for W&B
-                self.logger.summary(self.summary())
-            self.logger.close()
-            if not hasattr(self.logger, "plot_path") and self.config.run_dir and self.config.plots \
-                    and jax.process_index() == 0:  # a logger without its own curves
-                plot_history(self.logger.records, os.path.join(self.config.run_dir, "curves.png"))
+            self.logger.summary(self.summary())  # the run summary (W&B): targets met, utilisation
+            self.logger.close()  # also draws the curves
         if self.checkpointer is not None:
             self.checkpointer.close()
 

@@ -86,6 +86,7 @@ def test_retries_dots_full_then_half_the_micro_batch_with_the_same_update(batche
         np.testing.assert_allclose(params_got[path], params_want[path], rtol=0, atol=1e-5, err_msg=path)
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert (saved["remat"], saved["batch_size"], saved["grad_accum"]) == ("full", 2, 2)
+    assert DistillConfig.from_dict(saved).remat == "full"  # the run can be repeated from its folder
     assert json.load(open(tmp_path / "run" / "oom_decisions.json")) == got.oom_decisions
     logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["action"] for r in logged if r.get("event") == "oom"] == ["dots", "full", "halve_batch"]
