@@ -16,11 +16,11 @@ from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
 from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
-from .losses import attention_transfer_loss, feature_loss
+from .losses import attention_transfer_loss, feature_loss, pool_features
 from .loss_term import LossTerm, ModelSide, TermInputs
 from .terms import register as register_loss
 from . import terms
-from .metrics import plot_history, step_flops
+from .metrics import MetricsLogger, make_logger, plot_history, step_flops
 from .evaluate import agreement_and_kl, heldout_loss
 from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
                     multiple_choice_items)
@@ -35,4 +35,4 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms"]
+           "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger"]
