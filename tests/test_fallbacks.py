@@ -164,3 +164,15 @@ def test_sft_then_mix_when_a_misleading_teacher_worsens_held_out_cross_entropy(c
     assert weights == [(0, 1)] * 4 + [(0.25, 0.75)] + [(0.5, 0.5)] * 3
     assert all("fallback" not in r for r in result.history[:4]) and not fallback_events(control)
     assert evals[12] < control.evals[-1]["student_ce"] - 0.05  # measured 3.714 against 3.815
+
+
+def test_switch_to_mse_on_mapped_features(corpus):
+    """mse_on="features": the MSE compares the teacher's and student's mapped layer outputs (the uniform layer
+    map of a 4 -> 2 layer student), also when no stage weights a layer-output loss."""
+    guard = GuardConfig(policies=("switch_to_mse",), mse_steps=2, mse_weight=0.5, mse_on="features")
+    result = run(tiny_teacher(), student_from(tiny_teacher()), corrupted(corpus["train"][:8]),
+                 config(stages=(Stage(steps=6, learning_rate=5e-3, weights=LossWeights.mixed(0.8)),), guard=guard))
+    on = [r for r in result.history if r.get("fallback") == "switch_to_mse"]
+    assert [r["step"] for r in on] == [5, 6] and all(r["loss/mse"] > 0 for r in on)
+    assert fallback_events(result, "start")[0]["on"] == "features"
+    assert on[0]["loss"] == pytest.approx(on[0]["loss/logit"] + 0.5 * on[0]["loss/mse"], rel=1e-5)

@@ -111,3 +111,27 @@ def test_when_every_retry_fails_the_error_says_what_was_tried(batches, oom_when)
     assert is_out_of_memory(caught.value.__cause__) and "Lower batch_size" in str(caught.value)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         run(tiny_teacher(), student_from(tiny_teacher()), batches, config(oom=OOMConfig(retry=False)))
+
+
+def test_an_out_of_memory_step_that_consumed_its_state_is_restored_and_skipped(batches, monkeypatch):
+    """A failure after the step took its (donated) inputs: the state is restored from the last good copy and the
+    batch skipped, as after a divergence."""
+    from distill.step_runner import StepRunner
+
+    real, calls = StepRunner.train_step, []
+
+    def fail_once_after_donation(self, batch, hyper):
+        out = real(self, batch, hyper)
+        calls.append(1)
+        if len(calls) == 2:  # the second step: its state is gone, then the error
+            jax.tree.map(lambda x: x.delete(), (self.params, self.opt))
+            raise resource_exhausted()
+        return out
+
+    monkeypatch.setattr(StepRunner, "train_step", fail_once_after_donation)
+    result = run(tiny_teacher(), student_from(tiny_teacher()), batches,
+                 config(stages=(Stage(steps=3, learning_rate=1e-3),), checkpoint=CheckpointConfig(every=1)))
+    event, = [e for e in result.events if e["event"] == "oom"]
+    assert event["action"] == "dots" and "consumed the training state, restored step 1" in event["message"]
+    assert [r["step"] for r in result.history] == [1, 2, 3] and result.steps == 3
+    assert all(np.isfinite(v).all() for v in params_numpy(result.student).values())
