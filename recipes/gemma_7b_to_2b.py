@@ -48,7 +48,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import distill  # noqa: E402
 import surgery  # noqa: E402
 from recipes import cli, evaluation, phases, settings, tiny_teacher  # noqa: E402
-from recipes.knobs import PRESETS  # noqa: E402,F401  (the presets: measured defaults, see recipes/knobs.py)
 from recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results  # noqa: E402
 
 PHASES = ("stage_a", "stage_b", "control")

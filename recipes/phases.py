@@ -16,7 +16,6 @@ from typing import Any
 import distill
 from distill import schedules
 from recipes.cli import RecipeError
-from recipes.knobs import SCHEDULES
 
 SCHEDULE_FUNCTIONS = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
 
@@ -120,10 +119,5 @@ def phase_config(args: argparse.Namespace, phase: str, stages, plan: Any, out: s
     return schedules.resolve_epochs(config, data) if data is not None else config
 
 
-def stage_summary(config: distill.DistillConfig) -> list[dict]:
-    """The stages as data (what --print-config and the run's resolved config show of a phase)."""
-    return config.to_dict()["stages"]
-
-
 __all__ = ["loss_weights", "warmup_steps", "stage_a", "kv_warmup", "main_stages", "scheduled", "control_stage",
-           "phase_config", "SCHEDULES"]
+           "phase_config"]

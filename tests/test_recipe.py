@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     full = run_recipe(base / "full", cache)
     halted = run_recipe(base / "resumed", cache, "--halt-after", "stage_b:5", check=False)
     resumed = run_recipe(base / "resumed", cache, "--resume")
-    return base, full, halted, resumed
+    return base, full, halted, resumed, cache
 
 
 def test_student_folder_is_complete_and_loads_in_transformers(runs):
@@ -80,7 +80,7 @@ def test_results_table_compares_all_four_models(runs):
 
 
 def test_interrupted_run_resumes_to_the_same_student(runs):
-    base, _, halted, resumed = runs
+    base, _, halted, resumed, _ = runs
     assert halted.returncode == 3, halted.stderr[-2000:]
     assert "--resume" in halted.stderr
     assert "finished in an earlier run" in resumed.stdout  # stage A was not redone
@@ -93,14 +93,14 @@ def test_interrupted_run_resumes_to_the_same_student(runs):
 
 def test_refuses_to_overwrite_an_earlier_run_without_resume(runs, tmp_path):
     base = runs[0]
-    proc = run_recipe(base / "full", base / "cache", "--no-scratch", check=False)
+    proc = run_recipe(base / "full", runs[4], "--no-scratch", check=False)
     assert proc.returncode != 0
     assert "--resume" in proc.stderr and "--overwrite" in proc.stderr
 
 
 def test_dry_run_prints_shapes_memory_and_plan(runs):
     base = runs[0]
-    proc = run_recipe(base / "dry", base / "cache", "--dry-run", "--mesh", "fsdp=1,tp=1")
+    proc = run_recipe(base / "dry", runs[4], "--dry-run", "--mesh", "fsdp=1,tp=1")
     out = proc.stdout
     assert "layers" in out and "KV heads" in out and "memory per device" in out
     assert "plan:" in out and "block" in out.lower()  # the cached teacher gives a data-free plan table
@@ -118,7 +118,7 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
         env.update(JAX_PLATFORMS="cpu", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
                    HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
         proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(base / "full"), "--cache-dir",
-                               str(base / "cache"), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
+                               str(runs[4]), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
                               capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert token not in proc.stdout + proc.stderr
