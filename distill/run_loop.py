@@ -103,6 +103,9 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self._last_eval_step = -1
         self.data_state = data.state()  # position after the last completed step
         self.fallbacks = Fallbacks(config.guard, teacher is not None)
+        if self.fallbacks.uses("sft_then_mix") and not (self.eval_batches and config.eval_every):
+            raise ValueError("GuardConfig.policies 'sft_then_mix' acts on held-out evaluations: pass eval_data (or "
+                             "data with eval_batches()) and set eval_every.")
         self.targets = config.targets
         self.target_report: dict[str, dict[str, Any]] = {}
         self.times, self.window = targets.StepTimes(), targets.StepTimes()  # whole run; since the last evaluation
@@ -191,8 +194,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, done - wait_start, fetch_s)
             if not warmup:
                 self._time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s, record.get("mfu"))
-            for message, fields in self.fallbacks.on_step(self.step):
-                self._event("fallback", message, **fields)
+            self._fallback(self.fallbacks.on_step(self.step))
             outcome = self._after_step()
             if outcome == "halt":
                 return None
@@ -234,9 +236,8 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self.good_losses = []  # the loss scale changes with the weights
         self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
         evals = self.resumed_evals + self.evals
-        for message, fields in self.fallbacks.on_stage(index, evals[-1] if evals and evals[-1]["step"] == self.step
-                                                       else None):
-            self._event("fallback", message, **fields)
+        self._fallback(self.fallbacks.on_stage(index, evals[-1] if evals and evals[-1]["step"] == self.step
+                                               else None))
         return self.fallbacks.uses("sft_then_mix") and self._eval_due(stage_start=True) and self._evaluate()
 
     def _stage_line(self, index: int, carried: int) -> str:
@@ -252,6 +253,12 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         record = {"event": kind, "step": self.step, "message": message, **fields}
         self.events.append(record)
         self.logger.message(message, event=kind, step=self.step, **fields)
+
+    def _fallback(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Report the fallbacks' switches; each changes the loss weights, so the guard's loss history restarts."""
+        for message, fields in events:
+            self._event("fallback", message, **fields)
+            self.good_losses = []
 
     def _hyper(self, index: int, in_stage: int) -> tuple[dict[str, Any], list[str]]:
         """The step's traced hyperparameters, with the loss weights the active fallbacks set."""
@@ -323,8 +330,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self._last_eval_step = self.step
         if self.target_report:
             self.logger.message(targets.report_line(self.step, self.target_report))
-        for message, fields in self.fallbacks.on_evaluation(self.step, self.runner.stage_index, record):
-            self._event("fallback", message, **fields)
+        self._fallback(self.fallbacks.on_evaluation(self.step, self.runner.stage_index, record))
         self._check_utilisation()
         return self._targets_met()
 
@@ -361,8 +367,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
                                 f"scaled the learning rate by {guard.lr_backoff:g} (now x{self.lr_scale:g}); "
                                 f"rollback {self.rollbacks} of {guard.max_rollbacks}.",
                     failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale, reason=reason)
-        for message, fields in self.fallbacks.on_divergence(restored, reason):
-            self._event("fallback", message, **fields)
+        self._fallback(self.fallbacks.on_divergence(restored, reason))
 
     # ------------------------------------------------------------------------------------------ interruption
     def _stop_if_asked(self) -> None:
