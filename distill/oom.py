@@ -216,5 +216,6 @@ class MemoryRetries:
             self.runner.set_remat(self.memory.remat)
 
 
-__all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks", "is_out_of_memory",
-           "oom_settings", "MemoryPlan", "split_micro_batches", "exhausted_message", "ACTIONS", "DEFAULT_SEQUENCE"]
+__all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks",
+           "is_out_of_memory", "oom_settings", "MemoryPlan", "split_micro_batches", "exhausted_message", "ACTIONS",
+           "DEFAULT_SEQUENCE"]

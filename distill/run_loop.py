@@ -266,10 +266,8 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         hyper = hyper_values(stage, in_stage, self.config.optimizer.weight_decay, self.lr_scale)
         if not (self.fallbacks.mse_until is not None or self.fallbacks.sft is not None):
             return hyper, []
-        names = terms.weight_names()
-        base = {name: float(value) for name, value in jax.device_get({n: hyper[n] for n in names}).items()}
-        weights, active = self.fallbacks.weights(base, self.step)
-        hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in names})
+        weights, active = self.fallbacks.weights(stage.weights_at(in_stage), self.step)  # host values, no sync
+        hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in terms.weight_names()})
         return hyper, active
 
     def _next_batch(self) -> tuple[dict[str, Any], Any]:

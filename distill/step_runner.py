@@ -264,5 +264,5 @@ class StepRunner:
 
 
 
-__all__ = ["StepRunner", "PolicyStepSettings", "logit_chunk", "accelerator_logit_chunk", "logit_block", "logit_vocab_slice",
-           "release_free_heap"]
+__all__ = ["StepRunner", "PolicyStepSettings", "logit_chunk", "accelerator_logit_chunk", "logit_block",
+           "logit_vocab_slice", "release_free_heap"]

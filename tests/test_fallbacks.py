@@ -89,6 +89,12 @@ def test_mixing_and_the_policy_state_machine():
     assert policy.on_evaluation(9, 1, {"student_ce": 9.0}) == []  # a new baseline for the new stage
 
 
+def test_sft_then_mix_needs_held_out_evaluations(corpus):
+    with pytest.raises(ValueError, match="pass eval_data .* and set eval_every"):
+        run(tiny_teacher(), student_from(tiny_teacher()), corpus["train"],
+            config(guard=GuardConfig(policies=("sft_then_mix",))), eval_data=corpus["eval"])  # eval_every unset
+
+
 def test_logit_mse_is_the_mean_squared_difference_of_centred_logits():
     rng = np.random.default_rng(0)
     model = type("Head", (), {"logits_from_hidden": staticmethod(lambda h, w: h @ w.T)})()
