@@ -89,6 +89,9 @@ def test_dry_run_takes_an_explicit_student_for_any_teacher(teacher, tmp_path):
     (["--halt-after", "nowhere:3"], "--halt-after"),
     (["--teacher", "gguf:llama-9b"], "gguf:llama-9b"),
     (["--teacher", "missing/model.gguf"], "missing/model.gguf"),
+    (["--config", "missing/run.json"], "missing/run.json"),
+    (["--schedule", "progressive", "--trainable", "layers.1"], "--trainable"),
+    (["--set", "guard.polcies=[]"], "polcies"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(teacher, tmp_path, flags, culprit):
     args = ["--teacher", teacher, "--student", "layers=2", "--output", str(tmp_path / "r"), *flags]
