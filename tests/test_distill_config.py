@@ -111,3 +111,34 @@ def test_logit_chunk_default_fits_the_device():
     assert accelerator_logit_chunk(None) == 2048  # no memory figure: the measured setting
     with pytest.raises(ValueError, match="logit_chunk=0"):
         DistillConfig(logit_chunk=0)
+
+
+def test_policy_target_and_oom_settings_validate_and_round_trip_through_json():
+    import json
+
+    from distill.config import GuardConfig, OOMConfig, TargetsConfig
+
+    config = DistillConfig.from_dict({
+        "stages": [{"steps": 2, "frozen": ["embed_tokens"], "weights": {"kl": [0.0, 1.0], "ce": 1.0},
+                    "temperature": [3, 1, "cosine"]}, {"epochs": 0.25, "name": "tail"}],
+        "guard": {"policies": ["switch_to_mse", "sft_then_mix"], "mse_on": "features", "sft_alpha": 0.3},
+        "targets": {"kl_below": 0.05, "perplexity_below": 20.0, "stop_when_met": True},
+        "oom": {"sequence": ["full", "halve_batch"]}, "feature_kind": "pooled", "logger": "wandb",
+        "wandb_project": "kd", "plan": {"kept_layers": [0, 2], "kept_hidden": None, "kept_heads": None}})
+    assert config.guard.policies == ("switch_to_mse", "sft_then_mix") and config.oom.sequence == ("full", "halve_batch")
+    assert config.targets == TargetsConfig(kl_below=0.05, perplexity_below=20.0, stop_when_met=True)
+    assert DistillConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert GuardConfig(policies="switch_to_mse").policies == ("switch_to_mse",)
+    for bad, match in ((lambda: GuardConfig(policies=("retry",)), "unknown policies"),
+                       (lambda: GuardConfig(mse_on="hidden"), "mse_on"),
+                       (lambda: GuardConfig(sft_alpha=2.0), "sft_alpha"),
+                       (lambda: TargetsConfig(kl_below=float("nan")), "kl_below"),
+                       (lambda: OOMConfig(sequence=("dots", "quarter_batch")), "quarter_batch"),
+                       (lambda: DistillConfig(logger="tensorboard"), "logger"),
+                       (lambda: DistillConfig(feature_kind="max"), "pooled"),
+                       (lambda: DistillConfig.from_dict({"targets": {"kl_above": 1}}), "kl_above"),
+                       (lambda: DistillConfig.from_dict({"stages": [{"step": 3}]}), r"stages\[0\]")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    with pytest.raises(ValueError, match="NNX filter"):
+        DistillConfig(stages=(Stage(steps=1, frozen=lambda path, value: True),)).to_dict()
