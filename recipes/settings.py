@@ -41,8 +41,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 def resolve(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
     """Parse the command line, read --config and layer everything (module docstring). The namespace has every
-    recipe setting, `distill` (the resolved distill section, a dict), `explicit` (the settings given in the file
-    or on the command line) and the run-only flags."""
+    recipe setting, `distill` (the resolved distill section, a dict), the run-only flags, and `resolved`
+    (`resolved_config`, taken before the run adds anything)."""
     given = vars(build_parser(description).parse_args(argv))
     file = load_config_file(given["config"]) if given.get("config") else {}
     file_distill = file.pop("distill", None) or {}
