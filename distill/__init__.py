@@ -10,7 +10,10 @@ The models are used only through the small interface of `distill.interface.Disti
 hidden states, plus requested intermediates), so the package does not depend on the surgery's models. Each loss is
 one registered object (`distill.terms`, `LossTerm`): `register_loss(term)` adds one.
 """
-from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Ramp, Stage)
+from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OOMConfig, OptimizerConfig, Ramp, Stage,
+                     TargetsConfig)
+from . import schedules
+from .schedules import progressive, resolve_epochs, sft_then_distil
 from .trainer import DistillResult, DivergenceError, run
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .interface import Correspondence, DistillModel, correspondence_from_plan
@@ -28,6 +31,7 @@ from .data import DataError, TokenBatches, check_vocabulary, load_tokenizer, std
 from .interruption import RunInterrupted
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
+           "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",
            "DistillResult", "DivergenceError", "run", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
            "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
            "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSettings",
