@@ -185,3 +185,22 @@ def test_switch_to_mse_on_mapped_features(corpus):
     assert [r["step"] for r in on] == [5, 6] and all(r["loss/mse"] > 0 for r in on)
     assert fallback_events(result, "start")[0]["on"] == "features"
     assert on[0]["loss"] == pytest.approx(on[0]["loss/logit"] + 0.5 * on[0]["loss/mse"], rel=1e-5)
+
+
+def test_a_run_interrupted_during_sft_then_mix_resumes_inside_it(corpus, tmp_path):
+    stages = (Stage(steps=12, learning_rate=1e-2, weights=LossWeights(kl=1.0)),)
+    guard = GuardConfig(policies=("sft_then_mix",), sft_steps=4, sft_ramp_steps=2, sft_alpha=0.5)
+
+    def go(directory, **changes):
+        return run(tiny_teacher(seed=7), student_from(tiny_teacher()), ArrayBatches(corpus["train"]),
+                   config(stages=stages, guard=guard, eval_every=2, checkpoint=CheckpointConfig(directory, every=1),
+                          **changes), eval_data=corpus["eval"])
+
+    full = go(str(tmp_path / "a"))
+    halted = go(str(tmp_path / "b"), halt_after=6)  # two steps into the four of pure cross-entropy
+    assert halted.history[-1]["fallback"] == "sft_then_mix"
+    resumed = go(str(tmp_path / "b"))
+    want = [(r["step"], r["weight/kl"], r["weight/ce"], r["loss"]) for r in full.history[6:]]
+    assert [(r["step"], r["weight/kl"], r["weight/ce"], r["loss"]) for r in resumed.history] == want
+    assert [e["action"] for e in fallback_events(resumed)] == ["start", "ramp", "mixed"]
+    assert fallback_events(resumed, "start")[0] in resumed.resumed_events
