@@ -14,7 +14,8 @@ from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, 
                      TargetsConfig)
 from . import schedules
 from .schedules import progressive, resolve_epochs, sft_then_distil
-from .trainer import DistillResult, DivergenceError, run
+from .trainer import DistillResult, DivergenceError, OutOfMemoryError, run
+from . import fallbacks, oom, targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
@@ -32,7 +33,7 @@ from .interruption import RunInterrupted
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",
-           "DistillResult", "DivergenceError", "run", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
+           "DistillResult", "DivergenceError", "OutOfMemoryError", "run", "fallbacks", "oom", "targets", "MeshError", "initialize_distributed", "make_mesh", "put_batch",
            "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
            "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSettings",
            "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",

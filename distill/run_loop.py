@@ -243,7 +243,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
     def _stage_line(self, index: int, carried: int) -> str:
         stage, runner = self.config.stages[index], self.runner
         counts = freeze.describe_split(runner.params["student"], runner.frozen)
-        active = {k: v for k, v in stage.weights.as_dict().items() if v}
+        active = {k: v for k, v in stage.weights.to_dict().items() if v}  # ramps as [start, end]
         return (f"stage {index}{' (' + stage.name + ')' if stage.name else ''}: {stage.steps} steps, "
                 f"{counts['trainable']:,} trainable / {counts['frozen']:,} frozen parameters, lr "
                 f"{stage.learning_rate:g}, weights {active}, temperature {stage.temperature.start:g}->"

@@ -26,6 +26,7 @@ from .interruption import RunInterrupted
 from .losses import init_projections
 from .mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
 from .oom import OutOfMemoryError
+from .schedules import resolve_epochs
 from .run_loop import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
 
@@ -213,6 +214,7 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     With `config.checkpoint.directory` set, a run resumes from the newest complete checkpoint there. A first
     SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
+    config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
     _check_models(teacher, student, config)
     mesh = _place(teacher, student, config)
     needs_map = terms.any_term([s.weights for s in config.stages], "uses_layer_map") or _mse_on_features(config)
