@@ -119,6 +119,15 @@ class CheckpointConfig:
     resume: bool = True  # continue from the latest checkpoint in `directory` when there is one
 
 
+def _names(value, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A name or a sequence of names, as a tuple; ValueError listing `allowed` for any other."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise ValueError(f"{what} {unknown}; choose from {allowed}.")
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
     """Divergence guard: a non-finite loss, or one above `spike_factor` x the running median of the last `window`
@@ -142,11 +151,8 @@ class GuardConfig:
     sft_patience: int = 1  # sft_then_mix: evaluations worse than the stage's start before falling back
 
     def __post_init__(self):
-        policies = (self.policies,) if isinstance(self.policies, str) else tuple(self.policies)
+        policies = _names(self.policies, GUARD_POLICIES, "GuardConfig: unknown policies")
         object.__setattr__(self, "policies", policies)
-        unknown = sorted(set(policies) - set(GUARD_POLICIES))
-        if unknown:
-            raise ValueError(f"GuardConfig: unknown policies {unknown}; choose from {GUARD_POLICIES}.")
         if self.mse_on not in ("logits", "features"):
             raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use 'logits' or 'features'.")
         if not 0.0 <= self.sft_alpha <= 1.0:
@@ -191,11 +197,7 @@ class OOMConfig:
     sequence: tuple[str, ...] = OOM_STEPS
 
     def __post_init__(self):
-        sequence = (self.sequence,) if isinstance(self.sequence, str) else tuple(self.sequence)
-        object.__setattr__(self, "sequence", sequence)
-        unknown = sorted(set(sequence) - set(OOM_STEPS))
-        if unknown:
-            raise ValueError(f"OOMConfig: unknown steps {unknown}; choose from {OOM_STEPS}.")
+        object.__setattr__(self, "sequence", _names(self.sequence, OOM_STEPS, "OOMConfig: unknown steps"))
 
 
 @dataclasses.dataclass(frozen=True)
