@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from .interface import FORWARD_KEYS, forward_inputs, next_token_targets
+from .logit_loss import row_blocks
 
 
 def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) -> tuple[jax.Array, jax.Array]:
@@ -27,8 +28,6 @@ def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) ->
     out = model(input_ids, **forward_inputs(model, batch), return_logits=False)
     width = out.final_hidden.shape[-1]
     hidden, targets = out.final_hidden.reshape(-1, width), labels.reshape(-1)
-    pad = -hidden.shape[0] % chunk
-    hidden, targets = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
     head = model.head_matrix()
 
     def block(args):
@@ -36,7 +35,7 @@ def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) ->
         logits = model.logits_from_hidden(h, head)
         return jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
 
-    logprobs = jax.lax.map(block, (hidden.reshape(-1, chunk, width), targets.reshape(-1, chunk)))
+    logprobs = jax.lax.map(block, (row_blocks(hidden, chunk), row_blocks(targets, chunk)))
     return logprobs.reshape(-1)[:input_ids.size].reshape(input_ids.shape), weights
 
 
@@ -119,9 +118,8 @@ def _compare_batch(model, reference, batch, vocab_chunk: int, row_chunk: int):
     hidden = model(input_ids, **forward_inputs(model, batch), return_logits=False).final_hidden
     ref_hidden = reference(input_ids, **forward_inputs(reference, batch), return_logits=False).final_hidden
     flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
-    pad = -flat[0].shape[0] % row_chunk
-    blocks = [jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, row_chunk, h.shape[-1]) for h in flat]
-    kl, agree = jax.lax.map(lambda hs: _online_compare(model, reference, hs[0], hs[1], vocab_chunk), tuple(blocks))
+    blocks = tuple(row_blocks(h, row_chunk) for h in flat)
+    kl, agree = jax.lax.map(lambda hs: _online_compare(model, reference, hs[0], hs[1], vocab_chunk), blocks)
     w = weights.reshape(-1)
     kl, agree = kl.reshape(-1)[:w.size], agree.reshape(-1)[:w.size]
     return jnp.sum(jnp.where(w > 0, kl * w, 0.0)), jnp.sum(agree * w), jnp.sum(w)

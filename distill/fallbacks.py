@@ -20,32 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-POLICIES = ("switch_to_mse", "sft_then_mix")
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
-# GuardConfig's policy fields and their defaults, for configs that predate them
-DEFAULTS = {"policies": (), "mse_weight": 1.0, "mse_steps": 20, "mse_on": "logits", "sft_steps": 20,
-            "sft_ramp_steps": 20, "sft_alpha": 0.5, "sft_patience": 1}
 Event = tuple[str, dict[str, Any]]  # (message, fields)
 
 
 class DivergenceError(RuntimeError):
     """The loss kept diverging after the configured number of rollbacks."""
-
-
-def guard_settings(guard: Any) -> dict[str, Any]:
-    """The policy settings of a GuardConfig (defaults for fields it does not have), checked."""
-    settings = {name: getattr(guard, name, default) for name, default in DEFAULTS.items()}
-    policies = settings["policies"]
-    settings["policies"] = (policies,) if isinstance(policies, str) else tuple(policies)
-    unknown = sorted(set(settings["policies"]) - set(POLICIES))
-    if unknown:
-        raise ValueError(f"GuardConfig.policies: unknown {unknown}; choose from {POLICIES} (rollback and "
-                         "learning-rate backoff always apply while the guard is enabled).")
-    if settings["mse_on"] not in ("logits", "features"):
-        raise ValueError(f"GuardConfig.mse_on={settings['mse_on']!r}: use 'logits' or 'features'.")
-    if not 0.0 <= settings["sft_alpha"] <= 1.0:
-        raise ValueError(f"GuardConfig.sft_alpha={settings['sft_alpha']} must lie in [0, 1].")
-    return settings
 
 
 def mixed_weights(weights: Mapping[str, float], distill_weight: float) -> dict[str, float]:
@@ -64,8 +44,8 @@ class Fallbacks:
     """The policies' state and the loss weights they make; the loop reports each returned event."""
 
     def __init__(self, guard: Any, has_teacher: bool):
-        self.settings = guard_settings(guard)
-        self.policies = self.settings["policies"] if getattr(guard, "enabled", True) else ()
+        self.settings = guard  # a GuardConfig, validated when it was made
+        self.policies = guard.policies if guard.enabled else ()
         if self.policies and not has_teacher:
             raise ValueError(f"GuardConfig.policies {self.policies} fall back from distillation to other losses; "
                              "a run without a teacher has nothing to fall back from: drop them.")
@@ -84,10 +64,10 @@ class Fallbacks:
             return None
         s = self.settings
         into = step - self.sft["start"]
-        if into < s["sft_steps"]:
+        if into < s.sft_steps:
             return 0.0
-        ramp = s["sft_ramp_steps"]
-        return s["sft_alpha"] * (min(1.0, (into - s["sft_steps"] + 1) / ramp) if ramp else 1.0)
+        ramp = s.sft_ramp_steps
+        return s.sft_alpha * (min(1.0, (into - s.sft_steps + 1) / ramp) if ramp else 1.0)
 
     def weights(self, weights: Mapping[str, float], step: int) -> tuple[dict[str, float], list[str]]:
         """The loss weights of global step index `step` and the active fallbacks' names."""
@@ -96,7 +76,7 @@ class Fallbacks:
         if distill is not None:
             out, active = mixed_weights(weights, distill), ["sft_then_mix"]
         if self.mse_until is not None and step < self.mse_until:
-            out["mse"] = out.get("mse", 0.0) + self.settings["mse_weight"]
+            out["mse"] = out.get("mse", 0.0) + self.settings.mse_weight
             active.append("switch_to_mse")
         return out, active
 
@@ -105,11 +85,11 @@ class Fallbacks:
         if not self.uses("switch_to_mse"):
             return []
         s = self.settings
-        self.mse_until = restored_step + s["mse_steps"]
-        return [(f"FALLBACK switch_to_mse: adding the {s['mse_on']} MSE loss (weight {s['mse_weight']:g}) for "
+        self.mse_until = restored_step + s.mse_steps
+        return [(f"FALLBACK switch_to_mse: adding the {s.mse_on} MSE loss (weight {s.mse_weight:g}) for "
                  f"steps {restored_step + 1}-{self.mse_until} after a divergence ({reason}).",
                  {"policy": "switch_to_mse", "action": "start", "reason": f"divergence: {reason}",
-                  "until_step": self.mse_until, "weight": s["mse_weight"], "on": s["mse_on"]})]
+                  "until_step": self.mse_until, "weight": s.mse_weight, "on": s.mse_on})]
 
     def on_step(self, step: int) -> list[Event]:
         """After global step `step` (1-based count of completed steps): phase ends."""
@@ -118,16 +98,16 @@ class Fallbacks:
             self.mse_until = None
             events.append((f"FALLBACK switch_to_mse ends after step {step}: back to the configured losses.",
                            {"policy": "switch_to_mse", "action": "end",
-                            "reason": f"{self.settings['mse_steps']} steps done"}))
+                            "reason": f"{self.settings.mse_steps} steps done"}))
         if self.sft is not None:
             s, into = self.settings, step - self.sft["start"]
-            if into == s["sft_steps"] and s["sft_ramp_steps"]:
-                events.append((f"FALLBACK sft_then_mix: {s['sft_steps']} steps of pure cross-entropy done; ramping "
-                               f"the distillation weight to {s['sft_alpha']:g} over {s['sft_ramp_steps']} steps.",
+            if into == s.sft_steps and s.sft_ramp_steps:
+                events.append((f"FALLBACK sft_then_mix: {s.sft_steps} steps of pure cross-entropy done; ramping "
+                               f"the distillation weight to {s.sft_alpha:g} over {s.sft_ramp_steps} steps.",
                                {"policy": "sft_then_mix", "action": "ramp", "reason": "sft_steps done"}))
-            if into == s["sft_steps"] + s["sft_ramp_steps"]:
-                events.append((f"FALLBACK sft_then_mix: distillation weight back at {s['sft_alpha']:g} (with "
-                               f"{1 - s['sft_alpha']:g} cross-entropy) for the rest of the stage.",
+            if into == s.sft_steps + s.sft_ramp_steps:
+                events.append((f"FALLBACK sft_then_mix: distillation weight back at {s.sft_alpha:g} (with "
+                               f"{1 - s.sft_alpha:g} cross-entropy) for the rest of the stage.",
                                {"policy": "sft_then_mix", "action": "mixed", "reason": "ramp done"}))
         return events
 
@@ -155,16 +135,16 @@ class Fallbacks:
             return []
         base = self.baseline
         base["worse"] = base["worse"] + 1 if value > base["value"] else 0
-        if base["worse"] < self.settings["sft_patience"]:
+        if base["worse"] < self.settings.sft_patience:
             return []
         self.sft, s = {"stage": stage, "start": step}, self.settings
         self.sft_stages.append(stage)
         reason = (f"held-out student_ce {value:.4g} worse than {base['value']:.4g} at the stage's start for "
                   f"{base['worse']} evaluation(s)")
-        return [(f"FALLBACK sft_then_mix: {reason}; training on pure cross-entropy for {s['sft_steps']} steps, "
-                 f"then ramping the distillation weight to {s['sft_alpha']:g} over {s['sft_ramp_steps']}.",
+        return [(f"FALLBACK sft_then_mix: {reason}; training on pure cross-entropy for {s.sft_steps} steps, "
+                 f"then ramping the distillation weight to {s.sft_alpha:g} over {s.sft_ramp_steps}.",
                  {"policy": "sft_then_mix", "action": "start", "reason": reason, "stage": stage,
-                  "sft_steps": s["sft_steps"], "ramp_steps": s["sft_ramp_steps"], "alpha": s["sft_alpha"]})]
+                  "sft_steps": s.sft_steps, "ramp_steps": s.sft_ramp_steps, "alpha": s.sft_alpha})]
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -179,4 +159,4 @@ class Fallbacks:
         self.sft_stages = list(state.get("sft_stages", []))
 
 
-__all__ = ["Fallbacks", "DivergenceError", "POLICIES", "guard_settings", "mixed_weights", "DEFAULTS"]
+__all__ = ["Fallbacks", "DivergenceError", "mixed_weights"]

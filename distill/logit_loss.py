@@ -200,6 +200,12 @@ def reference_logit_loss(student_logits: jax.Array, teacher_logits: jax.Array, l
     return token_objective(student_logits, teacher_logits, labels, weights, coeffs, spec)
 
 
+def row_blocks(x: jax.Array, rows: int) -> jax.Array:
+    """(N, ...) -> (ceil(N / rows), rows, ...), padding N with zeros: rows of a flattened batch for `lax.map`."""
+    pad = -x.shape[0] % rows
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:])
+
+
 def _chunked(x: jax.Array, chunk: int) -> jax.Array:
     """(B, T, ...) -> (T / chunk, B, chunk, ...), padding T with zeros to a multiple of `chunk`."""
     batch, length = x.shape[:2]
@@ -376,4 +382,4 @@ def labels_and_weights(input_ids: jax.Array, loss_mask: jax.Array | None,
 
 
 __all__ = ["LogitLossSettings", "fused_logit_loss", "reference_logit_loss", "token_objective",
-           "labels_and_weights", "metric_names", "elementwise_part", "chunk_positions"]
+           "labels_and_weights", "metric_names", "elementwise_part", "chunk_positions", "row_blocks"]

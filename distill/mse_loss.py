@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .loss_term import LossTerm, TermInputs, captured_pair
+from .logit_loss import row_blocks
 from .losses import feature_loss
 
 MSE_ON = ("logits", "features")
@@ -40,11 +41,8 @@ def logit_mse(inputs: TermInputs, chunk: int = ROW_CHUNK) -> jax.Array:
     s_hidden = student.hidden.reshape(-1, student.hidden.shape[-1])
     t_hidden = jax.lax.stop_gradient(teacher.hidden).reshape(-1, teacher.hidden.shape[-1])
     weights = inputs.token_weights.reshape(-1).astype(jnp.float32)
-    rows = s_hidden.shape[0]
-    chunk = min(chunk, rows)
-    pad = -rows % chunk
-    blocks = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in (s_hidden, t_hidden, weights)]
-    blocks = [x.reshape(-1, chunk, *x.shape[1:]) for x in blocks]
+    chunk = min(chunk, s_hidden.shape[0])
+    blocks = [row_blocks(x, chunk) for x in (s_hidden, t_hidden, weights)]
 
     @jax.checkpoint
     def block(args):

@@ -28,8 +28,6 @@ import numpy as np
 
 from .mesh import DATA_AXES, put_batch
 
-ACTIONS = ("dots", "full", "halve_batch")
-DEFAULT_SEQUENCE = ("dots", "full", "halve_batch")
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 
@@ -59,17 +57,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """An XLA runtime error (jax's JaxRuntimeError / XlaRuntimeError) saying RESOURCE_EXHAUSTED or out of memory."""
     names = {cls.__name__ for cls in type(error).__mro__}
     return bool(names & {"JaxRuntimeError", "XlaRuntimeError"}) and any(m in str(error) for m in OOM_MARKERS)
-
-
-def oom_settings(config: Any) -> tuple[bool, tuple[str, ...]]:
-    """(retry, sequence) of `config.oom` (the defaults for a config without the field), checked."""
-    oom = getattr(config, "oom", None)
-    retry = bool(getattr(oom, "retry", True))
-    sequence = tuple(getattr(oom, "sequence", DEFAULT_SEQUENCE))
-    unknown = sorted(set(sequence) - set(ACTIONS))
-    if unknown:
-        raise ValueError(f"OOMConfig.sequence: unknown {unknown}; choose from {ACTIONS}.")
-    return retry, sequence
 
 
 @dataclasses.dataclass
@@ -217,5 +204,4 @@ class MemoryRetries:
 
 
 __all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks",
-           "is_out_of_memory", "oom_settings", "MemoryPlan", "split_micro_batches", "exhausted_message", "ACTIONS",
-           "DEFAULT_SEQUENCE"]
+           "is_out_of_memory", "MemoryPlan", "split_micro_batches", "exhausted_message"]

@@ -43,7 +43,7 @@ from .interface import FORWARD_KEYS
 from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
 from .metrics import device_peak_flops, make_logger, step_flops
-from .oom import MemoryPlan, MemoryRetries, oom_settings, split_micro_batches
+from .oom import MemoryPlan, MemoryRetries, split_micro_batches
 from .step import hyper_values
 
 
@@ -111,7 +111,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self.times, self.window = targets.StepTimes(), targets.StepTimes()  # whole run; since the last evaluation
         self.stopped_early = False
         self._warned_utilisation = False
-        self.oom_retry, self.oom_sequence = oom_settings(config)
+        self.oom_retry, self.oom_sequence = config.oom.retry, config.oom.sequence  # validated by OOMConfig
         self.memory = MemoryPlan(runner.remat)
         self.data_rows: int | None = config.batch_size  # rows of a data batch (micro-batches may be split)
 

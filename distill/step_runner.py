@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding
 
 from . import freeze, terms
 from .config import DistillConfig
-from .fallbacks import guard_settings
 from .logit_loss import LogitLossSettings
 from .logit_term import LOGIT
 from .mesh import replicated
@@ -146,7 +145,7 @@ class StepRunner:
         self._compiled: dict[int, Any] = {}
         self._lowered: list[Any] = []  # (stage, batch shapes) already compiled
         self.remat = config.remat  # the OOM handling may raise it (set_remat)
-        self.policies = guard_settings(config.guard)["policies"] if config.guard.enabled else ()
+        self.policies = config.guard.policies if config.guard.enabled else ()
 
     def step_settings(self, index: int) -> StepSettings:
         """The static settings of stage `index`'s step: the terms its weights turn on, the logit loss's kinds and
@@ -168,7 +167,7 @@ class StepRunner:
                                   compute_dtype=jnp.dtype(config.compute_dtype), remat=self.remat,
                                   clip_norm=config.optimizer.clip_norm,
                                   decay_matrices_only=config.optimizer.decay_matrices_only,
-                                  mse_on=guard_settings(config.guard)["mse_on"])
+                                  mse_on=config.guard.mse_on)
 
     def sync_student(self) -> None:
         """Write the current trainable values back into the student module."""

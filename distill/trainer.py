@@ -20,7 +20,6 @@ from flax import nnx
 
 from . import terms
 from .config import DistillConfig
-from .fallbacks import guard_settings
 from .interface import Correspondence, check_model, correspondence_from_plan
 from .interruption import RunInterrupted
 from .losses import init_projections
@@ -183,8 +182,8 @@ def _place(teacher: Any, student: Any, config: DistillConfig):
 
 def _mse_on_features(config: DistillConfig) -> bool:
     """The switch_to_mse fallback compares mapped layer outputs (it needs the layer map and projections)."""
-    settings = guard_settings(config.guard)
-    return config.guard.enabled and "switch_to_mse" in settings["policies"] and settings["mse_on"] == "features"
+    guard = config.guard
+    return guard.enabled and "switch_to_mse" in guard.policies and guard.mse_on == "features"
 
 
 def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, student: Any, mesh) -> dict:
