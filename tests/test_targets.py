@@ -82,10 +82,11 @@ def test_every_evaluation_reports_targets_and_stop_when_met_ends_the_run(corpus,
 
 
 class SlowBatches(ArrayBatches):
-    """Batches that take 60 ms each to produce: far longer than the tiny step."""
+    """Batches that take 300 ms each to produce: far longer than the tiny step, even on a contended CI machine
+    (at 60 ms one window's step time could exceed its data time there)."""
 
     def next_batch(self):
-        time.sleep(0.06)
+        time.sleep(0.3)
         return super().next_batch()
 
 
