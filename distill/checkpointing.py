@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from .fallbacks import DivergenceError
@@ -23,6 +24,43 @@ def abstract_like(tree: Any) -> Any:
     def spec(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return jax.tree.map(spec, tree)
+
+
+class HostShards:
+    """A host copy of the part of a jax.Array this process holds: one numpy block per distinct shard (replicas
+    are stored once), and the sharding to put it back with. What the in-memory rollback snapshot keeps of an
+    array that spans processes, where `device_get` of the whole array is impossible and would hold the model
+    once per process."""
+
+    def __init__(self, array: jax.Array):
+        self.shape, self.dtype, self.sharding = array.shape, array.dtype, array.sharding
+        blocks: dict[str, np.ndarray] = {}
+        for shard in array.addressable_shards:
+            key = repr(shard.index)
+            if key not in blocks:
+                blocks[key] = np.asarray(shard.data)
+        self.blocks = blocks
+
+    def to_device(self) -> jax.Array:
+        locals_ = [jax.device_put(self.blocks[repr(index)], device)
+                   for device, index in self.sharding.addressable_devices_indices_map(self.shape).items()]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, locals_)
+
+
+def host_snapshot(tree: Any) -> Any:
+    """`tree` copied to the host: whole arrays when this process holds them all (one host), else each process's
+    own shards (HostShards)."""
+    def copy(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return HostShards(x)
+        return jax.device_get(x)
+    return jax.tree.map(copy, tree)
+
+
+def from_snapshot(tree: Any) -> Any:
+    """A host_snapshot back to values `StepRunner.load` takes (HostShards become global arrays again)."""
+    return jax.tree.map(lambda x: x.to_device() if isinstance(x, HostShards) else x, tree,
+                        is_leaf=lambda x: isinstance(x, HostShards))
 
 
 class Checkpointer:
@@ -85,8 +123,8 @@ class LoopCheckpoints:
                                        projections=runner.params["proj"], meta=self._meta())
         elif self.config.guard.enabled:
             self.snapshot = {"step": self.step, "stage": runner.stage_index,
-                             "student": jax.device_get(runner.full_state()), "opt": jax.device_get(runner.opt),
-                             "proj": jax.device_get(runner.params["proj"])}
+                             "student": host_snapshot(runner.full_state()), "opt": host_snapshot(runner.opt),
+                             "proj": host_snapshot(runner.params["proj"])}
 
     def _restore_last_good(self) -> int:
         runner = self.runner
@@ -96,7 +134,8 @@ class LoopCheckpoints:
         if self.snapshot is None:
             raise DivergenceError("diverged before any good state was recorded.")
         snap = self.snapshot
-        runner.load(snap["stage"], snap["student"], snap["opt"], snap["proj"])
+        runner.load(snap["stage"], from_snapshot(snap["student"]), from_snapshot(snap["opt"]),
+                    from_snapshot(snap["proj"]))
         self.step = snap["step"]
         return self.step
 
@@ -149,4 +188,4 @@ class LoopCheckpoints:
             return None
 
 
-__all__ = ["Checkpointer", "LoopCheckpoints", "abstract_like", "by_step"]
+__all__ = ["Checkpointer", "LoopCheckpoints", "abstract_like", "by_step", "HostShards", "host_snapshot", "from_snapshot"]

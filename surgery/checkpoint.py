@@ -264,6 +264,18 @@ def _check_tied_head(folder, weight_map, names, rows_per_read: int = 8192) -> No
 
 
 # ------------------------------------------------------------------------------------------------ saving
+def gathered(array) -> np.ndarray:
+    """The whole of `array` on this host. On CPU a view of the device buffer; a parameter sharded over several
+    processes (multi-host) is gathered with `process_allgather`, a collective every process must call in the
+    same order; a replicated one is read from a local copy."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def model_tensors(model: CausalLM, dtype=None) -> list[PendingTensor]:
     """The model's tensors in HF names and layout, each produced (gathered to host) only when written."""
     state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -275,7 +287,7 @@ def model_tensors(model: CausalLM, dtype=None) -> list[PendingTensor]:
         def produce(variable=variable, layout=entry.layout, out_dtype=out_dtype):
             # The gather (on CPU a view of the device buffer); the HF layout is a reshape, so a copy is made
             # only to change the dtype.
-            return np.asarray(to_hf_layout(layout, np.asarray(jax.device_get(variable[...]))), dtype=out_dtype)
+            return np.asarray(to_hf_layout(layout, gathered(variable[...])), dtype=out_dtype)
 
         tensors.append(PendingTensor(entry.hf_name, hf_shape(entry.layout, tuple(variable.shape)), out_dtype,
                                      produce))
@@ -313,6 +325,32 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, *, source: str 
     way out (default: the parameters' dtype). An existing non-empty `out_dir` is refused unless `overwrite=True`.
     Returns the folder's absolute path."""
     dtype = resolve_dtype(dtype)
-    return write_hf_folder(os.fspath(out_dir), model.config, model_tensors(model, dtype),
+    tensors = model_tensors(model, dtype)
+    if jax.process_count() > 1:
+        return _save_multihost(os.fspath(out_dir), model.config, tensors, source=os.fspath(source) if source
+                               else None, max_shard_size=max_shard_size, extra_files=extra_files,
+                               overwrite=overwrite)
+    return write_hf_folder(os.fspath(out_dir), model.config, tensors,
                            source=os.fspath(source) if source else None, max_shard_size=max_shard_size,
                            extra_files=extra_files, overwrite=overwrite)
+
+
+def _save_multihost(out_dir: str, config: ModelConfig, tensors: list[PendingTensor], **options) -> str:
+    """Multi-host save (every process calls it): tensors are gathered one at a time, in the same order on every
+    process (their gathers are collectives; one producer thread keeps the order), and process 0 writes the
+    folder (shared storage: the other processes see it once they return). No process holds more than the
+    tensor being written plus the one gathered ahead."""
+    from jax.experimental import multihost_utils
+    if not options.get("overwrite") and os.path.isdir(out_dir) and os.listdir(out_dir):
+        # every process refuses (shared storage) rather than process 0 alone, which would leave the others
+        # waiting in the first gather
+        raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
+                              "swapped out only once the new folder is complete), or choose another folder.")
+    if jax.process_index() == 0:
+        folder = write_hf_folder(out_dir, config, tensors, produce_ahead=1, **options)
+        multihost_utils.sync_global_devices(f"save_pretrained {out_dir}")
+        return folder
+    for tensor in tensors:
+        tensor.produce()  # take part in each gather, in order; process 0 writes
+    multihost_utils.sync_global_devices(f"save_pretrained {out_dir}")
+    return os.path.abspath(out_dir)

@@ -1,0 +1,98 @@
+"""One process of the multi-host tests (tests/test_multihost.py), run as `python tests/multihost_worker.py ARGS`
+(ARGS: JSON). A tiny distillation (test_distill_train's teacher and depth-pruned student) over one global mesh:
+with `num_processes` > 1 it starts JAX's multi-controller runtime (distill.initialize_distributed) and feeds
+this process's rows of every global batch. It writes `result{process}.json` (losses, evaluations, events) and
+the final student as an HF folder (`save_pretrained`: gathered tensor by tensor, written by process 0)."""
+import json
+import os
+import signal
+import sys
+import time
+
+ARGS = json.loads(sys.argv[1])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", ARGS["devices"])
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
+
+from distill.distributed import DistributedSettings, failure_note, initialize_distributed, to_host  # noqa: E402
+
+SETTINGS = DistributedSettings(coordinator=ARGS.get("coordinator"), num_processes=ARGS.get("num_processes"),
+                               process_id=ARGS.get("process_id"), heartbeat_timeout_s=ARGS.get("heartbeat_timeout_s", 100))
+if initialize_distributed(SETTINGS):  # before anything touches devices
+    print(failure_note(SETTINGS), file=sys.stderr, flush=True)
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
+from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
+from distill.trainer import run  # noqa: E402
+from surgery.checkpoint import save_pretrained  # noqa: E402
+from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
+
+GLOBAL_BATCH = 8
+
+
+class ProcessRows:
+    """Global batches of which this process keeps its contiguous share of rows (as TokenBatches does)."""
+
+    def __init__(self, batches, held_out):
+        self.batches, self.held_out, self.position = batches, held_out, 0
+
+    def _mine(self, batch):
+        per = GLOBAL_BATCH // jax.process_count()
+        return {k: v[jax.process_index() * per:(jax.process_index() + 1) * per] for k, v in batch.items()}
+
+    def next_batch(self):
+        batch = self.batches[self.position % len(self.batches)]
+        self.position += 1
+        if self.position == ARGS.get("kill_at_batch") and jax.process_index() == ARGS.get("kill_process"):
+            with open(os.path.join(ARGS["out"], "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)  # dies while the other process runs the step's collectives
+        return self._mine(batch)
+
+    def eval_batches(self):
+        return [self._mine(b) for b in self.held_out]
+
+    def state(self):
+        return {"position": self.position}
+
+    def restore(self, state):
+        self.position = state["position"]
+
+
+def main():
+    os.makedirs(ARGS["out"], exist_ok=True)
+    samples = teacher_samples(tiny_teacher(), 10, seed=3)
+    batches = [{"input_ids": np.concatenate([samples[2 * i]["input_ids"], samples[2 * i + 1]["input_ids"]])}
+               for i in range(5)]
+    checkpoint = CheckpointConfig(ARGS["checkpoint"], every=1, keep=4) if ARGS.get("checkpoint") else \
+        CheckpointConfig()
+    weights = LossWeights(kl=1.0, ce=0.3, attention=0.2, feature=0.1)
+    config = DistillConfig(
+        stages=(Stage(steps=ARGS.get("steps", 3), learning_rate=1e-2, weights=weights, temperature=(2.0, 1.0)),),
+        plan={"kept_layers": list(KEPT_LAYERS)}, progress=False, logit_chunk=32, feature_projection=True,
+        compiler_options=FAST_COMPILE, mesh=ARGS["mesh"], seq_len=16, eval_every=2, eval_batches=1,
+        checkpoint=checkpoint, guard=GuardConfig(enabled=ARGS.get("guard", True)), run_dir=ARGS.get("run_dir"))
+    teacher, student = tiny_teacher(), student_from(tiny_teacher(seed=ARGS.get("student_seed", 0)))
+    result = run(teacher, student, ProcessRows(batches[:4], batches[4:]), config)
+    out = {"losses": [r["loss"] for r in result.full_history], "steps": result.steps,
+           "evals": [r["student_ce"] for r in result.full_evals], "events": [e["event"] for e in result.events],
+           "process": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
+    state = nnx.state(student)  # the in-memory rollback copy of the sharded state round-trips exactly
+    back = from_snapshot(host_snapshot(state))
+    out["snapshot_equal"] = all(getattr(b, "sharding", a.sharding) == a.sharding and
+                                bool(np.array_equal(to_host(a), to_host(b)))
+                                for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)))
+    out["sharded_over_processes"] = not student.embed_tokens.get_value().is_fully_addressable
+    save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)
+    with open(os.path.join(ARGS["out"], f"result{jax.process_index()}.json"), "w") as f:
+        json.dump(out, f)
+
+
+main()

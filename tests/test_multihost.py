@@ -1,0 +1,145 @@
+"""Multi-host runs on JAX's multi-controller runtime, as separate processes on localhost (tests/multihost_worker.py):
+2 processes x 4 CPU devices give the losses and the final student of 1 process x 8 devices; a checkpoint the
+2 processes wrote resumes in 1 process on another mesh with the uninterrupted run's losses; a killed process ends
+the other with JAX's error naming it, within the heartbeat timeout. The recipe's multi-host flags become
+`jax.distributed.initialize` arguments."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(TESTS, "multihost_worker.py")
+TIMEOUT_S = 300  # per run: a run that hangs fails the test instead of blocking it
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
+    """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`."""
+    os.makedirs(out, exist_ok=True)
+    port, procs = free_port(), []
+    for index in range(processes):
+        args = dict(devices=devices, mesh=mesh, out=out, **options)
+        if processes > 1:
+            args.update(coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=index)
+        log = open(os.path.join(out, f"log{index}.txt"), "w")
+        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS),
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        log.close()
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail(f"a worker hung past {timeout} s; logs in {out}")
+    logs = [open(os.path.join(out, f"log{i}.txt")).read() for i in range(len(procs))]
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return [json.load(open(os.path.join(out, f"result{i}.json"))) for i in range(len(procs))]
+
+
+def student_tensors(folder: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+    return load_file(os.path.join(folder, "student", "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2 x 4 run (checkpointing every step) and the 1 x 8 reference, started together."""
+    root = tmp_path_factory.mktemp("multihost")
+    two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), checkpoint=str(root / "two_ckpt"))
+    one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"))
+    return {"root": root, "two": finish(two, str(root / "two")), "one": finish(one, str(root / "one"))[0]}
+
+
+def test_two_processes_give_the_losses_and_student_of_one(runs):
+    one, (first, second) = runs["one"], runs["two"]
+    assert (first["process_count"], first["devices"], one["devices"]) == (2, 8, 8)
+    assert first["sharded_over_processes"] and not one["sharded_over_processes"]
+    assert first["losses"] == second["losses"] and len(first["losses"]) == 3  # every process sees the same
+    np.testing.assert_allclose(first["losses"], one["losses"], rtol=0, atol=1e-5)  # measured within 3e-7
+    np.testing.assert_allclose(first["evals"], one["evals"], rtol=0, atol=1e-5)
+    assert first["snapshot_equal"] and second["snapshot_equal"]  # rollback copy of arrays spanning processes
+    two, single = student_tensors(runs["root"] / "two"), student_tensors(runs["root"] / "one")
+    assert sorted(two) == sorted(single) and len(two) > 10
+    for name, value in single.items():  # measured within 3e-6 (Adam on near-zero gradients, lr 1e-2)
+        np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
+    """The 2-process run's step-2 checkpoint resumes in 1 process on 4 devices (fsdp=2,tp=2) with a student of
+    other weights: step 3 and the final student equal the uninterrupted run's."""
+    root = runs["root"]
+    resume_dir = root / "resume_ckpt"
+    shutil.copytree(root / "two_ckpt" / "2", resume_dir / "2")  # as if the run had stopped after step 2
+    result = finish(launch(1, 4, "fsdp=2,tp=2", str(root / "resumed"), checkpoint=str(resume_dir),
+                           student_seed=5), str(root / "resumed"))[0]
+    assert result["events"][0] == "resume" and result["steps"] == 3
+    np.testing.assert_allclose(result["losses"], runs["two"][0]["losses"], rtol=0, atol=1e-5)
+    two, resumed = student_tensors(root / "two"), student_tensors(root / "resumed")
+    for name, value in two.items():
+        np.testing.assert_allclose(resumed[name], value, rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
+    """Process 1 is SIGKILLed inside the loop while process 0 runs the step's collectives: JAX's coordination
+    service (in process 0) misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1."""
+    heartbeat = 10
+    out = str(tmp_path)
+    procs = launch(2, 4, "fsdp=4,tp=2", out, kill_at_batch=3, kill_process=1, heartbeat_timeout_s=heartbeat,
+                   guard=False)
+    try:
+        procs[0].wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail("the surviving process hung after its peer was killed")
+    ended = time.time()
+    procs[1].wait(timeout=30)
+    log = open(os.path.join(out, "log0.txt")).read()
+    assert procs[1].returncode == -9, open(os.path.join(out, "log1.txt")).read()[-3000:]
+    assert procs[0].returncode != 0, log[-3000:]
+    waited = ended - float(open(os.path.join(out, "killed_at")).read())
+    assert waited < heartbeat + 20, waited  # measured 10-12 s on 2 busy cores
+    assert "JAX distributed service detected fatal errors" in log and "another task died" in log, log[-3000:]
+    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log, log[-3000:]  # task 1
+    assert "multi-host process 0 of 2" in log  # what a lost process looks like, said at the start
+
+
+def test_recipe_multi_host_flags_become_initialize_arguments():
+    from distill.distributed import DistributedError, DistributedSettings
+    from recipes.cli import distributed_settings
+
+    settings = distributed_settings(["--coordinator", "10.0.0.2:8476", "--num-processes", "4", "--process-id",
+                                     "3", "--heartbeat-timeout", "30", "--preset", "tiny"])
+    assert settings.initialize_kwargs() == {"coordinator_address": "10.0.0.2:8476", "num_processes": 4,
+                                            "process_id": 3, "heartbeat_timeout_seconds": 30,
+                                            "initialization_timeout": 300}
+    auto = distributed_settings(["--distributed", "auto"])
+    assert auto.requested and auto.initialize_kwargs() == {"heartbeat_timeout_seconds": 100,
+                                                           "initialization_timeout": 300}
+    assert not distributed_settings(["--preset", "tiny"]).requested  # one host: no jax.distributed
+    with pytest.raises(DistributedError, match="all three"):
+        distributed_settings(["--coordinator", "10.0.0.2:8476", "--num-processes", "4"])
+    with pytest.raises(DistributedError, match="process_id 4 must be in"):
+        DistributedSettings(coordinator="h:1", num_processes=4, process_id=4)
+    with pytest.raises(DistributedError, match="HOST:PORT"):
+        DistributedSettings(coordinator="10.0.0.2", num_processes=2, process_id=0)
