@@ -8,6 +8,7 @@ line instead of a traceback when the toolkit refuses something.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -16,6 +17,8 @@ from typing import Callable
 
 import distill
 import surgery
+from distill.distributed import (DistributedError, DistributedSettings, failure_note, initialize_distributed,
+                                 is_main_process)
 from distill.mesh import MeshError
 from distill.trainer import DivergenceError
 from surgery.spec import TEACHER_FIELDS
@@ -31,7 +34,38 @@ class RecipeError(ValueError):
 
 # The toolkit's own refusals: printed as one line (exit 2); anything else is a bug and keeps its traceback.
 USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surgery.SpecError, surgery.PlanError,
-               surgery.HubError, distill.DataError, MeshError, DivergenceError, FileNotFoundError, PermissionError)
+               surgery.HubError, distill.DataError, MeshError, DivergenceError, DistributedError, FileNotFoundError,
+               PermissionError)
+
+
+MULTI_HOST_FLAGS = ("distributed", "coordinator", "num_processes", "process_id", "heartbeat_timeout")
+
+
+def distributed_settings(argv: list[str]) -> DistributedSettings:
+    """The multi-host flags of a command line (knobs.py's Multi-host group; the rest is ignored here), read
+    before anything else so that `jax.distributed` starts before any device is touched."""
+    from recipes.knobs import FLAGS
+    parser = argparse.ArgumentParser(add_help=False)
+    for title, flags in FLAGS:
+        for names, keywords, _ in flags:
+            if names[0].lstrip("-").replace("-", "_") in MULTI_HOST_FLAGS:
+                parser.add_argument(*names, **keywords)
+    given, _ = parser.parse_known_args(argv)
+    options = {"heartbeat_timeout_s": given.heartbeat_timeout} if given.heartbeat_timeout is not None else {}
+    return DistributedSettings(coordinator=given.coordinator, num_processes=given.num_processes,
+                               process_id=given.process_id, auto=given.distributed == "auto", **options)
+
+
+def start_distributed(argv: list[str]) -> bool:
+    """Start `jax.distributed` when the flags ask for it (call first thing in a script's main). Every process
+    says who it is on stderr; processes other than 0 print nothing on stdout from here on."""
+    settings = distributed_settings(argv)
+    if not initialize_distributed(settings):
+        return False
+    print(failure_note(settings), file=sys.stderr, flush=True)
+    if not is_main_process():
+        sys.stdout = open(os.devnull, "w")  # process 0 prints the run's progress and results
+    return True
 
 
 def student_spec(text: str, teacher: surgery.ModelConfig) -> surgery.StudentSpec:

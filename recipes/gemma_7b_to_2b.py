@@ -45,6 +45,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import jax  # noqa: E402
+
 import distill  # noqa: E402
 import surgery  # noqa: E402
 from recipes import cli, evaluation, phases, settings, tiny_teacher  # noqa: E402
@@ -111,13 +113,18 @@ def prepare_output(args) -> str:
         if phase not in PHASES or not step.isdigit():
             raise cli.RecipeError(f"--halt-after {args.halt_after!r}: use PHASE:STEP with PHASE in {PHASES}.")
         args.halt_steps[phase] = int(step)
-    if args.overwrite and os.path.isdir(out) and os.listdir(out) and not args.dry_run:
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
+    if jax.process_index() == 0:  # multi-host: the run folder is shared storage, process 0 prepares it
+        if args.overwrite and os.path.isdir(out) and os.listdir(out) and not args.dry_run:
+            shutil.rmtree(out)
+        os.makedirs(out, exist_ok=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"prepare_output {out}")
     return out
 
 
 def main(argv=None) -> dict:
+    cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
     args = parse_args(argv)
     if args.print_config:
         print(json.dumps(args.resolved, indent=2))
@@ -260,7 +267,8 @@ def load_data(args) -> distill.TokenBatches:
     if not args.data:
         raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                  eval_batch_size=args.batch_size, **cli.position_limit(args.teacher_folder))
+                  eval_batch_size=args.batch_size, process_index=jax.process_index(),
+                  process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
     if args.data.startswith("hf:"):
         return distill.TokenBatches.from_hf_dataset(args.data[3:], args.teacher_folder, **common)
     return distill.TokenBatches.from_files(args.data, args.teacher_folder, **common)

@@ -168,6 +168,17 @@ FLAGS = [
         (("--logger",), dict(choices=("wandb",)), "also log to Weights & Biases (JSONL and TensorBoard always)"),
         (("--wandb-project",), dict(), "the W&B project"),
     ]),
+    ("Multi-host (jax.distributed; every process runs the same command)", [
+        (("--distributed",), dict(choices=("auto",)), "auto: let JAX detect the cluster (Cloud TPU pod slices, "
+         "SLURM, Open MPI) through jax.distributed.initialize() without arguments"),
+        (("--coordinator",), dict(metavar="HOST:PORT"), "process 0's address and a free port, to launch by hand "
+         "(with --num-processes and --process-id)"),
+        (("--num-processes",), dict(type=int, metavar="N"), "how many processes the run has"),
+        (("--process-id",), dict(type=int, metavar="I"), "this process's id, 0 to N-1 (0 prints and writes "
+         "the reports)"),
+        (("--heartbeat-timeout",), dict(type=int, metavar="SECONDS"), "a process silent this long is declared "
+         "dead and JAX stops the others with an error naming it (default: 100, JAX's)"),
+    ]),
     ("Baseline", [
         (("--control",), dict(choices=("pruned-ce", "scratch", "none")), "the baseline trained on the same "
          "tokens: pruned-ce (Minitron's CE retraining, what distillation must beat) or scratch"),

@@ -20,13 +20,13 @@ from typing import Any
 import distill
 from distill.config import NESTED
 from recipes import phases
-from recipes.cli import RecipeError
+from recipes.cli import MULTI_HOST_FLAGS, RecipeError
 from recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
                            distill_epilog)
 
 FORMAT = "nnx-surgery recipe config 1"
 RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_after", "dry_run", "push_to_hub",
-            "public", "cache_dir", "set", "no_scratch")  # how this invocation runs, not what it computes: never saved
+            "public", "cache_dir", "set", "no_scratch", *MULTI_HOST_FLAGS)  # how this invocation runs, not what it computes: never saved
 MANAGED_CHECKPOINT = ("directory", "resume")
 
 
