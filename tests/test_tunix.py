@@ -41,10 +41,10 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """family -> (our model, folder with a word-level tokenizer): Gemma 3 (sliding and global layers, window 5)
-    and Llama (GQA, llama3 RoPE); untied heads, so greedy continuations vary."""
+    """family -> (our model, folder with a word-level tokenizer): Gemma 3 (sliding and global layers, window 5),
+    Llama (GQA, llama3 RoPE) and Mistral (every layer sliding); untied heads, so greedy continuations vary."""
     made = {}
-    for seed, family in enumerate(("gemma3_text", "llama")):
+    for seed, family in enumerate(("gemma3_text", "llama", "mistral")):
         folder = str(tmp_path_factory.mktemp(family))
         make_hf_model(family, seed=seed, tie_word_embeddings=False).save_pretrained(folder)
         save_tiny_tokenizer(folder)
@@ -109,6 +109,24 @@ def test_sampler_greedy_equals_generate(tiny, family):
         full = np.asarray(model(np.asarray([row + new[:-1]], np.int32)).logits)[0, len(row) - 1:]
         full = full[:len(step_logits)]
         np.testing.assert_allclose(np.asarray(step_logits), full, atol=1e-5 * np.abs(full).max(), rtol=0)
+
+
+def test_sampler_decodes_every_layer_sliding(tiny):
+    """Mistral: every layer a ring buffer of the window (5) in the adapter's cache, the cache's length read from
+    the mask. Pad ids are forbidden so that Tunix's masking of them plays no part; each step's logits equal our
+    cache-free forward over the tokens the sampler chose, and each choice is that forward's argmax."""
+    model, folder = tiny["mistral"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    out = tunix_sampler(to_tunix(model), tokenizer, cache_size=32)(
+        PROMPTS["llama"], max_generation_steps=NEW_TOKENS, eos_tokens=[1], temperature=0.0, return_logits=True,
+        forbidden_tokens=[0])
+    for prompt, new, step_logits in zip(PROMPTS["llama"], out.tokens, out.logits):
+        row, new = [tokenizer.bos_token_id] + tokenizer.encode(prompt), [int(t) for t in new]
+        assert len(new) == NEW_TOKENS and len(set(new)) >= 3
+        full = np.asarray(model(np.asarray([row + new], np.int32)).logits)[0, len(row) - 1:-1, 1:]
+        got = np.asarray(step_logits)[:, 1:]  # token 0 is forbidden (-inf in the sampler's logits)
+        np.testing.assert_allclose(got, full, atol=1e-5 * np.abs(full).max(), rtol=0)
+        assert new == list(np.argmax(full, axis=-1) + 1)
 
 
 def test_dpo_trains_a_pruned_student(pruned, tmp_path):
