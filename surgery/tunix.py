@@ -104,8 +104,11 @@ class TunixModel(nnx.Module):
         return (logits[:, -1:] if decode_only_last_token else logits), None
 
     def _cached(self, tokens, positions, cache: dict, attention_mask, last_only: bool):
-        kv = self._kv_cache(cache, attention_mask)
-        valid = None if attention_mask is None else _new_tokens_real(attention_mask, kv.end, tokens.shape[1])
+        if attention_mask is None:
+            raise ValueError("TunixModel with a cache needs the (B, T, cache_size) attention_mask Tunix's sampler "
+                             "passes: it gives the cache's length and which new tokens are padding.")
+        kv = self._kv_cache(cache, attention_mask.shape[-1])
+        valid = _new_tokens_real(attention_mask, kv.end, tokens.shape[1])
         out = self.model(tokens, positions=positions, attention_mask=valid, cache=kv, return_logits=False)
         hidden = out.final_hidden[:, -1:] if last_only else out.final_hidden
         return self.model.logits_from_hidden(hidden), self._cache_dict(out.cache)
@@ -122,16 +125,14 @@ class TunixModel(nnx.Module):
                                "positions": kv.slot_positions[layer.attention_type]}
                 for i, layer in enumerate(self.model.layers)}
 
-    def _kv_cache(self, cache: dict, attention_mask) -> KVCache:
+    def _kv_cache(self, cache: dict, max_len: int) -> KVCache:
+        """Our KVCache over the dict's buffers; `max_len` (static): the cache's length in tokens."""
         entries = [cache[f"layer_{i}"] for i in range(len(self.model.layers))]
         slot_positions: dict[str, jax.Array] = {}
         for layer, entry in zip(self.model.layers, entries):
             slot_positions.setdefault(layer.attention_type, entry["positions"])
         # every buffer holds each row's latest token, so the next real position follows the largest one seen
         latest = jnp.max(jnp.stack([p.max(axis=1) for p in slot_positions.values()]), axis=0)
-        sizes = [entry["k"].shape[1] for entry in entries]
-        # The cache's length is static: the mask's key axis (Tunix's cache_size), else the largest buffer.
-        max_len = attention_mask.shape[-1] if attention_mask is not None else max(sizes)
         return KVCache(keys=tuple(e["k"] for e in entries), values=tuple(e["v"] for e in entries),
                        slot_positions=slot_positions, end=entries[0]["end_index"][0],
                        next_position=(latest + 1).astype(jnp.int32), max_len=max_len, fresh=False)

@@ -191,6 +191,9 @@ def test_misuse_is_explained(tiny, monkeypatch):
         to_tunix(to_tunix(model))
     with pytest.raises(TypeError, match="actor_trainer.model"):
         from_tunix(model)
+    policy = to_tunix(model)
+    with pytest.raises(ValueError, match="attention_mask"):
+        policy(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), policy.init_cache(1, 8), None)
     monkeypatch.setitem(sys.modules, "tunix", None)  # as if the extra were not installed
     with pytest.raises(ImportError, match="--no-deps google-tunix==0.1.7") as error:
         require_tunix()
