@@ -17,8 +17,21 @@ import numpy as np
 
 log = logging.getLogger("distill")
 
-# Environment variables under which `jax.distributed.initialize()` finds its arguments by itself.
-AUTO_MARKERS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
+
+
+def launched_multi_host(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment names a multi-process launch that `jax.distributed.initialize()` detects: a
+    JAX_COORDINATOR_ADDRESS, an `srun` step of several tasks (SLURM), an Open MPI world of several ranks, or a
+    TPU pod slice of several hosts. A one-task SLURM allocation or a single TPU VM is not multi-host."""
+    env = os.environ if environ is None else environ
+
+    def count(name: str) -> int:
+        value = env.get(name, "")
+        return int(value) if value.isdigit() else 0
+
+    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or \
+        ("SLURM_STEP_NODELIST" in env and count("SLURM_NTASKS") > 1) or count("OMPI_COMM_WORLD_SIZE") > 1 or \
+        "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
 class DistributedError(RuntimeError):
@@ -82,10 +95,10 @@ def initialize_distributed(settings: DistributedSettings | None = None, **kwargs
     """Start `jax.distributed` when the run is multi-host; a no-op on one host. Returns whether it started.
 
     With `settings` (or keyword arguments of `jax.distributed.initialize`), as asked; with neither, only when the
-    environment names a cluster JAX detects (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a TPU pod). Call it before
+    environment names a multi-process launch JAX detects (`launched_multi_host`). Call it before
     anything touches devices: afterwards the device list is fixed and it raises DistributedError."""
     if settings is None:
-        if not kwargs and not any(os.environ.get(marker) for marker in AUTO_MARKERS):
+        if not kwargs and not launched_multi_host():
             return False
         settings = DistributedSettings(auto=not kwargs)
     elif not settings.requested:
@@ -133,5 +146,23 @@ def to_host(value: Any) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
+def local_rows(array: jax.Array, axis: int = 0) -> np.ndarray:
+    """This process's rows (along `axis`) of a global batch array split over the data axes: what it passed to
+    `put_batch`, read back without a collective (for re-splitting a batch, e.g. after an out-of-memory error).
+    On one host, the whole array."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    blocks: dict[tuple, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        span = shard.index[axis]
+        start = 0 if span.start is None else span.start
+        blocks.setdefault((start, span.stop), np.asarray(shard.data))
+    spans = sorted(blocks)
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise DistributedError(f"this process's rows of a batch are not one range along axis {axis} ({spans}); "
+                               "a batch's data axes must split processes into contiguous row ranges.")
+    return np.concatenate([blocks[span] for span in spans], axis=axis)
+
+
 __all__ = ["DistributedError", "DistributedSettings", "initialize_distributed", "is_main_process", "to_host",
-           "failure_note", "AUTO_MARKERS"]
+           "failure_note", "launched_multi_host", "local_rows"]

@@ -1,4 +1,5 @@
-"""Device meshes for distillation: parsing "fsdp=4,tp=2", placing models and batches, multi-host start.
+"""Device meshes for distillation: parsing "fsdp=4,tp=2", placing models and batches (multi-host start:
+distributed.py).
 
 Meshes always use Auto axis types (GSPMD propagation): jax 0.10's `jax.make_mesh` defaults to Explicit axes, under
 which the models' row-parallel matmuls fail. Where a parameter lives is the model's answer, not this module's:
@@ -9,13 +10,14 @@ batch.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from .distributed import initialize_distributed  # noqa: F401  (re-exported: the multi-host start lives there)
 
 log = logging.getLogger("distill")
 DATA_AXES = ("data", "fsdp")
@@ -227,18 +229,6 @@ def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dic
         else:
             out[key] = jax.device_put(value, sharding)
     return out
-
-
-def initialize_distributed(**kwargs: Any) -> bool:
-    """`jax.distributed.initialize` when launched multi-host (a coordinator address in the environment or given);
-    a no-op on one host. Call before anything touches devices. Returns whether it initialised."""
-    markers = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
-               "TPU_WORKER_HOSTNAMES")
-    if not kwargs and not any(os.environ.get(m) for m in markers):
-        return False
-    jax.distributed.initialize(**kwargs)
-    log.info("jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count())
-    return True
 
 
 __all__ = ["MeshError", "make_mesh", "parse_mesh_spec", "format_mesh_spec", "sizes_using", "check_mesh_fits",

@@ -18,7 +18,8 @@ jax.config.update("jax_num_cpu_devices", ARGS["devices"])
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 
-from distill.distributed import DistributedSettings, failure_note, initialize_distributed, to_host  # noqa: E402
+from distill.distributed import (DistributedSettings, failure_note, initialize_distributed, local_rows,  # noqa: E402
+                                 to_host)
 
 SETTINGS = DistributedSettings(coordinator=ARGS.get("coordinator"), num_processes=ARGS.get("num_processes"),
                                process_id=ARGS.get("process_id"), heartbeat_timeout_s=ARGS.get("heartbeat_timeout_s", 100))
@@ -31,7 +32,8 @@ from flax import nnx  # noqa: E402
 from distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
 from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
 from distill.trainer import run  # noqa: E402
-from surgery.checkpoint import save_pretrained  # noqa: E402
+from distill.mesh import make_mesh, put_batch  # noqa: E402
+from surgery.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -80,7 +82,8 @@ def main():
         compiler_options=FAST_COMPILE, mesh=ARGS["mesh"], seq_len=16, eval_every=2, eval_batches=1,
         checkpoint=checkpoint, guard=GuardConfig(enabled=ARGS.get("guard", True)), run_dir=ARGS.get("run_dir"))
     teacher, student = tiny_teacher(), student_from(tiny_teacher(seed=ARGS.get("student_seed", 0)))
-    result = run(teacher, student, ProcessRows(batches[:4], batches[4:]), config)
+    held_out = batches[4:] if ARGS.get("evaluate", True) else []
+    result = run(teacher, student, ProcessRows(batches[:4], held_out), config)
     out = {"losses": [r["loss"] for r in result.full_history], "steps": result.steps,
            "evals": [r["student_ce"] for r in result.full_evals], "events": [e["event"] for e in result.events],
            "process": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
@@ -90,7 +93,15 @@ def main():
                                 bool(np.array_equal(to_host(a), to_host(b)))
                                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)))
     out["sharded_over_processes"] = not student.embed_tokens.get_value().is_fully_addressable
-    save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)
+    mine = ProcessRows(batches, [])._mine(batches[0])  # a global batch's rows read back where they were put
+    put = put_batch({"input_ids": mine["input_ids"][None]}, make_mesh(ARGS["mesh"]), leading=1)
+    out["local_rows_equal"] = bool(np.array_equal(local_rows(put["input_ids"], axis=1)[0], mine["input_ids"]))
+    folder = save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)
+    # every process reads only the blocks its own devices hold, onto the global mesh
+    loaded = load_pretrained(folder, dtype="float32", mesh=make_mesh(ARGS["mesh"]))
+    want, got = nnx.state(student, nnx.Param), nnx.state(loaded, nnx.Param)
+    out["reload_equal"] = all(a.sharding == b.sharding and bool(np.array_equal(to_host(a), to_host(b)))
+                              for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
     with open(os.path.join(ARGS["out"], f"result{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
 

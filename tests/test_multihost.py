@@ -78,6 +78,8 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
     np.testing.assert_allclose(first["losses"], one["losses"], rtol=0, atol=1e-5)  # measured within 3e-7
     np.testing.assert_allclose(first["evals"], one["evals"], rtol=0, atol=1e-5)
     assert first["snapshot_equal"] and second["snapshot_equal"]  # rollback copy of arrays spanning processes
+    assert first["local_rows_equal"] and second["local_rows_equal"]  # a process reads back its own batch rows
+    assert first["reload_equal"] and second["reload_equal"]  # the saved student loads back onto the 2-process mesh
     two, single = student_tensors(runs["root"] / "two"), student_tensors(runs["root"] / "one")
     assert sorted(two) == sorted(single) and len(two) > 10
     for name, value in single.items():  # measured within 3e-6 (Adam on near-zero gradients, lr 1e-2)
@@ -100,12 +102,13 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
 
 
 def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
-    """Process 1 is SIGKILLed inside the loop while process 0 runs the step's collectives: JAX's coordination
+    """Process 1 is SIGKILLed inside the loop (fetching batch 2 while step 1 runs) and process 0 waits in the
+    step's collectives: JAX's coordination
     service (in process 0) misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1."""
     heartbeat = 10
     out = str(tmp_path)
-    procs = launch(2, 4, "fsdp=4,tp=2", out, kill_at_batch=3, kill_process=1, heartbeat_timeout_s=heartbeat,
-                   guard=False)
+    procs = launch(2, 4, "fsdp=4,tp=2", out, kill_at_batch=2, kill_process=1, heartbeat_timeout_s=heartbeat,
+                   guard=False, evaluate=False)
     try:
         procs[0].wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -143,3 +146,21 @@ def test_recipe_multi_host_flags_become_initialize_arguments():
         DistributedSettings(coordinator="h:1", num_processes=4, process_id=4)
     with pytest.raises(DistributedError, match="HOST:PORT"):
         DistributedSettings(coordinator="10.0.0.2", num_processes=2, process_id=0)
+
+
+def test_multi_host_launches_are_recognised_and_a_late_start_is_refused():
+    import jax
+    from distill.distributed import (DistributedError, DistributedSettings, initialize_distributed,
+                                     launched_multi_host)
+
+    assert launched_multi_host({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"})
+    assert not launched_multi_host({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"})  # sbatch script, not an srun step
+    assert not launched_multi_host({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1"})
+    assert launched_multi_host({"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"})
+    assert not launched_multi_host({"TPU_WORKER_HOSTNAMES": "localhost"})  # one TPU VM
+    assert launched_multi_host({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:8476"})
+    assert not initialize_distributed(DistributedSettings())  # nothing asked: one host, no-op
+    jax.devices()  # devices touched: too late to start the runtime
+    with pytest.raises(DistributedError, match="before anything touches devices"):
+        initialize_distributed(DistributedSettings(coordinator=f"127.0.0.1:{free_port()}", num_processes=2,
+                                                   process_id=1, initialization_timeout_s=2))
