@@ -6,6 +6,10 @@ Restores go against ShapeDtypeStruct targets carrying the shardings of the array
 resumes on the mesh it is started with, whichever mesh wrote the checkpoint. The optimizer
 state's structure depends on the stage's trainable set, so `meta` is read first and the caller builds the stage
 before restoring the rest. Saves are synchronous: the step donates its input buffers right after.
+
+Multi-host: every process calls save, restore and `wait_until_finished` together (orbax writes each process's
+shards into the one shared directory), and a checkpoint written by N processes restores in any number on any mesh.
+The in-memory rollback copy (no checkpoint directory) keeps each process's own shards on its host (HostShards).
 """
 from __future__ import annotations
 

@@ -4,6 +4,16 @@ arrays back on the host.
 Every process runs the same program over one global mesh (all processes' devices); JAX's coordination service
 (started by process 0) connects them, and XLA's collectives (gloo on CPU, NCCL on GPU, ICI on TPU) move the data.
 `initialize_distributed` must run before anything touches devices (`jax.devices()`, an array, a jit).
+
+A lost process (killed, crashed, preempted) ends the others through JAX's coordination service, measured on
+jax 0.10.2 with 2 CPU processes: when process 1 dies, process 0 (which hosts the service) sees its heartbeats stop
+and is aborted (SIGABRT, exit status 134 in a shell) at most `heartbeat_timeout_s` later (6-10 s for 10 s: the
+service checks heartbeats periodically), wherever it is (a survivor inside a collective waits for its peer until
+then); when process 0 dies, the others lose the service
+and are aborted at once. The message is JAX's: "Terminating process because the JAX distributed service detected
+fatal errors. This most likely indicates that another task died", with "The following tasks are unhealthy
+(stopped sending heartbeats): 1" (task = process id). The abort cannot be caught in Python, so `failure_note`
+(printed by each process at the start) says beforehand what it means and how to resume.
 """
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def student_tensors(folder: str) -> dict[str, np.ndarray]:
 def runs(tmp_path_factory):
     """The 2 x 4 run (checkpointing every step) and the 1 x 8 reference, started together."""
     root = tmp_path_factory.mktemp("multihost")
-    two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), checkpoint=str(root / "two_ckpt"))
+    two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), checkpoint=str(root / "two_ckpt"),
+                 run_dir=str(root / "two_run"))
     one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"))
     return {"root": root, "two": finish(two, str(root / "two")), "one": finish(one, str(root / "one"))[0]}
 
@@ -80,6 +81,8 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
     assert first["snapshot_equal"] and second["snapshot_equal"]  # rollback copy of arrays spanning processes
     assert first["local_rows_equal"] and second["local_rows_equal"]  # a process reads back its own batch rows
     assert first["reload_equal"] and second["reload_equal"]  # the saved student loads back onto the 2-process mesh
+    records = [json.loads(line) for line in open(runs["root"] / "two_run" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r and not r.get("eval")] == [1, 2, 3]  # process 0 logs alone
     two, single = student_tensors(runs["root"] / "two"), student_tensors(runs["root"] / "one")
     assert sorted(two) == sorted(single) and len(two) > 10
     for name, value in single.items():  # measured within 3e-6 (Adam on near-zero gradients, lr 1e-2)
@@ -121,7 +124,7 @@ def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_
     assert procs[1].returncode == -9, open(os.path.join(out, "log1.txt")).read()[-3000:]
     assert procs[0].returncode != 0, log[-3000:]
     waited = ended - float(open(os.path.join(out, "killed_at")).read())
-    assert waited < heartbeat + 20, waited  # measured 10-12 s on 2 busy cores
+    assert waited < heartbeat + 20, waited  # measured 6-10 s (the service checks heartbeats periodically)
     assert "JAX distributed service detected fatal errors" in log and "another task died" in log, log[-3000:]
     assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log, log[-3000:]  # task 1
     assert "multi-host process 0 of 2" in log  # what a lost process looks like, said at the start
