@@ -1,7 +1,7 @@
 """One process of the multi-host tests (tests/test_multihost.py), run as `python tests/multihost_worker.py ARGS`
 (ARGS: JSON). A tiny distillation (test_distill_train's teacher and depth-pruned student) over one global mesh:
-with `num_processes` > 1 it starts JAX's multi-controller runtime (distill.initialize_distributed) and feeds
-this process's rows of every global batch. It writes `result{process}.json` (losses, evaluations, events) and
+with `num_processes` > 1 it starts JAX's multi-controller runtime (distill.initialize_distributed), and each
+process feeds its rows of every global batch (TokenBatches with process_index / process_count). It writes `result{process}.json` (losses, evaluations, events) and
 the final student as an HF folder (`save_pretrained`: gathered tensor by tensor, written by process 0)."""
 import json
 import os
@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
+from distill.data import TokenBatches  # noqa: E402
 from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
 from distill.trainer import run  # noqa: E402
 from distill.mesh import make_mesh, put_batch  # noqa: E402
@@ -39,40 +40,28 @@ from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_
 GLOBAL_BATCH = 8
 
 
-class ProcessRows:
-    """Global batches of which this process keeps its contiguous share of rows (as TokenBatches does)."""
-
-    def __init__(self, batches, held_out):
-        self.batches, self.held_out, self.position = batches, held_out, 0
-
-    def _mine(self, batch):
-        per = GLOBAL_BATCH // jax.process_count()
-        return {k: v[jax.process_index() * per:(jax.process_index() + 1) * per] for k, v in batch.items()}
+class Batches(TokenBatches):
+    """The real data pipeline: every process walks the same global row order and keeps its share of each
+    batch's rows; a checkpoint's data position is the same on every process. Optionally SIGKILLs this process."""
 
     def next_batch(self):
-        batch = self.batches[self.position % len(self.batches)]
-        self.position += 1
-        if self.position == ARGS.get("kill_at_batch") and jax.process_index() == ARGS.get("kill_process"):
+        self.taken = getattr(self, "taken", 0) + 1
+        if self.taken == ARGS.get("kill_at_batch") and jax.process_index() == ARGS.get("kill_process"):
             with open(os.path.join(ARGS["out"], "killed_at"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)  # dies while the other process runs the step's collectives
-        return self._mine(batch)
+        return super().next_batch()
 
     def eval_batches(self):
-        return [self._mine(b) for b in self.held_out]
-
-    def state(self):
-        return {"position": self.position}
-
-    def restore(self, state):
-        self.position = state["position"]
+        return super().eval_batches() if ARGS.get("evaluate", True) else []
 
 
 def main():
     os.makedirs(ARGS["out"], exist_ok=True)
-    samples = teacher_samples(tiny_teacher(), 10, seed=3)
-    batches = [{"input_ids": np.concatenate([samples[2 * i]["input_ids"], samples[2 * i + 1]["input_ids"]])}
-               for i in range(5)]
+    documents = np.concatenate([b["input_ids"] for b in teacher_samples(tiny_teacher(), 10, seed=3)])
+    data = Batches.from_arrays(list(documents), eos_id=1, seq_len=16, batch_size=GLOBAL_BATCH, seed=0,
+                               eval_documents=6, process_index=jax.process_index(),
+                               process_count=jax.process_count())
     checkpoint = CheckpointConfig(ARGS["checkpoint"], every=1, keep=4) if ARGS.get("checkpoint") else \
         CheckpointConfig()
     weights = LossWeights(kl=1.0, ce=0.3, attention=0.2, feature=0.1)
@@ -82,8 +71,7 @@ def main():
         compiler_options=FAST_COMPILE, mesh=ARGS["mesh"], seq_len=16, eval_every=2, eval_batches=1,
         checkpoint=checkpoint, guard=GuardConfig(enabled=ARGS.get("guard", True)), run_dir=ARGS.get("run_dir"))
     teacher, student = tiny_teacher(), student_from(tiny_teacher(seed=ARGS.get("student_seed", 0)))
-    held_out = batches[4:] if ARGS.get("evaluate", True) else []
-    result = run(teacher, student, ProcessRows(batches[:4], held_out), config)
+    result = run(teacher, student, data, config)
     out = {"losses": [r["loss"] for r in result.full_history], "steps": result.steps,
            "evals": [r["student_ce"] for r in result.full_evals], "events": [e["event"] for e in result.events],
            "process": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
@@ -93,9 +81,10 @@ def main():
                                 bool(np.array_equal(to_host(a), to_host(b)))
                                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)))
     out["sharded_over_processes"] = not student.embed_tokens.get_value().is_fully_addressable
-    mine = ProcessRows(batches, [])._mine(batches[0])  # a global batch's rows read back where they were put
-    put = put_batch({"input_ids": mine["input_ids"][None]}, make_mesh(ARGS["mesh"]), leading=1)
-    out["local_rows_equal"] = bool(np.array_equal(local_rows(put["input_ids"], axis=1)[0], mine["input_ids"]))
+    mine = data.next_batch()["input_ids"]  # a global batch's rows read back where they were put
+    put = put_batch({"input_ids": mine[None]}, make_mesh(ARGS["mesh"]), leading=1)
+    out["local_rows_equal"] = bool(np.array_equal(local_rows(put["input_ids"], axis=1)[0], mine))
+    out["data_state"] = result.data_state
     folder = save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)
     # every process reads only the blocks its own devices hold, onto the global mesh
     loaded = load_pretrained(folder, dtype="float32", mesh=make_mesh(ARGS["mesh"]))
