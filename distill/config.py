@@ -13,6 +13,7 @@ import optax
 from .interface import Correspondence
 from .loss_weights import LossWeights, Ramp, _plain, _ramp
 from .losses import FEATURE_KINDS
+from .on_policy import OnPolicyConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +233,7 @@ class DistillConfig:
     guard: GuardConfig = GuardConfig()
     targets: TargetsConfig = TargetsConfig()
     oom: OOMConfig = OOMConfig()
+    on_policy: OnPolicyConfig = OnPolicyConfig()  # GKD: steps trained on the student's own samples
     logger: str | None = None  # "wandb" adds Weights & Biases; JSONL and TensorBoard are always written
     wandb_project: str | None = None
     run_dir: str | None = None  # JSONL metrics, TensorBoard events and PNG curves
@@ -267,6 +269,11 @@ class DistillConfig:
         self._check_mesh()
         if self.top_k is not None and any(s.weights.reverse_kl for s in stages):
             raise ValueError("top_k cannot be combined with a reverse_kl weight (infinite on truncated support).")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta={self.jsd_beta} must lie in [0, 1] (0.5: symmetric JSD; 0: forward KL; "
+                             "1: reverse KL).")
+        if self.on_policy.fraction and self.seq_len is not None:
+            self.on_policy.shape(self.seq_len)
 
     def _check_mesh(self) -> None:
         """Mesh spec and batch checked when the config is made, not after the models are loaded (MeshError)."""
@@ -337,7 +344,7 @@ class DistillConfig:
 
 
 NESTED = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
-          "targets": TargetsConfig, "oom": OOMConfig}
+          "targets": TargetsConfig, "oom": OOMConfig, "on_policy": OnPolicyConfig}
 
 
 def _check_keys(kind: type, data: dict[str, Any], where: str) -> None:
@@ -379,4 +386,4 @@ def _json(value: Any) -> Any:
 
 
 __all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig",
-           "TargetsConfig", "OOMConfig", "GUARD_POLICIES", "OOM_STEPS"]
+           "TargetsConfig", "OOMConfig", "OnPolicyConfig", "GUARD_POLICIES", "OOM_STEPS"]

@@ -62,6 +62,24 @@ class DistillModel(Protocol):
     def logits_from_hidden(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array: ...
 
 
+@runtime_checkable
+class Sampler(Protocol):
+    """How on-policy distillation (`DistillConfig.on_policy`, distill/on_policy.py) gets the student's own samples:
+    a callable passed as `distill.run(..., sampler=)`, so `distill` needs no generation code of its own (the
+    surgery's is `surgery.generate.make_sampler()`, over its jitted KV-cache prefill and decode loop).
+
+    `model`: the student as it is at this step (a module sharing the training arrays; do not keep it).
+    `prompt_ids`, `prompt_mask`: (B, P) int32, left padded (mask 0 on padding). `key`: a JAX PRNG key, the only
+    source of randomness (the run derives it from its seed and step, so a resumed run samples the same).
+    Returns host arrays `tokens` (B, max_new_tokens) int32, the new tokens of each row, and `valid`
+    (B, max_new_tokens) bool, True for the tokens up to and including the one that stopped the row (an EOS),
+    False after it. Shapes are the same at every step, so an implementation compiles once. It runs outside the
+    differentiated step: the samples are data, no gradient flows through sampling."""
+
+    def __call__(self, model: Any, prompt_ids: Any, prompt_mask: Any, *, max_new_tokens: int, temperature: float,
+                 key: jax.Array) -> tuple[Any, Any]: ...
+
+
 # Batch keys a forward takes, beyond input_ids; a batch of packed documents has positions and segment_ids.
 FORWARD_KEYS = ("attention_mask", "positions", "segment_ids")
 
@@ -178,5 +196,5 @@ def _flat_heads(heads: Any) -> tuple[int, ...] | None:
     return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
-__all__ = ["DistillModel", "ModelOutput", "FORWARD_KEYS", "forward_inputs", "next_token_targets", "Correspondence",
+__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "next_token_targets", "Correspondence",
            "correspondence_from_plan", "check_model"]

@@ -6,6 +6,10 @@ temperature tau, p = softmax(t / tau), q = softmax(s / tau)):
     kl          KL(p || q) = sum_v p (log p - log q)                      (forward, "mean-seeking")
     reverse_kl  KL(q || p)                                               ("mode-seeking")
     jsd         beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q   (beta = 0.5: symmetric JSD)
+                the generalised JSD(beta) of GKD (Agarwal et al. 2024) and TRL's GKDTrainer; beta = 0 is forward KL
+                KL(p || q) and beta = 1 reverse KL KL(q || p): the limits of JSD(beta) / beta as beta -> 0 and of
+                JSD(beta) / (1 - beta) as beta -> 1 (JSD(beta) itself is ~ beta KL(p || q) near 0, so the end
+                points are not continuous in scale, as in TRL)
     ce          -log softmax(s)[label]                                   (temperature 1, hard labels)
 
     loss = tau^2 (w_kl kl + w_rkl reverse_kl + w_jsd jsd) + w_ce ce
@@ -72,9 +76,12 @@ class LogitLossSettings:
         if not self.teacher and (self.kl or self.reverse_kl or self.jsd or self.top_k):
             raise ValueError("without a teacher only the hard-label ce term is possible; set kl/reverse_kl/jsd "
                              "weights to 0 and top_k to None, or pass a teacher.")
-        if not 0.0 < self.jsd_beta < 1.0:
-            raise ValueError(f"jsd_beta={self.jsd_beta} must lie strictly between 0 and 1 (0.5 is the symmetric JSD);"
-                             " use the kl / reverse_kl terms for the end points.")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta={self.jsd_beta} must lie in [0, 1] (0.5 is the symmetric JSD, 0 forward KL, "
+                             "1 reverse KL).")
+        if self.top_k is not None and self.jsd and self.jsd_beta == 1.0:
+            raise ValueError("jsd with jsd_beta=1 is reverse KL, infinite with top_k (the truncated teacher has zero "
+                             "mass where the student has some); lower jsd_beta or drop top_k.")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be a positive number of teacher logits, or None.")
         if self.top_k is not None and self.reverse_kl:
@@ -114,6 +121,17 @@ def closed_form_applies(spec: LogitLossSettings, chunks_per_block: int) -> bool:
 def _xlogy_diff(p: jax.Array, log_p: jax.Array, log_q: jax.Array) -> jax.Array:
     """sum_v p (log p - log q), with 0 log 0 = 0 (and no NaN from -inf log p where p = 0)."""
     return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)
+
+
+def _generalised_jsd(p, log_p, q, log_q, beta: float) -> jax.Array:
+    """JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q; its normalised limits at the
+    end points: KL(p || q) at beta = 0, KL(q || p) at beta = 1 (module docstring)."""
+    if beta == 0.0:
+        return _xlogy_diff(p, log_p, log_q)
+    if beta == 1.0:
+        return _xlogy_diff(q, log_q, log_p)
+    log_m = jnp.logaddexp(math.log(beta) + log_p, math.log(1.0 - beta) + log_q)
+    return beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
 
 
 def _keep_top_k(logits: jax.Array, k: int) -> jax.Array:
@@ -166,9 +184,7 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     if spec.reverse_kl:
         terms["reverse_kl"] = _xlogy_diff(q, log_q, log_p)
     if spec.jsd:
-        beta = spec.jsd_beta
-        log_m = jnp.logaddexp(math.log(beta) + log_p, math.log(1.0 - beta) + log_q)
-        terms["jsd"] = beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
+        terms["jsd"] = _generalised_jsd(p, log_p, q, log_q, spec.jsd_beta)
     soft = sum((coeffs[name] * value for name, value in terms.items()), jnp.zeros(s.shape[:-1], jnp.float32))
     per_token = tau * tau * soft
     labels = labels[..., None].astype(jnp.int32)

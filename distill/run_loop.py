@@ -43,6 +43,7 @@ from .interface import FORWARD_KEYS
 from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
 from .mesh import put_batch
 from .metrics import device_peak_flops, make_logger, step_flops
+from .on_policy import OnPolicy
 from .oom import MemoryPlan, MemoryRetries, split_micro_batches
 from .step import hyper_values
 
@@ -74,7 +75,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
     `runner` (a StepRunner); the loop owns the run's bookkeeping (step, history, learning-rate scale, rollbacks,
     data position, fallback and memory state)."""
 
-    def __init__(self, runner, data, config: DistillConfig, mesh, eval_data, teacher, student):
+    def __init__(self, runner, data, config: DistillConfig, mesh, eval_data, teacher, student, sampler=None):
         self.runner, self.data, self.config, self.mesh = runner, data, config, mesh
         self.step, self.lr_scale, self.rollbacks = 0, 1.0, 0
         self.good_losses: list[float] = []
@@ -114,6 +115,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self.oom_retry, self.oom_sequence = config.oom.retry, config.oom.sequence  # validated by OOMConfig
         self.memory = MemoryPlan(runner.remat)
         self.data_rows: int | None = config.batch_size  # rows of a data batch (micro-batches may be split)
+        self.on_policy = OnPolicy(config.on_policy, sampler, config.seed) if config.on_policy.fraction else None
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -154,6 +156,8 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             return self._eval_due() and self._evaluate()  # stopped between this checkpoint and its evaluation
         self._event("stage", self._stage_line(self.runner.stage_index, 0), stage=self.runner.stage_index,
                     carried=0)
+        if self.on_policy is not None:
+            self._event("on_policy", self.on_policy.describe(), fraction=self.config.on_policy.fraction)
         self._mark_good()
         return self._evaluate()
 
@@ -169,8 +173,9 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             if index != self.runner.stage_index and self._switch_stage(index):
                 return self._stop_early()
             fetch_start = time.perf_counter()
-            batch, self.data_state = prefetched or self._next_batch()
+            batch, self.data_state, host = prefetched or self._next_batch()
             fetch_s = time.perf_counter() - fetch_start
+            batch, policy = self._policy_batch(batch, host)  # host time: sampling waits on the previous step
             hyper, active = self._hyper(index, in_stage)
             started = time.perf_counter()
             dispatched = self._dispatch(batch, hyper)
@@ -190,7 +195,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
                 continue
             self.step += 1
             self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
-            record = self._log_step(values, hyper, done - started, index, batch, warmup, active)
+            record = self._log_step(values, hyper, done - started, index, batch, warmup, active, policy)
             step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, done - wait_start, fetch_s)
             if not warmup:
                 self._time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s, record.get("mfu"))
@@ -270,23 +275,37 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in terms.weight_names()})
         return hyper, active
 
-    def _next_batch(self) -> tuple[dict[str, Any], Any]:
-        """The next step's micro-batches on the mesh (split further after an OOM decision), and the data position
+    def _next_batch(self) -> tuple[dict[str, Any], Any, dict[str, np.ndarray]]:
+        """The next step's micro-batches on the mesh (split further after an OOM decision), the data position
         just after them (what a checkpoint taken after that step records, even when a further batch has been
-        prefetched)."""
+        prefetched), and the same batch on the host (A, B, T), before any split."""
         batches = [self.data.next() for _ in range(self.config.grad_accum)]
         stacked = _stack(batches, self.config)
+        if self.on_policy is not None:
+            stacked = self.on_policy.with_loss_mask(stacked)
         self.data_rows = self.data_rows or int(stacked["input_ids"].shape[1])
-        return put_batch(split_micro_batches(stacked, self.memory.split), self.mesh, leading=1), self.data.state()
+        return self._device_batch(stacked), self.data.state(), stacked
 
-    def _log_step(self, values, hyper, elapsed: float, index: int, batch, warmup: bool, active: list[str]):
+    def _device_batch(self, stacked: dict[str, np.ndarray]) -> dict[str, Any]:
+        return put_batch(split_micro_batches(stacked, self.memory.split), self.mesh, leading=1)
+
+    def _policy_batch(self, batch, host) -> tuple[dict[str, Any], dict[str, float]]:
+        """The step's batch, or the student's samples in its place when this step's on-policy draw says so
+        (on_policy.py), and the fields the step record gets for it."""
+        if self.on_policy is None:
+            return batch, {}
+        sampled, fields = self.on_policy.batch_for(host, self.step, self.runner.current_student)
+        return (batch if sampled is None else self._device_batch(sampled)), fields
+
+    def _log_step(self, values, hyper, elapsed: float, index: int, batch, warmup: bool, active: list[str],
+                  policy: dict[str, float]):
         accum, batch_size, seq_len = batch["input_ids"].shape
         tokens = accum * batch_size * seq_len
         if self.flops is None:
             self.flops = step_flops(self.student, self.teacher, tokens, seq_len)
         record = {"step": self.step, "stage": index, **values, "perplexity": math.exp(min(values["student_ce"], 80)),
                   "lr": float(hyper["lr"]), "temperature": float(hyper["temperature"]), "step_time_s": elapsed,
-                  "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12}
+                  "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12, **policy}
         if warmup:
             record["warmup"] = True  # first step of a stage or after an OOM decision: may include compilation
         if self.peak:

@@ -169,6 +169,12 @@ class StepRunner:
                                   decay_matrices_only=config.optimizer.decay_matrices_only,
                                   mse_on=config.guard.mse_on)
 
+    def current_student(self) -> nnx.Module:
+        """The student as it is now: a module merged from the stage's trainable values and the frozen rest,
+        sharing their arrays (host-side work such as on-policy sampling). The next train step donates those
+        arrays, so use it before dispatching that step and do not keep it."""
+        return nnx.merge(self.graph, self.params["student"], self.frozen)
+
     def sync_student(self) -> None:
         """Write the current trainable values back into the student module."""
         if self.params is not None:

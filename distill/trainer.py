@@ -20,7 +20,7 @@ from flax import nnx
 
 from . import terms
 from .config import DistillConfig
-from .interface import Correspondence, check_model, correspondence_from_plan
+from .interface import Correspondence, Sampler, check_model, correspondence_from_plan
 from .interruption import RunInterrupted
 from .losses import init_projections
 from .mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
@@ -168,6 +168,22 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
                          "distillation needs the same tokenizer and vocabulary on both sides.")
 
 
+def _check_on_policy(config: DistillConfig, teacher: Any, sampler: Any) -> None:
+    """On-policy steps need a sampler and a teacher to score the samples, on one process (the prompts are each
+    process's own rows; sampling a globally sharded model from them is not supported yet)."""
+    if not config.on_policy.fraction:
+        return
+    if not callable(sampler):
+        raise ValueError(f"on_policy.fraction={config.on_policy.fraction:g} needs a sampler of the student: pass "
+                         "distill.run(..., sampler=surgery.generate.make_sampler()) (see distill.interface.Sampler), "
+                         "or set on_policy.fraction=0.")
+    if teacher is None:
+        raise ValueError("on-policy steps are scored by the teacher: pass a teacher, or set on_policy.fraction=0.")
+    if jax.process_count() > 1:
+        raise ValueError("on-policy distillation runs on one process for now; set on_policy.fraction=0 on "
+                         "multi-host runs.")
+
+
 def _place(teacher: Any, student: Any, config: DistillConfig):
     """The run's mesh (None: one device), after checking it fits, with both models placed on it."""
     mesh = make_mesh(config.mesh, devices=config.mesh_devices) if config.mesh is not None else None
@@ -197,7 +213,7 @@ def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, stud
 
 
 def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConfig, *,
-        eval_data: Any = None) -> DistillResult:
+        eval_data: Any = None, sampler: Sampler | None = None) -> DistillResult:
     """Distil `teacher` into `student` (trained in place) following `config`.
 
     `teacher`, `student`: NNX modules with the DistillModel interface (interface.py); the teacher is never trained
@@ -206,7 +222,9 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     (`mesh.shard_model`) unless they already live there. `data`: an object with `next_batch()` (optionally
     `state()`/`restore()` and `eval_batches()`), or an iterable of dicts with `input_ids` (B, T) int32, optional
     `loss_mask` (B, T) (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and
-    `attention_mask`. `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). Returns a
+    `attention_mask`. `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). `sampler`:
+    the student's sampler for on-policy steps (`config.on_policy`; the `Sampler` of interface.py, e.g.
+    `surgery.generate.make_sampler()`), needed only when `config.on_policy.fraction` > 0. Returns a
     DistillResult with per-step metrics, evaluations (with the targets they meet), events (stage switches,
     rollbacks, fallbacks, OOM decisions, resume), the last targets' report and the loop's utilisation.
 
@@ -215,13 +233,14 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
     config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
     _check_models(teacher, student, config)
+    _check_on_policy(config, teacher, sampler)
     mesh = _place(teacher, student, config)
     needs_map = terms.any_term([s.weights for s in config.stages], "uses_layer_map") or _mse_on_features(config)
     corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
     projections = _projections(config, corr, teacher, student, mesh)
     runner = StepRunner(teacher, student, config, mesh, corr, projections)
     release_free_heap()
-    loop = TrainingLoop(runner, DataStream(data), config, mesh, eval_data, teacher, student)
+    loop = TrainingLoop(runner, DataStream(data), config, mesh, eval_data, teacher, student, sampler)
     try:
         with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
             loop.run()

@@ -108,6 +108,44 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
                       padded_length=width, decode_steps=steps - 1, prefill_s=prefill_s, decode_s=decode_s)
 
 
+def make_sampler(*, stop: Stop = None, top_k: int | None = None, top_p: float | None = None):
+    """A sampler for on-policy distillation (`distill.interface.Sampler`, passed as `distill.run(..., sampler=)`):
+    `sample(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, key) -> (tokens, valid)`.
+
+    It runs `generate`'s jitted prefill and decode loop on left-padded (B, P) prompts with `key`, a cache of exactly
+    P + max_new_tokens slots: the shapes are the same at every step of a run, so both compile once (the model's
+    graph is a static argument; a module merged from the same graph hits the same compiled programs). `stop`: token
+    ids ending a row (None: the model config's eos ids; strings are not supported here); `top_k` / `top_p` as in
+    `generate`. Returns numpy `tokens` (B, max_new_tokens) int32 and `valid` (B, max_new_tokens) bool: True up to
+    and including each row's first stop id; after it, and for steps never run (every row had stopped), False."""
+    if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
+        raise ValueError(f"make_sampler: stop={stop!r} has strings; on-policy sampling stops on token ids only.")
+
+    def sample(model: CausalLM, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float,
+               key: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+        sampling = _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        stop_ids = _stops(stop, model.config, None)[0]
+        stops = jnp.asarray(stop_ids or [-1], jnp.int32)
+        ids, mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
+        graphdef, state = nnx.split(model)
+        carry = _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p or 1.0,
+                         max_len=ids.shape[1] + max_new_tokens, max_new_tokens=max_new_tokens, sampling=sampling)
+        if max_new_tokens > 1:
+            carry = _decode(graphdef, state, carry, jnp.asarray(max_new_tokens, jnp.int32), key, stops, temperature,
+                            top_p or 1.0, sampling=sampling)
+        tokens, steps = np.asarray(carry.tokens), int(carry.step)
+        return tokens, completion_mask(tokens, steps, stop_ids)
+
+    return sample
+
+
+def completion_mask(tokens: np.ndarray, steps: int, stop_ids: Sequence[int]) -> np.ndarray:
+    """(B, N) bool: the tokens each row chose up to and including its first stop id, among the first `steps`."""
+    stopped = np.isin(tokens, np.asarray(list(stop_ids), np.int64)) if stop_ids else np.zeros(tokens.shape, bool)
+    before = np.cumsum(stopped, axis=1) - stopped  # stops strictly before each column
+    return (before == 0) & (np.arange(tokens.shape[1]) < steps)
+
+
 class _Sampling(NamedTuple):
     """The static part of the sampling settings (temperature and top_p values are traced: no recompilation)."""
 
@@ -305,4 +343,4 @@ def _finished_rows(tokens: np.ndarray, stop_ids, strings, string_stopped, text) 
     return kept, reasons
 
 
-__all__ = ["KVCache", "Generation", "generate"]
+__all__ = ["KVCache", "Generation", "generate", "make_sampler", "completion_mask"]
