@@ -159,7 +159,7 @@ def test_grpo_trains_a_pruned_student(pruned, tmp_path):
     teacher, plan, folder = pruned
     student = surgery.apply_plan(teacher, plan)
     before = _params(student)
-    mesh = distill.make_mesh("fsdp=1,tp=1")  # not the model's (unsharded): Tunix re-creates the model
+    mesh = distill.make_mesh("fsdp=1,tp=1", devices=1)  # not the model's (unsharded): Tunix re-creates the model
     config = rl.ClusterConfig(
         role_to_mesh={rl.Role.ACTOR: mesh, rl.Role.REFERENCE: mesh, rl.Role.ROLLOUT: mesh},
         rollout_engine="vanilla", offload_to_cpu=False,
