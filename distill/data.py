@@ -16,9 +16,9 @@ position 0). `return_segments=False` leaves both out (documents then see each ot
 
 Each epoch visits every row once in an order drawn from (seed, epoch); a batch that crosses the end of an epoch
 takes its remaining rows from the next one, so no row is dropped. `state()` / `restore()` resume exactly. With
-`process_count > 1`, every process walks the same global order and keeps its own `batch_size / process_count`
-rows of each batch. `max_positions` (the teacher's `max_position_embeddings`) refuses rows longer than the model
-supports; `check_vocabulary` refuses a tokenizer that is not the teacher's.
+`process_count > 1`, each process tokenises its share of the documents (data_shards.py), and all walk one global
+order, each keeping its `batch_size / process_count` rows of each batch. `max_positions` (the teacher's
+`max_position_embeddings`) refuses longer rows; `check_vocabulary` refuses a tokenizer that is not the teacher's.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .sources import DataError, Record, hf_dataset_records, read_records
-from .sources import expand_paths, stdlib_corpus  # noqa: F401  (re-exported: `distill.data` is their public home too)
+from .data_shards import tokenize_shared
+from .sources import DataError, Record, expand_paths, hf_dataset_records, read_records, stdlib_corpus  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------------ tokenizers
@@ -246,7 +246,8 @@ class TokenBatches:
         check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         tok = load_tokenizer(tokenizer)
         kwargs.setdefault("pad_id", tok.pad_id)
-        batches = cls(tokenize_records(records, tok), **kwargs)
+        documents = tokenize_shared(records, tok, tokenize_records, kwargs.get("process_count", 1))  # multi-host
+        batches = cls(documents, **kwargs)
         batches.eval_records = [records[i] for i in batches.eval_indices]
         return batches
 

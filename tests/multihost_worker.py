@@ -30,7 +30,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
-from distill.data import TokenBatches  # noqa: E402
+from distill.data import TokenBatches, load_tokenizer, tokenize_records  # noqa: E402
+from distill.data_shards import tokenize_shared  # noqa: E402
+from distill.tokenizer import save_byte_tokenizer  # noqa: E402
 from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
 from distill.trainer import run  # noqa: E402
 from distill.mesh import make_mesh, put_batch  # noqa: E402
@@ -54,6 +56,22 @@ class Batches(TokenBatches):
 
     def eval_batches(self):
         return super().eval_batches() if ARGS.get("evaluate", True) else []
+
+
+def shared_tokenisation() -> dict:
+    """Each process tokenises every other text (its share) and all end up with every text's tokens."""
+    texts = [f"document {i}: " + "abc " * (i % 7) for i in range(11)]
+    tokenizer = load_tokenizer(save_byte_tokenizer(os.path.join(ARGS["out"], f"tokenizer{jax.process_index()}")))
+    seen = []
+
+    def counting(records, tok):
+        seen.extend(records)
+        return tokenize_records(records, tok)
+
+    shared = tokenize_shared(texts, tokenizer, counting, jax.process_count())
+    whole = tokenize_records(texts, tokenizer)
+    return {"tokenised_here": len(seen), "shared_equal": len(shared) == len(whole) and all(
+        np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(shared, whole))}
 
 
 def main():
@@ -85,6 +103,7 @@ def main():
     put = put_batch({"input_ids": mine[None]}, make_mesh(ARGS["mesh"]), leading=1)
     out["local_rows_equal"] = bool(np.array_equal(local_rows(put["input_ids"], axis=1)[0], mine))
     out["data_state"] = result.data_state
+    out.update(shared_tokenisation())
     folder = save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)
     # every process reads only the blocks its own devices hold, onto the global mesh
     loaded = load_pretrained(folder, dtype="float32", mesh=make_mesh(ARGS["mesh"]))

@@ -77,6 +77,8 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
     assert first["sharded_over_processes"] and not one["sharded_over_processes"]
     assert first["losses"] == second["losses"] and len(first["losses"]) == 3  # every process sees the same
     assert first["data_state"] == second["data_state"] == one["data_state"]  # one global position
+    assert (first["tokenised_here"], second["tokenised_here"], one["tokenised_here"]) == (6, 5, 11)  # shares
+    assert first["shared_equal"] and second["shared_equal"]  # ... and every process has every text's tokens
     np.testing.assert_allclose(first["losses"], one["losses"], rtol=0, atol=1e-5)  # measured within 3e-7
     np.testing.assert_allclose(first["evals"], one["evals"], rtol=0, atol=1e-5)
     assert first["snapshot_equal"] and second["snapshot_equal"]  # rollback copy of arrays spanning processes
