@@ -17,6 +17,7 @@ from .schedules import progressive, resolve_epochs, sft_then_distil
 from .trainer import DistillResult, DivergenceError, OutOfMemoryError, run
 from . import fallbacks, oom, targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
+from .distributed import DistributedError, DistributedSettings  # noqa: F401  (multi-host: jax.distributed settings)
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
 from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
