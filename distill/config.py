@@ -272,6 +272,8 @@ class DistillConfig:
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta={self.jsd_beta} must lie in [0, 1] (0.5: symmetric JSD; 0: forward KL; "
                              "1: reverse KL).")
+        if isinstance(self.on_policy, dict):
+            object.__setattr__(self, "on_policy", _build(OnPolicyConfig, self.on_policy, "on_policy"))
         if self.on_policy.fraction and self.seq_len is not None:
             self.on_policy.shape(self.seq_len)
 

@@ -196,5 +196,5 @@ def _flat_heads(heads: Any) -> tuple[int, ...] | None:
     return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
-__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "next_token_targets", "Correspondence",
-           "correspondence_from_plan", "check_model"]
+__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "next_token_targets",
+           "Correspondence", "correspondence_from_plan", "check_model"]

@@ -74,6 +74,7 @@ def test_config_reads_on_policy_and_refuses_bad_values():
     config = DistillConfig.from_dict({"on_policy": {"fraction": 0.5, "temperature": 0.7}, "jsd_beta": 0.0})
     assert config.on_policy == OnPolicyConfig(fraction=0.5, temperature=0.7)
     assert DistillConfig.from_dict(config.to_dict()) == config
+    assert DistillConfig(on_policy={"fraction": 0.25}).on_policy == OnPolicyConfig(fraction=0.25)
     assert OnPolicyConfig().shape(16) == (8, 8) and OnPolicyConfig(prompt_len=4, max_new_tokens=6).shape(16) == (4, 6)
     for bad in ({"fraction": 1.5}, {"temperature": -1.0}, {"prompt_len": 0}):
         with pytest.raises(ValueError, match="OnPolicyConfig"):
