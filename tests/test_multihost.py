@@ -108,29 +108,36 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
 
 
 def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
-    """Process 1 is SIGKILLed inside the loop (fetching batch 2 while step 1 runs) and process 0 waits in the
-    step's collectives: JAX's coordination
-    service (in process 0) misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1."""
+    """Two runs at once. In each, one process is SIGKILLed inside the loop (fetching batch 2 while step 1 runs)
+    and the other waits in the step's collectives. Process 1 killed: JAX's coordination service (in process 0)
+    misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1. Process 0 killed: the
+    service goes with it and process 1 is stopped at once."""
     heartbeat = 10
-    out = str(tmp_path)
-    procs = launch(2, 4, "fsdp=4,tp=2", out, kill_at_batch=2, kill_process=1, heartbeat_timeout_s=heartbeat,
-                   guard=False, evaluate=False)
-    try:
-        procs[0].wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("the surviving process hung after its peer was killed")
-    ended = time.time()
-    procs[1].wait(timeout=30)
-    log = open(os.path.join(out, "log0.txt")).read()
-    assert procs[1].returncode == -9, open(os.path.join(out, "log1.txt")).read()[-3000:]
-    assert procs[0].returncode != 0, log[-3000:]
-    waited = ended - float(open(os.path.join(out, "killed_at")).read())
-    assert waited < heartbeat + 20, waited  # measured 6-10 s (the service checks heartbeats periodically)
-    assert "JAX distributed service detected fatal errors" in log and "another task died" in log, log[-3000:]
-    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log, log[-3000:]  # task 1
-    assert "multi-host process 0 of 2" in log  # what a lost process looks like, said at the start
+    runs = {killed: launch(2, 4, "fsdp=4,tp=2", str(tmp_path / f"kill{killed}"), kill_at_batch=2,
+                           kill_process=killed, heartbeat_timeout_s=heartbeat, guard=False, evaluate=False)
+            for killed in (1, 0)}
+    logs, waited = {}, {}
+    for killed, procs in runs.items():
+        out, survivor = str(tmp_path / f"kill{killed}"), procs[1 - killed]
+        try:
+            survivor.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for proc in [p for pair in runs.values() for p in pair]:
+                proc.kill()
+            pytest.fail(f"process {1 - killed} hung after process {killed} was killed")
+        ended = time.time()
+        procs[killed].wait(timeout=30)
+        logs[killed] = open(os.path.join(out, f"log{1 - killed}.txt")).read()
+        assert procs[killed].returncode == -9, open(os.path.join(out, f"log{killed}.txt")).read()[-3000:]
+        assert survivor.returncode != 0, logs[killed][-3000:]
+        waited[killed] = ended - float(open(os.path.join(out, "killed_at")).read())
+    for killed, log in logs.items():
+        assert "JAX distributed service detected fatal errors" in log and "another task died" in log, log[-3000:]
+        assert f"multi-host process {1 - killed} of 2" in log  # what a lost process looks like, said at the start
+    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in logs[1], logs[1][-3000:]
+    assert "Failed to send RPC to coordination service" in logs[0] and "leader task" in logs[0], logs[0][-3000:]
+    assert waited[1] < heartbeat + 20, waited  # measured 6-10 s (the service checks heartbeats periodically)
+    assert waited[0] < 20, waited  # measured under 1 s
 
 
 def test_recipe_multi_host_flags_become_initialize_arguments():
