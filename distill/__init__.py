@@ -19,6 +19,8 @@ from . import fallbacks, oom, targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .distributed import DistributedError, DistributedSettings  # noqa: F401  (multi-host: jax.distributed settings)
 from .interface import Correspondence, DistillModel, correspondence_from_plan
+from .interface import Sampler
+from .on_policy import OnPolicyConfig
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
 from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
 from .losses import attention_transfer_loss, feature_loss, pool_features
@@ -41,4 +43,5 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger"]
+           "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
+           "OnPolicyConfig", "Sampler"]

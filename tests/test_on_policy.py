@@ -194,6 +194,7 @@ def test_draws_are_seeded_every_batch_at_lambda_one_and_restored_on_resume(teach
     assert all(r["sample_s"] > 0 for r in every.history) and every.history[-1]["on_policy_rate"] == 1.0
     assert any(e["event"] == "on_policy" for e in every.events)
 
+    compiled = (_prefill._cache_size(), _decode._cache_size())  # the runs below sample with these programs
     config = _config(steps=6, fraction=0.5, seed=3)
     full = run(teacher, student_from(teacher), ArrayBatches(data["train"]), config, sampler=sampler)
     flags = [r["on_policy"] for r in full.history]
@@ -206,6 +207,7 @@ def test_draws_are_seeded_every_batch_at_lambda_one_and_restored_on_resume(teach
                   _config(steps=6, fraction=0.5, seed=3, checkpoint=checkpoint), sampler=sampler)
     assert resumed.events[0]["event"] == "resume"
     assert [r["on_policy"] for r in resumed.full_history] == flags
+    assert (_prefill._cache_size(), _decode._cache_size()) == compiled  # no recompilation, step after step
     assert [r["loss"] for r in resumed.history] == pytest.approx([r["loss"] for r in full.history[3:]], rel=1e-6)
 
 
