@@ -9,11 +9,12 @@ A lost process (killed, crashed, preempted) ends the others through JAX's coordi
 jax 0.10.2 with 2 CPU processes: when process 1 dies, process 0 (which hosts the service) sees its heartbeats stop
 and is aborted (SIGABRT, exit status 134 in a shell) at most `heartbeat_timeout_s` later (6-10 s for 10 s: the
 service checks heartbeats periodically), wherever it is (a survivor inside a collective waits for its peer until
-then); when process 0 dies, the others lose the service
-and are aborted at once. The message is JAX's: "Terminating process because the JAX distributed service detected
-fatal errors. This most likely indicates that another task died", with "The following tasks are unhealthy
-(stopped sending heartbeats): 1" (task = process id). The abort cannot be caught in Python, so `failure_note`
-(printed by each process at the start) says beforehand what it means and how to resume.
+then); when process 0 dies, the others lose the service and are aborted at once (under 1 s). The message is
+JAX's: "Terminating process because the JAX distributed service detected fatal errors. This most likely
+indicates that another task died", with "The following tasks are unhealthy (stopped sending heartbeats): 1"
+(task = process id) or "Failed to send RPC to coordination service. Either the leader task ..." (process 0 lost).
+The abort cannot be caught in Python, so `failure_note` (printed by each process at the start) says beforehand
+what it means and how to resume.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import jax
 import numpy as np
 
 log = logging.getLogger("distill")
-
 
 
 def launched_multi_host(environ: dict[str, str] | None = None) -> bool:
@@ -45,7 +45,8 @@ def launched_multi_host(environ: dict[str, str] | None = None) -> bool:
 
 
 class DistributedError(RuntimeError):
-    """A multi-host setting that cannot work, or a peer process that was lost: says which and what to do."""
+    """A multi-host setting that cannot work (incomplete or out-of-range flags, a start after devices were
+    touched): says which and what to do. A lost peer is reported by JAX itself (module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
