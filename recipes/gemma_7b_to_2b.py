@@ -131,6 +131,9 @@ def main(argv=None) -> dict:
         return {}
     if not args.output:
         raise cli.RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
+    if jax.process_count() > 1 and not args.mesh:
+        raise cli.RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
+                              f"{jax.device_count()} devices, e.g. --mesh fsdp={jax.device_count()}.")
     out = prepare_output(args)
     t_start = time.time()
 
@@ -160,7 +163,7 @@ def main(argv=None) -> dict:
     teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
     distill.data.check_vocabulary(args.teacher_folder, teacher_config.vocab_size)
-    data = tiny_teacher.batches(args, corpus) if corpus is not None else load_data(args)
+    data = load_data(args, corpus)
     calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
 
     # 2. Surgery. Staged: depth + MLP (A), distil, then hidden + heads + KV merge (B). Plans are data (plan.json).
@@ -263,12 +266,16 @@ def composed_map(plan_a, plan_b) -> dict:
             "kept_hidden": [plan_a.kept_hidden[i] for i in plan_b.kept_hidden]}
 
 
-def load_data(args) -> distill.TokenBatches:
-    if not args.data:
+def load_data(args, corpus: list[str] | None = None) -> distill.TokenBatches:
+    """The run's batches: the preset's corpus files when it has one, else --data. On multi-host each process
+    tokenises its share and keeps its rows of every batch."""
+    if corpus is None and not args.data:
         raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                   eval_batch_size=args.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
+    if corpus is not None:
+        return distill.TokenBatches.from_files(corpus, args.teacher_folder, **common)
     if args.data.startswith("hf:"):
         return distill.TokenBatches.from_hf_dataset(args.data[3:], args.teacher_folder, **common)
     return distill.TokenBatches.from_files(args.data, args.teacher_folder, **common)
