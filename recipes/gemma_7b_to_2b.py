@@ -156,9 +156,10 @@ def main(argv=None) -> dict:
         print(dry_run_report(args, teacher_config, spec))
         return {}
     settings.save_resolved(args, out)  # `--config OUT/resolved_config.json` repeats this run
-    with open(os.path.join(out, "run_args.json"), "w") as f:
-        json.dump({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "resolved"}, f, indent=2,
-                  default=str)
+    if jax.process_index() == 0:
+        with open(os.path.join(out, "run_args.json"), "w") as f:
+            json.dump({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "resolved"}, f,
+                      indent=2, default=str)
     mesh = mesh_of(args)
     teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
@@ -225,13 +226,14 @@ def main(argv=None) -> dict:
     if plan_a is not None:
         extra["plan_stage_a.json"] = plan_a.to_dict()
     surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra, overwrite=True)
-    plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
-                args.tokens_per_step, control_name=CONTROL_NAMES.get(args.control, ""),
-                recovery=results["recovery_curves"], teacher_loss=results["rows"][0]["loss"])
-    surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
-    if plan_a is not None:
-        surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
-    write_results(out, results, table)
+    if jax.process_index() == 0:  # multi-host: process 0 writes the reports
+        plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
+                    args.tokens_per_step, control_name=CONTROL_NAMES.get(args.control, ""),
+                    recovery=results["recovery_curves"], teacher_loss=results["rows"][0]["loss"])
+        surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
+        if plan_a is not None:
+            surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
+        write_results(out, results, table)
     print(f"student: {final}  (results.md, training_curves.png, layer_importance.png in {out})")
     if args.push_to_hub:
         url = surgery.push_to_hub(final, args.push_to_hub, private=not args.public)

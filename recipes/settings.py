@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+import jax
+
 import distill
 from distill.config import NESTED
 from recipes import phases
@@ -235,8 +237,9 @@ def save_resolved(args: argparse.Namespace, folder: str) -> str:
         if differ:
             raise RecipeError(f"--resume: the settings {differ} differ from the run's own ({path}); resume it "
                               f"as it was with --config {path} --resume, or start over with --overwrite.")
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(args.resolved, handle, indent=2)
+    if jax.process_index() == 0:  # multi-host: the run folder is shared, process 0 writes it
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(args.resolved, handle, indent=2)
     return path
 
 
