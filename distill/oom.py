@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from .distributed import local_rows
 from .mesh import DATA_AXES, put_batch
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
@@ -193,7 +194,7 @@ class MemoryRetries:
         self._write_config()
         if lost:
             return None
-        host = jax.device_get(batch)
+        host = {key: local_rows(value, axis=1) for key, value in batch.items()}  # this process's rows
         return put_batch(split_micro_batches(host, 2), self.mesh, leading=1) if action == "halve_batch" else batch
 
     def _restore_memory_plan(self, state: dict[str, Any] | None) -> None:

@@ -48,14 +48,16 @@ from .oom import MemoryPlan, MemoryRetries, split_micro_batches
 from .step import hyper_values
 
 
-def _stack(batches: list[dict[str, Any]], config: DistillConfig) -> dict[str, np.ndarray]:
+def _stack(batches: list[dict[str, Any]], config: DistillConfig, processes: int = 1) -> dict[str, np.ndarray]:
+    """The step's micro-batches stacked (grad_accum, rows, T). `config.batch_size` is global: on a multi-host mesh
+    each process holds `batch_size / processes` rows of it."""
     keys = set(batches[0])
     if "input_ids" not in keys:
         raise KeyError(f"a batch needs 'input_ids' (B, T) int32; it has {sorted(keys)}.")
     stacked = {key: np.stack([np.asarray(b[key]) for b in batches])
                for key in ("input_ids", "loss_mask", *FORWARD_KEYS) if key in keys}
     shape = stacked["input_ids"].shape[1:]
-    expected = (config.batch_size or shape[0], config.seq_len or shape[1])
+    expected = (config.batch_size // processes if config.batch_size else shape[0], config.seq_len or shape[1])
     if shape != expected or any(v.shape[1:] != shape for v in stacked.values()):
         raise ValueError(f"batch arrays have shapes { {k: v.shape[1:] for k, v in stacked.items()} }; the config "
                          f"expects (batch_size, seq_len) = {expected} for every key.")
@@ -90,9 +92,6 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         ckpt = config.checkpoint
         self.stale_saves = remove_unfinished_saves(ckpt.directory) if ckpt.directory else []
         self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
-        if self.checkpointer is None and config.guard.enabled and jax.process_count() > 1:
-            raise ValueError("a multi-host run keeps its rollback state in checkpoints: set checkpoint.directory "
-                             "(shared storage), or disable the divergence guard (guard.enabled=False).")
         self.snapshot: dict[str, Any] | None = None
         self.eval_batches = [put_batch({k: np.asarray(v) for k, v in b.items()}, mesh)
                              for b in data.eval_batches(eval_data, config.eval_batches)]
@@ -114,7 +113,8 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self._warned_utilisation = False
         self.oom_retry, self.oom_sequence = config.oom.retry, config.oom.sequence  # validated by OOMConfig
         self.memory = MemoryPlan(runner.remat)
-        self.data_rows: int | None = config.batch_size  # rows of a data batch (micro-batches may be split)
+        # rows of this process's data batch (micro-batches may be split)
+        self.data_rows: int | None = config.batch_size and config.batch_size // self._processes()
         self.on_policy = OnPolicy(config.on_policy, sampler, config.seed) if config.on_policy.fraction else None
 
     # ------------------------------------------------------------------------------------------ main loop
@@ -275,12 +275,16 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in terms.weight_names()})
         return hyper, active
 
+    def _processes(self) -> int:
+        """Processes sharing each global batch: all of them on a mesh, each its own rows; one without a mesh."""
+        return jax.process_count() if self.mesh is not None else 1
+
     def _next_batch(self) -> tuple[dict[str, Any], Any, dict[str, np.ndarray]]:
         """The next step's micro-batches on the mesh (split further after an OOM decision), the data position
         just after them (what a checkpoint taken after that step records, even when a further batch has been
         prefetched), and the same batch on the host (A, B, T), before any split."""
         batches = [self.data.next() for _ in range(self.config.grad_accum)]
-        stacked = _stack(batches, self.config)
+        stacked = _stack(batches, self.config, self._processes())
         if self.on_policy is not None:
             stacked = self.on_policy.with_loss_mask(stacked)
         self.data_rows = self.data_rows or int(stacked["input_ids"].shape[1])

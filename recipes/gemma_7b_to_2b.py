@@ -85,7 +85,9 @@ def run_phase(args, phase, teacher, student, data, config, out):
         if isinstance(logged, dict) and logged.get("data_state") is not None:
             data.restore(logged["data_state"])  # the next phase continues where this one stopped
         return surgery.load_pretrained(done, dtype="float32", mesh=mesh_of(args)), history, evals
-    result = distill.run(teacher, student, data, config)
+    # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
+    sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
+    result = distill.run(teacher, student, data, config, sampler=sampler)
     if result.steps < config.total_steps:
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")

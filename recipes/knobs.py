@@ -57,7 +57,9 @@ DISTILL_FLAGS = {"top_k": ("top_k",), "grad_accum": ("grad_accum",), "weight_dec
                  "remat": ("remat",), "checkpoint_every": ("checkpoint", "every"), "feature_kind": ("feature_kind",),
                  "fallback": ("guard", "policies"), "stop_when_met": ("targets", "stop_when_met"),
                  "logger": ("logger",), "wandb_project": ("wandb_project",), "oom_retry": ("oom", "retry"),
-                 "eval_every": ("eval_every",), "clip_norm": ("optimizer", "clip_norm")}
+                 "eval_every": ("eval_every",), "clip_norm": ("optimizer", "clip_norm"), "jsd_beta": ("jsd_beta",),
+                 "on_policy": ("on_policy", "fraction"), "on_policy_temperature": ("on_policy", "temperature"),
+                 "on_policy_prompt_len": ("on_policy", "prompt_len")}
 # DistillConfig fields the recipe fills in from its own settings, and the setting to use instead
 MANAGED = {"batch_size": "batch_size", "seq_len": "seq_len", "compute_dtype": "precision", "mesh": "mesh",
            "mesh_devices": "mesh_devices", "seed": "seed", "eval_batches": "eval_batches", "plan": None,
@@ -143,6 +145,14 @@ FLAGS = [
         (("--cosine-weight",), dict(type=float), "cosine loss (1 - cos) on mapped layer outputs (0: off)"),
         (("--attention-weight",), dict(type=float), "attention-map transfer on mapped layers and kept heads "
          "(0: off)"),
+        (("--jsd-beta",), dict(type=float), "--loss jsd's mixture weight beta: 0 is forward KL(teacher||student), "
+         "1 reverse KL, 0.5 the symmetric JSD"),
+        (("--on-policy",), dict(type=float, metavar="LAMBDA"), "on-policy distillation (GKD): the share of steps "
+         "trained on the student's own continuations of the batch's prompts, scored by the teacher on the "
+         "completion tokens (the student then learns from its own mistakes; each such step also samples)"),
+        (("--on-policy-temperature",), dict(type=float), "sampling temperature of the on-policy completions"),
+        (("--on-policy-prompt-len",), dict(type=int), "prompt tokens kept per row before sampling (default: a "
+         "record's prompt, else half the row)"),
     ]),
     ("Placement and numerics", [
         (("--mesh",), dict(), "mesh axis sizes, e.g. fsdp=8,tp=1"),
@@ -224,7 +234,8 @@ DISTILL_WHY = {
               "trainable/frozen patterns, learning_rate, warmup_steps, min_lr_ratio, weights (numbers or "
               "[start, end] ramps), temperature, weight_decay, name",
     "grad_accum": "micro-batches per optimizer step", "optimizer": "AdamW moments, decay, gradient clipping",
-    "top_k": "divergence on the teacher's top-k logits", "jsd_beta": "JSD mixture weight",
+    "top_k": "divergence on the teacher's top-k logits", "jsd_beta": "JSD mixture weight (0: forward KL, 1: reverse KL)",
+    "on_policy": "on-policy distillation (GKD): fraction (lambda), temperature, prompt_len, max_new_tokens",
     "logit_chunk": "rows per chunk of the fused logit loss (memory)", "logit_block": "rows per head matmul",
     "logit_vocab_slice": "vocab rows per head-gradient matmul", "train_diagnostics": "full diagnostics every step",
     "logit_impl": "fused (never materialises logits) or reference", "correspondence": "teacher->student layer map "

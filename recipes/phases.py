@@ -110,6 +110,8 @@ def phase_config(args: argparse.Namespace, phase: str, stages, plan: Any, out: s
     section = {key: value for key, value in args.distill.items() if key != "stages"}
     section["checkpoint"] = {**section["checkpoint"], "directory": os.path.join(out, "checkpoints", phase),
                              "resume": True}
+    if phase == "control":  # the CE control has no teacher to score the student's samples
+        section["on_policy"] = {**section.get("on_policy", {}), "fraction": 0.0}
     config = distill.DistillConfig.from_dict({
         **section, "stages": tuple(stages), "batch_size": args.batch_size, "seq_len": args.seq_len, "plan": plan,
         "compute_dtype": "bfloat16" if args.precision == "bf16" else "float32", "mesh": args.mesh,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .checkpoint import gathered
 from .config import ModelConfig
 from .model import CausalLM
 from .schema import bound_tensors, hf_shape_of, norm_tensors
@@ -123,7 +124,9 @@ def activation_stats(teacher: CausalLM, batches: list[np.ndarray]) -> Activation
     check_vocabulary(batches, teacher.config)
     total = None
     for ids in batches:
-        stats = jax.tree.map(lambda x: np.asarray(x, dtype=np.float64), _batch_stats(teacher, jnp.asarray(ids)))
+        # gathered: on a multi-host mesh the statistics may be sharded over processes
+        stats = jax.tree.map(lambda x: np.asarray(gathered(x), dtype=np.float64),
+                             _batch_stats(teacher, jnp.asarray(ids)))
         total = stats if total is None else jax.tree.map(np.add, total, stats)
     sequences = sum(len(b) for b in batches)
     tokens = sum(b.size for b in batches)

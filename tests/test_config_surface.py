@@ -72,6 +72,10 @@ FLAG_CASES = {
     "oom": (["--no-oom-retry"], lambda c: c.oom.retry is False),
     "logger": (["--logger", "wandb", "--wandb-project", "p"], lambda c: (c.logger, c.wandb_project) == ("wandb", "p")),
     "eval": (["--eval-every", "5", "--eval-batches", "3"], lambda c: (c.eval_every, c.eval_batches) == (5, 3)),
+    "on-policy": (["--on-policy", "0.5", "--on-policy-temperature", "0.7", "--on-policy-prompt-len", "32",
+                   "--loss", "jsd", "--jsd-beta", "0.2"],
+                  lambda c: (c.on_policy.fraction, c.on_policy.temperature, c.on_policy.prompt_len, c.jsd_beta)
+                  == (0.5, 0.7, 32, 0.2) and "jsd" in only_stage(c).weights.active()),
     "set": (["--set", "guard.mse_weight=2.5", "--set", "distill.logit_chunk=64", "--set", "oom.sequence=[\"full\"]"],
             lambda c: (c.guard.mse_weight, c.logit_chunk, c.oom.sequence) == (2.5, 64, ("full",))),
 }
@@ -84,6 +88,13 @@ def test_each_flag_reaches_the_distill_config(name):
     assert check(config), (name, config)
     default = main_config(resolve())
     assert not check(default) or name in ("remat none",), f"{name}: the default already passes the check"
+
+
+def test_the_control_phase_never_samples_on_policy():
+    """The CE control has no teacher to score the student's samples: its phase turns on-policy off."""
+    args = resolve("--on-policy", "1.0")
+    control = phases.phase_config(args, "control", [phases.control_stage(args, 10)], None, "/unused")
+    assert control.on_policy.fraction == 0.0 and main_config(args).on_policy.fraction == 1.0
 
 
 def test_student_flag_and_preset_defaults():
