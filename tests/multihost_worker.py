@@ -86,7 +86,7 @@ def main():
     config = DistillConfig(
         stages=(Stage(steps=ARGS.get("steps", 3), learning_rate=1e-2, weights=weights, temperature=(2.0, 1.0)),),
         plan={"kept_layers": list(KEPT_LAYERS)}, progress=False, logit_chunk=32, feature_projection=True,
-        compiler_options=FAST_COMPILE, mesh=ARGS["mesh"], seq_len=16, eval_every=2, eval_batches=1,
+        compiler_options=FAST_COMPILE, mesh=ARGS["mesh"], seq_len=16, batch_size=GLOBAL_BATCH, eval_every=2, eval_batches=1,
         checkpoint=checkpoint, guard=GuardConfig(enabled=ARGS.get("guard", True)), run_dir=ARGS.get("run_dir"))
     teacher, student = tiny_teacher(), student_from(tiny_teacher(seed=ARGS.get("student_seed", 0)))
     result = run(teacher, student, data, config)
