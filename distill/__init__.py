@@ -17,7 +17,7 @@ from .schedules import progressive, resolve_epochs, sft_then_distil
 from .trainer import DistillResult, DivergenceError, OutOfMemoryError, run
 from . import fallbacks, oom, targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
-from .distributed import DistributedError, DistributedSettings  # noqa: F401  (multi-host: jax.distributed settings)
+from .distributed import DistributedError, DistributedSettings  # multi-host: jax.distributed settings
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .interface import Sampler
 from .on_policy import OnPolicyConfig
@@ -44,4 +44,4 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
            "load_tokenizer", "stdlib_corpus", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
-           "OnPolicyConfig", "Sampler"]
+           "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings"]
