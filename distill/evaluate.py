@@ -5,6 +5,12 @@ batch of packed documents (`positions`, `segment_ids`) is scored document by doc
 document and no target crosses a boundary (`interface.next_token_targets`). Log-probabilities are computed from
 final hidden states in row chunks through `model.logits_from_hidden`, so full (B, T, V) float32 logits never exist
 for large vocabularies.
+
+Multi-host (`jax.distributed`, several processes): every process calls these functions together with its own rows
+of the same global batches (as `TokenBatches(process_index=, process_count=)` gives them, process 0's rows first);
+`batch_arrays` assembles each global batch on the model's mesh, so every process computes the same global numbers
+as one process given the whole batches. Rows that are the same on every process (`sequence_loglikelihoods`) go
+onto the mesh as they are.
 """
 from __future__ import annotations
 
@@ -15,9 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
+from .distributed import to_host
 from .interface import FORWARD_KEYS, forward_inputs, next_token_targets
 from .logit_loss import row_blocks
+from .mesh import batch_spec, data_split, put_batch
 
 
 def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) -> tuple[jax.Array, jax.Array]:
@@ -39,9 +48,59 @@ def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) ->
     return logprobs.reshape(-1)[:input_ids.size].reshape(input_ids.shape), weights
 
 
-def batch_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
-    """The keys a scoring forward reads, as device arrays (other keys of a pipeline batch are dropped)."""
-    return {k: jnp.asarray(batch[k]) for k in ("input_ids", "loss_mask", *FORWARD_KEYS) if k in batch}
+def model_mesh(model: Any) -> Mesh | None:
+    """The mesh `model`'s arrays are placed on (their NamedSharding's), or None for a model on one device."""
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+            return sharding.mesh
+    return None
+
+
+def batch_arrays(batch: dict[str, Any], mesh: Mesh | None = None) -> dict[str, jax.Array]:
+    """The keys a scoring forward reads, as device arrays (other keys of a pipeline batch are dropped).
+
+    One process: the arrays as they are. Multi-host: `batch` is this process's rows of a global batch and the
+    result is the global batch (a collective: every process calls it), on `mesh` (the model's) split over its
+    data axes; without a mesh (a model copied whole onto each process's devices), every process gets all rows."""
+    keys = [k for k in ("input_ids", "loss_mask", *FORWARD_KEYS) if k in batch]
+    if jax.process_count() == 1:
+        return {k: jnp.asarray(batch[k]) for k in keys}
+    local = {k: np.asarray(batch[k]) for k in keys}
+    rows = len(local["input_ids"]) * jax.process_count()
+    if mesh is not None and rows_stay_on_their_process(mesh, rows):
+        return put_batch(local, mesh)  # as training batches: each process's devices hold its own rows
+    from jax.experimental import multihost_utils
+    return same_on_every_process({k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                                  for k, v in local.items()}, mesh)
+
+
+def rows_stay_on_their_process(mesh: Mesh, rows: int) -> bool:
+    """Whether `mesh`'s data axes split a global batch of `rows` so that every device holds only rows of its own
+    process's share (process p: rows [p * share, (p + 1) * share), share = rows / process_count), as `put_batch`
+    needs. The same answer on
+    every process (it reads the whole mesh)."""
+    processes = jax.process_count()
+    if rows % processes or rows % data_split(mesh)[1]:
+        return False
+    share = rows // processes
+    for device, index in NamedSharding(mesh, batch_spec(mesh, rows)).devices_indices_map((rows,)).items():
+        start, stop, _ = index[0].indices(rows)
+        if not device.process_index * share <= start < stop <= (device.process_index + 1) * share:
+            return False
+    return True
+
+
+def same_on_every_process(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> dict[str, jax.Array]:
+    """Host arrays that are the same on every process as global arrays on `mesh`, split over its data axes where
+    they divide the rows; without a mesh, or on one process, plain device arrays."""
+    if mesh is None or jax.process_count() == 1:
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
+    out = {}
+    for key, value in arrays.items():
+        sharding = NamedSharding(mesh, batch_spec(mesh, len(value)))
+        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
+    return out
 
 
 def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 256) -> dict[str, float]:
@@ -53,10 +112,11 @@ def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 
         logprobs, weights = token_logprobs(nnx.merge(graphdef, state), batch, chunk)
         return -jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0)), jnp.sum(weights)
 
+    mesh = model_mesh(model)
     total, count = 0.0, 0.0
     for batch in batches:
-        nll, n = score(state, batch_arrays(batch))
-        total, count = total + float(nll), count + float(n)
+        nll, n = score(state, batch_arrays(batch, mesh))
+        total, count = total + float(to_host(nll)), count + float(to_host(n))
     if count == 0:
         raise ValueError("heldout_loss: the batches have no target with a non-zero loss_mask.")
     loss = total / count
@@ -138,9 +198,10 @@ def agreement_and_kl(model: Any, reference: Any, batches: Iterable[dict[str, Any
         return _compare_batch(nnx.merge(graph, state), nnx.merge(ref_graph, ref_state), batch, vocab_chunk,
                               row_chunk)
 
+    mesh = model_mesh(model)
     kl = agree = count = 0.0
     for batch in batches:
-        sums = [float(x) for x in compare(state, ref_state, batch_arrays(batch))]
+        sums = [float(to_host(x)) for x in compare(state, ref_state, batch_arrays(batch, mesh))]
         kl, agree, count = kl + sums[0], agree + sums[1], count + sums[2]
     if count == 0:
         raise ValueError("agreement_and_kl: the batches have no target with a non-zero loss_mask.")
@@ -151,7 +212,8 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
                             chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `rows` (N, L) token ids: the summed log-likelihood of the tokens t with `scored[n, t]` true
     (each predicted from the tokens before it, one document per row, right padding allowed), and their count.
-    Rows go through in batches of `batch_size` (the last one padded), so one compilation serves all."""
+    Rows go through in batches of `batch_size` (the last one padded), so one compilation serves all. Multi-host:
+    every process passes the same rows and gets every row's result."""
     rows, scored = np.asarray(rows, np.int32), np.asarray(scored, bool)
     if scored[:, 0].any():
         raise ValueError("sequence_loglikelihoods: the first token of a row has no context to be predicted from.")
@@ -161,6 +223,7 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
     rows = np.concatenate([rows, np.zeros((fill, rows.shape[1]), np.int32)])
     loss_mask = np.concatenate([loss_mask, np.zeros((fill, rows.shape[1]), np.float32)])
     graph, state = nnx.split(model)
+    mesh = model_mesh(model)
 
     @jax.jit
     def score(state, batch):
@@ -169,12 +232,12 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
 
     totals, counts = [], []
     for i in range(0, len(rows), batch_size):
-        total, count = score(state, {"input_ids": jnp.asarray(rows[i:i + batch_size]),
-                                     "loss_mask": jnp.asarray(loss_mask[i:i + batch_size])})
-        totals.append(np.asarray(total)), counts.append(np.asarray(count))
+        total, count = score(state, same_on_every_process({"input_ids": rows[i:i + batch_size],
+                                                           "loss_mask": loss_mask[i:i + batch_size]}, mesh))
+        totals.append(to_host(total)), counts.append(to_host(count))
     n = len(rows) - fill
     return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
 
 
 __all__ = ["heldout_loss", "token_logprobs", "batch_arrays", "parameter_count", "agreement_and_kl",
-           "sequence_loglikelihoods"]
+           "sequence_loglikelihoods", "model_mesh", "rows_stay_on_their_process", "same_on_every_process"]

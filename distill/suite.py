@@ -18,6 +18,11 @@ normalised, the reported `accuracy`; the summed log-likelihood's accuracy is rep
 
 `distill` does not import `surgery`: generation is the `generate(model, prompt_ids, max_new_tokens) -> new ids`
 argument (`surgery.generate` binds it). Continuations are cut at the first EOS before decoding.
+
+Multi-host (`jax.distributed`): every process runs the suite together, with its own rows of the held-out batches
+(`TokenBatches(process_index=, process_count=)`) and all the held-out documents; the scores are computed on the
+global batches (`distill.evaluate.batch_arrays`), prompts and multiple-choice items are the same on every process,
+so every process returns the same result, and only process 0 writes the files.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .data import DataError, TextTokenizer, load_tokenizer
+from .distributed import is_main_process
 from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
 
 GenerateFn = Callable[[Any, list[list[int]], int], list[list[int]]]
@@ -334,8 +340,11 @@ def _fenced(text: str) -> str:
 
 
 def write_suite(result: dict, out_path: str | os.PathLike) -> str:
-    """Write `result` as Markdown at `out_path` and as JSON beside it (`.json`); returns the Markdown path."""
+    """Write `result` as Markdown at `out_path` and as JSON beside it (`.json`); returns the Markdown path.
+    Multi-host: only process 0 writes (the run folder is shared storage); the others return the path."""
     path = os.fspath(out_path)
+    if not is_main_process():
+        return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(suite_markdown(result) + "\n")

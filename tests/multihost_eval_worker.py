@@ -1,0 +1,109 @@
+"""One process of tests/test_multihost_eval.py, run as `python tests/multihost_eval_worker.py ARGS` (ARGS: JSON).
+
+With `num_processes` > 1 it starts JAX's multi-controller runtime; each process holds its own rows of the held-out
+batches (TokenBatches with process_index / process_count). It scores test_suite's tiny teacher and student with
+`distill.evaluate_suite` on one global mesh, `heldout_loss` / `agreement_and_kl` on a mesh whose devices interleave
+the processes (every batch row on another process than its owner's) and on models left on each process's own
+device (no mesh), and cuts a student from disk with `prune_checkpoint`. It writes `result{process}.json`; the
+suite writes into `suite{process}/` (only process 0 may), the student into `pruned/` (process 0 writes it)."""
+import json
+import os
+import sys
+
+ARGS = json.loads(sys.argv[1])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", ARGS["devices"])
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
+
+from distill.distributed import DistributedSettings, initialize_distributed, to_host  # noqa: E402
+
+initialize_distributed(DistributedSettings(coordinator=ARGS.get("coordinator"),
+                                           num_processes=ARGS.get("num_processes"),
+                                           process_id=ARGS.get("process_id")))  # before anything touches devices
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+
+import surgery.prune_disk  # noqa: E402
+from distill.data import TokenBatches  # noqa: E402
+from distill.evaluate import agreement_and_kl, batch_arrays, heldout_loss, model_mesh  # noqa: E402
+from distill.mesh import make_mesh, shard_model  # noqa: E402
+from distill.suite import evaluate_suite  # noqa: E402
+from distill.tokenizer import save_byte_tokenizer  # noqa: E402
+from surgery.checkpoint import save_pretrained  # noqa: E402
+from surgery.planner import plan_student  # noqa: E402
+from surgery.spec import StudentSpec  # noqa: E402
+from test_suite import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma  # noqa: E402
+
+GLOBAL_BATCH = 8
+
+
+def interleaved_mesh() -> Mesh:
+    """fsdp over every device, alternating processes: batch row i lives on process i % 2, not on its owner."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    half = len(devices) // 2
+    order = [d for pair in zip(devices[:half], devices[half:]) for d in pair]
+    return Mesh(np.array(order), ("fsdp",), axis_types=(AxisType.Auto,))
+
+
+def layouts(teacher_seed_models, batches) -> dict:
+    """heldout_loss and agreement_and_kl of the student against the teacher, placed in two more ways."""
+    out = {}
+    for name, mesh in (("interleaved", interleaved_mesh()), ("unplaced", None)):
+        teacher, student = (nnx.clone(m) for m in teacher_seed_models)
+        if mesh is not None:
+            shard_model(teacher, mesh), shard_model(student, mesh)
+        assert (model_mesh(student) is None) == (mesh is None)
+        out[name] = {"loss": heldout_loss(student, batches)["loss"],
+                     **agreement_and_kl(student, teacher, batches, vocab_chunk=96)}
+    return out
+
+
+def pruned_from_disk(teacher) -> dict:
+    """prune_checkpoint on every process into one shared folder: process 0 writes, everyone returns after."""
+    source = save_pretrained(teacher, os.path.join(ARGS["out"], "teacher"), overwrite=True)
+    writes = []
+    real = surgery.prune_disk.write_hf_folder
+
+    def counting(*args, **kwargs):
+        writes.append(args[0])
+        return real(*args, **kwargs)
+
+    surgery.prune_disk.write_hf_folder = counting
+    plan = plan_student(source, StudentSpec(2, 32, 32, 2, 1), width="magnitude", depth="uniform")
+    folder = surgery.prune_disk.prune_checkpoint(source, plan, os.path.join(ARGS["out"], "pruned"), overwrite=True)
+    complete = sorted(os.listdir(folder))  # right after the return: process 0's folder is whole for everyone
+    return {"pruned_writes": len(writes), "pruned_files": complete}
+
+
+def main():
+    os.makedirs(ARGS["out"], exist_ok=True)
+    index, count = jax.process_index(), jax.process_count()
+    tokenizer = save_byte_tokenizer(os.path.join(ARGS["out"], f"tokenizer{index}"))
+    data = TokenBatches.from_records(DOCUMENTS * 2, tokenizer, seq_len=48, batch_size=GLOBAL_BATCH,
+                                     eval_documents=4, eval_batch_size=GLOBAL_BATCH, seed=3, process_index=index,
+                                     process_count=count)
+    batches = data.eval_batches()
+    models = tiny_gemma(3, seed=0), tiny_gemma(2, seed=1)
+    out = {"process": index, "process_count": count, "devices": jax.device_count(),
+           "local_rows": int(len(batches[0]["input_ids"])), "batches": len(batches)}
+    out["layouts"] = layouts(models, batches)
+    mesh = make_mesh(ARGS["mesh"])
+    teacher, student = (shard_model(nnx.clone(m), mesh) for m in models)
+    out["sharded_over_processes"] = not student.embed_tokens.get_value().is_fully_addressable
+    out["global_ids"] = to_host(batch_arrays(batches[0], mesh)["input_ids"]).tolist()  # the whole global batch
+    suite = evaluate_suite({"teacher": teacher, "student": student}, batches, data.eval_texts(), tokenizer=tokenizer,
+                           generate=surgery_greedy, settings=SETTINGS,
+                           out_path=os.path.join(ARGS["out"], f"suite{index}", "suite.md"))
+    out["suite"] = suite
+    out.update(pruned_from_disk(teacher))
+    with open(os.path.join(ARGS["out"], f"result{index}.json"), "w") as f:
+        json.dump(out, f)
+
+
+main()
