@@ -3,7 +3,8 @@
 Held-out cross-entropy and perplexity for each row; unless `--eval-prompts 0`, `distill.evaluate_suite` adds
 top-1 agreement and KL to the teacher, greedy continuations of held-out prompts scored against the teacher's
 (BLEU, ROUGE-L), a next-line multiple-choice task scored by log-likelihood, and the same prompts answered by every
-model (`suite.md` / `suite.json` in the run folder).
+model (`suite.md` / `suite.json` in the run folder). Multi-host: every process evaluates together (its rows of the
+held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+
 import surgery
 from distill.mesh import parse_mesh_spec
 
@@ -108,6 +110,9 @@ def _cell(value) -> str:
 
 
 def write_results(out: str, results: dict, table: str) -> None:
+    """results.json and results.md in the run folder (multi-host: process 0 writes, the folder being shared)."""
+    if jax.process_index() != 0:
+        return
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -117,8 +122,12 @@ def write_results(out: str, results: dict, table: str) -> None:
 def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], control: list[dict], tokens_per_step: int, *,
                 control_name: str = "", recovery: dict | None = None, teacher_loss: float | None = None) -> str:
     """Left: student cross-entropy on its training batches against tokens seen (distilled, with stage A then
-    stage B when staged, and the control). Right, when evaluated: the recovery curves, held-out CE of both."""
+    stage B when staged, and the control). Right, when evaluated: the recovery curves, held-out CE of both.
+    Multi-host: process 0 draws and writes it; the others return the path."""
     from matplotlib.figure import Figure
+
+    if jax.process_index() != 0:
+        return path
 
     def points(history, first_step=0):
         return [((first_step + i + 1) * tokens_per_step, r["student_ce"]) for i, r in enumerate(history)

@@ -5,6 +5,9 @@ Gemma 7B is a Gemma 1 model: 28 layers, hidden 3072, MLP 8x hidden, 16 query hea
 attention), head_dim independent of hidden/heads. The tiny teacher keeps the depth, width and MLP ratios at 14
 layers and hidden 48, so `StudentSpec.scaled_like` gives it a Gemma-2B-shaped student: 9 layers, hidden 32, MLP
 256, 2 query heads and 1 KV head (multi-query), as 7B -> 2B.
+
+Multi-host (`jax.distributed`): process 0 trains the teacher (on its own devices) and writes it to the cache (shared
+storage); the other processes wait for it at a barrier, then read it.
 """
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ import json
 import os
 import tempfile
 
+import jax
+
 import distill
 import surgery
 from recipes import cli
 from distill.data import stdlib_corpus
 from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
+from surgery.checkpoint import model_tensors, write_hf_folder
 from surgery.safetensors_io import atomic_folder, write_json
 
 TEACHER_CONFIG = {
@@ -52,13 +58,34 @@ def prepare(args) -> tuple[str, list[str]]:
                       "seq": args.seq_len, "seed": args.seed, "lr": TEACHER_LEARNING_RATE,
                       "files": [os.path.basename(f) for f in files]}, sort_keys=True)
     folder = os.path.join(args.cache_dir, "tiny-teacher-" + hashlib.sha256(key.encode()).hexdigest()[:12])
-    if os.path.exists(os.path.join(folder, "training.json")):
+    cached = os.path.join(folder, "training.json")
+    if os.path.exists(cached):
         print(f"[teacher] cached: {folder}")
         return folder, files
     if getattr(args, "dry_run", False):  # no training in a dry run: describe the teacher from its config alone
-        os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
-        write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
+        if jax.process_index() == 0:
+            os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
+            write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
+        wait_for_process_0(f"tiny teacher dry run {args.cache_dir}")
         return os.path.join(args.cache_dir, "dry-run"), files
+    if jax.process_index() == 0:
+        train_teacher(args, files, folder)
+    wait_for_process_0(f"tiny teacher {folder}")
+    if not os.path.exists(cached):
+        raise cli.RecipeError(f"process 0 trained the tiny teacher into {folder}, but this process does not see it "
+                              "there: --cache-dir must be shared storage on a multi-host run.")
+    return folder, files
+
+
+def wait_for_process_0(name: str) -> None:
+    """Multi-host: a barrier until process 0 has done what it alone does (e.g. written a shared folder)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def train_teacher(args, files: list[str], folder: str) -> None:
+    """Train the tiny teacher on this process's devices alone and write it to `folder` with its tokenizer."""
     print(f"[teacher] training a tiny Gemma-7B-shaped teacher for {args.teacher_steps} steps "
           f"({len(files)} stdlib files); cached in {folder}")
     config = surgery.GemmaConfig.from_hf_dict(TEACHER_CONFIG)
@@ -78,9 +105,10 @@ def prepare(args) -> tuple[str, list[str]]:
         record = {"steps": args.teacher_steps, "tokens": args.teacher_steps * args.batch_size * args.seq_len,
                   "heldout": result.evals[-1] if result.evals else None, "corpus_files": len(files)}
         os.makedirs(args.cache_dir, exist_ok=True)
-        surgery.save_pretrained(result.student, folder, source=tokenizer_folder, overwrite=True,
-                                extra_files={"training.json": record})
-    return folder, files
+        # save_pretrained's own writer: the model is on this process alone (save_pretrained on multi-host would
+        # wait for the others to take part in its gathers)
+        write_hf_folder(folder, result.student.config, model_tensors(result.student), source=tokenizer_folder,
+                        extra_files={"training.json": record}, overwrite=True)
 
 
-__all__ = ["prepare", "batches", "corpus_files", "TEACHER_CONFIG"]
+__all__ = ["prepare", "batches", "corpus_files", "train_teacher", "wait_for_process_0", "TEACHER_CONFIG"]

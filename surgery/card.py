@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+import jax
+
 from .config import ConfigError, ModelConfig
 
 # huggingface_hub is imported inside the functions that use it, as everywhere in the package: it reads HF_ENDPOINT,
@@ -42,11 +44,14 @@ def write_model_card(folder: str | os.PathLike, *, teacher_id: str, teacher_revi
     `plan_summary` is free text or a mapping (e.g. {"layers": "26 -> 18", "hidden": "2304 -> 1536"});
     `losses` maps a loss name to its final value, or to a sequence of values (shown first -> last);
     `evaluation` maps a metric name to a value or to {"teacher": x, "student": y}. `repo_id` (default: the
-    folder name) is used in the usage snippet.
+    folder name) is used in the usage snippet. Multi-host (`jax.distributed`): only process 0 writes (shared
+    storage); the others return the path.
     """
     from huggingface_hub import ModelCardData
 
     folder = os.fspath(folder)
+    if jax.distributed.is_initialized() and jax.process_index() != 0:
+        return os.path.join(folder, "README.md")
     model_name = model_name or (repo_id or os.path.abspath(folder)).rstrip("/").rsplit("/", 1)[-1]
     base_model = teacher_id if is_hub_repo_id(teacher_id) else None
     data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",

@@ -23,6 +23,7 @@ import json
 import os
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -145,10 +146,14 @@ class Plan:
             raise PlanError(f"plan is not valid JSON ({err}).") from None
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write to `path` (a folder gets `plan.json` inside). Returns the file path."""
+        """Write to `path` (a folder gets `plan.json` inside). Returns the file path. Multi-host (`jax.distributed`):
+        only process 0 writes (shared storage; the others return the path at once: wait on a barrier before
+        reading it elsewhere)."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, PLAN_FILE)
+        if jax.distributed.is_initialized() and jax.process_index() != 0:
+            return path
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.write(self.to_json())

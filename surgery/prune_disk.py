@@ -9,6 +9,10 @@ the teacher's weights.
 
 The result equals `save_student(apply_plan(load_pretrained(src), plan), plan, dst)` bit for bit: same recipes,
 same host arithmetic, same writer.
+
+Multi-host (`jax.distributed`): every process calls it with the same arguments; each checks the plan against the
+checkpoint, process 0 alone writes `dst` (shared storage), and every process returns once the folder is complete
+(a barrier), so all can load it next.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import contextlib
 import functools
 import os
 
+import jax
 import numpy as np
 
 from .checkpoint import checkpoint_dtype, resolve_dtype, resolve_source, write_hf_folder
@@ -23,7 +28,7 @@ from .config import ModelConfig
 from .plan import Plan
 from .readers import DiskReader
 from .report import student_files
-from .safetensors_io import PendingTensor
+from .safetensors_io import CheckpointError, PendingTensor
 from .slices import build, recipes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -47,10 +52,38 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     plan.validate()
     if wanted is None:
         wanted = np.dtype(checkpoint_dtype(folder, config, float32_read.weight_map, float32_read.names))
+    dst = os.fspath(dst)
+    if multi_host():
+        return _prune_multihost(folder, plan, dst, config, wanted, max_shard_size=max_shard_size,
+                                chunk_bytes=chunk_bytes, report=report, overwrite=overwrite)
+    return _write_student(folder, plan, dst, config, wanted, max_shard_size=max_shard_size, chunk_bytes=chunk_bytes,
+                          report=report, overwrite=overwrite)
+
+
+def multi_host() -> bool:
+    """Whether this is one of several processes of a `jax.distributed` run (without touching devices when not)."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _prune_multihost(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, **options) -> str:
+    """Process 0 writes `dst`; every process waits until it is complete."""
+    from jax.experimental import multihost_utils
+    if not options["overwrite"] and os.path.isdir(dst) and os.listdir(dst):
+        # every process refuses (shared storage), rather than process 0 alone while the others wait for it
+        raise CheckpointError(f"{dst} exists and is not empty; pass overwrite=True to replace it (it is swapped "
+                              "out only once the new folder is complete), or choose another folder.")
+    if jax.process_index() == 0:
+        _write_student(folder, plan, dst, config, wanted, **options)
+    multihost_utils.sync_global_devices(f"prune_checkpoint {os.path.abspath(dst)}")
+    return os.path.abspath(dst)
+
+
+def _write_student(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, *, max_shard_size: int | str,
+                   chunk_bytes: int, report: bool, overwrite: bool) -> str:
     with contextlib.ExitStack() as stack:
         read = DiskReader(folder, wanted, stack, config)
         tensors = [PendingTensor(r.hf_name, r.shape, wanted, functools.partial(build, r, read, wanted, chunk_bytes))
                    for r in recipes(plan)]
-        return write_hf_folder(os.fspath(dst), plan.student, tensors, source=folder, max_shard_size=max_shard_size,
+        return write_hf_folder(dst, plan.student, tensors, source=folder, max_shard_size=max_shard_size,
                                extra_files=student_files(plan, report), produce_ahead=PRODUCE_AHEAD,
                                overwrite=overwrite)
