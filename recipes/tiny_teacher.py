@@ -24,7 +24,7 @@ from recipes import cli
 from distill.data import stdlib_corpus
 from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from surgery.checkpoint import model_tensors, write_hf_folder
-from surgery.safetensors_io import atomic_folder, write_json
+from surgery.safetensors_io import write_json
 
 TEACHER_CONFIG = {
     "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 48,
@@ -59,17 +59,20 @@ def prepare(args) -> tuple[str, list[str]]:
                       "files": [os.path.basename(f) for f in files]}, sort_keys=True)
     folder = os.path.join(args.cache_dir, "tiny-teacher-" + hashlib.sha256(key.encode()).hexdigest()[:12])
     cached = os.path.join(folder, "training.json")
-    if os.path.exists(cached):
+    if os.path.exists(cached) and jax.process_count() == 1:
         print(f"[teacher] cached: {folder}")
         return folder, files
-    if getattr(args, "dry_run", False):  # no training in a dry run: describe the teacher from its config alone
+    if getattr(args, "dry_run", False) and not os.path.exists(cached):  # no training in a dry run: the config alone
         if jax.process_index() == 0:
             os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
             write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
         wait_for_process_0(f"tiny teacher dry run {args.cache_dir}")
         return os.path.join(args.cache_dir, "dry-run"), files
-    if jax.process_index() == 0:
-        train_teacher(args, files, folder)
+    if jax.process_index() == 0:  # multi-host: process 0 decides, so no process waits for a training never done
+        if os.path.exists(cached):
+            print(f"[teacher] cached: {folder}")
+        else:
+            train_teacher(args, files, folder)
     wait_for_process_0(f"tiny teacher {folder}")
     if not os.path.exists(cached):
         raise cli.RecipeError(f"process 0 trained the tiny teacher into {folder}, but this process does not see it "
