@@ -68,7 +68,10 @@ def prepare(args) -> tuple[str, list[str]]:
             write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
         wait_for_process_0(f"tiny teacher dry run {args.cache_dir}")
         return os.path.join(args.cache_dir, "dry-run"), files
-    if jax.process_index() == 0:  # multi-host: process 0 decides, so no process waits for a training never done
+    # multi-host: all meet first (JAX's CPU collectives give up on a peer that is 30 s late to their very first
+    # meeting, and process 0 may train for minutes), then process 0 decides and trains while the others wait
+    wait_for_process_0(f"tiny teacher start {folder}")
+    if jax.process_index() == 0:
         if os.path.exists(cached):
             print(f"[teacher] cached: {folder}")
         else:

@@ -72,6 +72,9 @@ def _prune_multihost(folder: str, plan: Plan, dst: str, config: ModelConfig, wan
         # every process refuses (shared storage), rather than process 0 alone while the others wait for it
         raise CheckpointError(f"{dst} exists and is not empty; pass overwrite=True to replace it (it is swapped "
                               "out only once the new folder is complete), or choose another folder.")
+    # all meet first: JAX's CPU collectives give up on a peer that is 30 s late to their very first meeting, and
+    # process 0 may write for minutes while the others wait at the second
+    multihost_utils.sync_global_devices(f"prune_checkpoint start {os.path.abspath(dst)}")
     if jax.process_index() == 0:
         _write_student(folder, plan, dst, config, wanted, **options)
     multihost_utils.sync_global_devices(f"prune_checkpoint {os.path.abspath(dst)}")
