@@ -213,6 +213,23 @@ def batch_spec(mesh: Mesh | None, batch: int, leading: int = 0) -> PartitionSpec
     return PartitionSpec(*([None] * leading), data)
 
 
+def _check_rows_per_process(sharding: NamedSharding, local_shape: tuple[int, ...], leading: int) -> None:
+    """On multi-host, this process's devices must hold exactly as many rows of the global batch as it passes:
+    a mesh whose data axes do not split the processes (e.g. tp only) would replicate the rows, and each process
+    would silently train on its own rows as if they were everyone's."""
+    rows = local_shape[leading]
+    global_shape = (*local_shape[:leading], rows * jax.process_count(), *local_shape[leading + 1:])
+    held = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        span = index[leading]
+        held.update(range(*span.indices(global_shape[leading])))
+    if len(held) != rows:
+        raise MeshError(f"mesh {format_mesh_spec(dict(sharding.mesh.shape))}: this process's devices hold {len(held)} rows of a "
+                        f"{global_shape[leading]}-row global batch but it has {rows} of its own; on multi-host the "
+                        "batch must be split over a data axis (fsdp/dp) that spans the processes and divides the "
+                        "batch, e.g. --mesh fsdp=<devices>.")
+
+
 def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dict[str, jax.Array]:
     """Arrays of a (global) batch onto the mesh, split over the data axes. On multi-host each process passes its
     own rows and the global array is assembled with `make_array_from_process_local_data`."""
@@ -225,6 +242,7 @@ def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dic
         check_batch_fits(mesh, value.shape[leading] * jax.process_count())
         sharding = NamedSharding(mesh, batch_spec(mesh, value.shape[leading] * jax.process_count(), leading))
         if jax.process_count() > 1:
+            _check_rows_per_process(sharding, value.shape, leading)
             out[key] = jax.make_array_from_process_local_data(sharding, value)
         else:
             out[key] = jax.device_put(value, sharding)

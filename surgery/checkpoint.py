@@ -346,6 +346,8 @@ def _save_multihost(out_dir: str, config: ModelConfig, tensors: list[PendingTens
         # waiting in the first gather
         raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
                               "swapped out only once the new folder is complete), or choose another folder.")
+    # all meet before the long write: XLA:CPU's collectives abort a process more than 30 s late to its first one
+    multihost_utils.sync_global_devices(f"save_pretrained start {out_dir}")
     if jax.process_index() == 0:
         folder = write_hf_folder(out_dir, config, tensors, produce_ahead=1, **options)
         multihost_utils.sync_global_devices(f"save_pretrained {out_dir}")

@@ -35,7 +35,7 @@ from distill.data_shards import tokenize_shared  # noqa: E402
 from distill.tokenizer import save_byte_tokenizer  # noqa: E402
 from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
 from distill.trainer import run  # noqa: E402
-from distill.mesh import make_mesh, put_batch  # noqa: E402
+from distill.mesh import MeshError, make_mesh, put_batch  # noqa: E402
 from surgery.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
 
@@ -102,6 +102,11 @@ def main():
     mine = data.next_batch()["input_ids"]  # a global batch's rows read back where they were put
     put = put_batch({"input_ids": mine[None]}, make_mesh(ARGS["mesh"]), leading=1)
     out["local_rows_equal"] = bool(np.array_equal(local_rows(put["input_ids"], axis=1)[0], mine))
+    try:  # a mesh without a data axis would replicate each process's different rows as if they were everyone's
+        put_batch({"input_ids": mine[None]}, make_mesh("tp=8"), leading=1)
+        out["rows_without_data_axis"] = "accepted"
+    except MeshError as error:
+        out["rows_without_data_axis"] = str(error)
     out["data_state"] = result.data_state
     out.update(shared_tokenisation())
     folder = save_pretrained(student, os.path.join(ARGS["out"], "student"), overwrite=True)

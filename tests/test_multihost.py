@@ -6,54 +6,28 @@ the other with JAX's error naming it, within the heartbeat timeout. The recipe's
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+
+import multihost_launch
+from multihost_launch import free_port
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
 TIMEOUT_S = 300  # per run: a run that hangs fails the test instead of blocking it
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
     """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`."""
-    os.makedirs(out, exist_ok=True)
-    port, procs = free_port(), []
-    for index in range(processes):
-        args = dict(devices=devices, mesh=mesh, out=out, **options)
-        if processes > 1:
-            args.update(coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=index)
-        log = open(os.path.join(out, f"log{index}.txt"), "w")
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS),
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        log.close()
-    return procs
+    return multihost_launch.launch(WORKER, processes, devices, out, mesh=mesh, **options)
 
 
 def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            pytest.fail(f"a worker hung past {timeout} s; logs in {out}")
-    logs = [open(os.path.join(out, f"log{i}.txt")).read() for i in range(len(procs))]
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
-    return [json.load(open(os.path.join(out, f"result{i}.json"))) for i in range(len(procs))]
+    multihost_launch.wait_all(procs, timeout, out)
+    return multihost_launch.results(procs, out)
 
 
 def student_tensors(folder: str) -> dict[str, np.ndarray]:
@@ -83,6 +57,8 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
     np.testing.assert_allclose(first["evals"], one["evals"], rtol=0, atol=1e-5)
     assert first["snapshot_equal"] and second["snapshot_equal"]  # rollback copy of arrays spanning processes
     assert first["local_rows_equal"] and second["local_rows_equal"]  # a process reads back its own batch rows
+    assert "hold 8 rows of a 8-row global batch but it has 4" in first["rows_without_data_axis"], first
+    assert one["rows_without_data_axis"] == "accepted"  # one process: its rows are the whole batch
     assert first["reload_equal"] and second["reload_equal"]  # the saved student loads back onto the 2-process mesh
     records = [json.loads(line) for line in open(runs["root"] / "two_run" / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r and not r.get("eval")] == [1, 2, 3]  # process 0 logs alone

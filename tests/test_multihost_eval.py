@@ -5,14 +5,13 @@ each process's rows on its own devices, on one that interleaves the processes an
 process 0 writes the suite's files and the student `prune_checkpoint` cuts from disk."""
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+import multihost_launch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_eval_worker.py")
@@ -21,41 +20,13 @@ TIMEOUT_S = 240  # for all workers together: a hang fails the test instead of bl
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(processes: int, devices: int, out: str) -> list[subprocess.Popen]:
-    os.makedirs(out, exist_ok=True)
-    port, procs = free_port(), []
-    for index in range(processes):
-        args = {"devices": devices, "mesh": "fsdp=4,tp=2", "out": out}
-        if processes > 1:
-            args.update(coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=index)
-        with open(os.path.join(out, f"log{index}.txt"), "w") as log:
-            procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS), env=ENV))
-    return procs
+    return multihost_launch.launch(WORKER, processes, devices, out, env=ENV, mesh="fsdp=4,tp=2")
 
 
 def finish(runs: dict[str, list[subprocess.Popen]], root) -> dict[str, list[dict]]:
-    deadline = time.monotonic() + TIMEOUT_S
-    everyone = [proc for procs in runs.values() for proc in procs]
-    for proc in everyone:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in everyone:
-                other.kill()
-            pytest.fail(f"a worker hung past {TIMEOUT_S} s; logs in {root}")
-    results = {}
-    for name, procs in runs.items():
-        for index, proc in enumerate(procs):
-            assert proc.returncode == 0, open(os.path.join(root, name, f"log{index}.txt")).read()[-4000:]
-        results[name] = [json.load(open(os.path.join(root, name, f"result{i}.json"))) for i in range(len(procs))]
-    return results
+    multihost_launch.wait_all([proc for procs in runs.values() for proc in procs], TIMEOUT_S, root)
+    return {name: multihost_launch.results(procs, os.path.join(root, name)) for name, procs in runs.items()}
 
 
 @pytest.fixture(scope="module")
