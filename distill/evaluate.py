@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from .distributed import to_host
 from .interface import FORWARD_KEYS, forward_inputs, next_token_targets
 from .logit_loss import row_blocks
-from .mesh import batch_spec, data_split, put_batch
+from .mesh import batch_spec, put_batch, rows_stay_on_their_process
 
 
 def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) -> tuple[jax.Array, jax.Array]:
@@ -73,22 +73,6 @@ def batch_arrays(batch: dict[str, Any], mesh: Mesh | None = None) -> dict[str, j
     from jax.experimental import multihost_utils
     return same_on_every_process({k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
                                   for k, v in local.items()}, mesh)
-
-
-def rows_stay_on_their_process(mesh: Mesh, rows: int) -> bool:
-    """Whether `mesh`'s data axes split a global batch of `rows` so that every device holds only rows of its own
-    process's share (process p: rows [p * share, (p + 1) * share), share = rows / process_count), as `put_batch`
-    needs. The same answer on
-    every process (it reads the whole mesh)."""
-    processes = jax.process_count()
-    if rows % processes or rows % data_split(mesh)[1]:
-        return False
-    share = rows // processes
-    for device, index in NamedSharding(mesh, batch_spec(mesh, rows)).devices_indices_map((rows,)).items():
-        start, stop, _ = index[0].indices(rows)
-        if not device.process_index * share <= start < stop <= (device.process_index + 1) * share:
-            return False
-    return True
 
 
 def same_on_every_process(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> dict[str, jax.Array]:
@@ -240,4 +224,4 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
 
 
 __all__ = ["heldout_loss", "token_logprobs", "batch_arrays", "parameter_count", "agreement_and_kl",
-           "sequence_loglikelihoods", "model_mesh", "rows_stay_on_their_process", "same_on_every_process"]
+           "sequence_loglikelihoods", "model_mesh", "same_on_every_process"]

@@ -213,21 +213,38 @@ def batch_spec(mesh: Mesh | None, batch: int, leading: int = 0) -> PartitionSpec
     return PartitionSpec(*([None] * leading), data)
 
 
+def rows_stay_on_their_process(mesh: Mesh, rows: int) -> bool:
+    """Whether `mesh`'s data axes split a global batch of `rows` so that every device holds only rows of its own
+    process's share (process p: rows [p * share, (p + 1) * share), share = rows / process_count), as `put_batch`
+    needs. The same answer on
+    every process (it reads the whole mesh)."""
+    processes = jax.process_count()
+    if rows % processes or rows % data_split(mesh)[1]:
+        return False
+    share = rows // processes
+    for device, index in NamedSharding(mesh, batch_spec(mesh, rows)).devices_indices_map((rows,)).items():
+        start, stop, _ = index[0].indices(rows)
+        if not device.process_index * share <= start < stop <= (device.process_index + 1) * share:
+            return False
+    return True
+
+
 def _check_rows_per_process(sharding: NamedSharding, local_shape: tuple[int, ...], leading: int) -> None:
-    """On multi-host, this process's devices must hold exactly as many rows of the global batch as it passes:
-    a mesh whose data axes do not split the processes (e.g. tp only) would replicate the rows, and each process
-    would silently train on its own rows as if they were everyone's."""
+    """On multi-host, this process's devices must hold its own rows of the global batch: a mesh whose data axes
+    do not split the processes (e.g. tp only) would replicate the rows, and each process would silently train on
+    its own rows as if they were everyone's."""
     rows = local_shape[leading]
-    global_shape = (*local_shape[:leading], rows * jax.process_count(), *local_shape[leading + 1:])
+    total = rows * jax.process_count()
+    if rows_stay_on_their_process(sharding.mesh, total):
+        return
     held = set()
-    for index in sharding.addressable_devices_indices_map(global_shape).values():
-        span = index[leading]
-        held.update(range(*span.indices(global_shape[leading])))
-    if len(held) != rows:
-        raise MeshError(f"mesh {format_mesh_spec(dict(sharding.mesh.shape))}: this process's devices hold {len(held)} rows of a "
-                        f"{global_shape[leading]}-row global batch but it has {rows} of its own; on multi-host the "
-                        "batch must be split over a data axis (fsdp/dp) that spans the processes and divides the "
-                        "batch, e.g. --mesh fsdp=<devices>.")
+    for index in NamedSharding(sharding.mesh, batch_spec(sharding.mesh, total)).addressable_devices_indices_map(
+            (total,)).values():
+        held.update(range(*index[0].indices(total)))
+    raise MeshError(f"mesh {format_mesh_spec(dict(sharding.mesh.shape))}: this process's devices hold {len(held)} "
+                    f"rows of a {total}-row global batch but it has {rows} of its own; on multi-host the batch "
+                    "must be split over a data axis (fsdp/dp) that spans the processes and divides the batch, e.g. "
+                    "--mesh fsdp=<devices>.")
 
 
 def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dict[str, jax.Array]:
@@ -251,4 +268,4 @@ def put_batch(batch: dict[str, Any], mesh: Mesh | None, leading: int = 0) -> dic
 
 __all__ = ["MeshError", "make_mesh", "parse_mesh_spec", "format_mesh_spec", "sizes_using", "check_mesh_fits",
            "check_batch_fits", "shard_model", "model_on_mesh", "replicated", "batch_spec", "put_batch",
-           "initialize_distributed", "DATA_AXES"]
+           "initialize_distributed", "DATA_AXES", "rows_stay_on_their_process"]
