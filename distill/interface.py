@@ -66,7 +66,7 @@ class DistillModel(Protocol):
 class Sampler(Protocol):
     """How on-policy distillation (`DistillConfig.on_policy`, distill/on_policy.py) gets the student's own samples:
     a callable passed as `distill.run(..., sampler=)`, so `distill` needs no generation code of its own (the
-    surgery's is `surgery.generate.make_sampler()`, over its jitted KV-cache prefill and decode loop).
+    surgery's is `surgery.make_sampler()`, over its jitted KV-cache prefill and decode loop).
 
     `model`: the student as it is at this step (a module sharing the training arrays; do not keep it).
     `prompt_ids`, `prompt_mask`: (B, P) int32, left padded (mask 0 on padding). `key`: a JAX PRNG key, the only

@@ -175,7 +175,7 @@ def _check_on_policy(config: DistillConfig, teacher: Any, sampler: Any) -> None:
         return
     if not callable(sampler):
         raise ValueError(f"on_policy.fraction={config.on_policy.fraction:g} needs a sampler of the student: pass "
-                         "distill.run(..., sampler=surgery.generate.make_sampler()) (see distill.interface.Sampler), "
+                         "distill.run(..., sampler=surgery.make_sampler()) (see distill.interface.Sampler), "
                          "or set on_policy.fraction=0.")
     if teacher is None:
         raise ValueError("on-policy steps are scored by the teacher: pass a teacher, or set on_policy.fraction=0.")
@@ -224,7 +224,7 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     `loss_mask` (B, T) (`loss_mask[b, t]` weights the prediction made at position t of token t + 1) and
     `attention_mask`. `eval_data`: held-out batches (default: `data.eval_batches()` when it exists). `sampler`:
     the student's sampler for on-policy steps (`config.on_policy`; the `Sampler` of interface.py, e.g.
-    `surgery.generate.make_sampler()`), needed only when `config.on_policy.fraction` > 0. Returns a
+    `surgery.make_sampler()`), needed only when `config.on_policy.fraction` > 0. Returns a
     DistillResult with per-step metrics, evaluations (with the targets they meet), events (stage switches,
     rollbacks, fallbacks, OOM decisions, resume), the last targets' report and the loop's utilisation.
 
