@@ -33,6 +33,7 @@ from .sharding import parameter_sharding
 from .block_reads import LoadJob, fill_parameters
 from .dtypes import STORED_DTYPES, resolve_dtype, torch_dtype_name  # noqa: F401  (re-exported)
 from .gguf import cached_import
+from .shared_writes import process_0_writes
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, check_relative_name,
                              checkpoint_weight_map, copy_aux_files, iter_groups_by_file, open_safetensors,
                              write_json, write_model_files)
@@ -338,21 +339,11 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, *, source: str 
 def _save_multihost(out_dir: str, config: ModelConfig, tensors: list[PendingTensor], **options) -> str:
     """Multi-host save (every process calls it): tensors are gathered one at a time, in the same order on every
     process (their gathers are collectives; one producer thread keeps the order), and process 0 writes the
-    folder (shared storage: the other processes see it once they return). No process holds more than the
-    tensor being written plus the one gathered ahead."""
-    from jax.experimental import multihost_utils
-    if not options.get("overwrite") and os.path.isdir(out_dir) and os.listdir(out_dir):
-        # every process refuses (shared storage) rather than process 0 alone, which would leave the others
-        # waiting in the first gather
-        raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
-                              "swapped out only once the new folder is complete), or choose another folder.")
-    # all meet before the long write: XLA:CPU's collectives abort a process more than 30 s late to its first one
-    multihost_utils.sync_global_devices(f"save_pretrained start {out_dir}")
-    if jax.process_index() == 0:
-        folder = write_hf_folder(out_dir, config, tensors, produce_ahead=1, **options)
-        multihost_utils.sync_global_devices(f"save_pretrained {out_dir}")
-        return folder
-    for tensor in tensors:
-        tensor.produce()  # take part in each gather, in order; process 0 writes
-    multihost_utils.sync_global_devices(f"save_pretrained {out_dir}")
-    return os.path.abspath(out_dir)
+    folder (shared_writes.py). No process holds more than the tensor being written plus the one gathered ahead."""
+    def take_part() -> None:
+        for tensor in tensors:
+            tensor.produce()  # each gather, in order, while process 0 writes
+
+    return process_0_writes(out_dir, bool(options.get("overwrite")),
+                            lambda: write_hf_folder(out_dir, config, tensors, produce_ahead=1, **options),
+                            take_part, name="save_pretrained")

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import os
 
-import jax
 import numpy as np
 
 from .checkpoint import checkpoint_dtype, resolve_dtype, resolve_source, write_hf_folder
@@ -28,7 +27,8 @@ from .config import ModelConfig
 from .plan import Plan
 from .readers import DiskReader
 from .report import student_files
-from .safetensors_io import CheckpointError, PendingTensor
+from .safetensors_io import PendingTensor
+from .shared_writes import multi_host, process_0_writes
 from .slices import build, recipes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -53,32 +53,11 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     if wanted is None:
         wanted = np.dtype(checkpoint_dtype(folder, config, float32_read.weight_map, float32_read.names))
     dst = os.fspath(dst)
-    if multi_host():
-        return _prune_multihost(folder, plan, dst, config, wanted, max_shard_size=max_shard_size,
-                                chunk_bytes=chunk_bytes, report=report, overwrite=overwrite)
-    return _write_student(folder, plan, dst, config, wanted, max_shard_size=max_shard_size, chunk_bytes=chunk_bytes,
-                          report=report, overwrite=overwrite)
-
-
-def multi_host() -> bool:
-    """Whether this is one of several processes of a `jax.distributed` run (without touching devices when not)."""
-    return jax.distributed.is_initialized() and jax.process_count() > 1
-
-
-def _prune_multihost(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, **options) -> str:
-    """Process 0 writes `dst`; every process waits until it is complete."""
-    from jax.experimental import multihost_utils
-    if not options["overwrite"] and os.path.isdir(dst) and os.listdir(dst):
-        # every process refuses (shared storage), rather than process 0 alone while the others wait for it
-        raise CheckpointError(f"{dst} exists and is not empty; pass overwrite=True to replace it (it is swapped "
-                              "out only once the new folder is complete), or choose another folder.")
-    # all meet first: JAX's CPU collectives give up on a peer that is 30 s late to their very first meeting, and
-    # process 0 may write for minutes while the others wait at the second
-    multihost_utils.sync_global_devices(f"prune_checkpoint start {os.path.abspath(dst)}")
-    if jax.process_index() == 0:
-        _write_student(folder, plan, dst, config, wanted, **options)
-    multihost_utils.sync_global_devices(f"prune_checkpoint {os.path.abspath(dst)}")
-    return os.path.abspath(dst)
+    options = dict(max_shard_size=max_shard_size, chunk_bytes=chunk_bytes, report=report, overwrite=overwrite)
+    if multi_host():  # process 0 writes dst; every process returns once it is complete
+        return process_0_writes(dst, overwrite, lambda: _write_student(folder, plan, dst, config, wanted, **options),
+                                name="prune_checkpoint")
+    return _write_student(folder, plan, dst, config, wanted, **options)
 
 
 def _write_student(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, *, max_shard_size: int | str,
