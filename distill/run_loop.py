@@ -67,6 +67,11 @@ def _stack(batches: list[dict[str, Any]], config: DistillConfig, processes: int 
     return stacked
 
 
+def _ready(values: dict[str, Any]) -> bool:
+    """Whether the step that produced `values` has finished; never waits."""
+    return all(leaf.is_ready() for leaf in jax.tree.leaves(values) if hasattr(leaf, "is_ready"))
+
+
 def _host(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
@@ -185,7 +190,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             batch, pending, warmup = dispatched
             prefetch_start = time.perf_counter()
             prefetched = self._next_batch() if self.step + 1 < last_step else None  # host work overlaps the step
-            wait_start = time.perf_counter()
+            wait_start, busy = time.perf_counter(), not _ready(pending)
             values = _host(pending)
             done = time.perf_counter()
             reason = self._divergence(values)
@@ -196,7 +201,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             self.step += 1
             self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
             record = self._log_step(values, hyper, done - started, index, batch, warmup, active, policy)
-            step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, done - wait_start, fetch_s)
+            step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, busy, fetch_s)
             if not warmup:
                 self._time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s, record.get("mfu"))
             self._fallback(self.fallbacks.on_step(self.step))

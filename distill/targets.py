@@ -14,10 +14,12 @@ the likely cause.
 How the step / data / host split is measured (`StepTimes`): the loop already waits for every step's metrics (the
 guard needs the loss), so no synchronisation is added. Per step it times the unoverlapped wait for the batch
 iterator, the stretch from dispatching the step to receiving its metrics (during which the next batch is fetched),
-and the rest of the iteration (schedule values, guard, logging). When receiving the metrics still had to wait, the
-device was busy for the whole dispatch-to-metrics stretch: that is step time. When it did not wait (under
-`BUSY_WAIT_S`), the step ended while the next batch was being fetched, and that fetch counts as data time (an upper
-bound on data time, so utilisation is never overstated). Steps that include a compilation (the first of a stage)
+and the rest of the iteration (schedule values, guard, logging). Right after the fetch the loop asks the step's
+outputs whether they are ready (`jax.Array.is_ready`, which does not wait). When they are not, the device was busy
+for the whole dispatch-to-metrics stretch: that is step time. When they are, the step ended while the next batch
+was being fetched, and that fetch counts as data time (an upper bound on data time, so utilisation is never
+overstated). Asking the arrays is exact; timing the metrics fetch instead (a slow fetch meaning a busy device)
+misreads a loaded host, where even a finished step's fetch can take milliseconds. Steps that include a compilation (the first of a stage)
 and the time of evaluations and checkpoints are left out.
 """
 from __future__ import annotations
@@ -31,7 +33,6 @@ TARGETS = {"kl_below": ("kl", True), "correlation_above": ("logit_corr", False),
            "perplexity_below": ("perplexity", True), "utilisation_above": ("utilisation", False),
            "mfu_above": ("mfu", False)}
 QUALITY_TARGETS = ("kl_below", "correlation_above", "perplexity_below")
-BUSY_WAIT_S = 5e-4  # a metrics fetch slower than this waited for the device (a finished step's takes ~0.1 ms)
 MIN_STEPS_TO_WARN = 4  # measured steps before a low utilisation is reported
 
 def check_targets(targets: Any, values: Mapping[str, float | None]) -> dict[str, dict[str, Any]]:
@@ -110,10 +111,11 @@ class StepTimes:
         return dataclasses.asdict(self)
 
 
-def split_step(dispatch_to_metrics_s: float, overlapped_fetch_s: float, metrics_wait_s: float,
+def split_step(dispatch_to_metrics_s: float, overlapped_fetch_s: float, busy_after_fetch: bool,
                unoverlapped_fetch_s: float) -> tuple[float, float]:
-    """(step seconds, data seconds) of one iteration (module docstring)."""
-    if metrics_wait_s >= BUSY_WAIT_S:
+    """(step seconds, data seconds) of one iteration; `busy_after_fetch`: the step's outputs were not ready when the
+    overlapped fetch of the next batch ended (module docstring)."""
+    if busy_after_fetch:
         return dispatch_to_metrics_s, unoverlapped_fetch_s
     return max(dispatch_to_metrics_s - overlapped_fetch_s, 0.0), unoverlapped_fetch_s + overlapped_fetch_s
 
@@ -175,4 +177,4 @@ class TargetActions:
 
 
 __all__ = ["TargetActions", "TARGETS", "QUALITY_TARGETS", "check_targets", "quality_met", "record_fields",
-           "report_line", "StepTimes", "split_step", "low_utilisation_cause", "BUSY_WAIT_S"]
+           "report_line", "StepTimes", "split_step", "low_utilisation_cause"]

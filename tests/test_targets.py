@@ -42,9 +42,9 @@ def test_reports_split_and_causes():
     assert line.startswith("targets @ step 4 (2/5 met)") and "logit_corr 0.9 > 0.95 MISSED" in line
     assert "utilisation > 0.8 not measured" in line
     # the device was still busy when the metrics were asked for: the whole stretch is step time
-    assert split_step(0.010, 0.004, 0.006, 0.001) == (0.010, 0.001)
+    assert split_step(0.010, 0.004, True, 0.001) == (0.010, 0.001)
     # it had finished: the overlapped fetch counts as data time
-    assert split_step(0.010, 0.009, 0.0001, 0.001) == pytest.approx((0.001, 0.010))
+    assert split_step(0.010, 0.009, False, 0.001) == pytest.approx((0.001, 0.010))
     times = StepTimes()
     times.add(1.0, 3.0, 0.5)
     times.add(1.0, 3.0, 0.5, mfu=0.2)
@@ -70,7 +70,8 @@ def test_every_evaluation_reports_targets_and_stop_when_met_ends_the_run(corpus,
     assert [r["kl"] for r in result.evals] == pytest.approx(kls[:len(result.evals)], rel=1e-5)
     first, last = result.evals[0], result.evals[-1]
     assert first["target/kl_below"] == 0.0 and "kl_below" in first["targets_missed"]
-    assert last["targets_met"] == ["kl_below", "correlation_above", "perplexity_below"]
+    # the default utilisation target may be met or not, depending on how loaded the machine is
+    assert last["targets_met"][:3] == ["kl_below", "correlation_above", "perplexity_below"]
     assert result.targets["kl_below"]["met"] and result.targets["kl_below"]["value"] == pytest.approx(last["kl"])
     assert result.targets_met[:3] == ["kl_below", "correlation_above", "perplexity_below"]
     assert [e["event"] for e in result.events][-2:] == ["targets_met", "stop"]
@@ -82,8 +83,7 @@ def test_every_evaluation_reports_targets_and_stop_when_met_ends_the_run(corpus,
 
 
 class SlowBatches(ArrayBatches):
-    """Batches that take 300 ms each to produce: far longer than the tiny step, even on a contended CI machine
-    (at 60 ms one window's step time could exceed its data time there)."""
+    """Batches that take 300 ms each to produce: far longer than the tiny step, even on a contended CI machine."""
 
     def next_batch(self):
         time.sleep(0.3)
@@ -99,12 +99,8 @@ def test_a_data_bound_run_warns_once_with_its_cause(corpus):
     assert warning["data_fraction"] > 0.5 and warning["utilisation"] < 0.8
     assert result.utilisation["data_fraction"] > 0.5 and result.utilisation["utilisation"] < 0.5
     measured = [r for r in result.evals if r["step"] > 2]
-    # every evaluation reports the window since the last one; a single window may be classed step-bound on a
-    # loaded machine (the device still busy when the metrics are fetched counts the stretch as step time, see
-    # split_step), so the data-bound verdict is asserted on the run and on at least one window
-    assert all(0.0 <= r["data_fraction"] <= 1.0 and r["target/utilisation_above"] == float(r["utilisation"] > 0.8)
-               for r in measured)
-    assert any(r["data_fraction"] > 0.5 and r["target/utilisation_above"] == 0.0 for r in measured)
+    # every evaluation reports the window since the last one
+    assert all(r["data_fraction"] > 0.5 and r["target/utilisation_above"] == 0.0 for r in measured)
     assert all("mfu" in r and "target/mfu_above" in r for r in measured)  # peak known: MFU measured
     assert "utilisation" not in result.evals[0]  # nothing measured before the first step
     assert result.history[0].get("warmup")  # the compiling step is left out of the split
