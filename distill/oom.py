@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from .distributed import local_rows
-from .mesh import DATA_AXES, put_batch
+from .mesh import data_split, put_batch
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
@@ -176,8 +176,8 @@ class MemoryRetries:
     def _after_oom(self, error: BaseException, batch):
         """The next memory decision, applied; the batch re-split for it (None when the state had to be restored)."""
         accum, rows = batch["input_ids"].shape[:2]
-        data_split = int(np.prod([self.mesh.shape[a] for a in DATA_AXES if a in self.mesh.shape])) if self.mesh else 1
-        action = self.memory.next_action(self.oom_sequence, int(rows), data_split)
+        split = data_split(self.mesh)[1] if self.mesh else 1
+        action = self.memory.next_action(self.oom_sequence, int(rows), split)
         if action is None:
             raise OutOfMemoryError(exhausted_message(self.memory, error, int(rows))) from error
         decision = self.memory.apply(action, self.step + 1, first_line(error), int(rows), int(accum))
