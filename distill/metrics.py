@@ -28,6 +28,8 @@ from flax import nnx
 from .wandb_logger import WandbSink, redact
 
 log = logging.getLogger("distill")
+# events that mean the run is not going as configured: logged at WARNING, the others at INFO
+WARNING_EVENTS = frozenset({"rollback", "fallback", "oom", "low_utilisation", "checkpoint_unreadable"})
 
 PEAK_BF16_FLOPS = {  # per device, dense
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
@@ -163,7 +165,7 @@ class MetricsLogger:
         and the sinks."""
         if self._bar:
             self._bar.write(text)
-        if event == "rollback":
+        if event in WARNING_EVENTS:
             log.warning(text)
         else:
             log.info(text)

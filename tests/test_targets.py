@@ -90,12 +90,14 @@ class SlowBatches(ArrayBatches):
         return super().next_batch()
 
 
-def test_a_data_bound_run_warns_once_with_its_cause(corpus):
+def test_a_data_bound_run_warns_once_with_its_cause(corpus, caplog):
     targets = TargetsConfig(utilisation_above=0.8, mfu_above=0.5)
-    result = run(tiny_teacher(), student_from(tiny_teacher()), SlowBatches(corpus["train"]),
-                 config(targets=targets, peak_flops=1e9), eval_data=corpus["eval"])
+    with caplog.at_level(logging.INFO, logger="distill"):
+        result = run(tiny_teacher(), student_from(tiny_teacher()), SlowBatches(corpus["train"]),
+                     config(targets=targets, peak_flops=1e9), eval_data=corpus["eval"])
     warning, = [e for e in result.events if e["event"] == "low_utilisation"]
     assert warning["reason"] == "data-bound" and "waiting on the batch iterator" in warning["message"]
+    assert [r.levelname for r in caplog.records if r.getMessage() == warning["message"]] == ["WARNING"]
     assert warning["data_fraction"] > 0.5 and warning["utilisation"] < 0.8
     assert result.utilisation["data_fraction"] > 0.5 and result.utilisation["utilisation"] < 0.5
     measured = [r for r in result.evals if r["step"] > 2]
