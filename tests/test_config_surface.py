@@ -21,6 +21,7 @@ import distill  # noqa: E402
 from distill.config import Ramp  # noqa: E402
 from recipes import knobs, phases, settings  # noqa: E402
 from recipes.cli import RecipeError  # noqa: E402
+from recipe_env import recipe_env  # noqa: E402
 
 
 def resolve(*flags):
@@ -227,8 +228,7 @@ def example_runs(tmp_path_factory):
         out = tmp_path_factory.mktemp(example.split(".")[0])
         proc = subprocess.run([sys.executable, RECIPE, "--config", os.path.join(CONFIGS, example), *TINY,
                                "--output", str(out), "--cache-dir", str(cache), "--overwrite"],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"})
+                              capture_output=True, text=True, timeout=600, env=recipe_env(cache.parent))
         assert proc.returncode == 0, f"{example}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         runs[example] = out
     return runs

@@ -22,6 +22,8 @@ import time
 import numpy as np
 import pytest
 
+from recipe_env import compile_cache_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = (4, 4)  # two stages: the second freezes the embedding, so a resume may land on either side of the switch
 SIGNAL_AT_BATCH = 5  # the parent signals when the child has taken this batch (the prefetch during step 5)
@@ -149,8 +151,7 @@ def child(mode: str, checkpoint_dir: str, out: str) -> None:
 def child_env(compile_cache) -> dict[str, str]:
     """CPU, and a persistent compilation cache shared by the children (a resumed run compiles what the first run
     compiled: loading it instead saves most of a tiny child's time, with the same executables)."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **compile_cache_env(compile_cache)}
 
 
 COMPILE_CACHE: list[str] = []  # set by the module fixture

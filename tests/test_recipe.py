@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hf_reference import assert_clean_loading, hf_logits, load_with_info
+from recipe_env import recipe_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
@@ -22,9 +23,9 @@ SMALL = ["--preset", "tiny", "--teacher-steps", "40", "--steps", "24", "--batch-
 
 
 def run_recipe(output, cache, *extra, check=True):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    """The recipe at test scale; `cache` (the tiny teacher's) lies in the session's base temporary folder."""
     proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(output), "--cache-dir", str(cache),
-                           *extra], capture_output=True, text=True, env=env, timeout=900)
+                           *extra], capture_output=True, text=True, env=recipe_env(cache.parent), timeout=900)
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -114,9 +115,10 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
     base = runs[0]
     token = "hf_recipeTestToken0123456789abcdef"
     with FakeHub({token: ("alice", [])}, lifetime_s=600) as hub:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
-        env.update(JAX_PLATFORMS="cpu", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
-                   HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
+        env = recipe_env(runs[4].parent, {k: v for k, v in os.environ.items()
+                                          if not k.startswith(("HF_", "HUGGING_FACE_"))},
+                         HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
+                         HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
         proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(base / "full"), "--cache-dir",
                                str(runs[4]), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
                               capture_output=True, text=True, env=env, timeout=900)

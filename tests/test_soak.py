@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from recipe_env import compile_cache_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 TINY = ["--preset", "tiny", "--teacher-steps", "20", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
@@ -40,8 +42,7 @@ def _env(compile_cache) -> dict[str, str]:
     """CPU, offline, and a persistent compilation cache shared by the runs: a resumed run loads what the first one
     compiled instead of compiling it again (the same executables; most of a tiny run's time)."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-            "JAX_COMPILATION_CACHE_DIR": str(compile_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            **compile_cache_env(compile_cache)}
 
 
 def _start(output, cache, compile_cache, *extra) -> subprocess.Popen:
