@@ -16,11 +16,11 @@ guard needs the loss), so no synchronisation is added. Per step it times the uno
 iterator, the stretch from dispatching the step to receiving its metrics (during which the next batch is fetched),
 and the rest of the iteration (schedule values, guard, logging). Right after the fetch the loop asks the step's
 outputs whether they are ready (`jax.Array.is_ready`, which does not wait). When they are not, the device was busy
-for the whole dispatch-to-metrics stretch: that is step time. When they are, the step ended while the next batch
-was being fetched, and that fetch counts as data time (an upper bound on data time, so utilisation is never
-overstated). Asking the arrays is exact; timing the metrics fetch instead (a slow fetch meaning a busy device)
-misreads a loaded host, where even a finished step's fetch can take milliseconds. Steps that include a compilation (the first of a stage)
-and the time of evaluations and checkpoints are left out.
+for the whole dispatch-to-metrics stretch: that is step time. When they are, the step ended while the next batch was
+being fetched, and that fetch counts as data time (an upper bound on data time, so utilisation is never overstated).
+Asking the arrays is exact; timing the metrics fetch instead (a slow fetch meaning a busy device) misreads a loaded
+host, where even a finished step's fetch can take milliseconds. Steps that include a compilation (the first of a
+stage) and the time of evaluations and checkpoints are left out.
 """
 from __future__ import annotations
 
