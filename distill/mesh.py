@@ -9,6 +9,7 @@ batch.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Mapping
 
@@ -213,11 +214,12 @@ def batch_spec(mesh: Mesh | None, batch: int, leading: int = 0) -> PartitionSpec
     return PartitionSpec(*([None] * leading), data)
 
 
+@functools.lru_cache(maxsize=64)
 def rows_stay_on_their_process(mesh: Mesh, rows: int) -> bool:
     """Whether `mesh`'s data axes split a global batch of `rows` so that every device holds only rows of its own
     process's share (process p: rows [p * share, (p + 1) * share), share = rows / process_count), as `put_batch`
-    needs. The same answer on
-    every process (it reads the whole mesh)."""
+    needs. The same answer on every process (it reads the whole mesh). Cached: put_batch asks for every array of
+    every step, the answer walks every device of the mesh, and the process count is fixed once JAX started."""
     processes = jax.process_count()
     if rows % processes or rows % data_split(mesh)[1]:
         return False

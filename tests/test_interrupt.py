@@ -157,18 +157,12 @@ def child_env(compile_cache) -> dict[str, str]:
 COMPILE_CACHE: list[str] = []  # set by the module fixture
 
 
-def _default_signals() -> None:
-    """The child starts with default SIGINT/SIGTERM dispositions: a signal ignored in this process (SIG_IGN, which
-    libraries imported by earlier tests of the session may have left) would be inherited, and StopSignals
-    deliberately leaves an ignored signal ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 @pytest.fixture(autouse=True)
 def default_handlers():
     """Each test runs with Python's default SIGINT/SIGTERM handlers, whatever earlier tests left, and restores
-    theirs after."""
+    theirs after. Its children inherit them: a signal left ignored here (SIG_IGN, which libraries imported by
+    earlier tests of the session may set) would stay ignored in a child, and StopSignals deliberately leaves an
+    ignored signal ignored. (Not a preexec_fn: that forks the threaded JAX process before exec.)"""
     saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -180,8 +174,7 @@ def default_handlers():
 def _start(mode: str, checkpoint_dir, out) -> subprocess.Popen:
     env = child_env(COMPILE_CACHE[0])
     return subprocess.Popen([sys.executable, "-u", __file__, mode, str(checkpoint_dir), str(out)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_signals)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, signal_at: int | None = None) -> tuple[int, list[str], str]:
