@@ -113,10 +113,13 @@ def parameter_count(model: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ model vs reference
-def _online_compare(model, reference, hidden, ref_hidden, vocab_chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Per row of (R, D) hidden states: KL(reference || model) and whether the two top-1 tokens agree, in one
-    pass over vocabulary blocks (running logsumexps, a running sum of p_ref * (l_ref - l_model), running argmaxes),
-    so no (R, V) array exists. The last block is clamped to end at V and masks the entries already seen."""
+def _online_compare(model, reference, hidden, ref_hidden, vocab_chunk: int,
+                    targets: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Per row of (R, D) hidden states: KL(reference || model), whether the two top-1 tokens agree and both
+    log-normalisers (`lse`, `ref_lse`); with `targets` (R,) also both models' logit of each row's target
+    (`target`, `ref_target`), so a log-probability is `target - lse`. One pass over vocabulary blocks (running
+    logsumexps, a running sum of p_ref * (l_ref - l_model), running argmaxes), so no (R, V) array exists. The
+    last block is clamped to end at V and masks the entries already seen."""
     head, ref_head = model.head_matrix(), reference.head_matrix()
     vocab = head.shape[0]
     if ref_head.shape[0] != vocab:
@@ -127,14 +130,18 @@ def _online_compare(model, reference, hidden, ref_hidden, vocab_chunk: int) -> t
     minus_inf = jnp.full((rows,), -jnp.inf, jnp.float32)
     zeros = jnp.zeros((rows,), jnp.float32)
     first = jnp.zeros((rows,), jnp.int32)
+    wanted = jnp.full((rows,), -1, jnp.int32) if targets is None else targets.astype(jnp.int32)
 
     def body(i, carry):
-        m_ref, z_ref, cross, m_mod, z_mod, best_ref, arg_ref, best_mod, arg_mod = carry
+        m_ref, z_ref, cross, m_mod, z_mod, best_ref, arg_ref, best_mod, arg_mod, t_mod, t_ref = carry
         start = jnp.minimum(i * width, vocab - width)
         index = start + jnp.arange(width)
         fresh = index >= i * width
         l_mod = model.logits_from_hidden(hidden, jax.lax.dynamic_slice_in_dim(head, start, width))
         l_ref = reference.logits_from_hidden(ref_hidden, jax.lax.dynamic_slice_in_dim(ref_head, start, width))
+        hit = fresh & (index[None, :] == wanted[:, None])
+        t_mod = t_mod + jnp.sum(jnp.where(hit, l_mod, 0.0), axis=-1)
+        t_ref = t_ref + jnp.sum(jnp.where(hit, l_ref, 0.0), axis=-1)
         l_mod, l_ref = jnp.where(fresh, l_mod, -jnp.inf), jnp.where(fresh, l_ref, -jnp.inf)
         new_ref, new_mod = jnp.maximum(m_ref, l_ref.max(-1)), jnp.maximum(m_mod, l_mod.max(-1))
         p_ref = jnp.exp(l_ref - new_ref[:, None])  # unnormalised, 0 on masked entries
@@ -146,13 +153,18 @@ def _online_compare(model, reference, hidden, ref_hidden, vocab_chunk: int) -> t
         arg_ref = jnp.where(top_ref > best_ref, start + jnp.argmax(l_ref, -1), arg_ref)
         arg_mod = jnp.where(top_mod > best_mod, start + jnp.argmax(l_mod, -1), arg_mod)
         return (new_ref, z_ref, cross, new_mod, z_mod, jnp.maximum(best_ref, top_ref), arg_ref,
-                jnp.maximum(best_mod, top_mod), arg_mod)
+                jnp.maximum(best_mod, top_mod), arg_mod, t_mod, t_ref)
 
-    init = (minus_inf, zeros, zeros, minus_inf, zeros, minus_inf, first, minus_inf, first)
-    m_ref, z_ref, cross, m_mod, z_mod, _, arg_ref, _, arg_mod = jax.lax.fori_loop(
+    init = (minus_inf, zeros, zeros, minus_inf, zeros, minus_inf, first, minus_inf, first, zeros, zeros)
+    m_ref, z_ref, cross, m_mod, z_mod, _, arg_ref, _, arg_mod, t_mod, t_ref = jax.lax.fori_loop(
         0, -(-vocab // width), body, init)
-    kl = cross / z_ref - (m_ref + jnp.log(z_ref)) + (m_mod + jnp.log(z_mod))
-    return kl, (arg_ref == arg_mod).astype(jnp.float32)
+    lse, ref_lse = m_mod + jnp.log(z_mod), m_ref + jnp.log(z_ref)
+    return {"kl": cross / z_ref - ref_lse + lse, "agree": (arg_ref == arg_mod).astype(jnp.float32),
+            "lse": lse, "ref_lse": ref_lse, "target": t_mod, "ref_target": t_ref}
+
+
+def _pick(values: dict, *keys: str) -> tuple:
+    return tuple(values[key] for key in keys)
 
 
 def _compare_batch(model, reference, batch, vocab_chunk: int, row_chunk: int):
@@ -163,7 +175,8 @@ def _compare_batch(model, reference, batch, vocab_chunk: int, row_chunk: int):
     ref_hidden = reference(input_ids, **forward_inputs(reference, batch), return_logits=False).final_hidden
     flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
     blocks = tuple(row_blocks(h, row_chunk) for h in flat)
-    kl, agree = jax.lax.map(lambda hs: _online_compare(model, reference, hs[0], hs[1], vocab_chunk), blocks)
+    kl, agree = jax.lax.map(lambda hs: _pick(_online_compare(model, reference, hs[0], hs[1], vocab_chunk),
+                                             "kl", "agree"), blocks)
     w = weights.reshape(-1)
     kl, agree = kl.reshape(-1)[:w.size], agree.reshape(-1)[:w.size]
     return jnp.sum(jnp.where(w > 0, kl * w, 0.0)), jnp.sum(agree * w), jnp.sum(w)

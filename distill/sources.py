@@ -11,11 +11,13 @@ that has `prompt` and `completion` columns (the prompt-completion layout of TRL 
 """
 from __future__ import annotations
 
+import ast
 import glob
 import itertools
 import json
 import os
 import sysconfig
+import zlib
 from typing import Any, Iterable, Sequence
 from urllib.parse import parse_qsl
 
@@ -211,7 +213,8 @@ def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list
     With `max_bytes`, files are taken in sorted order (or in an order drawn from `seed`) while they fit; the
     chosen files are returned sorted. Deterministic for a given Python installation."""
     root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib"}
+    # pydoc_data holds the general-domain held-out prose (`general_prose`): never training text
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib", "pydoc_data"}
     files = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
                    if not skip & set(os.path.relpath(p, root).split(os.sep)[:-1]) and _has_text(p))
     if max_bytes is None:
@@ -224,6 +227,30 @@ def stdlib_corpus(max_bytes: int | None = None, seed: int | None = None) -> list
             chosen.append(files[index])
             total += size
     return sorted(chosen)
+
+
+GENERAL_PARTS = {"heldout": (0, 1), "aside": (2,), "train": (3,)}
+
+
+def general_prose(part: str = "heldout") -> list[str]:
+    """English prose that ships with every Python install and that `stdlib_corpus` never contains: the pydoc
+    topics (the language reference's sections as `help()` shows them, `pydoc_data/topics.py`), one document per
+    distinct topic text, split by a hash of the text into fixed parts: `heldout` (about half: the general-domain
+    evaluation set), `aside` (about a quarter, kept for a final check no choice was tuned on) and `train`
+    (about a quarter, for a training mix with prose). The text is the running interpreter's, so it differs
+    between Python versions (say which version a figure was measured with)."""
+    if part not in GENERAL_PARTS:
+        raise DataError(f"general_prose: part {part!r} unknown; choose from {sorted(GENERAL_PARTS)}.")
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
+    if not os.path.exists(path):
+        raise DataError(f"general_prose: {path} is missing (a Python install without pydoc_data); pass held-out "
+                        "text of your own.")
+    with open(path, encoding="utf-8") as handle:  # `topics = {...}`: read as a literal, nothing executed
+        tree = ast.parse(handle.read(), path)
+    topics = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(target, "id", None) == "topics" for target in node.targets))
+    texts = sorted(set(topics.values()))  # some topics share one text under two names: each text once
+    return [text for text in texts if zlib.crc32(text.encode()) % 4 in GENERAL_PARTS[part]]
 
 
 def _has_text(path: str) -> bool:

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 from .data import DataError, TextTokenizer, load_tokenizer
 from .distributed import is_main_process
 from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
+from .heldout import HeldoutSet, heldout_report, report_markdown
 
 GenerateFn = Callable[[Any, list[list[int]], int], list[list[int]]]
 
@@ -256,16 +258,22 @@ def continuations(model: Any, prompts: Sequence[Prompt], generate: GenerateFn, t
 
 
 # ------------------------------------------------------------------------------------------------ the suite
-def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]], documents: Sequence[str], *,
-                   tokenizer: Any, generate: GenerateFn, reference: str = "teacher",
-                   settings: SuiteSettings = SuiteSettings(), out_path: str | os.PathLike | None = None) -> dict:
+def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] | None, documents: Sequence[str],
+                   *, tokenizer: Any, generate: GenerateFn, reference: str = "teacher",
+                   settings: SuiteSettings = SuiteSettings(), out_path: str | os.PathLike | None = None,
+                   heldout_sets: Sequence[HeldoutSet] = (), pairs: Sequence[tuple[str, str]] = (),
+                   log: Callable[[str], None] | None = None) -> dict:
     """Score every model of `models` (name -> model, in table order) on held-out `batches` (pipeline dicts, e.g.
-    `TokenBatches.eval_batches()`) and held-out `documents` (strings, e.g. `TokenBatches.eval_texts()`), against
-    `models[reference]`. Returns a JSON-serialisable dict (`models`: metrics per model; `samples`: every model's
-    continuation of each prompt; `multiple_choice`, `settings`); with `out_path`, also writes it as Markdown
-    (metrics table, then the samples) and as JSON next to it (same name, .json)."""
+    `TokenBatches.eval_batches()`; None to skip), on each of `heldout_sets` (`distill.HeldoutSet`: CE per token
+    and per byte, KL, agreement, and the paired differences of `pairs` with 95% intervals; e.g. an in-domain and
+    a general-domain set) and on held-out `documents` (strings, e.g. `TokenBatches.eval_texts()`: prompts and
+    multiple-choice items), against `models[reference]`. Returns a JSON-serialisable dict (`models`: metrics per
+    model; `sets`: each held-out set's report; `samples`: every model's continuation of each prompt;
+    `multiple_choice`, `settings`); with `out_path`, also writes it as Markdown (metrics table, the sets, then the
+    samples) and as JSON next to it (same name, .json). `log` gets a line per finished part (default: print)."""
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of the models {list(models)}; pass reference=.")
+    say = log or _say
     tok = load_tokenizer(tokenizer)
     prompts = heldout_prompts(documents, tok, count=settings.prompts, max_tokens=settings.prompt_tokens,
                               min_tokens=settings.min_prompt_tokens, seed=settings.seed)
@@ -275,23 +283,36 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]],
     if not prompts:
         raise DataError(f"no held-out document gives a prompt of {settings.min_prompt_tokens}+ tokens that ends at "
                         "a line boundary; pass more held-out text or lower min_prompt_tokens.")
+    sets = {held.name: heldout_report(models, held, reference=reference, pairs=pairs, batch_size=settings.score_batch,
+                                      vocab_chunk=settings.vocab_chunk, seed=settings.seed, log=say)
+            for held in heldout_sets}
+    started = time.perf_counter()
     texts = {name: continuations(model, prompts, generate, tok, settings.new_tokens)
              for name, model in models.items()}
+    say(f"[eval] greedy continuations of {len(prompts)} prompts by {len(models)} models "
+        f"({time.perf_counter() - started:.0f} s)")
     rows = {}
     for name, model in models.items():
-        row: dict[str, Any] = {"parameters": parameter_count(model), **heldout_loss(model, batches)}
-        row["eval_tokens"] = row.pop("tokens")
+        started = time.perf_counter()
+        row: dict[str, Any] = {"parameters": parameter_count(model)}
+        if batches is not None:
+            row.update(heldout_loss(model, batches))
+            row["eval_tokens"] = row.pop("tokens")
+        row["sets"] = {set_name: report["models"][name] for set_name, report in sets.items()}
         if name == reference:
             row.update(top1_agreement=None, kl=None, bleu=None, rouge_l=None)  # 1, 0, 100, 100 by definition
         else:
-            row.update(agreement_and_kl(model, models[reference], batches, vocab_chunk=settings.vocab_chunk))
-            row.pop("tokens")
+            if batches is not None:
+                row.update(agreement_and_kl(model, models[reference], batches, vocab_chunk=settings.vocab_chunk))
+                row.pop("tokens")
             row.update(continuation_scores(texts[name], texts[reference]))
         choice = multiple_choice(model, items, pad_id=tok.pad_id, batch_size=settings.score_batch)
         row.update(mc_accuracy=choice["accuracy"], mc_accuracy_unnormalised=choice["accuracy_unnormalised"])
         rows[name] = row
+        say(f"[eval] {name}: continuation scores and {len(items)} multiple-choice items "
+            f"({time.perf_counter() - started:.0f} s)")
     result = {
-        "reference": reference, "models": rows, "settings": dataclasses.asdict(settings),
+        "reference": reference, "models": rows, "sets": sets, "settings": dataclasses.asdict(settings),
         "multiple_choice": {"items": len(items), "choices": settings.distractors + 1,
                             "chance": 1.0 / (settings.distractors + 1),
                             "scored_by": "mean log-likelihood per token of the candidate line (length-normalised)"},
@@ -312,12 +333,17 @@ COLUMNS = (("parameters", "parameters", "{:,}"), ("loss", "held-out CE (nats)", 
 def suite_markdown(result: dict) -> str:
     """The suite's result as Markdown: a metrics table (one row per model) and the sample continuations."""
     reference, mc = result["reference"], result["multiple_choice"]
-    lines = ["| model | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-             "|---|" + "---:|" * len(COLUMNS)]
+    columns = [c for c in COLUMNS if any(c[0] in row for row in result["models"].values())]
+    lines = ["| model | " + " | ".join(title for _, title, _ in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
     for name, row in result["models"].items():
         cells = ["(reference)" if row.get(key) is None and name == reference else
-                 "-" if row.get(key) is None else form.format(row[key]) for key, _, form in COLUMNS]
+                 "-" if row.get(key) is None else form.format(row[key]) for key, _, form in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if result.get("sets"):
+        lines += ["", "## Held-out sets", ""]
+        for report in result["sets"].values():
+            lines += [report_markdown(report, reference), ""]
     lines += ["", f"Agreement, KL, BLEU and ROUGE-L (F1 x100) are against `{reference}` on held-out text; BLEU and "
                   f"ROUGE-L compare greedy continuations of {len(result['samples'])} held-out prompts "
                   f"({result['settings']['new_tokens']} new tokens). Multiple choice: {mc['items']} items, the "
@@ -330,6 +356,11 @@ def suite_markdown(result: dict) -> str:
         for name, text in sample["continuations"].items():
             lines += [f"**{name}**", "", _fenced(text), ""]
     return "\n".join(lines)
+
+
+def _say(line: str) -> None:
+    if is_main_process():
+        print(line, flush=True)
 
 
 def _fenced(text: str) -> str:

@@ -1,44 +1,81 @@
 """The recipe's evaluation: every model of the results table on the same held-out data, and the recovery curves.
 
-Held-out cross-entropy and perplexity for each row; unless `--eval-prompts 0`, `distill.evaluate_suite` adds
-top-1 agreement and KL to the teacher, greedy continuations of held-out prompts scored against the teacher's
-(BLEU, ROUGE-L), a next-line multiple-choice task scored by log-likelihood, and the same prompts answered by every
-model (`suite.md` / `suite.json` in the run folder). Multi-host: every process evaluates together (its rows of the
+Each row is scored on two held-out sets (`distill.HeldoutSet`, --eval-tokens each): the corpus's held-out
+documents (in-domain: what CE retraining optimises directly) and English prose that no training corpus contains
+(general: what compression must keep), with cross-entropy per token and per byte, KL to the teacher and top-1
+agreement, and 95% intervals for the differences between the distilled student, the control and the teacher
+(paired bootstrap over documents). Unless `--eval-prompts 0`, `distill.evaluate_suite` adds greedy continuations
+of held-out prompts scored against the teacher's (BLEU, ROUGE-L), a next-line multiple-choice task scored by
+log-likelihood, and the same prompts answered by every model (`suite.md` / `suite.json` in the run folder). Multi-host: every process evaluates together (its rows of the
 held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
 """
 from __future__ import annotations
 
+import math
 import os
+import sys
 from typing import Any
 
 import distill
-from distill.evaluate import heldout_loss
 from surgery.generate import generate
 
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
               "mc_accuracy": "multiple_choice"}
+IN_DOMAIN, GENERAL = "in-domain", "general"
 
 
-def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str) -> dict:
-    """`rows`: (name, model, training tokens used), the teacher first. Returns the results dict of results.json."""
+def heldout_sets(args, data) -> list:
+    """The final held-out sets: the corpus's held-out documents (in-domain) and, unless --no-general-eval,
+    English prose no training corpus contains (general), each cut to --eval-tokens scored tokens."""
+    common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.eval_tokens, seed=args.seed)
+    sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, data.eval_texts(), description=f"held-out documents of the "
+                                          f"training corpus ({args.data_description or 'the --data files'})",
+                                          **common)]
+    if args.general_eval:
+        sets.append(distill.HeldoutSet.from_texts(GENERAL, distill.general_prose("heldout"), description=(
+            "English prose no training corpus contains: the Python language reference's pydoc topics "
+            f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
+    return sets
+
+
+def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str, pairs=()) -> dict:
+    """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
+    differences get 95% intervals. Returns the results dict of results.json."""
     eval_batches = data.eval_batches()[: args.eval_batches]
-    suite = None
+    models = {name: model for name, model, _ in rows}
     if args.eval_prompts > 0:
         settings = distill.SuiteSettings(prompts=args.eval_prompts, new_tokens=args.new_tokens,
                                          choice_items=args.choice_items, seed=args.seed)
-        suite = distill.evaluate_suite({name: model for name, model, _ in rows}, eval_batches, data.eval_texts(),
-                                       tokenizer=args.teacher_folder, generate=greedy, reference=rows[0][0],
-                                       settings=settings, out_path=os.path.join(out, "suite.md"))
-    results: dict[str, Any] = {"rows": []}
+        suite = distill.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
+                                       generate=greedy, reference=rows[0][0], settings=settings,
+                                       out_path=os.path.join(out, "suite.md"), heldout_sets=heldout_sets(args, data),
+                                       pairs=pairs)
+    else:  # no generations: the held-out sets alone
+        reports = {held.name: distill.heldout_report(models, held, reference=rows[0][0], pairs=pairs)
+                   for held in heldout_sets(args, data)}
+        suite = {"models": {name: {"sets": {k: r["models"][name] for k, r in reports.items()}} for name in models},
+                 "sets": reports}
+    results: dict[str, Any] = {"rows": [], "sets": {k: {key: v for key, v in r.items() if key != "models"}
+                                                     for k, r in suite["sets"].items()}}
     for name, model, used in rows:
-        scores = suite["models"][name] if suite else dict(heldout_loss(model, eval_batches))
+        scores = suite["models"][name]
+        in_domain = scores["sets"][IN_DOMAIN]
         row = {"model": name, "parameters": model.config.num_parameters(),
-               "non_embedding_parameters": non_embedding(model.config), "tokens": used, "loss": scores["loss"],
-               "perplexity": scores["perplexity"], "eval_tokens": scores.get("eval_tokens", scores.get("tokens"))}
-        row.update({ours: scores[theirs] for theirs, ours in SUITE_KEYS.items() if scores.get(theirs) is not None})
+               "non_embedding_parameters": non_embedding(model.config), "tokens": used, "loss": in_domain["ce"],
+               "perplexity": math.exp(min(in_domain["ce"], 50.0)), "eval_tokens": in_domain["tokens"],
+               "loss_per_byte": in_domain["ce_per_byte"]}
+        if name != rows[0][0]:
+            row.update(top1_agreement=in_domain["top1_agreement"], kl_to_teacher=in_domain["kl"])
+        if GENERAL in scores["sets"]:
+            general = scores["sets"][GENERAL]
+            row.update(general_loss=general["ce"], general_loss_per_byte=general["ce_per_byte"])
+            if name != rows[0][0]:
+                row.update(general_kl=general["kl"], general_top1_agreement=general["top1_agreement"])
+        row.update({ours: scores[theirs] for theirs, ours in SUITE_KEYS.items()
+                    if theirs not in ("top1_agreement", "kl") and scores.get(theirs) is not None})
         results["rows"].append(row)
-    if suite:
+    if "samples" in suite:
         results["samples"] = suite["samples"]
         results["multiple_choice"] = suite["multiple_choice"]
     return results

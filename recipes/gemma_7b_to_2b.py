@@ -37,6 +37,7 @@ Why the defaults:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -52,7 +53,8 @@ import surgery  # noqa: E402
 from recipes import cli, evaluation, phases, settings, tiny_teacher  # noqa: E402
 from recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results  # noqa: E402
 
-PHASES = ("stage_a", "stage_b", "control")
+PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
+ORIGINAL_TEACHER = "teacher before correction"
 CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 
 
@@ -74,8 +76,9 @@ def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec
                                teacher_config.num_attention_heads, teacher_config.num_key_value_heads)
 
 
-def run_phase(args, phase, teacher, student, data, config, out):
-    """Distil one phase, or reload it when an earlier run finished it. Returns (student, history, evals)."""
+def run_phase(args, phase, teacher, student, data, config, out, dtype="float32"):
+    """Distil one phase, or reload it when an earlier run finished it. Returns (student, history, evals); the
+    student comes back in `dtype` when it was reloaded."""
     done = os.path.join(out, "phases", phase)
     if os.path.exists(os.path.join(done, "history.json")):
         print(f"[{phase}] finished in an earlier run: loading {done}")
@@ -84,7 +87,7 @@ def run_phase(args, phase, teacher, student, data, config, out):
         history, evals = (logged["train"], logged["eval"]) if isinstance(logged, dict) else (logged, [])
         if isinstance(logged, dict) and logged.get("data_state") is not None:
             data.restore(logged["data_state"])  # the next phase continues where this one stopped
-        return surgery.load_pretrained(done, dtype="float32", mesh=mesh_of(args)), history, evals
+        return surgery.load_pretrained(done, dtype=dtype, mesh=mesh_of(args)), history, evals
     # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
     sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
     result = distill.run(teacher, student, data, config, sampler=sampler)
@@ -167,6 +170,11 @@ def main(argv=None) -> dict:
     teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
     distill.data.check_vocabulary(args.teacher_folder, teacher_config.vocab_size)
     data = load_data(args, corpus)
+    clock = PhaseClock(t_start)
+    clock.lap("teacher and data")
+    if args.teacher_correction:  # Minitron: the teacher first adapts to the corpus it will teach on
+        teacher = correct_teacher(args, teacher, data, out, teacher_dtype)
+        clock.lap("teacher correction")
     calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
 
     # 2. Surgery. Staged: depth + MLP (A), distil, then hidden + heads + KV merge (B). Plans are data (plan.json).
@@ -178,6 +186,7 @@ def main(argv=None) -> dict:
         config_a = phases.phase_config(args, "stage_a", [phases.stage_a(args)], plan_a, out, data)
         student, history_a, _ = run_phase(args, "stage_a", teacher, student, data, config_a, out)
         steps_a = config_a.total_steps
+        clock.lap("stage A")
     else:
         plan_a, history_a, student, steps_a = None, [], teacher, 0
     steps_b = args.steps - steps_a
@@ -187,6 +196,7 @@ def main(argv=None) -> dict:
     pruned = pruned_student(teacher, plan_a, plan)
     student = make_student(args, student, plan, out, "stage_b")
     print(surgery.format_report(plan))
+    clock.lap("surgery")
     lineage = composed_map(plan_a, plan)  # teacher layer -> student layer, teacher channels kept
 
     # 3. Distillation: after a KV merge, a K/V warm-up with the rest frozen; then the main stages (one stage from
@@ -198,6 +208,7 @@ def main(argv=None) -> dict:
     config_b = phases.phase_config(args, "stage_b", stages_b, lineage, out, data)
     student, history_b, evals_b = run_phase(args, "stage_b", teacher, student, data, config_b, out)
     distilled_steps = steps_a + config_b.total_steps
+    clock.lap("distillation")
 
     # 4. The control at equal tokens: the same pruned student retrained with plain CE, or the shape from scratch.
     history_control, evals_control, control = [], [], None
@@ -206,15 +217,26 @@ def main(argv=None) -> dict:
                    else surgery.create_model(pruned.config, seed=args.seed + 1, mesh=mesh))
         config_c = phases.phase_config(args, "control", [phases.control_stage(args, distilled_steps)], None, out)
         control, history_control, evals_control = run_phase(args, "control", None, control, data, config_c, out)
+        clock.lap("control")
 
     # 5. Evaluate on held-out data, save the student folder (HF + plan + results + card), publish.
     tokens = distilled_steps * args.tokens_per_step
-    rows = [("teacher", teacher, 0), ("pruned (before distillation)", pruned, 0), ("distilled student", student, tokens)]
+    rows = [("teacher", teacher, 0)]
+    if args.teacher_correction:  # the teacher as it was, beside the corrected one that taught
+        original = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
+        rows.append((ORIGINAL_TEACHER, original, 0))
+    rows += [("pruned (before distillation)", pruned, 0), ("distilled student", student, tokens)]
+    pairs = [("distilled student", "teacher")]
     if control is not None:
         rows.append((CONTROL_NAMES[args.control], control, tokens))
-    results = evaluation.evaluate(args, rows, data, out)
+        pairs = [("distilled student", CONTROL_NAMES[args.control])] + pairs + [(CONTROL_NAMES[args.control],
+                                                                                 "teacher")]
+    print(f"[eval] {len(rows)} models on the held-out sets ({args.eval_tokens:,} tokens each), then generations "
+          "and multiple choice", flush=True)
+    results = evaluation.evaluate(args, rows, data, out, pairs=pairs)
+    clock.lap("evaluation")
     results.update(wall_time_s=round(time.time() - t_start, 1), preset=args.preset, compression=args.compression,
-                   control=args.control)
+                   control=args.control, phase_times_s=clock.laps, teacher_correction=args.teacher_correction)
     results["final_losses"] = {k: round(v, 4) for k, v in (history_b[-1] if history_b else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
     results["step_stats"] = {"distilled": evaluation.step_stats(history_b),
@@ -241,6 +263,37 @@ def main(argv=None) -> dict:
         url = surgery.push_to_hub(final, args.push_to_hub, private=not args.public)
         print(f"pushed to {url}")
     return results
+
+
+class PhaseClock:
+    """Wall time of each phase of the run, in order (for the results table)."""
+
+    def __init__(self, start: float):
+        self.laps: dict[str, float] = {}
+        self._last = start
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.laps[name] = round(now - self._last, 1)
+        self._last = now
+
+
+def correct_teacher(args, teacher, data, out, dtype):
+    """Teacher correction (Minitron): the teacher fine-tuned with plain CE on the distillation corpus for
+    --teacher-correction steps before it is pruned and teaches. It trains on its own copy of the batches, so the
+    student's batches are those of a run without correction; it is saved in phases/teacher_correction (a
+    resumed run reloads it)."""
+    print(f"[teacher correction] {args.teacher_correction} steps of plain CE on the corpus, learning rate "
+          f"{args.teacher_correction_lr:g}", flush=True)
+    trainee = teacher if dtype == "float32" else surgery.load_pretrained(args.teacher_folder, dtype="float32",
+                                                                         mesh=mesh_of(args))
+    config = phases.phase_config(args, "teacher_correction", [phases.teacher_correction_stage(args)], None, out)
+    corrected, _, _ = run_phase(args, "teacher_correction", None, trainee, copy.deepcopy(data), config, out,
+                                dtype=dtype)
+    if dtype != "float32":  # trained in float32, teaches in the run's precision
+        corrected = surgery.load_pretrained(os.path.join(out, "phases", "teacher_correction"), dtype=dtype,
+                                            mesh=mesh_of(args))
+    return corrected
 
 
 def pruned_student(teacher, plan_a, plan):

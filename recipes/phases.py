@@ -5,6 +5,7 @@ every flag can be checked against the config it produces.
     stage_b   after the final cut: a K/V warm-up when KV heads were merged, then the main stages (one stage from
               the loss flags, a named --schedule, or the config file's distill.stages)
     control   the baseline on the same number of optimizer steps: plain CE (pruned-ce) or from scratch
+    teacher_correction   --teacher-correction only, before any surgery: the teacher fine-tuned with plain CE
 """
 from __future__ import annotations
 
@@ -102,6 +103,13 @@ def control_stage(args: argparse.Namespace, steps: int) -> distill.Stage:
                          weights=distill.LossWeights(kl=0.0, ce=1.0))
 
 
+def teacher_correction_stage(args: argparse.Namespace) -> distill.Stage:
+    """Plain CE on the distillation corpus for the teacher itself (what the user froze stays frozen)."""
+    return distill.Stage(steps=args.teacher_correction, name="teacher correction",
+                         learning_rate=args.teacher_correction_lr, trainable=args.trainable, frozen=args.frozen,
+                         warmup_steps=min(2, args.teacher_correction - 1), weights=distill.LossWeights(kl=0.0, ce=1.0))
+
+
 def phase_config(args: argparse.Namespace, phase: str, stages, plan: Any, out: str, data: Any = None
                  ) -> distill.DistillConfig:
     """One phase's DistillConfig: the resolved distill section, these stages, and what the recipe manages
@@ -110,7 +118,7 @@ def phase_config(args: argparse.Namespace, phase: str, stages, plan: Any, out: s
     section = {key: value for key, value in args.distill.items() if key != "stages"}
     section["checkpoint"] = {**section["checkpoint"], "directory": os.path.join(out, "checkpoints", phase),
                              "resume": True}
-    if phase == "control":  # the CE control has no teacher to score the student's samples
+    if phase in ("control", "teacher_correction"):  # plain CE: no teacher to score the model's samples
         section["on_policy"] = {**section.get("on_policy", {}), "fraction": 0.0}
     config = distill.DistillConfig.from_dict({
         **section, "stages": tuple(stages), "batch_size": args.batch_size, "seq_len": args.seq_len, "plan": plan,
@@ -122,4 +130,4 @@ def phase_config(args: argparse.Namespace, phase: str, stages, plan: Any, out: s
 
 
 __all__ = ["loss_weights", "warmup_steps", "stage_a", "kv_warmup", "main_stages", "scheduled", "control_stage",
-           "phase_config"]
+           "teacher_correction_stage", "phase_config"]

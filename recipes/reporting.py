@@ -71,36 +71,82 @@ def _has_weights(folder: str) -> bool:
 
 
 CONTROL_ROWS = ("CE-retrained pruned student (control)", "scratch student (same shape)")
+# (results row key, column title, format); a column shows when any row has its key
+COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/byte", "{:.4f}"),
+           ("top1_agreement", "in-domain top-1", "{:.1%}"), ("kl_to_teacher", "in-domain KL", "{:.3f}"),
+           ("general_loss", "general CE", "{:.4f}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
+           ("general_top1_agreement", "general top-1", "{:.1%}"), ("general_kl", "general KL", "{:.3f}"),
+           ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"), ("multiple_choice", "next-line MC", "{:.1%}"))
 
 
 def results_table(results: dict) -> str:
-    """The results table (one row per model), the verdict against the control, and the suite's extra columns."""
-    extra = [key for key in ("top1_agreement", "kl_to_teacher", "bleu", "rouge_l", "multiple_choice")
-             if any(key in row for row in results["rows"])]
-    head = "| model | parameters (non-embedding) | held-out CE | perplexity | tokens used |"
-    head += "".join(f" {key.replace('_', ' ')} |" for key in extra)
-    lines = [head, "|---" * (5 + len(extra)) + "|"]
+    """The results table (one row per model; CE in nats, KL and agreement against the teacher), the verdicts
+    with 95% intervals on each held-out set, and the wall time of each phase."""
+    columns = [c for c in COLUMNS if any(c[0] in row for row in results["rows"])]
+    lines = ["| model | parameters (non-embedding) | tokens used | " + " | ".join(c[1] for c in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
     for row in results["rows"]:
         non_embedding = row.get("non_embedding_parameters")
         size = f"{row['parameters'] / 1e6:.2f}M" + (f" ({non_embedding / 1e6:.1f}M)" if non_embedding else "")
-        line = (f"| {row['model']} | {size} | {row['loss']:.4f} | {row['perplexity']:.3f} | {row['tokens']:,} |")
-        line += "".join(f" {_cell(row.get(key))} |" for key in extra)
-        lines.append(line)
-    by_name = {r["model"]: r for r in results["rows"]}
-    distilled = by_name.get("distilled student")
-    control = next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)
-    teacher, pruned = by_name.get("teacher"), by_name.get("pruned (before distillation)")
-    lines.append("")
-    if distilled and teacher and pruned and pruned["loss"] > teacher["loss"]:
-        closed = (pruned["loss"] - distilled["loss"]) / (pruned["loss"] - teacher["loss"])
-        lines.append(f"Distillation closed {closed:.1%} of the pruned-to-teacher gap in held-out CE.")
-    if distilled and control:
-        gap = control["loss"] - distilled["loss"]
-        verdict = "beats" if gap > 0 else "does NOT beat"
-        lines.append(f"The distilled student {verdict} the {control['model']} at equal tokens by {gap:+.4f} "
-                     f"nats/token (perplexity {control['perplexity']:.3f} -> {distilled['perplexity']:.3f}).")
-    lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
+        cells = ["-" if row.get(key) is None else form.format(row[key]) for key, _, form in columns]
+        lines.append(f"| {row['model']} | {size} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+    lines += ["", *verdicts(results)]
+    times = results.get("phase_times_s") or {}
+    if times:
+        lines.append("Wall time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
+                     + f"; {results['wall_time_s']:.0f} s in all.")
+    else:
+        lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
     return "\n".join(lines)
+
+
+def verdicts(results: dict) -> list[str]:
+    """Per held-out set: the share of the pruned-to-teacher gap the distilled student (and the control) closed,
+    and the distilled student against the control with the 95% interval of the difference. A difference whose
+    interval contains 0 is called a tie."""
+    by_name = {r["model"]: r for r in results["rows"]}
+    distilled, teacher = by_name.get("distilled student"), by_name.get("teacher")
+    pruned = by_name.get("pruned (before distillation)")
+    control = next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)
+    lines = []
+    for key, title in (("loss", "in-domain"), ("general_loss", "general")):
+        if not (distilled and teacher and pruned and key in distilled):
+            continue
+        gap = pruned[key] - teacher[key]
+        closed = [f"the distilled student closed {(pruned[key] - distilled[key]) / gap:.0%}"] if gap > 0 else []
+        if control and gap > 0:
+            closed.append(f"the {control['model']} {(pruned[key] - control[key]) / gap:.0%}")
+        sentence = f"{title.capitalize()} held-out set: " + (
+            " and ".join(closed) + " of the pruned-to-teacher gap in CE" if closed else
+            "pruning did not raise CE over the teacher")
+        sentence += f"; the distilled student is {distilled[key] - teacher[key]:+.4f} nats/token from the teacher"
+        lines.append(sentence + ".")
+        comparison = _comparison(results, title, "distilled student", control["model"] if control else None)
+        if comparison:
+            ce, kl = comparison["ce"], comparison["kl"]
+            if ce["low"] is None:
+                lines.append(f"  Distilled - control: CE {ce['difference']:+.4f} nats/token, KL "
+                             f"{kl['difference']:+.3f} (one held-out document: no interval).")
+                continue
+            if ce["high"] < 0:
+                verdict = "beats"
+            elif ce["low"] > 0:
+                verdict = "loses to"
+            else:
+                verdict = "ties (the 95% interval contains 0) with"
+            lines.append(f"  Distilled {verdict} the control: CE {ce['difference']:+.4f} nats/token "
+                         f"[{ce['low']:+.4f}, {ce['high']:+.4f}], KL to the teacher {kl['difference']:+.3f} "
+                         f"[{kl['low']:+.3f}, {kl['high']:+.3f}] (distilled - control, 95% interval).")
+    return lines
+
+
+def _comparison(results: dict, set_name: str, a: str, b: str | None) -> dict | None:
+    if b is None:
+        return None
+    for entry in results.get("sets", {}).get(set_name, {}).get("comparisons", []):
+        if (entry["a"], entry["b"]) == (a, b):
+            return entry
+    return None
 
 
 def _cell(value) -> str:
@@ -176,6 +222,9 @@ def card_writer(args, plan, plan_a, results: dict, tokens: int):
         summary["KV heads"] = plan.methods.get("kv")
         evaluation = {"held-out loss": {r["model"]: round(r["loss"], 4) for r in results["rows"]},
                       "perplexity": {r["model"]: round(r["perplexity"], 3) for r in results["rows"]}}
+        if any("general_loss" in r for r in results["rows"]):
+            evaluation["general-domain held-out loss (English prose)"] = {
+                r["model"]: round(r["general_loss"], 4) for r in results["rows"] if "general_loss" in r}
         surgery.write_model_card(os.path.dirname(path), teacher_id=str(args.teacher), teacher_revision=args.revision,
                                  plan_summary=summary, data_description=args.data_description, steps=args.steps,
                                  tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,

@@ -166,6 +166,8 @@ def _derive(args: argparse.Namespace) -> None:
         args.warmup_steps = args.steps // 50
     if args.scratch_learning_rate is None:
         args.scratch_learning_rate = args.learning_rate
+    if args.teacher_correction_lr is None:
+        args.teacher_correction_lr = args.learning_rate / 10
     if args.distill.get("eval_every") is None:
         args.distill["eval_every"] = max(1, args.steps // 4)
     args.temperature = parse_ramp(args.temperature, "--temperature")
@@ -196,6 +198,11 @@ def check(args: argparse.Namespace) -> None:
     """Refuse impossible combinations now, before any model is loaded."""
     if not 0.0 <= args.alpha <= 1.0 or args.steps < 1:
         raise RecipeError(f"--alpha {args.alpha} must lie in [0, 1] and --steps {args.steps} be at least 1.")
+    if args.eval_tokens < 64:
+        raise RecipeError(f"--eval-tokens {args.eval_tokens}: a held-out set needs at least 64 scored tokens "
+                          "(thousands to decide between students).")
+    if args.teacher_correction < 0:
+        raise RecipeError(f"--teacher-correction {args.teacher_correction}: give a number of steps >= 0.")
     if args.schedule not in ("none", *SCHEDULES):
         raise RecipeError(f"--schedule {args.schedule!r}: choose none or one of {sorted(SCHEDULES)}.")
     if args.schedule != "none" and args.distill.get("stages"):
