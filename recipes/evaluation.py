@@ -42,7 +42,6 @@ def heldout_sets(args, data) -> list:
 def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str, pairs=()) -> dict:
     """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
     differences get 95% intervals. Returns the results dict of results.json."""
-    eval_batches = data.eval_batches()[: args.eval_batches]
     models = {name: model for name, model, _ in rows}
     if args.eval_prompts > 0:
         settings = distill.SuiteSettings(prompts=args.eval_prompts, new_tokens=args.new_tokens,
