@@ -1,20 +1,28 @@
-"""Recovery curves on the real Gemma 3 270M: one pruned student, several training recipes, equal tokens.
+"""Recovery on the real Gemma 3 270M: one pruned student, several training recipes, the same batches, judged on an
+in-domain and a general-domain held-out set.
 
-    python bench/real_recovery.py --teacher FOLDER --student layers=18,mlp=512 --run kl --run ce --steps 24
+    python bench/real_recovery.py --teacher FOLDER --student layers=18,mlp=512 --run kl_noemb --run ce_noemb \
+        --steps 24 --eval-at 12,24 --out bench/results/recovery.jsonl
+    python bench/real_recovery.py ... --general-mix 0.25 --teacher-correction 12   # corpus mix, teacher correction
 
-Each `--run` names a recipe (see RECIPES); every run starts from the same pruned student, sees the same batches
-in the same order, and is evaluated on the same held-out stdlib modules every `--eval-every` steps (held-out
-cross-entropy, top-1 agreement with the teacher, KL(teacher || student)). One JSON line per evaluation goes to
-stdout (and `--out`), so the curves can be drawn and compared until they cross or flatten.
+Each `--run` is RECIPE[@LR] (RECIPES below; LR overrides the recipe's learning rate). Every run starts from the
+same pruned student, sees the same batches in the same order, and is scored at each `--eval-at` step on the same
+two `distill.HeldoutSet`s: held-out stdlib modules (in-domain) and the held-out half of the pydoc topics (English
+prose no training corpus contains), each `--eval-tokens` tokens: CE per token and per byte, KL(teacher ||
+student), top-1 agreement, and the per-passage NLL sums, so any two runs can be compared with a paired bootstrap
+(`distill.paired_interval`). `--general-mix F` makes about F of the training text general prose (the pydoc
+topics' `train` part, repeated; disjoint from the held-out half, never held out itself); `--teacher-correction N` fine-tunes the teacher with plain CE on the
+corpus for N steps before it is pruned and teaches. One JSON line per record goes to stdout (and `--out`).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import shutil
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,29 +31,22 @@ sys.path.insert(0, ROOT)
 import distill  # noqa: E402
 import surgery  # noqa: E402
 
-# name -> (loss weights, temperature, learning-rate multiplier, trainable patterns or None)
+# name -> loss weights, temperature, learning-rate multiplier, frozen patterns
 RECIPES = {
     "kl": (dict(kl=1.0), 1.0, 1.0, None),
     "ce": (dict(kl=0.0, ce=1.0), 1.0, 1.0, None),
     "mix": (dict(kl=0.5, ce=0.5), 1.0, 1.0, None),
-    "mix_t2": (dict(kl=0.5, ce=0.5), 2.0, 1.0, None),
-    "kl_t2": (dict(kl=1.0), 2.0, 1.0, None),
     "mix_feat": (dict(kl=0.5, ce=0.5, feature=0.1), 1.0, 1.0, None),
-    "kl_feat": (dict(kl=1.0, feature=0.1), 1.0, 1.0, None),
-    "mix_noemb": (dict(kl=0.5, ce=0.5), 1.0, 1.0, "frozen:embed_tokens"),
-    "kl_noemb": (dict(kl=1.0), 1.0, 1.0, "frozen:embed_tokens"),
-    "ce_noemb": (dict(kl=0.0, ce=1.0), 1.0, 1.0, "frozen:embed_tokens"),
-    "mix_lr3": (dict(kl=0.5, ce=0.5), 1.0, 3.0, None),
-    "ce_lr3": (dict(kl=0.0, ce=1.0), 1.0, 3.0, None),
-    "kl_lr3": (dict(kl=1.0), 1.0, 3.0, None),
-    "mixf_noemb": (dict(kl=0.5, ce=0.5, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
-    "klf_noemb": (dict(kl=1.0, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
-    "f_noemb": (dict(kl=0.0, feature=1.0), 1.0, 1.0, "frozen:embed_tokens"),
-    "mixt2_noemb": (dict(kl=0.5, ce=0.5), 2.0, 1.0, "frozen:embed_tokens"),
+    "kl_noemb": (dict(kl=1.0), 1.0, 1.0, ["embed_tokens*"]),  # Minitron: logit-only forward KL, tau 1, no CE
+    "ce_noemb": (dict(kl=0.0, ce=1.0), 1.0, 1.0, ["embed_tokens*"]),  # the control's loss
+    "mix_noemb": (dict(kl=0.5, ce=0.5), 1.0, 1.0, ["embed_tokens*"]),
+    "mixf_noemb": (dict(kl=0.5, ce=0.5, feature=1.0), 1.0, 1.0, ["embed_tokens*"]),  # the demo's loss until now
+    "klf_noemb": (dict(kl=1.0, feature=1.0), 1.0, 1.0, ["embed_tokens*"]),
+    "kl_t2_noemb": (dict(kl=1.0), 2.0, 1.0, ["embed_tokens*"]),
 }
 
 
-def parse_shape(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec:
+def parse_shape(text: str, teacher) -> surgery.StudentSpec:
     values = dict(item.split("=") for item in text.split(","))
     return surgery.StudentSpec(int(values.get("layers", teacher.num_hidden_layers)),
                                int(values.get("hidden", teacher.hidden_size)),
@@ -54,82 +55,108 @@ def parse_shape(text: str, teacher: surgery.GemmaConfig) -> surgery.StudentSpec:
                                int(values.get("kv_heads", teacher.num_key_value_heads)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--teacher", required=True)
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", required=True, help="HF folder of the teacher")
     p.add_argument("--student", default="layers=18,mlp=512")
     p.add_argument("--run", action="append", default=[], help="RECIPE[@LR], RECIPE from RECIPES")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--eval-every", type=int, default=6)
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--eval-at", default="", help="steps to score the held-out sets at (default: the last)")
+    p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--general-mix", type=float, default=0.0, help="share of general prose in the training text")
+    p.add_argument("--teacher-correction", type=int, default=0, help="CE steps on the teacher before pruning")
+    p.add_argument("--teacher-correction-lr", type=float, default=3e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="", help="a label for this invocation's records")
     p.add_argument("--out")
-    args = p.parse_args()
-    out = open(args.out, "a") if args.out else None
+    return p.parse_args(argv)
 
-    setup = (f"Student {args.student} of the teacher, cut by plan_student with calibration; batch {args.batch_size} x "
-             f"{args.seq_len}, cosine learning rate over {args.steps} steps (2 warm-up), the same batches in the same "
-             f"order for every recipe; held-out CE on {args.eval_batches} batches of held-out stdlib modules.")
+
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = open(args.out, "a") if args.out else None
+    setup = {"student": args.student, "steps": args.steps, "batch": f"{args.batch_size}x{args.seq_len}",
+             "general_mix": args.general_mix, "teacher_correction": args.teacher_correction, "seed": args.seed,
+             "eval_tokens": args.eval_tokens, "tag": args.tag}
 
     def emit(record):
-        if "run" in record:
-            record = {"bench": "recovery", "series": record.pop("run"), "setup": setup, **record}
-        line = json.dumps(record)
-        print(line, flush=True)
+        line = json.dumps({"bench": "recovery2", **setup, **record})
+        print(line[:400], flush=True)
         if out:
             out.write(line + "\n")
             out.flush()
 
     teacher = surgery.load_pretrained(args.teacher, dtype="float32")
-    files = distill.stdlib_corpus(args.corpus_bytes, seed=0)
+    files = distill.stdlib_corpus(args.corpus_bytes, seed=args.seed)
+    mix = distill.general_mix(sum(os.path.getsize(f) for f in files), args.general_mix)
     data = distill.TokenBatches.from_files(files, args.teacher, batch_size=args.batch_size, seq_len=args.seq_len,
-                                           seed=0, eval_batch_size=args.batch_size)
-    evals = data.eval_batches()[: args.eval_batches]
-    spec = parse_shape(args.student, teacher.config)
-    start = time.perf_counter()
-    plan = surgery.plan_student(teacher, spec, calibration=data.calibration_ids(64, seed=0), seed=0)
-    emit({"event": "plan", "seconds": round(time.perf_counter() - start, 1), "student": args.student,
-          "non_embedding": spec_params(surgery.apply_plan(teacher, plan).config)})
-    emit({"event": "teacher", **scores(teacher, teacher, evals)})
-    emit({"event": "pruned", **scores(surgery.apply_plan(teacher, plan), teacher, evals)})
+                                           seed=args.seed, eval_batch_size=args.batch_size, extra_train=mix)
+    sets = [distill.HeldoutSet.from_texts("in-domain", data.eval_texts(), args.teacher, seq_len=args.seq_len,
+                                          max_tokens=args.eval_tokens, seed=args.seed),
+            distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), args.teacher,
+                                          seq_len=args.seq_len, max_tokens=args.eval_tokens, seed=args.seed)]
+    if args.teacher_correction:
+        started = time.perf_counter()
+        teacher = train(None, teacher, copy.deepcopy(data), args, dict(kl=0.0, ce=1.0), 1.0,
+                        args.teacher_correction_lr, ["embed_tokens*"], args.teacher_correction, None)
+        emit({"event": "teacher_correction", "seconds": round(time.perf_counter() - started, 1)})
+    plan = surgery.plan_student(teacher, parse_shape(args.student, teacher.config),
+                                calibration=data.calibration_ids(64, seed=args.seed), seed=args.seed)
+    emit({"event": "teacher", **scores({"teacher": teacher}, sets)["teacher"]})
+    emit({"event": "pruned", **scores({"teacher": teacher, "s": surgery.apply_plan(teacher, plan)}, sets)["s"]})
+    eval_at = sorted({int(s) for s in args.eval_at.split(",") if s} | {args.steps})
     for name in args.run:
         recipe, _, lr_text = name.partition("@")
-        weights, temperature, lr_mult, trainable = RECIPES[recipe]
+        weights, temperature, lr_mult, frozen = RECIPES[recipe]
         lr = float(lr_text) if lr_text else args.lr * lr_mult
-        student = surgery.apply_plan(teacher, plan)
-        run_data = copy.deepcopy(data)  # every recipe sees the same batches from the start
-        shutil.rmtree(f"/tmp/recovery-ckpt/{name.replace('@', '_')}", ignore_errors=True)
-        emit({"run": name, "step": 0, **scores(student, teacher, evals)})
-        done = 0
-        while done < args.steps:
-            chunk = min(args.eval_every, args.steps - done)
-            frozen = [trainable.split(":", 1)[1] + "*"] if trainable else None
-            stage = distill.Stage(steps=args.steps, learning_rate=lr, warmup_steps=2,
-                                  weights=distill.LossWeights(**weights), temperature=temperature,
-                                  frozen=frozen)
-            config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len,
-                                           plan=plan, progress=False, plots=False, eval_every=10**9,
-                                           eval_batches=1, halt_after=done + chunk, seed=0,
-                                           checkpoint=distill.CheckpointConfig(
-                                               directory=f"/tmp/recovery-ckpt/{name.replace('@', '_')}", every=chunk))
-            t0 = time.perf_counter()
-            result = distill.run(teacher if any(weights.get(k) for k in ("kl", "feature")) else None,
-                                 student, run_data, config)
-            student, done = result.student, result.steps
-            emit({"run": name, "step": done, "train_s": round(time.perf_counter() - t0, 1),
-                  "tokens": done * args.batch_size * args.seq_len, **scores(student, teacher, evals)})
+        student, run_data, done = surgery.apply_plan(teacher, plan), copy.deepcopy(data), 0
+        with tempfile.TemporaryDirectory() as checkpoints:
+            for stop in eval_at:
+                started = time.perf_counter()
+                uses_teacher = any(weights.get(k) for k in ("kl", "feature"))
+                student = train(teacher if uses_teacher else None, student, run_data, args, weights, temperature,
+                                lr, frozen, args.steps, plan, halt_after=stop, checkpoints=checkpoints)
+                done, seconds = stop, round(time.perf_counter() - started, 1)
+                emit({"run": name, "step": done, "train_s": seconds, "tokens": done * args.batch_size * args.seq_len,
+                      **scores({"teacher": teacher, "s": student}, sets)["s"]})
 
 
-def spec_params(config) -> int:
-    return config.num_parameters() - config.vocab_size * config.hidden_size
+def train(teacher, student, data, args, weights, temperature, lr, frozen, steps, plan, *, halt_after=None,
+          checkpoints=None):
+    """`steps` of one stage (cosine schedule over all of them), stopped after `halt_after`; a later call with the
+    same `checkpoints` folder resumes it."""
+    stage = distill.Stage(steps=steps, learning_rate=lr, warmup_steps=min(args.warmup, steps - 1),
+                          weights=distill.LossWeights(**weights), temperature=temperature, frozen=frozen)
+    folder = checkpoints or tempfile.mkdtemp()
+    config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len, plan=plan,
+                                   progress=False, plots=False, eval_every=10**9, eval_batches=1,
+                                   halt_after=halt_after, seed=args.seed,
+                                   checkpoint=distill.CheckpointConfig(directory=folder, every=steps))
+    result = distill.run(teacher, student, data, config)
+    if checkpoints is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result.student
 
 
-def scores(model, teacher, evals) -> dict:
-    from distill.evaluate import heldout_loss
-    return {"ce": round(heldout_loss(model, evals)["loss"], 4)}
+def scores(models: dict, sets) -> dict:
+    """Per model: each set's CE, CE per byte, KL, top-1 agreement and per-passage NLL sums (for paired tests)."""
+    found: dict = {name: {} for name in models}
+    for held in sets:
+        per = distill.score_heldout(models, held, reference="teacher", log=lambda line: None)
+        for name in models:
+            summary = distill.summarise(per[name], held)
+            found[name][held.name] = {"ce": round(summary["ce"], 4), "ce_per_byte": round(summary["ce_per_byte"], 4),
+                                      "kl": round(summary["kl"], 4),
+                                      "top1": round(summary["top1_agreement"], 4), "tokens": summary["tokens"],
+                                      "passage_nll": [round(x, 3) for x in per[name]["nll"].tolist()]}
+    return found
 
 
 if __name__ == "__main__":

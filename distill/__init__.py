@@ -32,7 +32,7 @@ from .evaluate import agreement_and_kl, heldout_loss
 from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
                     multiple_choice_items)
 from .data import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
-from .sources import general_prose
+from .sources import general_mix, general_prose
 from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
 from .interruption import RunInterrupted
 
@@ -45,6 +45,6 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "general_prose", "HeldoutSet", "heldout_report", "paired_interval",
+           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings"]

@@ -3,7 +3,8 @@
 Documents come from text files (a file, a folder, a glob; `.jsonl` lines are records), HF `datasets` (when the
 package is installed), plain Python strings, or pre-tokenised numpy arrays. Each document becomes
 `[BOS] tokens [EOS]` (BOS only when the tokenizer adds one, as Gemma's does). A held-out set of whole documents
-is split off first (deterministic for the seed). The training documents are concatenated and cut into rows of
+is split off first (deterministic for the seed; the last `train_only` documents are never held out, e.g. general
+text mixed into a domain corpus, so the held-out split is the one the corpus alone gives). The training documents are concatenated and cut into rows of
 `seq_len` tokens without padding; the incomplete tail is dropped unless `drop_remainder=False`, which pads it.
 
 A batch is `{"input_ids": int32 (B, T), "loss_mask": float32 (B, T), "positions": int32 (B, T), "segment_ids":
@@ -207,7 +208,8 @@ class TokenBatches:
                  seed: int = 0, eval_fraction: float = 0.05, eval_documents: int | None = None,
                  eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
                  pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True,
-                 max_positions: int | None = None, max_positions_source: str | None = None):
+                 max_positions: int | None = None, max_positions_source: str | None = None,
+                 train_only: int = 0):
         if seq_len < 2 or batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
         check_positions(seq_len, max_positions, max_positions_source)
@@ -218,13 +220,16 @@ class TokenBatches:
         self.pad_id, self.return_segments = pad_id, return_segments
         self.process_index, self.process_count = process_index, process_count
         self.eval_batch_size = eval_batch_size or batch_size
-        n = len(documents)
+        n = len(documents) - train_only  # the last `train_only` documents are never held out (e.g. a prose mix)
+        if not 0 <= train_only <= len(documents):
+            raise DataError(f"train_only={train_only} must lie in [0, {len(documents)}] (the number of documents).")
         n_eval = eval_documents if eval_documents is not None else (
             max(1, round(eval_fraction * n)) if eval_fraction > 0 and n >= 2 else 0)
         if n_eval >= n:
             raise DataError(f"{n} document(s) cannot give {n_eval} held-out ones and still leave training data; "
                             "lower eval_fraction/eval_documents or add documents.")
         held_out = set(np.random.default_rng([self.seed, 0xE7A1]).permutation(n)[:n_eval].tolist())
+        n = len(documents)
         self.eval_indices = sorted(held_out)
         self.train_indices = [i for i in range(n) if i not in held_out]
         self._rows, self._weights, self._kinds = self._pack([documents[i] for i in self.train_indices],
@@ -242,12 +247,16 @@ class TokenBatches:
 
     # ---------------------------------------------------------------------------- constructors
     @classmethod
-    def from_records(cls, records: Sequence[Record], tokenizer: Any, **kwargs) -> "TokenBatches":
+    def from_records(cls, records: Sequence[Record], tokenizer: Any, *, extra_train: Sequence[Record] = (),
+                     **kwargs) -> "TokenBatches":
+        """`records`, plus `extra_train` records that only ever train (never held out: e.g. general text mixed
+        into a domain corpus, `distill.general_mix`); the held-out split is the one `records` alone gives."""
         check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         tok = load_tokenizer(tokenizer)
         kwargs.setdefault("pad_id", tok.pad_id)
+        records = list(records) + list(extra_train)
         documents = tokenize_shared(records, tok, tokenize_records, kwargs.get("process_count", 1))  # multi-host
-        batches = cls(documents, **kwargs)
+        batches = cls(documents, train_only=len(extra_train), **kwargs)
         batches.eval_records = [records[i] for i in batches.eval_indices]
         return batches
 

@@ -253,6 +253,20 @@ def general_prose(part: str = "heldout") -> list[str]:
     return [text for text in texts if zlib.crc32(text.encode()) % 4 in GENERAL_PARTS[part]]
 
 
+def general_mix(corpus_bytes: int, fraction: float) -> list[str]:
+    """Copies of `general_prose("train")` making about `fraction` of a corpus of `corpus_bytes` bytes plus them
+    (at least one copy when `fraction` > 0): general text to train on beside a domain corpus, disjoint from the
+    general-domain held-out set (`TokenBatches.from_files(..., extra_train=general_mix(...))`)."""
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"general_mix: fraction {fraction} must lie in [0, 1).")
+    if fraction == 0.0:
+        return []
+    prose = general_prose("train")
+    size = sum(len(text.encode("utf-8")) for text in prose)
+    copies = max(1, round(fraction / (1.0 - fraction) * corpus_bytes / size))
+    return prose * copies
+
+
 def _has_text(path: str) -> bool:
     """Empty modules (many `__init__.py`) are no documents; a corpus of named files must not list them."""
     if os.path.getsize(path) == 0:

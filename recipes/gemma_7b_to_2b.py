@@ -331,6 +331,12 @@ def load_data(args, corpus: list[str] | None = None) -> distill.TokenBatches:
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                   eval_batch_size=args.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
+    if args.general_mix:  # general prose beside the domain corpus: training only, never held out
+        if corpus is None and args.data.startswith("hf:"):
+            raise cli.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
+                                  "mix general text into the dataset itself instead.")
+        files = corpus if corpus is not None else distill.sources.expand_paths(args.data)
+        common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), args.general_mix)
     if corpus is not None:
         return distill.TokenBatches.from_files(corpus, args.teacher_folder, **common)
     if args.data.startswith("hf:"):

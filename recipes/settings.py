@@ -201,6 +201,8 @@ def check(args: argparse.Namespace) -> None:
     if args.eval_tokens < 64:
         raise RecipeError(f"--eval-tokens {args.eval_tokens}: a held-out set needs at least 64 scored tokens "
                           "(thousands to decide between students).")
+    if not 0.0 <= args.general_mix < 1.0:
+        raise RecipeError(f"--general-mix {args.general_mix}: give the share of general text, in [0, 1).")
     if args.teacher_correction < 0:
         raise RecipeError(f"--teacher-correction {args.teacher_correction}: give a number of steps >= 0.")
     if args.schedule not in ("none", *SCHEDULES):

@@ -121,3 +121,21 @@ def test_general_prose_is_english_disjoint_and_never_training_text():
     assert not any("pydoc_data" in path for path in distill.stdlib_corpus())
     with pytest.raises(DataError, match="unknown"):
         distill.general_prose("test")
+
+
+def test_general_mix_trains_only_and_keeps_the_held_out_split(folder):
+    records = [f"document {i}\n" + "line of code\n" * (5 + i) for i in range(40)]
+    alone = distill.TokenBatches.from_records(records, folder, seq_len=32, batch_size=2, seed=3)
+    mix = distill.general_mix(sum(len(r) for r in records), 0.5)
+    mixed = distill.TokenBatches.from_records(records, folder, seq_len=32, batch_size=2, seed=3, extra_train=mix)
+    assert mixed.eval_texts() == alone.eval_texts()  # the same held-out documents, no prose among them
+    assert len(mixed.train_indices) == len(alone.train_indices) + len(mix) and mixed.num_rows > alone.num_rows
+    prose = distill.general_prose("train")
+    assert mix[:len(prose)] == prose and len(mix) % len(prose) == 0
+    share = sum(len(t) for t in mix) / (sum(len(t) for t in mix) + sum(len(r) for r in records))
+    assert 0.4 < share < 0.95  # at least one whole copy of the prose
+    big = distill.general_mix(10_000_000, 0.25)
+    assert abs(sum(len(t.encode()) for t in big) / (10_000_000 + sum(len(t.encode()) for t in big)) - 0.25) < 0.02
+    assert distill.general_mix(10_000_000, 0.0) == []
+    with pytest.raises(DataError, match="fraction"):
+        distill.general_mix(1000, 1.0)

@@ -76,6 +76,27 @@ def test_results_table_compares_all_four_models(runs):
     # Distillation must improve on the pruned starting point.
     assert by["distilled student"]["loss"] < by["pruned (before distillation)"]["loss"]
     assert "| distilled student |" in full.stdout
+    # judged on two held-out sets: in-domain (the corpus's held-out files) and general (prose no corpus contains)
+    assert set(results["sets"]) == {"in-domain", "general"}
+    for name, report in results["sets"].items():
+        assert report["tokens"] >= 1000, (name, report["tokens"])
+        pairs = {(c["a"], c["b"]): c for c in report["comparisons"]}
+        versus = pairs[("distilled student", "scratch student (same shape)")]["ce"]
+        key = "loss" if name == "in-domain" else "general_loss"
+        gap = by["distilled student"][key] - by["scratch student (same shape)"][key]
+        assert versus["difference"] == pytest.approx(gap, abs=1e-9)
+        if report["documents"] >= 2:  # the test corpus holds out one module: no interval in-domain
+            assert versus["low"] <= gap <= versus["high"]
+        else:
+            assert versus["low"] is None and "no interval" in full.stdout
+    assert results["sets"]["general"]["documents"] >= 16
+    for row in results["rows"]:
+        assert 0 < row["general_loss"] < 10 and row["general_loss_per_byte"] == pytest.approx(
+            row["general_loss"] * results["sets"]["general"]["tokens"] / results["sets"]["general"]["bytes"])
+    assert "kl_to_teacher" not in by["teacher"] and by["distilled student"]["general_kl"] > 0
+    assert "General held-out set:" in full.stdout and "95% interval" in full.stdout
+    assert "Wall time: teacher and data" in full.stdout and "evaluation" in results["phase_times_s"]
+    assert "[eval general]" in full.stdout  # progress while the evaluation runs
     for png in ("training_curves.png", "layer_importance.png"):
         assert (base / "full" / png).stat().st_size > 1000
 
@@ -90,6 +111,30 @@ def test_interrupted_run_resumes_to_the_same_student(runs):
     for row_a, row_b in zip(a, b):
         assert row_a["model"] == row_b["model"]
         assert abs(row_a["loss"] - row_b["loss"]) <= 1e-5, (row_a, row_b)
+
+
+def test_teacher_correction_trains_the_teacher_alone_resumes_and_is_reported(runs):
+    """--teacher-correction: the teacher fine-tuned with CE first (halted inside it, then resumed), then pruned
+    and teaching; the results show the corrected teacher and the teacher as it was."""
+    base, cache = runs[0], runs[4]
+    fast = ["--steps", "6", "--control", "none", "--eval-prompts", "0", "--eval-tokens", "1024",
+            "--teacher-correction", "4", "--teacher-correction-lr", "1e-3"]
+    halted = run_recipe(base / "corrected", cache, *fast, "--halt-after", "teacher_correction:2", check=False)
+    assert halted.returncode == 3, halted.stderr[-2000:]
+    assert not (base / "corrected" / "phases" / "teacher_correction").exists()
+    resumed = run_recipe(base / "corrected", cache, *fast, "--resume")
+    assert "[teacher correction] 4 steps" in resumed.stdout
+    history = json.loads((base / "corrected" / "phases" / "teacher_correction" / "history.json").read_text())
+    assert len(history["train"]) == 4 and all("kl" not in r or r["kl"] == 0 for r in history["train"])
+    results = json.loads((base / "corrected" / "results.json").read_text())
+    by = {row["model"]: row for row in results["rows"]}
+    assert list(by) == ["teacher", "teacher before correction", "pruned (before distillation)", "distilled student"]
+    assert by["teacher"]["parameters"] == by["teacher before correction"]["parameters"]
+    assert abs(by["teacher"]["loss"] - by["teacher before correction"]["loss"]) > 1e-4  # the teacher trained
+    corrected = json.loads((base / "corrected" / "phases" / "teacher_correction" / "config.json").read_text())
+    assert corrected["num_hidden_layers"] == 14  # the whole teacher, not a student
+    assert by["teacher before correction"]["kl_to_teacher"] > 0  # another model than the one that taught
+    assert "teacher correction" in results["phase_times_s"] and results["teacher_correction"] == 4
 
 
 def test_refuses_to_overwrite_an_earlier_run_without_resume(runs, tmp_path):
