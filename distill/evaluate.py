@@ -209,28 +209,52 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
                             chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `rows` (N, L) token ids: the summed log-likelihood of the tokens t with `scored[n, t]` true
     (each predicted from the tokens before it, one document per row, right padding allowed), and their count.
-    Rows go through in batches of `batch_size` (the last one padded), so one compilation serves all. Multi-host:
-    every process passes the same rows and gets every row's result."""
+    Rows go through in batches of `batch_size` (the last one padded), so one compilation serves all. The LM head
+    runs only on the window of positions that predict scored tokens (a multiple-choice candidate is a few tokens
+    after a long context: the head is most of the cost). Multi-host: every process passes the same rows and gets
+    every row's result."""
     rows, scored = np.asarray(rows, np.int32), np.asarray(scored, bool)
     if scored[:, 0].any():
         raise ValueError("sequence_loglikelihoods: the first token of a row has no context to be predicted from.")
     loss_mask = np.zeros(scored.shape, np.float32)
     loss_mask[:, :-1] = scored[:, 1:]  # loss_mask[t] weights the prediction of token t + 1
+    has = scored.any(axis=1)
+    first = np.where(has, scored.argmax(axis=1) - 1, 0).astype(np.int32)  # first position predicting a scored token
+    last = np.where(has, scored.shape[1] - 2 - scored[:, ::-1].argmax(axis=1), 0)
+    width = int(-(-max(1, int((last - first).max()) + 1) // 8) * 8)
     fill = -len(rows) % batch_size
     rows = np.concatenate([rows, np.zeros((fill, rows.shape[1]), np.int32)])
     loss_mask = np.concatenate([loss_mask, np.zeros((fill, rows.shape[1]), np.float32)])
+    first = np.concatenate([first, np.zeros(fill, np.int32)])
     graph, state = nnx.split(model)
     mesh = model_mesh(model)
 
     @jax.jit
     def score(state, batch):
-        logprobs, weights = token_logprobs(nnx.merge(graph, state), batch, chunk)
+        net = nnx.merge(graph, state)
+        hidden = net(batch["input_ids"], **forward_inputs(net, batch), return_logits=False).final_hidden
+        raw = batch["first"][:, None] + jnp.arange(width)[None, :]
+        positions = jnp.minimum(raw, hidden.shape[1] - 2)
+        inside = (raw <= hidden.shape[1] - 2).astype(jnp.float32)  # past the row's end: clamped, not counted
+        h = jnp.take_along_axis(hidden, positions[..., None], axis=1).reshape(-1, hidden.shape[-1])
+        targets = jnp.take_along_axis(batch["input_ids"], positions + 1, axis=1).reshape(-1)
+        weights = jnp.take_along_axis(batch["loss_mask"], positions, axis=1) * inside
+        head = net.head_matrix()
+
+        def block(args):
+            x, y = args
+            logits = net.logits_from_hidden(x, head)
+            return jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+
+        logprobs = jax.lax.map(block, (row_blocks(h, chunk), row_blocks(targets, chunk)))
+        logprobs = logprobs.reshape(-1)[:targets.size].reshape(weights.shape)
         return jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0), axis=-1), jnp.sum(weights, axis=-1)
 
     totals, counts = [], []
     for i in range(0, len(rows), batch_size):
         total, count = score(state, same_on_every_process({"input_ids": rows[i:i + batch_size],
-                                                           "loss_mask": loss_mask[i:i + batch_size]}, mesh))
+                                                           "loss_mask": loss_mask[i:i + batch_size],
+                                                           "first": first[i:i + batch_size]}, mesh))
         totals.append(to_host(total)), counts.append(to_host(count))
     n = len(rows) - fill
     return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
