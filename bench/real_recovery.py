@@ -71,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--general-mix", type=float, default=0.0, help="share of general prose in the training text")
     p.add_argument("--teacher-correction", type=int, default=0, help="CE steps on the teacher before pruning")
     p.add_argument("--teacher-correction-lr", type=float, default=3e-5)
+    p.add_argument("--no-restart", action="store_true", help="rows that continue a document start without BOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="a label for this invocation's records")
     p.add_argument("--out")
@@ -83,7 +84,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     out = open(args.out, "a") if args.out else None
     setup = {"student": args.student, "steps": args.steps, "batch": f"{args.batch_size}x{args.seq_len}",
-             "general_mix": args.general_mix, "teacher_correction": args.teacher_correction, "seed": args.seed,
+             "general_mix": args.general_mix, "restart_rows": not args.no_restart,
+             "teacher_correction": args.teacher_correction, "seed": args.seed,
              "eval_tokens": args.eval_tokens, "tag": args.tag}
 
     def emit(record):
@@ -96,8 +98,10 @@ def main(argv=None) -> None:
     teacher = surgery.load_pretrained(args.teacher, dtype="float32")
     files = distill.stdlib_corpus(args.corpus_bytes, seed=args.seed)
     mix = distill.general_mix(sum(os.path.getsize(f) for f in files), args.general_mix)
+    restart = None if args.no_restart else distill.load_tokenizer(args.teacher).bos_id
     data = distill.TokenBatches.from_files(files, args.teacher, batch_size=args.batch_size, seq_len=args.seq_len,
-                                           seed=args.seed, eval_batch_size=args.batch_size, extra_train=mix)
+                                           seed=args.seed, eval_batch_size=args.batch_size, extra_train=mix,
+                                           restart_id=restart)
     sets = [distill.HeldoutSet.from_texts("in-domain", data.eval_texts(), args.teacher, seq_len=args.seq_len,
                                           max_tokens=args.eval_tokens, seed=args.seed),
             distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), args.teacher,

@@ -13,7 +13,9 @@ column, where that target is padding, a BOS, or a prompt token (records with a p
 on the completion). `segment_ids` numbers the documents of a row from 1 (0: padding) and `positions` count from 0
 in each document, so the model attends inside each document only and the step scores no target across a boundary:
 a packed document trains as it would alone (the part of a document cut by a row end starts the next row at
-position 0). `return_segments=False` leaves both out (documents then see each other, as plain packing does).
+position 0). With `restart_id` (e.g. the BOS id), that part starts with this token, as a document does: a model
+that needs BOS at position 0 (Gemma) is otherwise far worse on such rows, teacher included, and would teach
+from its worst predictions; rows then hold seq_len - 1 corpus tokens. `return_segments=False` leaves both out (documents then see each other, as plain packing does).
 
 Each epoch visits every row once in an order drawn from (seed, epoch); a batch that crosses the end of an epoch
 takes its remaining rows from the next one, so no row is dropped. `state()` / `restore()` resume exactly. With
@@ -209,7 +211,7 @@ class TokenBatches:
                  eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
                  pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True,
                  max_positions: int | None = None, max_positions_source: str | None = None,
-                 train_only: int = 0):
+                 train_only: int = 0, restart_id: int | None = None):
         if seq_len < 2 or batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
         check_positions(seq_len, max_positions, max_positions_source)
@@ -218,6 +220,10 @@ class TokenBatches:
                             f"process_index {process_index} must be in [0, {process_count}).")
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, int(seed), shuffle
         self.pad_id, self.return_segments = pad_id, return_segments
+        self.restart_id = restart_id
+        if restart_id is not None and (not return_segments or seq_len < 3):
+            raise DataError("restart_id needs return_segments=True (the restart token begins a segment) and "
+                            "seq_len >= 3.")
         self.process_index, self.process_count = process_index, process_count
         self.eval_batch_size = eval_batch_size or batch_size
         n = len(documents) - train_only  # the last `train_only` documents are never held out (e.g. a prose mix)
@@ -304,7 +310,7 @@ class TokenBatches:
     def _pack(self, documents, pad_last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Concatenate documents and cut rows of seq_len: ids, trainable-target flags, and a kind per token
         (2: first token of a document, 1: other token, 0: padding)."""
-        T = self.seq_len
+        T = self.seq_len - (self.restart_id is not None)  # a column is kept for the restart token
         ids = np.concatenate([d[0] for d in documents] or [np.zeros(0, np.int32)])
         weights = np.concatenate([d[1] for d in documents] or [np.zeros(0, bool)])
         kinds = np.ones(len(ids), dtype=np.int8)
@@ -316,7 +322,16 @@ class TokenBatches:
             weights = np.concatenate([weights, np.zeros(pad, bool)])
             kinds = np.concatenate([kinds, np.zeros(pad, np.int8)])
         n = rows * T
-        return ids[:n].reshape(rows, T), weights[:n].reshape(rows, T), kinds[:n].reshape(rows, T)
+        ids, weights, kinds = ids[:n].reshape(rows, T), weights[:n].reshape(rows, T), kinds[:n].reshape(rows, T)
+        if self.restart_id is None:
+            return ids, weights, kinds
+        # a row that continues a document starts with the restart token (a document of its own start, never a
+        # target); a row that starts a document, or padding, gets a padding column instead
+        continues = kinds[:, :1] == 1
+        head_ids = np.where(continues, self.restart_id, self.pad_id).astype(np.int32)
+        head_kinds = np.where(continues, 2, 0).astype(np.int8)
+        return (np.concatenate([head_ids, ids], 1), np.concatenate([np.zeros((rows, 1), bool), weights], 1),
+                np.concatenate([head_kinds, kinds], 1))
 
     def _batch(self, rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray) -> dict[str, np.ndarray]:
         mask = np.zeros(rows.shape, np.float32)

@@ -331,6 +331,9 @@ def load_data(args, corpus: list[str] | None = None) -> distill.TokenBatches:
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                   eval_batch_size=args.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
+    tokenizer = distill.load_tokenizer(args.teacher_folder)
+    if args.restart_rows and tokenizer.add_bos:  # a row continuing a document starts with BOS, as documents do
+        common["restart_id"] = tokenizer.bos_id
     if args.general_mix:  # general prose beside the domain corpus: training only, never held out
         if corpus is None and args.data.startswith("hf:"):
             raise cli.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "

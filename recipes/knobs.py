@@ -42,7 +42,7 @@ DEFAULTS = dict(
     schedule_options=None, mesh=None, mesh_devices=None, precision=None, compression=None, stage_a_fraction=0.3,
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
     choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
-    teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, corpus_bytes=None, teacher_steps=300, seed=0)
+    teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0)
 
 # Named schedules for the main distillation stages: their options (`schedule_options` in a config file; any
 # parameter of the distill.schedules function) and the recipe settings they change unless the user sets them.
@@ -93,6 +93,9 @@ FLAGS = [
          "kv_heads=.. (sizes, or fractions of the teacher's)"),
         (("--data",), dict(), "text files: a file, folder or glob (.txt/.py/.jsonl); or hf:NAME for a dataset"),
         (("--corpus-bytes",), dict(type=int), "bytes of stdlib source (tiny and gemma3-270m presets)"),
+        (("--restart-rows",), dict(action=argparse.BooleanOptionalAction), "a packed row that continues a "
+         "document starts with BOS (when the tokenizer adds one), as every document does: Gemma without BOS at "
+         "position 0 predicts far worse, teacher included, so such rows would teach from its worst predictions"),
         (("--general-mix",), dict(type=float, metavar="FRACTION"), "share of the training text that is general "
          "English prose (the pydoc topics' train part, repeated; disjoint from the general held-out set), so the "
          "student also recovers outside the corpus's domain; 0: the corpus alone"),

@@ -259,3 +259,28 @@ def test_calibration_ids_are_seeded_training_rows_and_leave_the_stream_alone():
     assert all(tuple(r) in rows for r in first.tolist())
     assert data.state()["position"] == 0
     assert len(data.calibration_ids(10_000)) == data.num_rows
+
+
+def test_restart_rows_begin_continuations_with_the_restart_token():
+    """restart_id: a row continuing a document starts with it (a segment start, never a target); a row starting a
+    document gets a padding column; every corpus token still appears once, in order, with its own target flag."""
+    docs = [(np.arange(100 + 1000 * i, 100 + 1000 * i + 7 + 3 * i, dtype=np.int32), np.ones(7 + 3 * i, bool))
+            for i in range(12)]
+    plain = TokenBatches(docs, seq_len=6, batch_size=2, seed=1, eval_documents=0, shuffle=False)
+    restart = TokenBatches(docs, seq_len=6, batch_size=2, seed=1, eval_documents=0, shuffle=False, restart_id=2)
+    rows = [restart.next_batch() for _ in range(restart.num_rows // 2)]
+    ids = np.concatenate([b["input_ids"] for b in rows])
+    starts = [d[0][0] for d in docs]
+    for row, batch_row in zip(ids, [(b, r) for b in rows for r in range(2)]):
+        batch, r = batch_row
+        if row[1] in starts:  # a document starts the row: padding first, outside every segment
+            assert row[0] == 0 and batch["segment_ids"][r, 0] == 0  # the step scores no target from it
+        else:  # a continuation: the restart token at position 0, in the continuation's segment, not a target
+            assert row[0] == 2 and batch["positions"][r, 0] == 0 and batch["positions"][r, 1] == 1
+            assert batch["segment_ids"][r, 0] == batch["segment_ids"][r, 1] > 0 and batch["loss_mask"][r, 0] == 1
+    corpus = np.concatenate([d[0] for d in docs])
+    kept = ids[:, 1:].reshape(-1)
+    assert (kept == corpus[:kept.size]).all()  # seq_len - 1 corpus tokens per row, in order
+    assert restart.num_rows == len(corpus) // 5 and plain.num_rows == len(corpus) // 6
+    with pytest.raises(DataError, match="restart_id"):
+        TokenBatches(docs, seq_len=6, batch_size=2, restart_id=2, return_segments=False)
