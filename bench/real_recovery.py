@@ -159,7 +159,10 @@ def scores(models: dict, sets) -> dict:
             found[name][held.name] = {"ce": round(summary["ce"], 4), "ce_per_byte": round(summary["ce_per_byte"], 4),
                                       "kl": round(summary["kl"], 4),
                                       "top1": round(summary["top1_agreement"], 4), "tokens": summary["tokens"],
-                                      "passage_nll": [round(x, 3) for x in per[name]["nll"].tolist()]}
+                                      "passage_nll": [round(x, 3) for x in per[name]["nll"].tolist()],
+                                      "passage_kl": [round(x, 3) for x in per[name]["kl"].tolist()],
+                                      "passage_tokens": [int(x) for x in per[name]["tokens"].tolist()],
+                                      "passage_documents": [int(x) for x in held.documents.tolist()]}
     return found
 
 

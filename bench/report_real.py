@@ -14,6 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # distill, for the intervals
 import common  # noqa: E402
 
 REAL_RESULTS = os.path.join(common.BENCH, "results", "real-270m.jsonl")
@@ -125,8 +126,73 @@ def section_recovery(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
+SETUP_KEYS = ("student", "steps", "batch", "general_mix", "restart_rows", "teacher_correction", "seed", "eval_tokens")
+
+
+def section_recovery_sets(records: list[dict]) -> list[str]:
+    """bench/real_recovery.py's records judged on both held-out sets: one table per setup (corpus mix, restart
+    rows, teacher correction), each arm at each scored step, the share of the pruned-to-teacher gap closed, and
+    each arm against the CE arm of its setup at the same step (95% interval, paired bootstrap over documents)."""
+    found = [r for r in records if r.get("bench") == "recovery2"]
+    if not found:
+        return []
+    setups: dict[tuple, list[dict]] = {}
+    for record in found:
+        setups.setdefault(tuple(record.get(k) for k in SETUP_KEYS), []).append(record)
+    lines = ["### Recovery on both held-out sets: in-domain (held-out stdlib modules) and general (held-out pydoc "
+             "topics, English prose)", "",
+             "`bench/real_recovery.py`: the same pruned student and the same batches for every arm of a setup; "
+             "CE in nats/token, KL(teacher || student); `vs CE arm`: this arm's CE minus the CE arm's on the same "
+             "passages, with a 95% interval (paired bootstrap over documents).", ""]
+    for key, group in setups.items():
+        setup = dict(zip(SETUP_KEYS, key))
+        lines += [f"Setup: student {setup['student']}, {setup['steps']} steps of {setup['batch']}, general prose "
+                  f"{setup['general_mix']:.0%} of the corpus, rows restarted with BOS: {setup['restart_rows']}, "
+                  f"teacher correction: {setup['teacher_correction']} steps, seed {setup['seed']}, "
+                  f"{setup['eval_tokens']:,} tokens per held-out set.", ""]
+        lines += _sets_table(group)
+    return lines
+
+
+def _sets_table(group: list[dict]) -> list[str]:
+    from distill.heldout import HeldoutSet, paired_interval
+    import numpy as np
+
+    teacher = next(r for r in group if r.get("event") == "teacher")
+    pruned = next(r for r in group if r.get("event") == "pruned")
+    lines = ["| arm | step | in-domain CE | closed | general CE | closed | general KL | general top-1 | "
+             "in-domain vs CE arm | general vs CE arm |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, record in (("teacher", teacher), ("pruned", pruned)):
+        lines.append(f"| {name} | 0 | {record['in-domain']['ce']:.4f} | - | {record['general']['ce']:.4f} | - | "
+                     f"{record['general']['kl']:.3f} | {record['general']['top1']:.1%} | - | - |")
+    ce_arms = {r["step"]: r for r in group if str(r.get("run", "")).startswith("ce")}
+
+    def versus(record, part):
+        base = ce_arms.get(record["step"])
+        if base is None or base is record:
+            return "-"
+        mine, theirs = record[part], base[part]
+        held = HeldoutSet(part, np.zeros((len(mine["passage_nll"]), 1), np.int32),
+                          np.ones((len(mine["passage_nll"]), 1), np.float32), np.asarray(mine["passage_documents"]),
+                          np.ones(len(mine["passage_nll"]), np.int64))
+        scores = [{"nll": np.asarray(x["passage_nll"]), "kl": np.asarray(x["passage_kl"]),
+                   "agree": np.zeros(len(x["passage_nll"])), "tokens": np.asarray(x["passage_tokens"], float)}
+                  for x in (mine, theirs)]
+        point, low, high = paired_interval(scores[0], scores[1], held, "ce")
+        return f"{point:+.4f} [{low:+.4f}, {high:+.4f}]" if low is not None else f"{point:+.4f}"
+
+    for record in (r for r in group if "run" in r):
+        closed = [(pruned[part]["ce"] - record[part]["ce"]) / (pruned[part]["ce"] - teacher[part]["ce"])
+                  for part in ("in-domain", "general")]
+        lines.append(f"| {record['run']} | {record['step']} | {record['in-domain']['ce']:.4f} | {closed[0]:.0%} | "
+                     f"{record['general']['ce']:.4f} | {closed[1]:.0%} | {record['general']['kl']:.3f} | "
+                     f"{record['general']['top1']:.1%} | {versus(record, 'in-domain')} | {versus(record, 'general')} |")
+    return lines + [""]
+
+
 def render(records: list[dict]) -> list[str]:
-    body = section_demo(records) + section_recovery(records) + section_import(records) + section_generate(records)
+    body = (section_demo(records) + section_recovery_sets(records) + section_recovery(records)
+            + section_import(records) + section_generate(records))
     return ["## Real Gemma 3 270M (offline, CPU)", ""] + body if body else []
 
 
