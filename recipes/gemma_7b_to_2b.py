@@ -30,6 +30,11 @@ Why the defaults:
   feature loss on mapped layers (teacher layer kept_layers[i] -> student layer i) when depth is cut
   (`--feature-weight`), optionally with a cosine loss on the same layers (`--cosine-weight`). The gemma3-270m
   preset's values are the ones measured best at its budget (BENCHMARKS.md).
+* Packed rows that continue a document start with BOS (`--restart-rows`): Gemma without BOS at position 0 is
+  far worse (BENCHMARKS.md), teacher included, so those rows taught from its worst predictions.
+* Judged on two held-out sets (`--eval-tokens` each): the corpus's held-out documents and English prose that no
+  training corpus contains, with 95% intervals; `--general-mix` trains on general prose too, and
+  `--teacher-correction` first fine-tunes the teacher on the corpus (Minitron).
 * The control (`--control`): `pruned-ce` retrains the same pruned student with plain cross-entropy on the same
   tokens (Minitron's baseline: what distillation must beat); `scratch` trains the student's shape from random
   initialisation.

@@ -168,9 +168,11 @@ def test_recipe_data_flag_reads_a_local_dataset(sources, tmp_path):
     with open(os.path.join(teacher, "config.json"), "w") as handle:
         json.dump({"model_type": "gemma", "max_position_embeddings": 64}, handle)
     args = argparse.Namespace(data=f"hf:{sources / 'qa.jsonl'}?max_records=8", batch_size=2, seq_len=SEQ_LEN,
-                              seed=0, teacher_folder=teacher)
+                              seed=0, teacher_folder=teacher, restart_rows=True, general_mix=0.0)
     data = recipe.load_data(args)
     assert len(data.train_indices) + len(data.eval_indices) == 8
     assert all(text.startswith("Q") for text in data.eval_texts())
     batch = data.next_batch()
     assert batch["input_ids"].shape == (2, SEQ_LEN) and 0 < batch["loss_mask"].sum() < batch["loss_mask"].size / 2
+    with pytest.raises(recipe.cli.RecipeError, match="--general-mix needs text files"):
+        recipe.load_data(argparse.Namespace(**{**vars(args), "general_mix": 0.25}))
