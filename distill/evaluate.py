@@ -36,7 +36,12 @@ def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) ->
     labels, weights, _ = next_token_targets(batch)
     out = model(input_ids, **forward_inputs(model, batch), return_logits=False)
     width = out.final_hidden.shape[-1]
-    hidden, targets = out.final_hidden.reshape(-1, width), labels.reshape(-1)
+    logprobs = target_logprobs(model, out.final_hidden.reshape(-1, width), labels.reshape(-1), chunk)
+    return logprobs.reshape(input_ids.shape), weights
+
+
+def target_logprobs(model: Any, hidden: jax.Array, targets: jax.Array, chunk: int = 256) -> jax.Array:
+    """log p(target) for each row of (N, D) final hidden states, through the head in blocks of `chunk` rows."""
     head = model.head_matrix()
 
     def block(args):
@@ -45,7 +50,7 @@ def token_logprobs(model: Any, batch: dict[str, jax.Array], chunk: int = 256) ->
         return jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
 
     logprobs = jax.lax.map(block, (row_blocks(hidden, chunk), row_blocks(targets, chunk)))
-    return logprobs.reshape(-1)[:input_ids.size].reshape(input_ids.shape), weights
+    return logprobs.reshape(-1)[:targets.size]
 
 
 def model_mesh(model: Any) -> Mesh | None:
@@ -239,15 +244,7 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
         h = jnp.take_along_axis(hidden, positions[..., None], axis=1).reshape(-1, hidden.shape[-1])
         targets = jnp.take_along_axis(batch["input_ids"], positions + 1, axis=1).reshape(-1)
         weights = jnp.take_along_axis(batch["loss_mask"], positions, axis=1) * inside
-        head = net.head_matrix()
-
-        def block(args):
-            x, y = args
-            logits = net.logits_from_hidden(x, head)
-            return jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-
-        logprobs = jax.lax.map(block, (row_blocks(h, chunk), row_blocks(targets, chunk)))
-        logprobs = logprobs.reshape(-1)[:targets.size].reshape(weights.shape)
+        logprobs = target_logprobs(net, h, targets, chunk).reshape(weights.shape)
         return jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0), axis=-1), jnp.sum(weights, axis=-1)
 
     totals, counts = [], []
