@@ -103,8 +103,11 @@ def section_demo(records: list[dict]) -> list[str]:
     curves = {k: v for k, v in (demo.get("recovery_curves") or {}).items() if v}
     if curves:
         steps = sorted({p["step"] for curve in curves.values() for p in curve})
-        lines += ["", "Recovery curves of this run (held-out CE at each evaluation; the teacher is at "
-                  f"{demo['rows'][0]['loss']:.4f}):", "",
+        caption = ("Recovery curves of this run (CE on the run's packed held-out batches at each evaluation, not "
+                   "the passages of the table):" if "general_loss" in demo["rows"][0] else
+                   "Recovery curves of this run (held-out CE at each evaluation; the teacher is at "
+                   f"{demo['rows'][0]['loss']:.4f}):")
+        lines += ["", caption, "",
                   "| run | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
         for name, curve in curves.items():
             by_step = {p["step"]: p["ce"] for p in curve}
