@@ -201,13 +201,9 @@ def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: 
         results[reference] = {"nll": first["ref_nll"], "ref_nll": first["ref_nll"], "kl": np.zeros_like(first["kl"]),
                               "agree": first["tokens"].copy(), "tokens": first["tokens"]}
     else:
-        results[reference] = _self_scores(ref_graph, ref_state, batches, ref_hidden, len(heldout.rows), vocab_chunk,
-                                          row_chunk)
+        results[reference] = _model_scores(ref_graph, ref_graph, ref_state, ref_state, batches, ref_hidden,
+                                           len(heldout.rows), vocab_chunk, row_chunk)
     return {name: results[name] for name in models}
-
-
-def _self_scores(graph, state, batches, hidden, n, vocab_chunk, row_chunk):
-    return _model_scores(graph, graph, state, state, batches, hidden, n, vocab_chunk, row_chunk)
 
 
 def _model_scores(graph, ref_graph, state, ref_state, batches, hidden, n, vocab_chunk, row_chunk):
