@@ -78,8 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = open(args.out, "a") if args.out else None
@@ -113,8 +111,9 @@ def main(argv=None) -> None:
         emit({"event": "teacher_correction", "seconds": round(time.perf_counter() - started, 1)})
     plan = surgery.plan_student(teacher, parse_shape(args.student, teacher.config),
                                 calibration=data.calibration_ids(64, seed=args.seed), seed=args.seed)
-    emit({"event": "teacher", **scores({"teacher": teacher}, sets)["teacher"]})
-    emit({"event": "pruned", **scores({"teacher": teacher, "s": surgery.apply_plan(teacher, plan)}, sets)["s"]})
+    first = scores({"teacher": teacher, "s": surgery.apply_plan(teacher, plan)}, sets)
+    emit({"event": "teacher", **first["teacher"]})
+    emit({"event": "pruned", **first["s"]})
     eval_at = sorted({int(s) for s in args.eval_at.split(",") if s} | {args.steps})
     for name in args.run:
         recipe, _, lr_text = name.partition("@")
