@@ -34,6 +34,7 @@ from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_
 from .data import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
 from .sources import general_mix, general_prose
 from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
+from .search import SearchCandidate, SearchResult, rank_curves, search
 from .interruption import RunInterrupted
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
@@ -47,4 +48,4 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
-           "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings"]
+           "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
