@@ -20,6 +20,7 @@ from .plan import Plan, PlanError
 from .readers import MemoryReader
 from .report import student_files
 from .slices import build, recipes
+from .vocab_files import student_tokenizer
 
 HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
 
@@ -62,11 +63,14 @@ def save_student(student: CausalLM, plan: Plan, out_dir: str | os.PathLike, *, s
     """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
     plan's teacher source (for tokenizer files) when that is a local folder holding that teacher (its config
     equals the plan's: a plan's paths are not trusted otherwise). `extra_files` and `overwrite` as in
-    save_pretrained."""
+    save_pretrained. A plan with `kept_vocab` gets the teacher's tokenizer trimmed to those pieces
+    (`surgery.vocab_files`) instead of a copy."""
     if source is None:
         source = _plan_teacher_folder(plan)
+    source, tokenizer_files = student_tokenizer(plan, source)
     return save_pretrained(student, out_dir, source=source, dtype=dtype, max_shard_size=max_shard_size,
-                           extra_files={**student_files(plan, report), **(extra_files or {})}, overwrite=overwrite)
+                           extra_files={**student_files(plan, report), **tokenizer_files, **(extra_files or {})},
+                           overwrite=overwrite)
 
 
 def _plan_teacher_folder(plan: Plan) -> str | None:

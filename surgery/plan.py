@@ -9,6 +9,8 @@ student keeps, in teacher numbering:
     kv_groups[s][j]       teacher KV heads averaged into student KV head j (one entry: kept as is), with
     kv_weights[s][j]      their weights (the merge is sum(w_i * W_i) / sum(w_i), in float32)
     kept_heads[s][j]      teacher query heads attached to student KV head j, each from a group in kv_groups[s][j]
+    kept_vocab            teacher token ids, ascending: student token i is teacher token kept_vocab[i] (embedding
+                          and LM head rows; None: the whole vocabulary, see `surgery.vocab`)
     embed_scale           factor on the kept embedding columns (compensates sqrt(hidden) shrinking)
     norm_scales           factor f on each RMSNorm's (1 + w): (1 + w') = (1 + w) * f, with the tied-head fold
 
@@ -30,6 +32,7 @@ import numpy as np
 from .config import ModelConfig
 from .schema import bound_tensors, hf_shape_of, norm_names  # noqa: F401  (norm_names: re-exported)
 from .spec import StudentSpec
+from .vocab import config_token_ids
 
 FORMAT, FORMAT_VERSION = "nnx-surgery/plan", 1
 PLAN_FILE = "plan.json"
@@ -51,6 +54,7 @@ class Plan:
     kv_groups: list[list[list[int]]]
     kv_weights: list[list[list[float]]]
     kept_heads: list[list[list[int]]]
+    kept_vocab: list[int] | None = None
     embed_scale: float = 1.0
     norm_scales: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"layers": [{name: f}], "final": f}
     methods: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -190,6 +194,7 @@ class Plan:
             raise PlanError("plan layer_types must be the kept teacher layers' attention types, in order, and "
                             "match the student config's layer_types.")
         _check_indices("kept_hidden", self.kept_hidden, student.hidden_size, teacher.hidden_size)
+        _check_vocab(self.kept_vocab, teacher, student)
         layer_scales = self.norm_scales.get("layers")
         if not self.embed_scale > 0 or (layer_scales is not None and len(layer_scales) != student.num_hidden_layers):
             raise PlanError("plan embed_scale must be positive and norm_scales['layers'] needs one entry per student "
@@ -316,6 +321,8 @@ def _check_types(data: dict[str, Any]) -> None:
     for name in ("kept_layers", "kept_hidden"):
         if not _nested_lists(data[name], 1, int):
             raise PlanError(f"plan field {name} must be a list of integer indices.")
+    if data.get("kept_vocab") is not None and not _nested_lists(data["kept_vocab"], 1, int):
+        raise PlanError("plan field kept_vocab must be a list of teacher token ids, or null (whole vocabulary).")
     norms = data.get("norm_scales") or {}
     layers, final = norms.get("layers"), norms.get("final", 1.0)
     if (layers is not None and not (isinstance(layers, list) and all(
@@ -324,6 +331,32 @@ def _check_types(data: dict[str, Any]) -> None:
         raise PlanError("plan norm_scales must be {'layers': [{norm name: factor}, ...], 'final': factor}.")
     if not all(isinstance(kind, str) for kind in data["layer_types"]):
         raise PlanError("plan layer_types must be attention type names.")
+
+
+def _check_vocab(kept: list[int] | None, teacher: ModelConfig, student: ModelConfig) -> None:
+    """kept_vocab: in range, unique, ascending, with every special id of the teacher's config.json, which the
+    student's config.json names by its student id."""
+    if kept is None:
+        if student.vocab_size != teacher.vocab_size:
+            raise PlanError(f"plan student_config has vocab_size {student.vocab_size} but the teacher "
+                            f"{teacher.vocab_size}, and no kept_vocab says which pieces it keeps; make the plan "
+                            "again with plan_student(StudentSpec(..., vocab_size=N)).")
+        return
+    _check_indices("kept_vocab", kept, student.vocab_size, teacher.vocab_size)
+    if any(a > b for a, b in zip(kept, kept[1:])):
+        raise PlanError("plan kept_vocab must list teacher token ids in ascending order (student id i is teacher "
+                        "id kept_vocab[i]); sort it and renumber the student's special ids, or plan again.")
+    position = {token: i for i, token in enumerate(kept)}
+    theirs, mine = config_token_ids(teacher.raw), config_token_ids(student.raw)
+    for key, ids in theirs.items():
+        ids = [i for i in ids if i < teacher.vocab_size]
+        missing = [i for i in ids if i not in position]
+        if missing:
+            raise PlanError(f"plan kept_vocab lacks teacher token id(s) {missing} ({key} of the teacher's "
+                            "config.json); every special token must be kept. Add them, or plan again.")
+        if ids and mine.get(key) != [position[i] for i in ids]:
+            raise PlanError(f"plan student_config {key}={mine.get(key)} is not the student id of the teacher's "
+                            f"{key}={ids} ({[position[i] for i in ids]} with this kept_vocab); plan again.")
 
 
 def _nested_lists(value: Any, depth: int, kind: type) -> bool:

@@ -15,6 +15,10 @@ values, and when the embedding is also the (tied) LM head, 1 / c is folded into 
 ((1 + w) for Gemma). Measured on tiny teachers of all three Gemma generations, this lowered KL(teacher || student) in
 every case, so it is on by default. Families that do not scale embeddings (Llama) need no embedding factor.
 
+Vocabulary (`StudentSpec(vocab_size=N)`, needs calibration): the special tokens, the byte pieces, then the pieces
+most frequent in the calibration data, closed under the BPE merges of the teacher's tokenizer.json (`surgery.vocab`);
+`plan.kept_vocab` lists them and `scores["vocab"]` says what was kept and dropped.
+
 `norm_correction=True` (needs calibration; any family) also multiplies every RMSNorm's effective weight by
 r = sqrt(H_t / H_s * share of its input energy in the kept channels), undoing the change of its mean-square
 statistic when it averages over fewer channels. It is exact when the removed channels carry no energy, but on
@@ -38,6 +42,7 @@ from .model import CausalLM
 from .plan import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
 from .readers import DiskReader, MemoryReader, Reader
 from .spec import SpecError, StudentSpec
+from .vocab import TeacherTokenizer, calibration_counts, choose_vocabulary, with_vocabulary
 
 KV_MERGES = ("mean", "importance")
 
@@ -48,12 +53,14 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
                  layers: Sequence[int] | None = None, hidden: Sequence[int] | None = None,
                  mlp: Sequence | None = None, heads: Sequence | None = None, kv_groups: Sequence | None = None,
                  compensate: bool = True, norm_correction: bool = False, measure_compensation: bool = False,
-                 source: str | None = None, revision: str | None = None, mesh=None) -> Plan:
+                 source: str | None = None, revision: str | None = None, mesh=None,
+                 tokenizer: str | os.PathLike | None = None) -> Plan:
     """Decide a student of shape `spec` (a StudentSpec or a named shape such as "gemma-2b") for `teacher`.
 
     `teacher` is an NNX model or an HF folder / repo id. From a folder without calibration data, scores are
     computed tensor by tensor from disk (the teacher is never loaded); with calibration it is loaded (over `mesh`).
-    `calibration`: token ids (N, T) or an iterable of (B, T) batches; `num_samples` picks a `seed`ed subset.
+    `calibration`: token ids (N, T) or an iterable of (B, T) batches; `num_samples` picks a `seed`ed subset for the
+    model passes (the vocabulary counts pieces in all of it).
     Explicit overrides (teacher indices): `layers`; `hidden`; `mlp` (one list for every layer, or one per student
     layer); `heads` (teacher query heads in student order, one list or one per layer); `kv_groups` (per student KV
     head, the teacher KV heads it is formed from; one list of lists or one per layer).
@@ -61,10 +68,13 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     docstring). `norm_correction` (needs calibration; off by default, it raised the student's starting KL slightly
     in our measurements): also rescale every RMSNorm for its fewer channels. `measure_compensation`: build the
     student with and without compensation and store both KL(teacher || student) values on the calibration data in
-    `scores["compensation"]`.
+    `scores["compensation"]`. `tokenizer`: where the teacher's tokenizer.json is (a folder or the file), for a
+    spec with `vocab_size`; default: the teacher's folder, else `source` when it is a folder.
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
-    batches = calibration_batches(calibration, batch_size, num_samples, seed) if calibration is not None else None
+    every = calibration_batches(calibration, batch_size) if calibration is not None else None  # vocabulary counts
+    batches = every if every is None or num_samples is None else \
+        calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
     depth, width = _methods(depth, width, kv_merge, batches, explicit_layers=layers is not None,
                             norm_correction=norm_correction)
     if source is None and not isinstance(teacher, CausalLM):
@@ -72,6 +82,9 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     with contextlib.ExitStack() as stack:  # checkpoint files stay open while scores are read from disk
         model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
         formation = spec.check_against(config, kv_mode)
+        if tokenizer is None and spec.vocab_size is not None:
+            tokenizer = _tokenizer_folder(teacher, source, revision)
+        kept_vocab, vocab_record = _vocabulary(spec, config, every, tokenizer)  # before the long scoring passes
         scores, stats = _scores(model, config, read, batches, depth if layers is None else "explicit", width)
         fingerprint = teacher_fingerprint(config, read)
 
@@ -79,6 +92,7 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     kept_hidden, kept_mlp = _widths(config, spec, kept_layers, scores, hidden, mlp)
     attention = _attention_per_layer(config, spec, formation, kv_merge, kept_layers, scores, heads, kv_groups)
     student = spec.config_for(config, kept_layers)
+    student = student if kept_vocab is None else with_vocabulary(student, kept_vocab)
     embed_scale, norm_scales = _compensation(config, student, kept_layers, kept_hidden,
                                              stats if norm_correction else None, compensate)
     merged = any(len(group) > 1 for groups, _, _ in attention for group in groups)
@@ -88,12 +102,15 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
         spec=spec.to_dict(), student_config=student.to_hf_dict(), kept_layers=kept_layers,
         layer_types=list(student.layer_types), kept_hidden=kept_hidden, kept_mlp=kept_mlp,
         kv_groups=[a[0] for a in attention], kv_weights=[a[1] for a in attention],
-        kept_heads=[a[2] for a in attention], embed_scale=embed_scale, norm_scales=norm_scales,
+        kept_heads=[a[2] for a in attention], kept_vocab=kept_vocab, embed_scale=embed_scale,
+        norm_scales=norm_scales,
         methods={"depth": "explicit" if layers is not None else depth, "width": width,
                  "kv": f"merge-{kv_merge}" if merged else "select",
                  "aggregation": "sequence mean, batch L2" if width == "activation" else None,
-                 "compensation": _compensation_label(config, compensate, norm_correction)},
-        scores=scores, calibration=_calibration_record(batches, batch_size, num_samples, seed),
+                 "compensation": _compensation_label(config, compensate, norm_correction),
+                 **({"vocab": "calibration frequency, closed under BPE merges"} if kept_vocab else {})},
+        scores={**scores, **({"vocab": vocab_record} if kept_vocab else {})},
+        calibration=_calibration_record(batches, batch_size, num_samples, seed),
         format_version=FORMAT_VERSION)
     plan.validate()
     if measure_compensation and batches is not None and (embed_scale != 1.0 or norm_scales):
@@ -149,7 +166,31 @@ def _teacher(teacher, calibration, revision, mesh,
     return None, config, DiskReader(folder, np.float32, stack, config)
 
 
+def _tokenizer_folder(teacher, source, revision) -> str | None:
+    """Where the teacher's tokenizer is by default: its folder (a Hub teacher's snapshot), or `source` when that
+    is a folder."""
+    if not isinstance(teacher, CausalLM):
+        return resolve_source(teacher, revision)
+    return source if source is not None and os.path.isdir(source) else None
+
+
 # ------------------------------------------------------------------------------------------------ choices
+def _vocabulary(spec: StudentSpec, config: ModelConfig, batches, tokenizer) -> tuple[list[int] | None, dict]:
+    """(kept teacher token ids, their record) for a spec with a vocab_size, else (None, {})."""
+    size = spec.vocab_size_for(config)
+    if size is None:
+        return None, {}
+    if tokenizer is None:
+        raise SpecError(f"vocab_size={spec.vocab_size} chooses pieces of the teacher's tokenizer, but none was "
+                        "found: pass tokenizer= the teacher's folder (or its tokenizer.json), or plan from the "
+                        "teacher's folder.")
+    if batches is None:
+        raise SpecError(f"vocab_size={spec.vocab_size} keeps the pieces the calibration data uses most; pass "
+                        "calibration= token ids of text from the student's domain.")
+    return choose_vocabulary(TeacherTokenizer.read(tokenizer), config, calibration_counts(batches, config.vocab_size),
+                             size)
+
+
 def _choose_layers(config: ModelConfig, spec: StudentSpec, depth: str, layers, scores) -> list[int]:
     total, keep = config.num_hidden_layers, spec.num_layers
     if layers is not None:

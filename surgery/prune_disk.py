@@ -30,6 +30,7 @@ from .report import student_files
 from .safetensors_io import PendingTensor
 from .shared_writes import multi_host, process_0_writes
 from .slices import build, recipes
+from .vocab_files import student_tokenizer
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 PRODUCE_AHEAD = 2  # student tensors built at once while one is written: one thread gathers while another reads
@@ -62,10 +63,11 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
 
 def _write_student(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, *, max_shard_size: int | str,
                    chunk_bytes: int, report: bool, overwrite: bool) -> str:
+    source, tokenizer_files = student_tokenizer(plan, folder)  # trimmed tokenizer files for a kept_vocab
     with contextlib.ExitStack() as stack:
         read = DiskReader(folder, wanted, stack, config)
         tensors = [PendingTensor(r.hf_name, r.shape, wanted, functools.partial(build, r, read, wanted, chunk_bytes))
                    for r in recipes(plan)]
-        return write_hf_folder(dst, plan.student, tensors, source=folder, max_shard_size=max_shard_size,
-                               extra_files=student_files(plan, report), produce_ahead=PRODUCE_AHEAD,
-                               overwrite=overwrite)
+        return write_hf_folder(dst, plan.student, tensors, source=source, max_shard_size=max_shard_size,
+                               extra_files={**student_files(plan, report), **tokenizer_files},
+                               produce_ahead=PRODUCE_AHEAD, overwrite=overwrite)

@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 
 from .plan import PLAN_FILE, Plan
+from .vocab import describe as describe_vocab
 
 REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
 
@@ -32,7 +33,7 @@ def kept_fractions(plan: Plan) -> dict[str, tuple[int, int]]:
     return {"layers": (s.num_hidden_layers, t.num_hidden_layers), "hidden": (s.hidden_size, t.hidden_size),
             "mlp": (s.intermediate_size, t.intermediate_size),
             "query heads": (s.num_attention_heads, t.num_attention_heads),
-            "kv heads": (s.num_key_value_heads, t.num_key_value_heads),
+            "kv heads": (s.num_key_value_heads, t.num_key_value_heads), "vocab": (s.vocab_size, t.vocab_size),
             "parameters": (s.num_parameters(), t.num_parameters())}
 
 
@@ -76,6 +77,8 @@ def format_report(plan: Plan) -> str:
     hidden = plan.scores.get("hidden")
     if hidden:
         out.append(f"  hidden importance kept: {_share(hidden, plan.kept_hidden)}")
+    if plan.scores.get("vocab"):
+        out.append(f"  {describe_vocab(plan.scores['vocab'])}")
     if plan.embed_scale != 1.0 or plan.final_norm_scale != 1.0:
         out.append(f"  embedding scale {plan.embed_scale:.6g}, final norm factor {plan.final_norm_scale:.6g}")
     effect = plan.scores.get("compensation")
@@ -124,6 +127,8 @@ def _title(plan: Plan) -> str:
     spec = plan.spec
     shape = (f"{spec['num_layers']} layers, hidden {spec['hidden_size']}, mlp {spec['intermediate_size']}, "
              f"{spec['num_attention_heads']} heads / {spec['num_key_value_heads']} KV")
+    if spec.get("vocab_size") is not None:
+        shape += f", vocab {plan.student_config['vocab_size']}"
     student = f"{spec['name']} ({shape})" if spec.get("name") else shape
     return f"{plan.teacher.get('source') or 'teacher'} -> {student}"
 

@@ -1,8 +1,9 @@
 """How each student tensor is made from teacher slices: one recipe per HF tensor, shared by both surgery paths.
 
 A recipe follows from the tensor's named axes in the family schema (schema.py): `embed` keeps `kept_hidden`,
-`mlp` keeps `kept_mlp`, `heads` keeps the query heads `kept_heads`, `kv_heads` are merged per `kv_groups`; `vocab`
-and `head_dim` are kept whole. Nothing here names a family's tensors.
+`mlp` keeps `kept_mlp`, `heads` keeps the query heads `kept_heads`, `kv_heads` are merged per `kv_groups`, `vocab`
+keeps `kept_vocab` (whole when the plan has none); `head_dim` is kept whole. Nothing here names a family's
+tensors.
 
 `apply_plan` (teacher in memory) and `prune_checkpoint` (teacher on disk) differ only in how they read a block
 of a teacher tensor: `read(hf_name, rows, cols, out=None)` returns the teacher's HF-layout tensor restricted to
@@ -59,7 +60,8 @@ def head_rows(heads, head_dim: int) -> np.ndarray:
 def kept_indices(plan: Plan, layer: int | None) -> dict[str, np.ndarray | None]:
     """What the plan keeps along each named axis (teacher indices), at student layer `layer` (None: global
     tensors). `kv_heads` is not an index: those tensors are merged (`Recipe.merge`)."""
-    kept = {"embed": np.asarray(plan.kept_hidden, dtype=np.int64), "vocab": None, "head_dim": None}
+    vocab = None if plan.kept_vocab is None else np.asarray(plan.kept_vocab, dtype=np.int64)
+    kept = {"embed": np.asarray(plan.kept_hidden, dtype=np.int64), "vocab": vocab, "head_dim": None}
     if layer is not None:
         kept["mlp"] = np.asarray(plan.kept_mlp[layer], dtype=np.int64)
         kept["heads"] = np.asarray(plan.flat_heads(layer), dtype=np.int64)

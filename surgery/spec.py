@@ -1,8 +1,10 @@
 """What student to derive: `StudentSpec`, named target shapes, and the checks that run before any work.
 
-A spec fixes five sizes; everything else (`head_dim`, `query_pre_attn_scalar`, vocabulary, soft-caps, RoPE, the
-family) stays the teacher's, and every surviving layer keeps its attention type. Widths are uniform across layers
-because a Hugging Face config has one value per size.
+A spec fixes five sizes and, optionally, the vocabulary's (`vocab_size`: a number of pieces or a fraction of the
+teacher's; `surgery.vocab` chooses them); everything else (`head_dim`, `query_pre_attn_scalar`, soft-caps, RoPE,
+the family) stays the teacher's, and every surviving layer keeps its attention type. Widths are uniform across
+layers because a Hugging Face config has one value per size. `StudentSpec.from_text` reads the
+"layers=12,mlp=0.5,vocab=16384" form.
 
 KV heads are the axis pruning tools most often get wrong: a query head only works with the KV head it was trained
 with. So a student KV head is formed from *whole* teacher KV groups, in one of two ways:
@@ -43,6 +45,8 @@ TEACHER_FIELDS = dict(zip(SIZE_FIELDS, ("num_hidden_layers", "hidden_size", "int
 # though head_dim is explicit (its `validate_architecture`); tests/test_surgery_spec.py checks this against
 # transformers for every supported model type.
 HIDDEN_MULTIPLE_OF_HEADS = ("gemma2", "gemma3_text", "llama")
+TEXT_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +59,19 @@ class StudentSpec:
     num_attention_heads: int
     num_key_value_heads: int
     name: str | None = None
+    vocab_size: int | float | None = None  # pieces kept, or a fraction of the teacher's; None: all of them
 
     def __post_init__(self):
         for field in SIZE_FIELDS:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SpecError(f"StudentSpec.{field}={value!r} must be a positive integer.")
+        vocab = self.vocab_size
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, (int, float))
+                                  or (isinstance(vocab, int) and vocab <= 0)
+                                  or (isinstance(vocab, float) and not 0 < vocab <= 1)):
+            raise SpecError(f"StudentSpec.vocab_size={vocab!r} must be a number of pieces (a positive integer), a "
+                            "fraction of the teacher's vocabulary in (0, 1] (a float), or None to keep it all.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise SpecError(
                 f"StudentSpec: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -105,6 +116,31 @@ class StudentSpec:
                           intermediate=ratio["intermediate_size"], heads=ratio["num_attention_heads"],
                           kv_heads=ratio["num_key_value_heads"])
 
+    @classmethod
+    def from_text(cls, text: str, teacher: ModelConfig) -> "StudentSpec":
+        """"scaled" (`scaled_like`), a named shape, or "key=value,...": layers, hidden, mlp, heads, kv_heads
+        (sizes, or fractions in (0, 1) of the teacher's) and vocab (a number of pieces, or a fraction such as
+        0.25 or 1.0 when written with a decimal point); what is not given stays the teacher's."""
+        text = (text or "").strip()
+        if text == "scaled":
+            return cls.scaled_like(teacher)
+        if "=" not in text:
+            return cls.named(text)
+        sizes: dict = {field: getattr(teacher, name) for field, name in TEACHER_FIELDS.items()}
+        for item in text.split(","):
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in TEXT_KEYS:
+                raise SpecError(f"student shape {text!r}: unknown key {key!r}; use {', '.join(TEXT_KEYS)} "
+                                "(e.g. layers=12,mlp=1024,vocab=16384).")
+            sizes[TEXT_KEYS[key]] = _text_size(key, value, teacher, text)
+        return cls(**sizes)
+
+    def vocab_size_for(self, teacher: ModelConfig) -> int | None:
+        """The number of pieces the student keeps (a fraction resolved against the teacher), or None (all)."""
+        if self.vocab_size is None or isinstance(self.vocab_size, int):
+            return self.vocab_size
+        return max(1, min(teacher.vocab_size, int(math.floor(teacher.vocab_size * self.vocab_size + 0.5))))
+
     # ---------------------------------------------------------------------------------------------- checks
     def check_against(self, teacher: ModelConfig, kv_mode: str = "auto") -> str:
         """Raise SpecError naming the first constraint this spec breaks for `teacher`; return the KV formation
@@ -114,6 +150,10 @@ class StudentSpec:
             if mine > theirs:
                 raise SpecError(f"StudentSpec.{field}={mine} is larger than the teacher's {teacher_field}={theirs}; "
                                 f"a student is cut from the teacher, so use at most {theirs}.")
+        vocab = self.vocab_size_for(teacher)
+        if vocab is not None and vocab > teacher.vocab_size:
+            raise SpecError(f"StudentSpec.vocab_size={vocab} is larger than the teacher's vocab_size="
+                            f"{teacher.vocab_size}; keep at most {teacher.vocab_size} pieces, or None for all.")
         if teacher.model_type in HIDDEN_MULTIPLE_OF_HEADS and self.hidden_size % self.num_attention_heads:
             lower = self.hidden_size - self.hidden_size % self.num_attention_heads
             raise SpecError(
@@ -179,6 +219,23 @@ def kv_formation(teacher: ModelConfig, spec: StudentSpec, mode: str = "auto") ->
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _text_size(key: str, value: str, teacher: ModelConfig, text: str) -> int | float:
+    """One value of `StudentSpec.from_text`: a whole size, or a fraction of the teacher's size."""
+    teacher_size = teacher.vocab_size if key == "vocab" else getattr(teacher, TEACHER_FIELDS[TEXT_KEYS[key]])
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if key == "vocab" and any(c in value for c in ".eE") and 0 < number <= 1:
+        return number  # a fraction, resolved against the teacher when planned
+    if 0 < number < 1 and key != "vocab":
+        return max(1, round(teacher_size * number))
+    if not math.isfinite(number) or number != int(number) or number < 1:
+        raise SpecError(f"student shape {text!r}: {key}={value!r} must be a positive whole size or a fraction of "
+                        f"the teacher's {teacher_size} (e.g. {key}={teacher_size // 2} or {key}=0.5).")
+    return int(number)
 
 
 def _fraction_of(size: int, fraction: float) -> int:
