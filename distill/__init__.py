@@ -36,6 +36,7 @@ from .sources import general_mix, general_prose
 from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
 from .search import SearchCandidate, SearchResult, rank_curves, search
 from .interruption import RunInterrupted
+from .vocab_map import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",
@@ -49,3 +50,4 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
+__all__ += ["TeacherInStudentVocabulary"]

@@ -14,6 +14,7 @@ from .interface import Correspondence
 from .loss_weights import LossWeights, Ramp, _plain, _ramp
 from .losses import FEATURE_KINDS
 from .on_policy import OnPolicyConfig
+from .vocab_map import checked_vocab_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +221,9 @@ class DistillConfig:
     # intermediate losses
     correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
     plan: Any = None  # an object or dict with kept_layers / kept_hidden (surgery plan)
+    # a trimmed student's vocabulary: the teacher token id of each student token id (distill/vocab_map.py);
+    # None: the plan's kept_vocab when it has one, else teacher and student share one vocabulary
+    vocab_map: tuple[int, ...] | None = None
     feature_kind: str = "nmse"
     feature_projection: bool = False  # learned (D_s, D_t) projections (feature, cosine terms) for another width
     # numerics and placement
@@ -272,6 +276,8 @@ class DistillConfig:
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta={self.jsd_beta} must lie in [0, 1] (0.5: symmetric JSD; 0: forward KL; "
                              "1: reverse KL).")
+        if self.vocab_map is not None:  # a tuple of ints: hashable, equal after a JSON round trip
+            object.__setattr__(self, "vocab_map", tuple(int(i) for i in checked_vocab_map(self.vocab_map)))
         if isinstance(self.on_policy, dict):
             object.__setattr__(self, "on_policy", _build(OnPolicyConfig, self.on_policy, "on_policy"))
         if self.on_policy.fraction and self.seq_len is not None:
@@ -338,7 +344,9 @@ class DistillConfig:
             elif field.name in NESTED or field.name == "correspondence" and value is not None:
                 value = _json(dataclasses.asdict(value))
             elif field.name == "plan" and value is not None:
-                value = _json({k: _field_of(value, k) for k in ("kept_layers", "kept_hidden", "kept_heads")})
+                kept_vocab = _field_of(value, "kept_vocab")  # only plans that trim the vocabulary have it
+                value = _json({**{k: _field_of(value, k) for k in ("kept_layers", "kept_hidden", "kept_heads")},
+                               **({"kept_vocab": kept_vocab} if kept_vocab is not None else {})})
             elif field.name == "mesh" and value is not None and not isinstance(value, (str, dict)):
                 value = {str(axis): int(size) for axis, size in dict(value.shape).items()}
             out[field.name] = _json(value)

@@ -26,6 +26,7 @@ from .losses import init_projections
 from .mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
 from .oom import OutOfMemoryError
 from .schedules import resolve_epochs
+from .vocab_map import in_student_vocabulary
 from .run_loop import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
 
@@ -165,7 +166,8 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
     v_t, v_s = teacher.head_matrix().shape[0], student.head_matrix().shape[0]
     if v_t != v_s:
         raise ValueError(f"the teacher's vocabulary has {v_t} entries and the student's {v_s}; logit "
-                         "distillation needs the same tokenizer and vocabulary on both sides.")
+                         "distillation needs the same tokenizer and vocabulary on both sides, or, for a student "
+                         "with a trimmed vocabulary, DistillConfig(plan=its plan) or vocab_map=plan.kept_vocab.")
 
 
 def _check_on_policy(config: DistillConfig, teacher: Any, sampler: Any) -> None:
@@ -232,6 +234,7 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
     config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
+    teacher = in_student_vocabulary(teacher, student, config)  # a trimmed student: the teacher in its token ids
     _check_models(teacher, student, config)
     _check_on_policy(config, teacher, sampler)
     mesh = _place(teacher, student, config)
