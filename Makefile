@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean llama-cpp test-llama
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests bench/test_bench.py
+
+# llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our
+# GGUF exports with llama.cpp itself; `make test` skips them without it. The version the exports were checked with.
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" $(VENV)/bin/pip install llama-cpp-python==0.3.36
+
+test-llama: llama-cpp
+	$(PY) -m pytest -q tests/test_gguf_export.py -k llama_cpp
 
 bench: $(STAMP)
 	bash bench/run_all.sh

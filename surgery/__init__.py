@@ -20,6 +20,7 @@ from .report import format_report, plot_report
 from .hub import HubError, push_to_hub
 from .card import write_model_card
 from .gguf import cached_import, import_gguf
+from .gguf_export import export_gguf
 from .generate import Generation, generate, make_sampler
 from .tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
 
@@ -28,5 +29,5 @@ __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "GemmaConfig", "Caus
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
-           "push_to_hub", "write_model_card", "import_gguf", "cached_import", "Generation",
+           "push_to_hub", "write_model_card", "import_gguf", "cached_import", "export_gguf", "Generation",
            "generate", "make_sampler", "to_tunix", "from_tunix", "tunix_sampler"]
