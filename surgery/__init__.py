@@ -12,6 +12,7 @@ from .families import SUPPORTED_MODEL_TYPES
 from .safetensors_io import CheckpointError
 from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
 from .spec import NAMED_SHAPES, SpecError, StudentSpec
+from .search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
 from .plan import Plan, PlanError
 from .planner import plan_student
 from .apply import apply_plan, compensation_effect, logit_distance, save_student
@@ -27,7 +28,8 @@ from .tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is import
 __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "GemmaConfig", "CausalLM", "Gemma", "ModelOutput",
            "GemmaOutput", "SUPPORTED_MODEL_TYPES", "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
-           "SpecError", "StudentSpec", "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
+           "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
+           "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
            "push_to_hub", "write_model_card", "import_gguf", "cached_import", "export_gguf", "Generation",
            "generate", "make_sampler", "to_tunix", "from_tunix", "tunix_sampler"]
