@@ -79,16 +79,18 @@ def tokenizer_gguf(path) -> str:
 
 @pytest.fixture(scope="module")
 def make_folder(tmp_path_factory):
-    """(family, config overrides) -> (the transformers model, its saved folder with transformers' tokenizer)."""
+    """(family, config overrides) -> (the transformers model, its saved folder with transformers' tokenizer); the
+    weights' seed is the number of folders made before unless `seed` is given."""
     root = tmp_path_factory.mktemp("export")
     source = tokenizer_gguf(root / "vocab.gguf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=os.path.basename(source))
     cache = {}
 
-    def make(family: str, **overrides):
-        key = (family, json.dumps(overrides, sort_keys=True))
+    def make(family: str, seed: int | None = None, **overrides):
+        key = (family, seed, json.dumps(overrides, sort_keys=True))
         if key not in cache:
-            model = make_hf_model(family, seed=len(cache), vocab_size=len(TOKENS), **overrides)
+            model = make_hf_model(family, seed=len(cache) if seed is None else seed, vocab_size=len(TOKENS),
+                                  **overrides)
             folder = root / f"model-{len(cache)}"
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
@@ -527,3 +529,93 @@ def test_llama_cpp_real_270m_logits_equal_transformers(llama_cpp, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = torch_logits(model, ids[None])[0]
     assert max_abs_diff(got, expected) / float(np.abs(expected).max()) <= LLAMA_TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------ greedy generation
+def llama_cpp_greedy(path: str, prompts, new_tokens: int, n_ctx: int) -> tuple[list[list[int]], list[float]]:
+    """llama.cpp's greedy continuation of each prompt: the argmax of its logits at each step, fed back; no sampler
+    (no temperature, repetition penalty, top-k/p or grammar), the KV cache in float32. Also, per prompt, the
+    smallest top-1 minus top-2 logit gap along the way, over the largest |logit| (how close argmax came to a tie)."""
+    import llama_cpp
+
+    model = llama_cpp_model(path, n_ctx=n_ctx, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    vocab = model.n_vocab()
+    continuations, margins = [], []
+    for ids in prompts:
+        model.reset()
+        model.eval([int(i) for i in ids])
+        tokens, margin = [], float("inf")
+        while True:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model.ctx, -1), shape=(vocab,)).copy()
+            second, first = np.partition(logits, -2)[-2:]
+            margin = min(margin, float(first - second) / float(np.abs(logits).max()))
+            tokens.append(int(np.argmax(logits)))
+            if len(tokens) == new_tokens:
+                break
+            model.eval(tokens[-1:])
+        continuations.append(tokens)
+        margins.append(margin)
+    return continuations, margins
+
+
+def our_greedy(folder: str, prompts, new_tokens: int) -> list[list[int]]:
+    """`surgery.generate`, greedy, float32, the prompts as one left-padded batch, exactly `new_tokens` each."""
+    from surgery import generate, load_pretrained
+
+    out = generate(load_pretrained(folder, dtype="float32"), [list(p) for p in prompts], max_new_tokens=new_tokens,
+                   stop=())
+    assert [len(t) for t in out.tokens] == [new_tokens] * len(prompts)
+    return out.tokens
+
+
+GREEDY_PROMPTS = ["def start(self):\n    return self.the_start\n", "if x:\n    d = sh(x)\n",
+                  "The art is in the start, and the rest is the heart of it.",
+                  "she is the one he sent to the east, and then there is the rest"]
+GREEDY_NEW_TOKENS = 48
+
+
+def test_llama_cpp_greedy_tokens_equal_ours(llama_cpp, make_folder, tmp_path):
+    """The depth-pruned tiny Gemma 3 (sliding, full, full, sliding, sliding: no period) exported f32: llama.cpp's
+    greedy tokens are `surgery.generate`'s, 48 after each of two code and two prose prompts. Random weights put
+    some argmaxes close to a tie, so the model's seed is fixed and the test first checks that every choice along
+    the way beats the runner-up by more than twice the logit error the tests allow (LLAMA_TOLERANCE of the largest
+    |logit|; the smallest gap with seed 0 is about 5e-3): a difference in the tokens is then an export error,
+    not rounding."""
+    model, folder = make_folder("gemma3_text", seed=0, **LLAMA_CASES["gemma3_text-pruned"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompts = [tokenizer(text)["input_ids"] for text in GREEDY_PROMPTS]
+    path = export_gguf(folder, tmp_path / "model.gguf", dtype="f32")
+    theirs, margins = llama_cpp_greedy(path, prompts, GREEDY_NEW_TOKENS, n_ctx=model.config.max_position_embeddings)
+    assert min(margins) > 2 * LLAMA_TOLERANCE, margins
+    ours = our_greedy(folder, prompts, GREEDY_NEW_TOKENS)
+    for text, mine, llama in zip(GREEDY_PROMPTS, ours, theirs):
+        assert llama == mine, text
+    assert len({tuple(t) for t in ours}) == len(prompts)  # not one degenerate continuation
+
+
+def real_prompts() -> list[str]:
+    """Two pieces of Python source and two of English prose."""
+    from tiny_tokenizers import stdlib_text
+
+    return [stdlib_text("bisect.py")[:400], stdlib_text("textwrap.py")[:400],
+            "The quick brown fox jumps over the lazy dog. Pruning a language model removes layers, attention heads "
+            "and MLP channels; distillation then teaches the smaller student to imitate the teacher.",
+            "Once upon a time, in a small village at the edge of a great forest, there lived an old woman who"]
+
+
+@pytest.mark.slow
+def test_llama_cpp_real_270m_greedy_tokens_equal_ours(llama_cpp, tmp_path):
+    """The real Gemma 3 270M exported f32: llama.cpp's greedy tokens are `surgery.generate`'s, 48 after each
+    prompt. Unlike the random model's, these gaps are not all wide: the closest top-1 / top-2 call measured was
+    5e-5 of the largest |logit| (code prompt), under the largest logit difference measured between llama.cpp and
+    transformers (8.8e-4 of it, over all logits), and the two still agreed. A llama.cpp upgrade could flip such a
+    call; the failure message gives each prompt's smallest gap, to tell that apart from an export error."""
+    _, folder = real_folder()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = real_prompts()
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    path = export_gguf(folder, tmp_path / "gemma3-270m-f32.gguf", dtype="f32")
+    theirs, margins = llama_cpp_greedy(path, prompts, GREEDY_NEW_TOKENS, n_ctx=256)
+    ours = our_greedy(folder, prompts, GREEDY_NEW_TOKENS)
+    for text, mine, llama, margin in zip(texts, ours, theirs, margins):
+        assert llama == mine, (text[:40], margin, tokenizer.decode(mine), tokenizer.decode(llama))
