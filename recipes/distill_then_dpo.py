@@ -128,7 +128,7 @@ def distilled_student(args, folder: str, files: list[str]):
     teacher = surgery.load_pretrained(folder, dtype="float32")
     data = distill.TokenBatches.from_files(files, folder, batch_size=args.batch_size, seq_len=args.seq_len,
                                            seed=args.seed, eval_batch_size=args.batch_size)
-    plan = surgery.plan_student(teacher, cli.student_spec(args.student, teacher.config),
+    plan = surgery.plan_student(teacher, cli.student_spec(args.student, teacher.config, vocabulary=False),
                                 calibration=data.calibration_ids(min(64, 8 * args.batch_size)))
     student = surgery.apply_plan(teacher, plan)
     stage = distill.Stage(steps=args.distill_steps, learning_rate=args.learning_rate,

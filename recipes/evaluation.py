@@ -8,6 +8,11 @@ agreement, and 95% intervals for the differences between the distilled student, 
 of held-out prompts scored against the teacher's (BLEU, ROUGE-L), a next-line multiple-choice task scored by
 log-likelihood, and the same prompts answered by every model (`suite.md` / `suite.json` in the run folder). Multi-host: every process evaluates together (its rows of the
 held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
+
+Students with a trimmed vocabulary (`--student ...,vocab=N`; recipes/vocabulary.py) are scored on the same
+passages in their own tokens (`distill.heldout_vocab`): KL and top-1 agreement against the teacher restricted to
+their kept pieces, renormalised; against the teacher (another tokenizer) only CE per byte compares, so the verdicts
+and their intervals are per byte; generations and multiple choice use their own tokenizer.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import sys
 from typing import Any
 
 import distill
+from surgery.checkpoint import model_tensors
 from surgery.generate import generate
 
 # results.json row keys for the suite's metrics
@@ -39,31 +45,37 @@ def heldout_sets(args, data) -> list:
     return sets
 
 
-def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str, pairs=()) -> dict:
+def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str, pairs=(), vocabularies=None) -> dict:
     """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
-    differences get 95% intervals. Returns the results dict of results.json."""
+    differences get 95% intervals; `vocabularies`: the rows with a trimmed vocabulary (name ->
+    `distill.Vocabulary`), judged in their own tokens (module docstring). Returns the results dict of results.json."""
     models = {name: model for name, model, _ in rows}
+    vocabularies = vocabularies or {}
     if args.eval_prompts > 0:
         settings = distill.SuiteSettings(prompts=args.eval_prompts, new_tokens=args.new_tokens,
                                          choice_items=args.choice_items, seed=args.seed)
         suite = distill.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
                                        generate=greedy, reference=rows[0][0], settings=settings,
                                        out_path=os.path.join(out, "suite.md"), heldout_sets=heldout_sets(args, data),
-                                       pairs=pairs)
+                                       pairs=pairs, vocabularies=vocabularies)
     else:  # no generations: the held-out sets alone
-        reports = {held.name: distill.heldout_report(models, held, reference=rows[0][0], pairs=pairs)
+        reports = {held.name: distill.heldout_report_across(models, held, reference=rows[0][0], pairs=pairs,
+                                                            vocabularies=vocabularies)
                    for held in heldout_sets(args, data)}
         suite = {"models": {name: {"sets": {k: r["models"][name] for k, r in reports.items()}} for name in models},
                  "sets": reports}
     results: dict[str, Any] = {"rows": [], "sets": {k: {key: v for key, v in r.items() if key != "models"}
                                                      for k, r in suite["sets"].items()}}
+    if vocabularies:
+        results["trimmed_vocabulary"] = trimmed_note(vocabularies, rows[0][0])
     for name, model, used in rows:
         scores = suite["models"][name]
         in_domain = scores["sets"][IN_DOMAIN]
         row = {"model": name, "parameters": model.config.num_parameters(),
-               "non_embedding_parameters": non_embedding(model.config), "tokens": used, "loss": in_domain["ce"],
+               "non_embedding_parameters": non_embedding(model.config), "vocab_size": model.config.vocab_size,
+               "safetensors_bytes": safetensors_bytes(model), "tokens": used, "loss": in_domain["ce"],
                "perplexity": math.exp(min(in_domain["ce"], 50.0)), "eval_tokens": in_domain["tokens"],
-               "loss_per_byte": in_domain["ce_per_byte"]}
+               "loss_per_byte": in_domain["ce_per_byte"], "trimmed_vocabulary": name in vocabularies}
         if name != rows[0][0]:
             row.update(top1_agreement=in_domain["top1_agreement"], kl_to_teacher=in_domain["kl"])
         if GENERAL in scores["sets"]:
@@ -87,6 +99,22 @@ def greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list
 
 def non_embedding(config) -> int:
     return config.num_parameters() - config.vocab_size * config.hidden_size
+
+
+def safetensors_bytes(model) -> int:
+    """The tensor bytes of the model's safetensors files as `save_pretrained` writes them (its parameters'
+    dtype; each file adds a JSON header of a few kB)."""
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in model_tensors(model))
+
+
+def trimmed_note(vocabularies: dict, reference: str) -> str:
+    """How rows with a trimmed vocabulary are judged (results.json and the table's notes)."""
+    sizes = sorted({len(v.teacher_ids) for v in vocabularies.values()})
+    return (f"{', '.join(vocabularies)}: a trimmed vocabulary ({' / '.join(f'{n:,}' for n in sizes)} pieces), scored "
+            "on the same held-out passages in its own tokens. CE per token is in each model's own tokens, so only "
+            f"CE per byte compares it with the {reference}; its KL and top-1 agreement are against the {reference} "
+            "restricted to its kept pieces (renormalised); its continuations and multiple choice use its own "
+            "tokenizer.")
 
 
 def curve(evals: list[dict], args) -> list[dict]:

@@ -55,7 +55,7 @@ import jax  # noqa: E402
 
 import distill  # noqa: E402
 import surgery  # noqa: E402
-from recipes import cli, evaluation, phases, settings, tiny_teacher  # noqa: E402
+from recipes import cli, evaluation, phases, settings, tiny_teacher, vocabulary  # noqa: E402
 from recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results  # noqa: E402
 
 PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
@@ -100,7 +100,7 @@ def run_phase(args, phase, teacher, student, data, config, out, dtype="float32")
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")
     history, evals = result.full_history, result.full_evals  # across resumes
-    surgery.save_pretrained(result.student, done, source=args.teacher_folder, overwrite=True,
+    surgery.save_pretrained(result.student, done, source=vocabulary.phase_source(args, phase), overwrite=True,
                             extra_files={"history.json": {"train": history, "eval": evals,
                                                           "data_state": result.data_state}})
     return result.student, history, evals
@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
         args.data_description = args.data or ""
     args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
     teacher_config = args.teacher_config = surgery.ModelConfig.from_file(args.teacher_folder)
-    spec = cli.student_spec(args.student, teacher_config)
+    spec = cli.student_spec(args.student, teacher_config, tokenizer=args.teacher_folder)
     if args.dry_run:
         print(dry_run_report(args, teacher_config, spec))
         return {}
@@ -197,7 +197,8 @@ def main(argv=None) -> dict:
     steps_b = args.steps - steps_a
     plan = surgery.plan_student(student, spec, calibration=calibration, seed=args.seed, measure_compensation=True,
                                 source=f"stage-A student of {args.teacher}" if plan_a else args.teacher,
-                                revision=None if plan_a else args.revision)
+                                revision=None if plan_a else args.revision, tokenizer=args.teacher_folder)
+    data = vocabulary.student_batches(args, plan, out, data, lambda folder: load_data(args, corpus, folder))
     pruned = pruned_student(teacher, plan_a, plan)
     student = make_student(args, student, plan, out, "stage_b")
     print(surgery.format_report(plan))
@@ -238,7 +239,8 @@ def main(argv=None) -> dict:
                                                                                  "teacher")]
     print(f"[eval] {len(rows)} models on the held-out sets ({args.eval_tokens:,} tokens each), then generations "
           "and multiple choice", flush=True)
-    results = evaluation.evaluate(args, rows, data, out, pairs=pairs)
+    results = evaluation.evaluate(args, rows, data, out, pairs=pairs,
+                                  vocabularies=vocabulary.vocabularies(args, rows, plan))
     clock.lap("evaluation")
     results.update(wall_time_s=round(time.time() - t_start, 1), preset=args.preset, compression=args.compression,
                    control=args.control, phase_times_s=clock.laps, teacher_correction=args.teacher_correction)
@@ -258,7 +260,8 @@ def main(argv=None) -> dict:
     if jax.process_index() == 0:  # multi-host: process 0 writes the reports
         plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
                     args.tokens_per_step, control_name=CONTROL_NAMES.get(args.control, ""),
-                    recovery=results["recovery_curves"], teacher_loss=results["rows"][0]["loss"])
+                    recovery=results["recovery_curves"],  # a trimmed student's CE is in other tokens
+                    teacher_loss=None if plan.kept_vocab else results["rows"][0]["loss"])
         surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
         if plan_a is not None:
             surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
@@ -321,24 +324,28 @@ def make_student(args, source_model, plan, out, phase):
 
 
 def composed_map(plan_a, plan_b) -> dict:
-    """Teacher -> final-student layer and channel correspondence through both stages (plans are data)."""
+    """Teacher -> final-student layer and channel correspondence through both stages (plans are data), and the
+    kept pieces of a trimmed vocabulary (stage A keeps every piece, so the final plan's ids are the teacher's)."""
     if plan_a is None:
-        return {"kept_layers": plan_b.kept_layers, "kept_hidden": plan_b.kept_hidden}
+        return {"kept_layers": plan_b.kept_layers, "kept_hidden": plan_b.kept_hidden,
+                "kept_vocab": plan_b.kept_vocab}
     return {"kept_layers": [plan_a.kept_layers[i] for i in plan_b.kept_layers],
-            "kept_hidden": [plan_a.kept_hidden[i] for i in plan_b.kept_hidden]}
+            "kept_hidden": [plan_a.kept_hidden[i] for i in plan_b.kept_hidden], "kept_vocab": plan_b.kept_vocab}
 
 
-def load_data(args, corpus: list[str] | None = None) -> distill.TokenBatches:
-    """The run's batches: the preset's corpus files when it has one, else --data. On multi-host each process
-    tokenises its share and keeps its rows of every batch."""
+def load_data(args, corpus: list[str] | None = None, tokenizer: str | None = None) -> distill.TokenBatches:
+    """The run's batches: the preset's corpus files when it has one, else --data, in the tokens of `tokenizer` (a
+    folder; default: the teacher's). On multi-host each process tokenises its share and keeps its rows of every
+    batch."""
+    tokenizer = tokenizer or args.teacher_folder
     if corpus is None and not args.data:
         raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                   eval_batch_size=args.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
-    tokenizer = distill.load_tokenizer(args.teacher_folder)
-    if args.restart_rows and tokenizer.add_bos:  # a row continuing a document starts with BOS, as documents do
-        common["restart_id"] = tokenizer.bos_id
+    text_tokenizer = distill.load_tokenizer(tokenizer)
+    if args.restart_rows and text_tokenizer.add_bos:  # a row continuing a document starts with BOS, as documents do
+        common["restart_id"] = text_tokenizer.bos_id
     if args.general_mix:  # general prose beside the domain corpus: training only, never held out
         if corpus is None and args.data.startswith("hf:"):
             raise cli.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
@@ -346,10 +353,10 @@ def load_data(args, corpus: list[str] | None = None) -> distill.TokenBatches:
         files = corpus if corpus is not None else distill.sources.expand_paths(args.data)
         common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), args.general_mix)
     if corpus is not None:
-        return distill.TokenBatches.from_files(corpus, args.teacher_folder, **common)
+        return distill.TokenBatches.from_files(corpus, tokenizer, **common)
     if args.data.startswith("hf:"):
-        return distill.TokenBatches.from_hf_dataset(args.data[3:], args.teacher_folder, **common)
-    return distill.TokenBatches.from_files(args.data, args.teacher_folder, **common)
+        return distill.TokenBatches.from_hf_dataset(args.data[3:], tokenizer, **common)
+    return distill.TokenBatches.from_files(args.data, tokenizer, **common)
 
 
 def entry(argv=None) -> None:

@@ -1,6 +1,7 @@
 """What the recipe shows a person: the dry-run summary, the results table, training curves and the model card."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -19,6 +20,8 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
 def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec) -> str:
     """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan."""
     student = spec.config_for(teacher, list(range(spec.num_layers)))
+    pieces = spec.vocab_size_for(teacher)
+    student = student if pieces is None else student.replace(vocab_size=pieces)
     devices = 1
     for size in _mesh_sizes(args.mesh).values():
         devices *= size
@@ -36,6 +39,7 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
             ("query heads", teacher.num_attention_heads, student.num_attention_heads),
             ("KV heads", teacher.num_key_value_heads, student.num_key_value_heads),
             ("head_dim", teacher.head_dim, student.head_dim),
+            ("vocabulary", teacher.vocab_size, student.vocab_size),
             ("parameters", _count(n_t), f"{_count(n_s)}  ({n_s / n_t:.0%} of the teacher)")]
     width = max(len(str(r[0])) for r in rows)
     lines = [f"{str(a).ljust(width)}  {str(b).rjust(10)}  {c}" for a, b, c in rows]
@@ -52,11 +56,15 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
     if os.path.exists(os.path.join(args.teacher_folder, "config.json")) and _has_weights(args.teacher_folder):
         stage_a = surgery.StudentSpec(spec.num_layers, teacher.hidden_size, spec.intermediate_size,
                                       teacher.num_attention_heads, teacher.num_key_value_heads)
-        target = stage_a if args.compression == "staged" else spec
+        # the kept pieces come from calibration counts, which a dry run does not have
+        target = stage_a if args.compression == "staged" else dataclasses.replace(spec, vocab_size=None)
         plan = surgery.plan_student(args.teacher_folder, target)  # data-free, tensor by tensor from disk
         lines.append(f"  ({'stage A of staged compression; ' if args.compression == 'staged' else ''}"
                      "data-free magnitude scores read from disk; the run uses calibration data)")
         lines.append(surgery.format_report(plan))
+        if pieces is not None:
+            lines.append(f"  vocab: {pieces:,} of the teacher's {teacher.vocab_size:,} pieces, chosen at run time from "
+                         "the calibration data (the special tokens, the byte pieces, then the most frequent)")
     else:
         lines.append("  the teacher's weights are not on disk yet; the plan is computed at run time")
     return "\n".join(lines)
@@ -80,16 +88,23 @@ COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/b
 
 
 def results_table(results: dict) -> str:
-    """The results table (one row per model; CE in nats, KL and agreement against the teacher), the verdicts
-    with 95% intervals on each held-out set, and the wall time of each phase."""
+    """The results table (one row per model: total parameters, vocabulary, safetensors size; CE in nats, KL and
+    agreement against the teacher), the verdicts with 95% intervals on each held-out set, and the wall time of
+    each phase."""
     columns = [c for c in COLUMNS if any(c[0] in row for row in results["rows"])]
-    lines = ["| model | parameters (non-embedding) | tokens used | " + " | ".join(c[1] for c in columns) + " |",
-             "|---|---|---|" + "---|" * len(columns)]
+    lines = ["| model | parameters (non-embedding) | vocabulary | safetensors | tokens used | "
+             + " | ".join(c[1] for c in columns) + " |", "|---|---|---|---|---|" + "---|" * len(columns)]
     for row in results["rows"]:
         non_embedding = row.get("non_embedding_parameters")
         size = f"{row['parameters'] / 1e6:.2f}M" + (f" ({non_embedding / 1e6:.1f}M)" if non_embedding else "")
+        vocabulary = "-" if row.get("vocab_size") is None else \
+            f"{row['vocab_size']:,}" + (" (trimmed)" if row.get("trimmed_vocabulary") else "")
+        weights = "-" if row.get("safetensors_bytes") is None else f"{row['safetensors_bytes'] / 1e6:.1f} MB"
         cells = ["-" if row.get(key) is None else form.format(row[key]) for key, _, form in columns]
-        lines.append(f"| {row['model']} | {size} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['model']} | {size} | {vocabulary} | {weights} | {row['tokens']:,} | "
+                     + " | ".join(cells) + " |")
+    if results.get("trimmed_vocabulary"):
+        lines += ["", results["trimmed_vocabulary"]]
     lines += ["", *verdicts(results)]
     times = results.get("phase_times_s") or {}
     if times:
@@ -103,13 +118,17 @@ def results_table(results: dict) -> str:
 def verdicts(results: dict) -> list[str]:
     """Per held-out set: the share of the pruned-to-teacher gap the distilled student (and the control) closed,
     and the distilled student against the control with the 95% interval of the difference. A difference whose
-    interval contains 0 is called a tie."""
+    interval contains 0 is called a tie. With a trimmed vocabulary everything is per byte: CE per token is in
+    each model's own tokens, and the teacher's are not the students'."""
     by_name = {r["model"]: r for r in results["rows"]}
+    per_byte = any(r.get("trimmed_vocabulary") for r in results["rows"])
+    unit, metric = ("nats/byte", "ce_per_byte") if per_byte else ("nats/token", "ce")
     distilled, teacher = by_name.get("distilled student"), by_name.get("teacher")
     pruned = by_name.get("pruned (before distillation)")
     control = next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)
     lines = []
     for key, title in (("loss", "in-domain"), ("general_loss", "general")):
+        key = f"{key}_per_byte" if per_byte else key
         if not (distilled and teacher and pruned and key in distilled):
             continue
         gap = pruned[key] - teacher[key]
@@ -117,15 +136,18 @@ def verdicts(results: dict) -> list[str]:
         if control and gap > 0:
             closed.append(f"the {control['model']} {(pruned[key] - control[key]) / gap:.0%}")
         sentence = f"{title.capitalize()} held-out set: " + (
-            " and ".join(closed) + " of the pruned-to-teacher gap in CE" if closed else
+            " and ".join(closed) + f" of the pruned-to-teacher gap in CE{' per byte' * per_byte}" if closed else
             "pruning did not raise CE over the teacher")
-        sentence += f"; the distilled student is {distilled[key] - teacher[key]:+.4f} nats/token from the teacher"
+        sentence += f"; the distilled student is {distilled[key] - teacher[key]:+.4f} {unit} from the teacher"
+        versus = (_comparison(results, title, "distilled student", "teacher") or {}).get(metric)
+        if versus and versus["low"] is not None:  # across tokenizers: per byte on the same passages
+            sentence += f" [{versus['low']:+.4f}, {versus['high']:+.4f}]"
         lines.append(sentence + ".")
         comparison = _comparison(results, title, "distilled student", control["model"] if control else None)
         if comparison:
-            ce, kl = comparison["ce"], comparison["kl"]
+            ce, kl = comparison[metric], comparison["kl"]
             if ce["low"] is None:
-                lines.append(f"  Distilled - control: CE {ce['difference']:+.4f} nats/token, KL "
+                lines.append(f"  Distilled - control: CE {ce['difference']:+.4f} {unit}, KL "
                              f"{kl['difference']:+.3f} (one held-out document: no interval).")
                 continue
             if ce["high"] < 0:
@@ -134,7 +156,7 @@ def verdicts(results: dict) -> list[str]:
                 verdict = "loses to"
             else:
                 verdict = "ties (the 95% interval contains 0) with"
-            lines.append(f"  Distilled {verdict} the control: CE {ce['difference']:+.4f} nats/token "
+            lines.append(f"  Distilled {verdict} the control: CE {ce['difference']:+.4f} {unit} "
                          f"[{ce['low']:+.4f}, {ce['high']:+.4f}], KL to the teacher {kl['difference']:+.3f} "
                          f"[{kl['low']:+.3f}, {kl['high']:+.3f}] (distilled - control, 95% interval).")
     return lines
@@ -217,10 +239,11 @@ def card_writer(args, plan, plan_a, results: dict, tokens: int):
         student = plan.student
         summary = {axis: f"{getattr(teacher, axis)} -> {getattr(student, axis)}"
                    for axis in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                                "num_key_value_heads")}
+                                "num_key_value_heads", "vocab_size")}
         summary["compression"] = args.compression
         summary["KV heads"] = plan.methods.get("kv")
         evaluation = {"held-out loss": {r["model"]: round(r["loss"], 4) for r in results["rows"]},
+                      "held-out loss per byte": {r["model"]: round(r["loss_per_byte"], 4) for r in results["rows"]},
                       "perplexity": {r["model"]: round(r["perplexity"], 3) for r in results["rows"]}}
         if any("general_loss" in r for r in results["rows"]):
             evaluation["general-domain held-out loss (English prose)"] = {

@@ -6,6 +6,7 @@ the sharding the student's parameters get on the teacher's mesh.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -105,7 +106,20 @@ def _distance(teacher: CausalLM, student: CausalLM, ids):
 
 
 def compensation_effect(teacher: CausalLM, plan: Plan, batches) -> dict[str, dict[str, float]]:
-    """How far the student starts from the teacher with the plan's compensation and without it."""
+    """How far the student starts from the teacher with the plan's compensation and without it. A plan that trims
+    the vocabulary is measured keeping every piece: the compensation does not depend on it, and the calibration
+    ids are the teacher's, some of them pieces the student does not have."""
+    plan = _whole_vocabulary(plan)
     with_comp = logit_distance(teacher, apply_plan(teacher, plan), batches)
     without = logit_distance(teacher, apply_plan(teacher, plan.without_compensation()), batches)
     return {"compensated": with_comp, "plain": without}
+
+
+def _whole_vocabulary(plan: Plan) -> Plan:
+    """`plan` keeping the teacher's whole vocabulary (its config's special ids and size) instead of kept_vocab."""
+    if plan.kept_vocab is None:
+        return plan
+    teacher = plan.teacher_config
+    special = {key: value for key, value in teacher.raw.items() if key.endswith("_token_id")}
+    return dataclasses.replace(plan, kept_vocab=None, student_config={**plan.student_config, **special,
+                                                                      "vocab_size": teacher.vocab_size})

@@ -220,19 +220,27 @@ def calibration_counts(batches: Iterable[np.ndarray], vocab_size: int) -> np.nda
     return np.bincount(ids, minlength=vocab_size)
 
 
+def check_vocab_size(tokenizer: TeacherTokenizer, config: ModelConfig,
+                     size: int) -> tuple[str, set[int], int, set[int]]:
+    """Raise a SpecError when `size` pieces cannot hold what every student keeps (the special tokens and the 256
+    byte pieces); else (byte-piece kind, special ids, reserved placeholders left out, the kept-by-all ids)."""
+    kind, byte_ids = tokenizer.byte_pieces()
+    specials, reserved = tokenizer.special_ids()
+    specials |= {i for ids in config_token_ids(config.raw).values() for i in ids}
+    forced = {i for i in specials | set(byte_ids) if i < config.vocab_size}
+    if len(forced) > size:
+        raise SpecError(f"vocab_size={size} is smaller than the {len(forced)} pieces every student keeps "
+                        f"({len(forced & specials)} special tokens and 256 byte pieces, which let any text "
+                        f"round-trip); use vocab_size >= {len(forced)}.")
+    return kind, specials, reserved, forced
+
+
 def choose_vocabulary(tokenizer: TeacherTokenizer, config: ModelConfig, counts: np.ndarray,
                       size: int) -> tuple[list[int], dict[str, Any]]:
     """(kept teacher ids, sorted; the record stored as the plan's scores["vocab"]) for a student of `size` pieces
     of the teacher `config` (a ModelConfig), from calibration `counts` (per teacher id). Module docstring."""
     limit = config.vocab_size
-    kind, byte_ids = tokenizer.byte_pieces()
-    specials, reserved = tokenizer.special_ids()
-    specials |= {i for ids in config_token_ids(config.raw).values() for i in ids}
-    forced = {i for i in specials | set(byte_ids) if i < limit}
-    if len(forced) > size:
-        raise SpecError(f"vocab_size={size} is smaller than the {len(forced)} pieces every student keeps "
-                        f"({len(forced & specials)} special tokens and 256 byte pieces, which let any text "
-                        f"round-trip); use vocab_size >= {len(forced)}.")
+    kind, specials, reserved, forced = check_vocab_size(tokenizer, config, size)
     kept = set().union(*(tokenizer.with_ancestors(i) for i in forced))
     candidates = np.asarray(sorted(set(i for i in tokenizer.pieces if i < limit) - kept - tokenizer.reserved_ids()),
                             np.int64)

@@ -149,6 +149,17 @@ def _calibration_rows(folder: str, length: int = 32) -> np.ndarray:
     return ids[:len(ids) // length * length].reshape(-1, length).astype(np.int32)
 
 
+def test_compensation_is_measured_on_a_plan_that_trims_the_vocabulary(teachers):
+    """measure_compensation on teacher-id calibration: measured keeping every piece (the recipe plans so)."""
+    folder, _ = teachers("gemma3_text", "gemma")
+    options = dict(calibration=_calibration_rows(folder), num_samples=8, source=folder, measure_compensation=True)
+    teacher = load_pretrained(folder)
+    trimmed = plan_student(teacher, StudentSpec(3, 24, 32, 2, 1, vocab_size=450), **options)
+    untrimmed = plan_student(teacher, StudentSpec(3, 24, 32, 2, 1), **options)
+    assert len(trimmed.kept_vocab) == 450 and trimmed.embed_scale != 1.0
+    assert trimmed.scores["compensation"] == untrimmed.scores["compensation"]
+
+
 @pytest.mark.parametrize("family,kind", FAMILIES, ids=[f for f, _ in FAMILIES])
 def test_trimmed_student_has_the_teachers_logits_at_kept_ids(family, kind, teachers, tmp_path):
     import torch
