@@ -47,12 +47,13 @@ RECIPES = {
 
 
 def parse_shape(text: str, teacher) -> surgery.StudentSpec:
-    values = dict(item.split("=") for item in text.split(","))
-    return surgery.StudentSpec(int(values.get("layers", teacher.num_hidden_layers)),
-                               int(values.get("hidden", teacher.hidden_size)),
-                               int(values.get("mlp", teacher.intermediate_size)),
-                               int(values.get("heads", teacher.num_attention_heads)),
-                               int(values.get("kv_heads", teacher.num_key_value_heads)))
+    """`--student` as the recipe reads it (`StudentSpec.from_text`); this harness scores every arm in the teacher's
+    tokens, so a trimmed vocabulary is refused (the recipe judges those)."""
+    spec = surgery.StudentSpec.from_text(text, teacher)
+    if spec.vocab_size is not None:
+        raise surgery.SpecError(f"--student {text!r}: real_recovery keeps the teacher's vocabulary; drop vocab= "
+                                "(recipes/gemma_7b_to_2b.py trims it and judges the student per byte).")
+    return spec
 
 
 def parse_args(argv=None) -> argparse.Namespace:
