@@ -35,6 +35,8 @@ Why the defaults:
 * Judged on two held-out sets (`--eval-tokens` each): the corpus's held-out documents and English prose that no
   training corpus contains, with 95% intervals; `--general-mix` trains on general prose too, and
   `--teacher-correction` first fine-tunes the teacher on the corpus (Minitron).
+* `--student ...,vocab=N` also trims the vocabulary (the embedding is most of a small Gemma): the final plan keeps
+  N pieces, the student trains on the corpus in its own tokens, and is judged per byte (recipes/vocabulary.py).
 * The control (`--control`): `pruned-ce` retrains the same pruned student with plain cross-entropy on the same
   tokens (Minitron's baseline: what distillation must beat); `scratch` trains the student's shape from random
   initialisation.
