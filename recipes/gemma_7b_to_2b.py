@@ -164,6 +164,8 @@ def main(argv=None) -> dict:
     args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
     teacher_config = args.teacher_config = surgery.ModelConfig.from_file(args.teacher_folder)
     spec = cli.student_spec(args.student, teacher_config, tokenizer=args.teacher_folder)
+    if args.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
+        surgery.gguf_export.check_exportable(teacher_config, args.teacher_folder)
     if args.dry_run:
         print(dry_run_report(args, teacher_config, spec))
         return {}
@@ -269,10 +271,21 @@ def main(argv=None) -> dict:
             surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
         write_results(out, results, table)
     print(f"student: {final}  (results.md, training_curves.png, layer_importance.png in {out})")
+    if args.gguf and jax.process_index() == 0:
+        export_gguf(args, final, out)
     if args.push_to_hub:
         url = surgery.push_to_hub(final, args.push_to_hub, private=not args.public)
         print(f"pushed to {url}")
     return results
+
+
+def export_gguf(args, folder: str, out: str) -> str:
+    """The student as one GGUF file beside its folder, for llama.cpp (`--gguf DTYPE`)."""
+    started = time.perf_counter()
+    path = surgery.export_gguf(folder, os.path.join(out, f"student-{args.gguf}.gguf"), dtype=args.gguf)
+    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {args.gguf}, "
+          f"{time.perf_counter() - started:.0f} s; run it with llama.cpp, README 'Run a student with llama.cpp')")
+    return path
 
 
 class PhaseClock:

@@ -42,7 +42,8 @@ DEFAULTS = dict(
     schedule_options=None, mesh=None, mesh_devices=None, precision=None, compression=None, stage_a_fraction=0.3,
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
     choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
-    teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0)
+    teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0,
+    gguf=None)
 
 # Named schedules for the main distillation stages: their options (`schedule_options` in a config file; any
 # parameter of the distill.schedules function) and the recipe settings they change unless the user sets them.
@@ -81,6 +82,8 @@ FLAGS = [
         (("--dry-run",), dict(action="store_true"), "print shapes, parameters, memory and plan; no training"),
         (("--cache-dir",), dict(), "where the tiny teacher and imported GGUFs are cached (default: "
          "$NNX_SURGERY_CACHE or ~/.cache/nnx-surgery)"),
+        (("--gguf",), dict(metavar="DTYPE"), "also write the student as OUT/student-DTYPE.gguf for llama.cpp "
+         "(f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; Gemma families)"),
         (("--push-to-hub",), dict(metavar="REPO_ID"), "publish the student (private unless --public)"),
         (("--public",), dict(action="store_true"), "make the pushed repo public"),
     ]),

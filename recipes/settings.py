@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 import distill
+import surgery.gguf_export
 from distill.config import NESTED
 from recipes import phases
 from recipes.cli import MULTI_HOST_FLAGS, RecipeError
@@ -203,6 +204,11 @@ def check(args: argparse.Namespace) -> None:
                           "(thousands to decide between students).")
     if not 0.0 <= args.general_mix < 1.0:
         raise RecipeError(f"--general-mix {args.general_mix}: give the share of general text, in [0, 1).")
+    if args.gguf is not None:
+        try:
+            surgery.gguf_export.resolve_export_dtype(args.gguf)
+        except ValueError as err:
+            raise RecipeError(f"--gguf {args.gguf}: {err}") from None
     if args.teacher_correction < 0:
         raise RecipeError(f"--teacher-correction {args.teacher_correction}: give a number of steps >= 0.")
     if args.schedule not in ("none", *SCHEDULES):

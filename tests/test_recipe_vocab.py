@@ -58,7 +58,7 @@ def run_recipe(teacher, output, *extra, check=True):
 def oneshot(teacher, tmp_path_factory):
     out = tmp_path_factory.mktemp("vocab-oneshot") / "run"
     proc = run_recipe(teacher, out, "--student", "layers=2,mlp=24,vocab=400", "--compression", "oneshot",
-                      "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4")
+                      "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4", "--gguf", "f32")
     return out, proc
 
 
@@ -179,3 +179,22 @@ def test_vocab_values_parse_and_bad_ones_are_one_line_and_exit_2(teacher, tmp_pa
     dry = run_recipe(teacher, tmp_path / "dry" / "run", "--student", "layers=2,vocab=400", "--compression",
                      "oneshot", "--dry-run")
     assert "vocab: 400 of the teacher's 767 pieces" in dry.stdout
+
+
+def test_the_recipe_writes_the_trimmed_student_as_gguf(teacher, oneshot):
+    """`--gguf f32`: the student beside its folder as one GGUF file, its vocabulary the trimmed one (what
+    llama.cpp reads is tested in test_gguf_export.py); an unknown dtype is refused before any work."""
+    import gguf
+
+    out, proc = oneshot
+    path = out / "student-f32.gguf"
+    assert f"gguf: {path}" in proc.stdout
+    reader = gguf.GGUFReader(str(path))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    config = json.load(open(out / "student" / "config.json"))
+    assert fields["general.architecture"] == "gemma3" and fields["gemma3.block_count"] == 2
+    assert len(fields["tokenizer.ggml.tokens"]) == config["vocab_size"] == 400
+    assert fields["tokenizer.ggml.bos_token_id"] == config["bos_token_id"]
+    bad = run_recipe(teacher, out.parent / "bad-gguf", "--student", "layers=2", "--gguf", "q4_k_m", check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: RecipeError: --gguf q4_k_m:"), bad.stderr
+    assert not (out.parent / "bad-gguf").exists() or not any((out.parent / "bad-gguf").iterdir())
