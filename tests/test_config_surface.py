@@ -104,6 +104,7 @@ def test_student_flag_and_preset_defaults():
     args = settings.resolve(["--preset", "gemma3-270m"])
     assert (args.student, args.frozen, args.alpha, args.feature_weight) == ("layers=18,mlp=512", ["embed_tokens"],
                                                                      1.0, 0.0)
+    assert (args.general_mix, args.gguf) == (0.5, "q8_0")
 
 
 def test_the_schedule_flag_selects_progressive_with_its_own_numbers_unless_given():
