@@ -330,7 +330,8 @@ def render(records: list[dict]) -> str:
     for section in (section_targets, section_load, section_prune, section_distill, section_mesh, section_quality,
                     section_gpu):
         lines += section(records)
-    lines += report_real.render(report_real.read(report_real.REAL_RESULTS))  # committed real-270M records
+    lines += report_real.render(report_real.read(report_real.REAL_RESULTS)  # committed real-270M records
+                                + report_real.read(report_real.GGUF_EXPORT_RESULTS))
     if os.path.exists(NOTES_FILE):
         with open(NOTES_FILE) as f:
             lines += [f.read().rstrip(), ""]

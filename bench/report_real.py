@@ -1,9 +1,10 @@
 """BENCHMARKS.md section: the real Gemma 3 270M (GGUF import, generation, the demo's distillation step, the demo's
-quality table and the recovery curves).
+quality table, the recovery curves, GGUF export and llama.cpp decoding).
 
     python bench/report_real.py [bench/results/real-270m.jsonl] > /tmp/section.md
 
-Reads the committed records in bench/results/real-270m.jsonl: `gguf_import` and `generate` summaries (from
+Reads the committed records in bench/results/real-270m.jsonl and bench/results/gguf-export.jsonl (`gguf_export`
+summaries from bench/gguf_export.py): `gguf_import` and `generate` summaries (from
 bench/gguf_import.py and bench/generate.py), `demo` records (a results.json of `make demo`, added with
 `--add-demo runs/gemma3-270m/results.json`) and `recovery` records (bench/real_recovery.py's lines).
 """
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import common  # noqa: E402
 
 REAL_RESULTS = os.path.join(common.BENCH, "results", "real-270m.jsonl")
+GGUF_EXPORT_RESULTS = os.path.join(common.BENCH, "results", "gguf-export.jsonl")  # bench/gguf_export.py
 VOCAB, HIDDEN = 262_144, 640  # Gemma 3 270M
 CPU_PEAK_GFLOPS = 180.0  # measured fp32 matmul peak of the 2-core development machine (bench/flops.py)
 
@@ -213,15 +215,65 @@ def _sets_table(group: list[dict]) -> list[str]:
     return lines + [""]
 
 
+GGUF_MODELS = ("teacher", "pruned", "vocab")
+
+
+def section_gguf_export(records: list[dict]) -> list[str]:
+    """bench/gguf_export.py's summaries: file sizes and export times per type, then decode tokens/s of llama.cpp on
+    the exports beside `surgery.generate` in the same run, and whether the greedy tokens agree."""
+    rows = [row for row in (_latest(records, "gguf_export", model=m) for m in GGUF_MODELS) if row]
+    if not rows:
+        return []
+    first = rows[0]
+    cores, m = first["machine"]["cores"], first["machine"]
+    loads = sorted(row["loadavg"][0] for row in rows)
+    lines = ["### GGUF export and llama.cpp (CPU)", "",
+             f"`python bench/gguf_export.py` ({m['date']}, {m['cpu']}, {cores} cores shared with other jobs: 1-minute "
+             f"load average {loads[0]}-{loads[-1]} at the models' summaries): the real 270M and two students pruned "
+             "from it (data-free; the trimmed vocabulary planned on stdlib source), exported by "
+             "`surgery.export_gguf`, each export type in a fresh process, median of 3 (f32: once), folder in the "
+             "page cache.", "",
+             "| model | safetensors (float32) | " + " | ".join(f"{d} GGUF" for d in ("f32", "f16", "q8_0", "q4_0"))
+             + " |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [f"{row[f'{d}_gguf_bytes'] / 1e6:.0f} MB in {row[f'{d}_export_s']:.1f} s"
+                 if row.get(f"{d}_gguf_bytes") else "-" for d in ("f32", "f16", "q8_0", "q4_0")]
+        lines.append(f"| {row['model']} ({row['spec']}) | {row['safetensors_bytes'] / 1e6:.0f} MB | "
+                     + " | ".join(cells) + " |")
+    lines += ["", f"Greedy decoding, batch 1, {first['prompt']} prompt tokens (stdlib source) + {first['new']} new, "
+              "median tokens/s of 3 runs after a warm-up, the peers one after the other in one run. Ours: "
+              "`surgery.generate`, jitted, float32 weights and KV cache. llama.cpp (llama-cpp-python "
+              f"{first['versions'].get('llama_cpp', '?')}): the exported file, KV cache in float32, argmax of its "
+              f"logits fed back, n_threads {cores} (the cores) and 1. Ratio: llama.cpp / ours. `tokens`: llama.cpp's "
+              "greedy tokens against ours (all equal, or how many leading ones are).", "",
+              f"| model | file | ours tok/s | llama.cpp n_threads={cores} tok/s | ratio | llama.cpp n_threads=1 "
+              "tok/s | ratio | tokens |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for dtype in ("f32", "f16", "q8_0"):
+            if f"llama_{dtype}_decode_tokens_per_s" not in row and f"llama_{dtype}_t1_decode_tokens_per_s" not in row:
+                continue
+            same = row.get(f"llama_{dtype}_same_tokens")
+            agree = row.get(f"llama_{dtype}_agree_prefix", row.get(f"llama_{dtype}_t1_agree_prefix"))
+            tokens = ("all equal" if same or row.get(f"llama_{dtype}_t1_same_tokens")
+                      else f"first {agree} of {row['new']} equal" if agree is not None else "-")
+            lines.append(f"| {row['model']} | {dtype} | {common.fmt(row['ours_decode_tokens_per_s'], 1)} | "
+                         f"{common.fmt(row.get(f'llama_{dtype}_decode_tokens_per_s'), 1)} | "
+                         f"{common.fmt(row.get(f'llama_{dtype}_vs_ours'), 2, 'x')} | "
+                         f"{common.fmt(row.get(f'llama_{dtype}_t1_decode_tokens_per_s'), 1)} | "
+                         f"{common.fmt(row.get(f'llama_{dtype}_t1_vs_ours'), 2, 'x')} | {tokens} |")
+    return lines + [""]
+
+
 def render(records: list[dict]) -> list[str]:
     body = (section_demo(records) + section_recovery_sets(records) + section_recovery(records)
-            + section_import(records) + section_generate(records))
+            + section_import(records) + section_generate(records) + section_gguf_export(records))
     return ["## Real Gemma 3 270M (offline, CPU)", ""] + body if body else []
 
 
 def main(argv=None) -> None:
     args = argv if argv is not None else sys.argv[1:]
-    print("\n".join(render(read(args[0] if args else REAL_RESULTS))))
+    records = read(args[0]) if args else read(REAL_RESULTS) + read(GGUF_EXPORT_RESULTS)
+    print("\n".join(render(records)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #   bash bench/run_all.sh                    # everything
 #   bash bench/run_all.sh load distill_270m  # only these parts; BENCHMARKS.md keeps the latest of each
 #
-# Parts: load prune distill_tiny distill_270m mesh quality, and on the real 270M gguf_import generate (not by default). Heavy parts wait until 14 GiB are free.
+# Parts: load prune distill_tiny distill_270m mesh quality, and on the real 270M gguf_import generate gguf_export (not by default). Heavy parts wait until 14 GiB are free.
 # Results: bench/out/results.jsonl (appended, one JSON line per measurement, tagged with this run's id).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,8 @@ REAL=bench/results/real-270m.jsonl  # real Gemma 3 270M: committed, rendered by 
 if want gguf_import; then stamp gguf_import; "$PY" bench/gguf_import.py --peers ours,transformers \
     --out "$REAL" >/dev/null; fi
 if want generate; then stamp generate; "$PY" bench/generate.py --out "$REAL" >/dev/null; fi
+if want gguf_export; then stamp gguf_export; "$PY" bench/gguf_export.py --out bench/results/gguf-export.jsonl \
+    >/dev/null; fi
 stamp report
 "$PY" bench/report.py "$OUT" > BENCHMARKS.md
 stamp "wrote BENCHMARKS.md"

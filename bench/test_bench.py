@@ -180,3 +180,35 @@ def test_trace_summary_breaks_down_one_device_line_per_step(tmp_path):
     assert summary["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "kind": "matmul", "count": 2,
                                  "ms_per_step": 0.3}
     assert [line["thread"] for line in summary["lines"]][:2] == ["1", "Stream #7"]
+
+
+def test_gguf_export_bench_runs_at_tiny_shape(tmp_path):
+    """bench/gguf_export.py end to end on a tiny random Gemma 3 with a Gemma-style tokenizer: export records, both
+    decode peers, the summary (greedy tokens compared), and its BENCHMARKS.md rendering."""
+    pytest.importorskip("llama_cpp")
+    sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tests"))
+    import report_real
+    from hf_reference import make_hf_model
+    from tiny_tokenizers import save_gemma_tokenizer
+
+    teacher = str(tmp_path / "teacher")
+    make_hf_model("gemma3_text", vocab_size=save_gemma_tokenizer(teacher)).save_pretrained(teacher)
+    out = tmp_path / "gguf-export.jsonl"
+    root = os.path.dirname(BENCH)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gguf_export.py"), "--models", "teacher", "--teacher",
+                           teacher, "--dtypes", "q8_0", "--repeats", "1", "--decode-dtypes", "f32",
+                           "--llama-threads", "cores", "--decode-repeats", "1", "--prompt", "8", "--new", "4",
+                           "--work", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("event") for r in records] == ["prompt", "export", "export", "decode", "decode", None]
+    assert all("error" not in r and r["machine"]["cores"] and r["versions"]["llama_cpp"] for r in records), records
+    summary = records[-1]
+    assert summary["summary"] and summary["q8_0_gguf_bytes"] < summary["f32_gguf_bytes"]
+    assert summary["ours_decode_tokens_per_s"] > 0 and summary["llama_f32_decode_tokens_per_s"] > 0
+    assert summary["llama_f32_same_tokens"] is True, summary
+    assert os.listdir(tmp_path / "work") == []  # the GGUF files and prompt removed
+    text = "\n".join(report_real.section_gguf_export(records))
+    assert "### GGUF export and llama.cpp" in text and "| teacher | f32 |" in text and "all equal" in text
