@@ -184,10 +184,12 @@ def _row_scores(model, reference, batch, ref_hidden, vocab_chunk: int, row_chunk
 
 
 def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: str, batch_size: int = 8,
-                  vocab_chunk: int = 16384, row_chunk: int = 256,
-                  log: Callable[[str], None] | None = None) -> dict[str, dict[str, np.ndarray]]:
+                  vocab_chunk: int = 16384, row_chunk: int = 256, log: Callable[[str], None] | None = None,
+                  reference_cache: dict | None = None) -> dict[str, dict[str, np.ndarray]]:
     """Per model (name -> per-passage arrays `nll`, `ref_nll`, `kl`, `agree`, `tokens`, float64) on `heldout`,
-    against `models[reference]`. `log` gets one line per model with its time (default: print on process 0)."""
+    against `models[reference]`. `log` gets one line per model with its time (default: print on process 0).
+    `reference_cache`: a dict the caller keeps across calls with the same unchanged reference model, so its
+    hidden states on this set are computed once (a search scores many students against one teacher)."""
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of the models {list(models)}; pass reference=.")
     log = log or _print
@@ -201,7 +203,13 @@ def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: 
                                      mesh) for i in range(0, len(rows), batch_size)]
 
     started = time.perf_counter()
-    ref_hidden = [_ref_forward(ref_graph, ref_state, batch) for batch in batches]
+    key = (heldout.name, heldout.rows.shape, batch_size)
+    if reference_cache is not None and key in reference_cache:
+        ref_hidden = reference_cache[key]
+    else:
+        ref_hidden = [_ref_forward(ref_graph, ref_state, batch) for batch in batches]
+        if reference_cache is not None:
+            reference_cache[key] = ref_hidden
     log(f"[eval {heldout.name}] {reference}: hidden states of {heldout.tokens:,} tokens in "
         f"{time.perf_counter() - started:.0f} s")
     results = {}

@@ -92,14 +92,15 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
         raise ValueError(f"rank_by={rank_by}: give (one of {[s.name for s in sets]}, one of {METRICS}).")
     os.makedirs(directory, exist_ok=True)
     fresh_data = data if callable(data) else (lambda: copy.deepcopy(data))
-    teacher_scores = {held.name: _summary(summarise(score_heldout({"teacher": teacher}, held, reference="teacher",
-                                                                  log=lambda line: None)["teacher"], held))
-                      for held in sets}
+    teacher_hidden: dict = {}  # the teacher's hidden states on each set, computed once for every candidate
+    teacher_scores = {held.name: _summary(summarise(score_heldout(
+        {"teacher": teacher}, held, reference="teacher", log=lambda line: None,
+        reference_cache=teacher_hidden)["teacher"], held)) for held in sets}
     rows = []
     for number, candidate in enumerate(candidates, start=1):
         log(f"[search] {number}/{len(candidates)} {candidate.name}")
         curve = _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at,
-                                 os.path.join(directory, _folder_name(candidate.name)), log)
+                                 os.path.join(directory, _folder_name(candidate.name)), log, teacher_hidden)
         rows.append({"name": candidate.name, "parameters": candidate.parameters,
                      "non_embedding": candidate.non_embedding, "curve": curve})
     order = rank_curves(rows, eval_at[-1], *rank_by)
@@ -113,7 +114,8 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
     return result
 
 
-def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, folder, log) -> list[dict]:
+def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, folder, log,
+                     teacher_hidden: dict) -> list[dict]:
     """The candidate's scores at each point of `eval_at`: from its result.json when finished, else trained (from
     its newest checkpoint when there is one) and scored point by point, each point saved as it is reached."""
     done_path, curve_path = os.path.join(folder, "result.json"), os.path.join(folder, "curve.json")
@@ -122,7 +124,10 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
             log(f"[search]   finished earlier: {done_path}")
             return json.load(f)["curve"]
     os.makedirs(folder, exist_ok=True)
-    curve = json.load(open(curve_path)) if os.path.exists(curve_path) else []
+    curve = []
+    if os.path.exists(curve_path):
+        with open(curve_path) as f:
+            curve = json.load(f)
     student, data = candidate.build(), fresh_data()
     checkpoints = CheckpointConfig(directory=os.path.join(folder, "checkpoints"), every=config.total_steps, keep=1)
     for stop in eval_at:
@@ -137,7 +142,7 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
                  "tokens": stop * config.grad_accum * (config.batch_size or 0) * (config.seq_len or 0) or None}
         for held in sets:
             scores = score_heldout({"teacher": teacher, "student": student}, held, reference="teacher",
-                                   log=lambda line: None)
+                                   log=lambda line: None, reference_cache=teacher_hidden)
             point[held.name] = _summary(summarise(scores["student"], held))
         curve.append(point)
         _write_atomic(curve_path, json.dumps(curve, indent=1))

@@ -27,8 +27,8 @@ import re
 from typing import Any
 
 from .errors import CheckpointError
+from .gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 SPECIAL_SCORE = -1000.0
 SPACE_PIECE = "\u2581"
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

@@ -19,7 +19,8 @@ from typing import Any
 
 from .safetensors_io import CheckpointError
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's SentencePiece token types
+# llama.cpp's SentencePiece token types (gguf.TokenType, without importing gguf with the package)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                "pad_token": "padding_token_id"}
 MASK_TOKEN = "<mask>"  # GemmaTokenizer's mask token; no GGUF key names it
