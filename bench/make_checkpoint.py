@@ -34,10 +34,10 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from surgery.checkpoint import hf_shape, tensor_table  # noqa: E402
-from surgery.config import GemmaConfig  # noqa: E402
-from surgery.model import abstract_model  # noqa: E402
-from surgery.safetensors_io import PendingTensor, atomic_folder, write_json, write_model_files  # noqa: E402
+from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table  # noqa: E402
+from nnx_surgery.surgery.config import GemmaConfig  # noqa: E402
+from nnx_surgery.surgery.model import abstract_model  # noqa: E402
+from nnx_surgery.surgery.safetensors_io import PendingTensor, atomic_folder, write_json, write_model_files  # noqa: E402
 
 _GEMMA1 = dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, rms_norm_eps=1e-6,

@@ -39,10 +39,10 @@ def batches(vocab: int, batch: int, seq: int, seed: int = 0):
 
 def one_run(teacher, student_folder: str, fraction: float, steps: int, args, sampler) -> dict:
     """Train a fresh student for `steps` steps at on-policy fraction `fraction`; per-step costs from the history."""
-    from distill.config import DistillConfig, GuardConfig, LossWeights, Stage
-    from distill.on_policy import OnPolicyConfig
-    from distill.trainer import run
-    from surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, Stage
+    from nnx_surgery.distill.on_policy import OnPolicyConfig
+    from nnx_surgery.distill.trainer import run
+    from nnx_surgery.surgery.checkpoint import load_pretrained
 
     student = load_pretrained(student_folder, dtype="float32")
     config = DistillConfig(stages=(Stage(steps=steps, learning_rate=1e-4, min_lr_ratio=1.0,
@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
     import jax
 
     from students import ensure_pair
-    from surgery.checkpoint import load_pretrained
-    from surgery.generate import make_sampler
+    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.generate import make_sampler
 
     teacher_folder, student_folder = ensure_pair(args.scale)
     teacher = load_pretrained(teacher_folder, dtype="float32")

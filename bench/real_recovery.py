@@ -28,8 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import distill  # noqa: E402
-import surgery  # noqa: E402
+from nnx_surgery import distill  # noqa: E402
+from nnx_surgery import surgery  # noqa: E402
 
 # name -> loss weights, temperature, learning-rate multiplier, frozen patterns
 RECIPES = {

@@ -180,7 +180,7 @@ def section_recovery_sets(records: list[dict]) -> list[str]:
 
 
 def _sets_table(group: list[dict]) -> list[str]:
-    from distill.heldout import HeldoutSet, paired_interval
+    from nnx_surgery.distill.heldout import HeldoutSet, paired_interval
     import numpy as np
 
     teacher = next(r for r in group if r.get("event") == "teacher")

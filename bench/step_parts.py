@@ -54,9 +54,9 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     import optax
     from flax import nnx
 
-    from distill.logit_gradient import head_gradient, hidden_gradient
-    from distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights
-    from surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.logit_gradient import head_gradient, hidden_gradient
+    from nnx_surgery.distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights
+    from nnx_surgery.surgery.checkpoint import load_pretrained
 
     compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     teacher = load_pretrained(teacher_dir, dtype=dtype)
@@ -157,8 +157,8 @@ def main(argv=None) -> None:
     parser.add_argument("--matmul", type=int, default=8192, help="side of the square matmul of the peak part")
     args = parser.parse_args(argv)
     if args.chunk is None:
-        from distill.config import DistillConfig
-        from distill.step_runner import logit_chunk
+        from nnx_surgery.distill.config import DistillConfig
+        from nnx_surgery.distill.step_runner import logit_chunk
 
         args.chunk = logit_chunk(DistillConfig())
     parts = measure(args.teacher, args.student, args.batch, args.seq, args.dtype, args.chunk, args.repeats,

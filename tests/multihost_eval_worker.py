@@ -19,7 +19,7 @@ jax.config.update("jax_num_cpu_devices", ARGS["devices"])
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 
-from distill.distributed import DistributedSettings, initialize_distributed, to_host  # noqa: E402
+from nnx_surgery.distill.distributed import DistributedSettings, initialize_distributed, to_host  # noqa: E402
 
 initialize_distributed(DistributedSettings(coordinator=ARGS.get("coordinator"),
                                            num_processes=ARGS.get("num_processes"),
@@ -29,15 +29,16 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 
-import surgery.prune_disk  # noqa: E402
-from distill.data import TokenBatches  # noqa: E402
-from distill.evaluate import agreement_and_kl, batch_arrays, heldout_loss, model_mesh  # noqa: E402
-from distill.mesh import make_mesh, shard_model  # noqa: E402
-from distill.suite import evaluate_suite  # noqa: E402
-from distill.tokenizer import save_byte_tokenizer  # noqa: E402
-from surgery.checkpoint import save_pretrained  # noqa: E402
-from surgery.planner import plan_student  # noqa: E402
-from surgery.spec import StudentSpec  # noqa: E402
+from nnx_surgery import surgery  # noqa: E402
+import nnx_surgery.surgery.prune_disk  # noqa: E402,F401
+from nnx_surgery.distill.data import TokenBatches  # noqa: E402
+from nnx_surgery.distill.evaluate import agreement_and_kl, batch_arrays, heldout_loss, model_mesh  # noqa: E402
+from nnx_surgery.distill.mesh import make_mesh, shard_model  # noqa: E402
+from nnx_surgery.distill.suite import evaluate_suite  # noqa: E402
+from nnx_surgery.distill.tokenizer import save_byte_tokenizer  # noqa: E402
+from nnx_surgery.surgery.checkpoint import save_pretrained  # noqa: E402
+from nnx_surgery.surgery.planner import plan_student  # noqa: E402
+from nnx_surgery.surgery.spec import StudentSpec  # noqa: E402
 from test_suite import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma  # noqa: E402
 
 GLOBAL_BATCH = 8

@@ -18,7 +18,7 @@ jax.config.update("jax_num_cpu_devices", ARGS["devices"])
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 
-from distill.distributed import (DistributedSettings, failure_note, initialize_distributed, local_rows,  # noqa: E402
+from nnx_surgery.distill.distributed import (DistributedSettings, failure_note, initialize_distributed, local_rows,  # noqa: E402
                                  to_host)
 
 SETTINGS = DistributedSettings(coordinator=ARGS.get("coordinator"), num_processes=ARGS.get("num_processes"),
@@ -29,14 +29,14 @@ if initialize_distributed(SETTINGS):  # before anything touches devices
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
-from distill.data import TokenBatches, load_tokenizer, tokenize_records  # noqa: E402
-from distill.data_shards import tokenize_shared  # noqa: E402
-from distill.tokenizer import save_byte_tokenizer  # noqa: E402
-from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
-from distill.trainer import run  # noqa: E402
-from distill.mesh import MeshError, make_mesh, put_batch  # noqa: E402
-from surgery.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from nnx_surgery.distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
+from nnx_surgery.distill.data import TokenBatches, load_tokenizer, tokenize_records  # noqa: E402
+from nnx_surgery.distill.data_shards import tokenize_shared  # noqa: E402
+from nnx_surgery.distill.tokenizer import save_byte_tokenizer  # noqa: E402
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
+from nnx_surgery.distill.trainer import run  # noqa: E402
+from nnx_surgery.distill.mesh import MeshError, make_mesh, put_batch  # noqa: E402
+from nnx_surgery.surgery.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
 
 GLOBAL_BATCH = 8

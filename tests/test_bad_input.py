@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from surgery import CheckpointError, ConfigError, GemmaConfig, load_pretrained
-from surgery.checkpoint import _check_tied_head, canonical_names
-from surgery.safetensors_io import INDEX_FILE, checkpoint_weight_map
+from nnx_surgery.surgery import CheckpointError, ConfigError, GemmaConfig, load_pretrained
+from nnx_surgery.surgery.checkpoint import _check_tied_head, canonical_names
+from nnx_surgery.surgery.safetensors_io import INDEX_FILE, checkpoint_weight_map
 
 NORM = "model.layers.1.post_attention_layernorm.weight"
 
@@ -285,8 +285,8 @@ SPEC = dict(num_layers=1, hidden_size=24, intermediate_size=32, num_attention_he
 def world(good, tmp_path_factory):
     """What the rows share: the good teacher loaded, a data-free plan for it, and another teacher of the same
     shapes with other weights (same config, seed 4)."""
-    from surgery.planner import plan_student
-    from surgery.spec import StudentSpec
+    from nnx_surgery.surgery.planner import plan_student
+    from nnx_surgery.surgery.spec import StudentSpec
 
     other = tmp_path_factory.mktemp("other")
     make_hf_model("gemma2", seed=4, num_hidden_layers=2, layer_types=None).save_pretrained(other)
@@ -376,7 +376,7 @@ def _symlinked_single_file(w, ckpt, tmp):
 
 
 def _symlinked_tokenizer_on_save(w, ckpt, tmp):
-    from surgery.checkpoint import save_pretrained
+    from nnx_surgery.surgery.checkpoint import save_pretrained
 
     folder = ckpt()
     secret = tmp / "secret.json"
@@ -396,14 +396,14 @@ def _config(culprits, **changes):
 # ------------------------------------------------------------------------------------------------ specs
 def _spec(**changes):
     def make(w, ckpt, tmp):
-        from surgery.spec import StudentSpec
+        from nnx_surgery.surgery.spec import StudentSpec
         return lambda: StudentSpec(**{**SPEC, **changes}), tuple(f"{k}={v!r}" for k, v in changes.items())
     return make
 
 
 def _spec_against(culprits, kv_mode="auto", **changes):
     def make(w, ckpt, tmp):
-        from surgery.spec import StudentSpec
+        from nnx_surgery.surgery.spec import StudentSpec
         return lambda: StudentSpec(**{**SPEC, **changes}).check_against(w["teacher"].config, kv_mode), culprits
     return make
 
@@ -413,7 +413,7 @@ def _call(fn, *culprits):
 
 
 def _named_shape_other_head_dim(w, tmp):
-    from surgery.spec import StudentSpec
+    from nnx_surgery.surgery.spec import StudentSpec
 
     big = GemmaConfig.from_hf_dict({"model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640,
                                     "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -423,8 +423,8 @@ def _named_shape_other_head_dim(w, tmp):
 
 def _plan_student(**kwargs):
     def fn(w, tmp):
-        from surgery.planner import plan_student
-        from surgery.spec import StudentSpec
+        from nnx_surgery.surgery.planner import plan_student
+        from nnx_surgery.surgery.spec import StudentSpec
         return plan_student(w["teacher"], StudentSpec(**SPEC), **kwargs)
     return fn
 
@@ -432,7 +432,7 @@ def _plan_student(**kwargs):
 # ------------------------------------------------------------------------------------------------ plans
 def _edited_plan(edit, culprits):
     def make(w, ckpt, tmp):
-        from surgery.plan import Plan
+        from nnx_surgery.surgery.plan import Plan
 
         data = json.loads(w["plan"].to_json())
         edit(data)
@@ -444,7 +444,7 @@ def _edited_plan(edit, culprits):
 
 def _plan_file(content, culprits):
     def make(w, ckpt, tmp):
-        from surgery.plan import Plan
+        from nnx_surgery.surgery.plan import Plan
 
         path = tmp / "plan.json"
         if content is not None:
@@ -454,18 +454,18 @@ def _plan_file(content, culprits):
 
 
 def _other_teacher_in_memory(w, tmp):
-    from surgery.apply import apply_plan
+    from nnx_surgery.surgery.apply import apply_plan
     return apply_plan(load_pretrained(w["other"]), w["plan"])
 
 
 def _other_teacher_on_disk(w, tmp):
-    from surgery.prune_disk import prune_checkpoint
+    from nnx_surgery.surgery.prune_disk import prune_checkpoint
     return prune_checkpoint(w["other"], w["plan"], tmp / "student")
 
 
 def _plan_for_other_config(w, tmp):
-    from surgery.apply import apply_plan
-    from surgery.plan import Plan
+    from nnx_surgery.surgery.apply import apply_plan
+    from nnx_surgery.surgery.plan import Plan
 
     data = json.loads(w["plan"].to_json())
     data["teacher"]["config"]["rms_norm_eps"] = 1e-5
@@ -487,7 +487,7 @@ def _set_path(path, value):
 # ------------------------------------------------------------------------------------------------ data
 def _records(write, culprit_of):
     def make(w, ckpt, tmp):
-        from distill.sources import read_records
+        from nnx_surgery.distill.sources import read_records
 
         target = write(tmp)
         return lambda: read_records(target), culprit_of(target)
@@ -510,8 +510,8 @@ def _empty_folder(tmp):
 
 
 def _rows_too_long(w, ckpt, tmp):
-    from distill.data import TokenBatches
-    from distill.tokenizer import byte_tokenizer
+    from nnx_surgery.distill.data import TokenBatches
+    from nnx_surgery.distill.tokenizer import byte_tokenizer
 
     source = f"max_position_embeddings in {w['good'] / 'single' / 'config.json'}"
     return (lambda: TokenBatches.from_records(["some text " * 40] * 4, byte_tokenizer(), seq_len=64, batch_size=1,
@@ -521,8 +521,8 @@ def _rows_too_long(w, ckpt, tmp):
 
 def _foreign_tokenizer(vocab_size, *culprits):
     def make(w, ckpt, tmp):
-        from distill.data import check_vocabulary
-        from distill.tokenizer import save_byte_tokenizer
+        from nnx_surgery.distill.data import check_vocabulary
+        from nnx_surgery.distill.tokenizer import save_byte_tokenizer
 
         folder = tmp / "tokenizer"
         save_byte_tokenizer(folder)  # 260 byte-level tokens
@@ -532,7 +532,7 @@ def _foreign_tokenizer(vocab_size, *culprits):
 
 def _freeze_pattern(pattern):
     def make(w, ckpt, tmp):
-        from distill.freeze import check_patterns
+        from nnx_surgery.distill.freeze import check_patterns
         return lambda: check_patterns(w["teacher"], [pattern]), (repr(pattern), "100,000")
     return make
 
@@ -552,25 +552,25 @@ def _existing_output(save):
 
 
 def _save_pretrained(w, out):
-    from surgery.checkpoint import save_pretrained
+    from nnx_surgery.surgery.checkpoint import save_pretrained
     return save_pretrained(w["teacher"], out)
 
 
 def _save_student(w, out):
-    from surgery.apply import apply_plan, save_student
+    from nnx_surgery.surgery.apply import apply_plan, save_student
     return save_student(apply_plan(w["teacher"], w["plan"]), w["plan"], out)
 
 
 def _prune(w, out):
-    from surgery.prune_disk import prune_checkpoint
+    from nnx_surgery.surgery.prune_disk import prune_checkpoint
     return prune_checkpoint(str(w["good"] / "single"), w["plan"], out)
 
 
 def _errors():
-    from distill.mesh import MeshError
-    from distill.sources import DataError
-    from surgery.plan import PlanError
-    from surgery.spec import SpecError
+    from nnx_surgery.distill.mesh import MeshError
+    from nnx_surgery.distill.sources import DataError
+    from nnx_surgery.surgery.plan import PlanError
+    from nnx_surgery.surgery.spec import SpecError
     return MeshError, DataError, PlanError, SpecError
 
 
@@ -613,7 +613,7 @@ CASES = {
     "spec zero layers": (SpecError, _spec(num_layers=0)),
     "spec boolean size": (SpecError, _spec(hidden_size=True)),
     "spec heads not a multiple of KV heads": (SpecError, _spec(num_attention_heads=4, num_key_value_heads=3)),
-    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec.named(
+    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.spec").surgery.spec.StudentSpec.named(
         "gemma-99b"), "'gemma-99b'")),
     "spec larger than the teacher": (SpecError, _spec_against(("num_layers=3", "num_hidden_layers=2"), num_layers=3)),
     "spec hidden not a multiple of heads": (SpecError, _spec_against(("hidden_size=30",), hidden_size=30,
@@ -621,9 +621,9 @@ CASES = {
     "spec unknown kv_mode": (SpecError, _spec_against(("kv_mode='bogus'",), kv_mode="bogus")),
     "spec select impossible": (SpecError, _spec_against(("kv_mode='select'", "4 query heads"), kv_mode="select",
                                                         num_attention_heads=4, hidden_size=24)),
-    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec.from_dict(
+    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.spec").surgery.spec.StudentSpec.from_dict(
         {**SPEC, "depth": 2}), "depth")),
-    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("surgery.spec").spec.StudentSpec
+    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.spec").surgery.spec.StudentSpec
                                                        .scaled(w["teacher"].config, depth=1.5), "1.5")),
     "spec named shape with another head_dim": (SpecError, _call(_named_shape_other_head_dim, "head_dim 256",
                                                                 "head_dim 160")),
@@ -658,16 +658,16 @@ CASES = {
     "freeze brace range of 1e8 paths": (ValueError, _freeze_pattern("layers.{0-99999999}.mlp")),
     "freeze brace product over the cap": (ValueError, _freeze_pattern("layers.{0-999}.{0-999}")),
     # meshes (this process has one device; the 8-device cases are below)
-    "mesh spec with a bad size": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.parse_mesh_spec(
+    "mesh spec with a bad size": (MeshError, _mesh(lambda: __import__("nnx_surgery.distill.mesh").distill.mesh.parse_mesh_spec(
         "fsdp=two"), "'two'")),
-    "mesh axis named twice": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.parse_mesh_spec(
+    "mesh axis named twice": (MeshError, _mesh(lambda: __import__("nnx_surgery.distill.mesh").distill.mesh.parse_mesh_spec(
         "fsdp=1,fsdp=1"), "'fsdp' twice")),
-    "mesh larger than the devices": (MeshError, _mesh(lambda: __import__("distill.mesh").mesh.make_mesh("fsdp=4"),
+    "mesh larger than the devices": (MeshError, _mesh(lambda: __import__("nnx_surgery.distill.mesh").distill.mesh.make_mesh("fsdp=4"),
                                                       "fsdp=4", "4 device(s)", "there are 1")),
-    "config batch not split by the mesh": (MeshError, _mesh(lambda: __import__("distill.config").config
+    "config batch not split by the mesh": (MeshError, _mesh(lambda: __import__("nnx_surgery.distill.config").distill.config
                                                             .DistillConfig(mesh="fsdp=4", batch_size=6),
                                                             "batch_size=6", "multiple of 4")),
-    "config mesh_devices not a count": (MeshError, _mesh(lambda: __import__("distill.config").config
+    "config mesh_devices not a count": (MeshError, _mesh(lambda: __import__("nnx_surgery.distill.config").distill.config
                                                          .DistillConfig(mesh="fsdp=1", mesh_devices=0),
                                                          "mesh_devices=0")),
     # outputs
@@ -718,9 +718,9 @@ import json, logging, sys
 import numpy as np
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
 import jax
-from distill.mesh import MeshError, check_mesh_fits, make_mesh, put_batch
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+from nnx_surgery.distill.mesh import MeshError, check_mesh_fits, make_mesh, put_batch
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 
 assert jax.device_count() == 8
 out = {}
@@ -785,8 +785,8 @@ def test_mesh_table(case, mesh_results):
 def test_the_teachers_own_tokenizer_and_rows_at_the_limit_pass(tmp_path):
     """The checks of the data rows above refuse only what is wrong: the teacher's own tokenizer, an embedding
     padded past it (Gemma 3 4B: 262,145 tokens, 262,208 rows) and rows exactly as long as the limit pass."""
-    from distill.data import TokenBatches, check_vocabulary
-    from distill.tokenizer import VOCAB_SIZE, byte_tokenizer, save_byte_tokenizer
+    from nnx_surgery.distill.data import TokenBatches, check_vocabulary
+    from nnx_surgery.distill.tokenizer import VOCAB_SIZE, byte_tokenizer, save_byte_tokenizer
 
     save_byte_tokenizer(tmp_path / "tok")
     assert check_vocabulary(str(tmp_path / "tok"), VOCAB_SIZE) == VOCAB_SIZE == 260

@@ -17,10 +17,10 @@ CONFIGS = os.path.join(ROOT, "recipes", "configs")
 EXAMPLES = ("quick_kd.json", "progressive.json", "attention_feature.yaml")
 sys.path.insert(0, ROOT)
 
-import distill  # noqa: E402
-from distill.config import Ramp  # noqa: E402
-from recipes import knobs, phases, settings  # noqa: E402
-from recipes.cli import RecipeError  # noqa: E402
+from nnx_surgery import distill  # noqa: E402
+from nnx_surgery.distill.config import Ramp  # noqa: E402
+from nnx_surgery.recipes import knobs, phases, settings  # noqa: E402
+from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
 from recipe_env import recipe_env  # noqa: E402
 
 

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill.config import DistillConfig, LossWeights, Stage
-from distill.cosine_loss import COSINE
-from distill.freeze import split_trainable
-from distill.interface import Correspondence
-from distill.logit_loss import LogitLossSettings
-from distill.loss_term import ModelSide, TermInputs
-from distill.trainer import run
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.cosine_loss import COSINE
+from nnx_surgery.distill.freeze import split_trainable
+from nnx_surgery.distill.interface import Correspondence
+from nnx_surgery.distill.logit_loss import LogitLossSettings
+from nnx_surgery.distill.loss_term import ModelSide, TermInputs
+from nnx_surgery.distill.trainer import run
 from test_distill_train import (BATCH, FAST_COMPILE, KEPT_LAYERS, LENGTH, VOCAB, student_from, teacher_samples,
                                 tiny_teacher)
 

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from distill.data import (DataError, TokenBatches, load_tokenizer, read_records, stdlib_corpus,
+from nnx_surgery.distill.data import (DataError, TokenBatches, load_tokenizer, read_records, stdlib_corpus,
                           tokenize_records)
-from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer, save_byte_tokenizer
+from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer, save_byte_tokenizer
 
 EOS, BOS = 1, 2
 
@@ -247,7 +247,7 @@ def test_stdlib_corpus_is_sorted_bounded_and_deterministic():
 
 
 def test_calibration_ids_are_seeded_training_rows_and_leave_the_stream_alone():
-    from distill.data import TokenBatches
+    from nnx_surgery.distill.data import TokenBatches
 
     docs = [(np.arange(1, 50 + i, dtype=np.int32), np.ones(49 + i, bool)) for i in range(12)]
     data = TokenBatches(docs, seq_len=8, batch_size=2, seed=3, eval_documents=2)

@@ -4,10 +4,10 @@ import types
 
 import pytest
 
-from distill.config import DistillConfig, LossWeights, Ramp, Stage
-from distill.interface import Correspondence, correspondence_from_plan
-from distill.mesh import parse_mesh_spec
-from distill.trainer import resolve_correspondence
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Ramp, Stage
+from nnx_surgery.distill.interface import Correspondence, correspondence_from_plan
+from nnx_surgery.distill.mesh import parse_mesh_spec
+from nnx_surgery.distill.trainer import resolve_correspondence
 
 
 def test_learning_rate_warms_up_then_follows_a_cosine_to_the_floor():
@@ -101,8 +101,8 @@ def test_default_layer_map_is_identity_or_uniform_ending_at_the_last_layer():
 def test_logit_chunk_default_fits_the_device():
     """None: 128 rows on CPU; on an accelerator 2048 rows, fewer where a (rows, 262144) float32 block would take
     more than 1/32 of the device's memory; an explicit chunk always wins."""
-    from distill.config import DistillConfig
-    from distill.step_runner import accelerator_logit_chunk, logit_chunk
+    from nnx_surgery.distill.config import DistillConfig
+    from nnx_surgery.distill.step_runner import accelerator_logit_chunk, logit_chunk
 
     assert logit_chunk(DistillConfig()) == 128  # these tests run on CPU
     assert logit_chunk(DistillConfig(logit_chunk=96)) == 96
@@ -116,7 +116,7 @@ def test_logit_chunk_default_fits_the_device():
 def test_policy_target_and_oom_settings_validate_and_round_trip_through_json():
     import json
 
-    from distill.config import GuardConfig, OOMConfig, TargetsConfig
+    from nnx_surgery.distill.config import GuardConfig, OOMConfig, TargetsConfig
 
     config = DistillConfig.from_dict({
         "stages": [{"steps": 2, "frozen": ["embed_tokens"], "weights": {"kl": [0.0, 1.0], "ce": 1.0},

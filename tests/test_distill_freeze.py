@@ -6,10 +6,10 @@ import optax
 import pytest
 from flax import nnx
 
-from distill.freeze import (carry_matching, expand_braces, pattern_matches, selected_paths, split_trainable,
+from nnx_surgery.distill.freeze import (carry_matching, expand_braces, pattern_matches, selected_paths, split_trainable,
                             trainable_filter)
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 
 
 @pytest.fixture(scope="module")

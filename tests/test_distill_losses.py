@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distill.interface import Correspondence, correspondence_from_plan
-from distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
-from distill.losses import (attention_transfer_loss, feature_distance, feature_loss, group_heads, pool_features,
+from nnx_surgery.distill.interface import Correspondence, correspondence_from_plan
+from nnx_surgery.distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
+from nnx_surgery.distill.losses import (attention_transfer_loss, feature_distance, feature_loss, group_heads, pool_features,
                             pooling_windows)
 
 COEFFS = dict(temperature=1.0, kl=1.0, reverse_kl=1.0, jsd=1.0, ce=1.0)
@@ -248,9 +248,9 @@ def test_pooled_feature_loss_is_the_cosine_distance_to_the_pooled_teacher():
 def test_pooled_feature_term_trains_a_width_pruned_student(tmp_path):
     """feature_kind="pooled" in the train step: a student cut to half the teacher's width (32 -> 16 channels,
     contiguous pairs pooled) trained on the feature term alone lowers it."""
-    from surgery import StudentSpec, apply_plan, plan_student
-    from distill.config import DistillConfig, LossWeights, Stage
-    from distill.trainer import run
+    from nnx_surgery.surgery import StudentSpec, apply_plan, plan_student
+    from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
+    from nnx_surgery.distill.trainer import run
     from test_distill_train import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, teacher_samples, tiny_teacher
 
     teacher = tiny_teacher()
@@ -338,7 +338,7 @@ def test_closed_form_gradient_covers_the_common_objectives_only():
     """The fused loss's closed-form dz (distill.logit_gradient) is used for forward KL / CE without top-k or
     diagnostics when a block holds several chunks; the other CASES above go through autodiff, so both paths are
     compared with the reference."""
-    from distill.logit_loss import chunk_positions, closed_form_applies
+    from nnx_surgery.distill.logit_loss import chunk_positions, closed_form_applies
 
     batch, length = 2, 7  # the shapes of test_fused_chunked_equals_reference_values_and_gradients
     closed = []

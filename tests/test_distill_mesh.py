@@ -15,8 +15,8 @@ SCRIPT = textwrap.dedent("""
     import jax
     from test_distill_train import (FAST_COMPILE, KEPT_LAYERS, LENGTH, params_numpy, student_from, teacher_samples,
                                     tiny_teacher)
-    from distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
-    from distill.trainer import run
+    from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
+    from nnx_surgery.distill.trainer import run
 
     assert jax.device_count() == 8, jax.devices()
     small = teacher_samples(tiny_teacher(), 6, seed=3)
@@ -63,8 +63,8 @@ def test_mesh_losses_and_updates_equal_one_device_and_resume_across_meshes():
             np.testing.assert_allclose(out[mesh]["params"][path], value, rtol=0, atol=1e-4, err_msg=f"{mesh} {path}")
     for mesh in ("fsdp=8,tp=1", "fsdp=4,tp=2", "fsdp=2,tp=4"):  # the trained student really is sharded
         assert out[mesh]["embed_spec"] == ["tp", "fsdp"], out[mesh]["embed_spec"]
-    from distill.interface import Correspondence
-    from distill.losses import init_projections
+    from nnx_surgery.distill.interface import Correspondence
+    from nnx_surgery.distill.losses import init_projections
 
     initial = init_projections(Correspondence(((0, 0), (3, 1))), 32, 32, seed=0)
     assert not np.allclose(single["params"]["projection.1"], initial["1"], atol=1e-4)  # trained with the student

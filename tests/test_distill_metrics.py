@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from distill.metrics import MetricsLogger, device_peak_flops, matrix_parameters, plot_history, step_flops
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+from nnx_surgery.distill.metrics import MetricsLogger, device_peak_flops, matrix_parameters, plot_history, step_flops
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 
 
 def _model(layers: int):

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from distill.mesh import MeshError, check_mesh_fits, make_mesh, shard_model
+from nnx_surgery.distill.mesh import MeshError, check_mesh_fits, make_mesh, shard_model
 
 
 class Plain(nnx.Module):

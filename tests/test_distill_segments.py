@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill.config import DistillConfig, Stage
-from distill.data import TokenBatches
-from distill.evaluate import agreement_and_kl, heldout_loss
-from distill.freeze import split_trainable
-from distill.interface import Correspondence, forward_inputs, next_token_targets
-from distill.logit_loss import LogitLossSettings
-from distill.run_loop import _stack
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill.config import DistillConfig, Stage
+from nnx_surgery.distill.data import TokenBatches
+from nnx_surgery.distill.evaluate import agreement_and_kl, heldout_loss
+from nnx_surgery.distill.freeze import split_trainable
+from nnx_surgery.distill.interface import Correspondence, forward_inputs, next_token_targets
+from nnx_surgery.distill.logit_loss import LogitLossSettings
+from nnx_surgery.distill.run_loop import _stack
 from test_distill_train import FAST_COMPILE, VOCAB, student_from, tiny_teacher
 
 BOS, EOS = 2, 1
@@ -164,5 +164,8 @@ def test_gradient_accumulation_over_packed_micro_batches_equals_one_batch(models
     assert m_acc["supervised_tokens"] == m_one["supervised_tokens"] == sum(n + 1 for n in LENGTHS[:5])
     assert m_acc["loss"] == pytest.approx(m_one["loss"], rel=1e-5)
     assert m_acc["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-4)
+    # Adam's first update is about lr * g / |g|: where a gradient is near zero, float32 summation order (one machine's
+    # XLA build against another's) moves it by a fraction of lr (1e-2). 1e-4 is 1% of a step: a wrong accumulation
+    # (a micro-batch dropped, counted twice or mis-normalised) moves parameters by the order of lr.
     for a, b in zip(accumulated, single):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

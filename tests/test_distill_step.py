@@ -9,12 +9,12 @@ import optax
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill.config import LossWeights, Stage
-from distill.freeze import path_string, split_trainable
-from distill.logit_loss import LogitLossSettings
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill.config import LossWeights, Stage
+from nnx_surgery.distill.freeze import path_string, split_trainable
+from nnx_surgery.distill.logit_loss import LogitLossSettings
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_config, tiny_teacher
 
 HYPER = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=0.5), temperature=2.0), 0, 0.0)

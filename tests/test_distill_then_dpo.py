@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tunix", reason="the tunix extra is not installed (see surgery.tunix.INSTALL_HINT)")
-import surgery  # noqa: E402
-from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer  # noqa: E402
+from nnx_surgery import surgery  # noqa: E402
+from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer  # noqa: E402
 from hf_reference import assert_clean_loading, hf_logits, load_with_info, make_hf_model  # noqa: E402
-from recipes import cli, distill_then_dpo  # noqa: E402
+from nnx_surgery.recipes import cli, distill_then_dpo  # noqa: E402
 
 SMALL = ["--distill-steps", "4", "--dpo-steps", "3", "--pairs", "8", "--batch-size", "4", "--seq-len", "32",
          "--corpus-bytes", "200000", "--student", "layers=0.5,mlp=0.5"]

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
-from distill.freeze import path_string
-from distill.trainer import DivergenceError, run
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
+from nnx_surgery.distill.freeze import path_string
+from nnx_surgery.distill.trainer import DivergenceError, run
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 
 VOCAB, LENGTH, BATCH = 96, 16, 4
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile time of these tiny programs
@@ -109,7 +109,7 @@ def corpus():
 def test_progressive_run_lowers_loss_and_perplexity_with_frozen_parameters_intact(corpus, tmp_path):
     """A student cut by the surgery (4 -> 2 layers, hidden 32 -> 24, 4 -> 2 query heads): the plan supplies the
     layer map, the kept hidden channels (feature loss) and the kept heads (attention transfer)."""
-    from surgery import StudentSpec, apply_plan, plan_student
+    from nnx_surgery.surgery import StudentSpec, apply_plan, plan_student
 
     teacher = tiny_teacher()
     calibration = np.concatenate([b["input_ids"] for b in corpus["train"][:4]])
@@ -223,8 +223,8 @@ def test_gradient_accumulation_equals_one_big_batch_and_bf16_compute_tracks_floa
 
 def test_gradients_reach_only_trainable_parameters():
     teacher, student = tiny_teacher(), student_from(tiny_teacher())
-    from distill.freeze import split_trainable
-    from distill.logit_loss import LogitLossSettings
+    from nnx_surgery.distill.freeze import split_trainable
+    from nnx_surgery.distill.logit_loss import LogitLossSettings
 
     graph, trainable, frozen = split_trainable(student, ["layers.0.mlp", "layers.1.self_attn.{q,k}_proj"])
     teacher_graph, teacher_state = nnx.split(teacher)
@@ -258,8 +258,8 @@ def test_stage_entry_makes_loaded_parameters_donatable_in_place(tmp_path):
     """XLA:CPU adopts the loader's aligned host buffers uncopied, and never aliases such a buffer to a donated
     step's output (one more copy of the trainable parameters at the peak); `_donatable` copies them so the step writes in
     place, and leaves the step's own outputs untouched."""
-    from distill.step_runner import _donatable
-    from surgery.checkpoint import load_pretrained, save_pretrained
+    from nnx_surgery.distill.step_runner import _donatable
+    from nnx_surgery.surgery.checkpoint import load_pretrained, save_pretrained
     save_pretrained(student_from(tiny_teacher()), str(tmp_path / "student"))
     loaded = jax.tree.leaves(nnx.state(load_pretrained(str(tmp_path / "student")), nnx.Param))
     owned = _donatable(loaded, set())

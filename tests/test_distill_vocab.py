@@ -1,4 +1,4 @@
-"""Distilling into a student with a trimmed vocabulary (distill/vocab_map.py): the loss against a numpy reference
+"""Distilling into a student with a trimmed vocabulary (nnx_surgery/distill/vocab_map.py): the loss against a numpy reference
 (forward KL to the teacher's distribution restricted to the kept pieces and renormalised, CE on student ids), the
 config field, and a short run of a surgery student with a trimmed vocabulary on text its own tokenizer made."""
 import os
@@ -13,13 +13,13 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distill_train import FAST_COMPILE, student_from, tiny_config, tiny_teacher  # noqa: E402
 
-from distill.config import DistillConfig, LossWeights, Stage  # noqa: E402
-from distill.logit_loss import LogitLossSettings  # noqa: E402
-from distill.mesh import make_mesh, model_on_mesh, shard_model  # noqa: E402
-from distill.step import StepSettings, build_eval_step, make_loss_fn, token_counts  # noqa: E402
-from distill.trainer import run  # noqa: E402
-from distill.vocab_map import TeacherInStudentVocabulary, in_student_vocabulary  # noqa: E402
-from surgery.model import create_model  # noqa: E402
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage  # noqa: E402
+from nnx_surgery.distill.logit_loss import LogitLossSettings  # noqa: E402
+from nnx_surgery.distill.mesh import make_mesh, model_on_mesh, shard_model  # noqa: E402
+from nnx_surgery.distill.step import StepSettings, build_eval_step, make_loss_fn, token_counts  # noqa: E402
+from nnx_surgery.distill.trainer import run  # noqa: E402
+from nnx_surgery.distill.vocab_map import TeacherInStudentVocabulary, in_student_vocabulary  # noqa: E402
+from nnx_surgery.surgery.model import create_model  # noqa: E402
 
 KEPT = np.sort(np.random.default_rng(4).choice(np.arange(3, 96), 37, replace=False))
 KEPT = np.concatenate([[0, 1, 2], KEPT]).astype(np.int32)  # 40 of the teacher's 96 ids, specials first
@@ -114,8 +114,8 @@ def test_a_trimmed_student_distils_on_its_own_tokens(tmp_path):
     from hf_reference import make_hf_model, save_hf
     from tiny_tokenizers import SAVERS, stdlib_text
 
-    import distill
-    from surgery import StudentSpec, apply_plan, load_pretrained, plan_student, save_student
+    from nnx_surgery import distill
+    from nnx_surgery.surgery import StudentSpec, apply_plan, load_pretrained, plan_student, save_student
 
     folder = str(tmp_path / "teacher")
     size = SAVERS["gemma"](folder)

@@ -1,4 +1,4 @@
-"""Fallbacks when distillation goes wrong (distill/fallbacks.py): `switch_to_mse` after a divergence caused by a
+"""Fallbacks when distillation goes wrong (nnx_surgery/distill/fallbacks.py): `switch_to_mse` after a divergence caused by a
 corrupted batch the test injects, `sft_then_mix` when a misleading teacher makes the held-out cross-entropy worse;
 each switch is an event with its reason, changes only traced weights (no recompilation) and survives a resume."""
 import contextlib
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
-from distill.fallbacks import Fallbacks, mixed_weights
-from distill.loss_term import ModelSide, TermInputs
-from distill.mse_loss import logit_mse
-from distill.trainer import run
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
+from nnx_surgery.distill.fallbacks import Fallbacks, mixed_weights
+from nnx_surgery.distill.loss_term import ModelSide, TermInputs
+from nnx_surgery.distill.mse_loss import logit_mse
+from nnx_surgery.distill.trainer import run
 from test_distill_train import (BATCH, FAST_COMPILE, LENGTH, ArrayBatches, params_numpy, student_from,
                                 teacher_samples, tiny_teacher)
 

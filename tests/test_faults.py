@@ -20,7 +20,7 @@ SAVE = textwrap.dedent("""
     import os, resource, signal, sys
     sys.path.insert(0, {tests!r})
     from hf_reference import make_hf_model
-    from surgery.checkpoint import load_pretrained, save_pretrained
+    from nnx_surgery.surgery.checkpoint import load_pretrained, save_pretrained
     mode, teacher, out = sys.argv[1:4]
     model = load_pretrained(teacher)
     # full-disk: the write fails with EFBIG, as on a full disk; crash: SIGXFSZ kills the writer mid-file
@@ -43,7 +43,7 @@ def _digests(folder) -> dict[str, str]:
 def saved(tmp_path_factory):
     """A teacher folder, and a previous output of ours next to where the failing saves go."""
     from hf_reference import make_hf_model
-    from surgery.checkpoint import load_pretrained, save_pretrained
+    from nnx_surgery.surgery.checkpoint import load_pretrained, save_pretrained
 
     root = tmp_path_factory.mktemp("faults")
     make_hf_model("gemma2", seed=5, num_hidden_layers=2, layer_types=None).save_pretrained(root / "teacher")
@@ -87,7 +87,7 @@ CHECKPOINT = textwrap.dedent("""
     import json, os, resource, signal, sys
     import numpy as np
     import jax.numpy as jnp
-    from distill.checkpointing import Checkpointer
+    from nnx_surgery.distill.checkpointing import Checkpointer
     directory, mode = sys.argv[1], sys.argv[2]
     small = {{"w": jnp.arange(64, dtype=jnp.float32)}}
     big = {{"w": jnp.arange(1 << 16, dtype=jnp.float32)}}  # 256 KB: beyond the file size limit

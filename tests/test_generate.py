@@ -17,9 +17,9 @@ import transformers
 from flax import nnx
 
 from hf_reference import FAMILIES, make_hf_model, max_abs_diff, save_tiny_tokenizer
-from surgery import load_pretrained
-from surgery.config import SLIDING
-from surgery.generate import generate
+from nnx_surgery.surgery import load_pretrained
+from nnx_surgery.surgery.config import SLIDING
+from nnx_surgery.surgery.generate import generate
 
 PROMPT_LENGTHS = (11, 4, 7)  # 11 > the tiny sliding window (5)
 NEW_TOKENS = 14

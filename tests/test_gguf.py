@@ -23,8 +23,8 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from surgery import CheckpointError, GemmaConfig, load_pretrained
-from surgery.gguf import cached_import, import_gguf
+from nnx_surgery.surgery import CheckpointError, GemmaConfig, load_pretrained
+from nnx_surgery.surgery.gguf import cached_import, import_gguf
 
 ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -206,7 +206,7 @@ def test_tiny_import_matches_transformers(tiny_file, tmp_path, family, qtype, ov
 
 def test_tokenizer_matches_transformers(tiny_file, tmp_path):
     from tokenizers import Tokenizer
-    from distill.data import load_tokenizer
+    from nnx_surgery.distill.data import load_tokenizer
 
     _, path = tiny_file("gemma3_text")
     folder = import_gguf(path, tmp_path / "hf", dtype="float32")
@@ -352,7 +352,7 @@ def test_real_270m_logits(real_import):
 @pytest.mark.slow
 def test_real_270m_tokenizer(real_import):
     from tokenizers import Tokenizer
-    from distill.data import load_tokenizer
+    from nnx_surgery.distill.data import load_tokenizer
 
     folder, reference = real_import
     theirs = transformers.AutoTokenizer.from_pretrained(reference)

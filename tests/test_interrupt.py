@@ -109,12 +109,12 @@ def _second_sigint_before_commit() -> None:
 
 def child(mode: str, checkpoint_dir: str, out: str) -> None:
 
-    from distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
-    from distill.freeze import path_string
-    from distill.trainer import RunInterrupted, run
+    from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
+    from nnx_surgery.distill.freeze import path_string
+    from nnx_surgery.distill.trainer import RunInterrupted, run
     from flax import nnx
-    from surgery.config import GemmaConfig
-    from surgery.model import create_model
+    from nnx_surgery.surgery.config import GemmaConfig
+    from nnx_surgery.surgery.model import create_model
 
     def config(layers):
         return GemmaConfig.from_hf_dict(dict(model_type="gemma", vocab_size=64, hidden_size=16,
@@ -227,7 +227,7 @@ def _assert_same_as_reference(reference, out) -> dict:
 
 
 def test_stop_signals_note_the_first_signal_raise_on_the_second_and_restore_the_handlers():
-    from distill.interruption import StopSignals
+    from nnx_surgery.distill.interruption import StopSignals
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with StopSignals() as stop:

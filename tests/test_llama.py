@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import (LLAMA_FAMILIES, assert_clean_loading, hf_logits, load_with_info,  # noqa: E402
                           make_hf_model, sample_ids, save_hf)
 
-from surgery import load_pretrained, save_pretrained  # noqa: E402
-from surgery.apply import apply_plan  # noqa: E402
-from surgery.config import ConfigError, ModelConfig  # noqa: E402
-from surgery.planner import plan_student  # noqa: E402
-from surgery.spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery import load_pretrained, save_pretrained  # noqa: E402
+from nnx_surgery.surgery.apply import apply_plan  # noqa: E402
+from nnx_surgery.surgery.config import ConfigError, ModelConfig  # noqa: E402
+from nnx_surgery.surgery.planner import plan_student  # noqa: E402
+from nnx_surgery.surgery.spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=21)  # longer than the sliding windows (5) and the llama3 context (16)
 
@@ -106,7 +106,7 @@ def test_unsupported_llama_configs_are_refused():
 def test_greedy_generation_matches_transformers(checkpoints):
     import torch
 
-    from surgery import generate
+    from nnx_surgery.surgery import generate
 
     folder, reference = checkpoints["llama"]
     prompts = [[5, 9, 17, 3], [40, 2, 8]]

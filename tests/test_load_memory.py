@@ -8,7 +8,7 @@ high-water mark into `ru_maxrss` across fork+exec, so under a 1 GB pytest proces
 A loader that kept a second host copy of what it reads reaches ~2.1x (checked by hand); ours measures 1.01-1.03x.
 The upcast case (bf16 file -> float32 model) is bounded by the model's float32 bytes. The "hub" cases rewrite the
 files with the safetensors library's writer so that the data is not 64-byte aligned (as 7 Hub files in 8): every
-tensor is then copied into fresh buffers, the large ones pre-faulted mappings (surgery/host_buffers.py)."""
+tensor is then copied into fresh buffers, the large ones pre-faulted mappings (nnx_surgery/surgery/host_buffers.py)."""
 from __future__ import annotations
 
 import json
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surgery import GemmaConfig, abstract_model, tensor_table
-from surgery.checkpoint import hf_shape, write_hf_folder
-from surgery.safetensors_io import PendingTensor
+from nnx_surgery.surgery import GemmaConfig, abstract_model, tensor_table
+from nnx_surgery.surgery.checkpoint import hf_shape, write_hf_folder
+from nnx_surgery.surgery.safetensors_io import PendingTensor
 from hf_reference import rewrite_unaligned, safetensors_data_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np, jax, jax.numpy as jnp
     from flax import nnx
-    from surgery import load_pretrained
+    from nnx_surgery.surgery import load_pretrained
 
     jax.block_until_ready(jnp.ones(8) + 1)  # start the runtime before the baseline
 

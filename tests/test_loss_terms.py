@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import distill.step as step_lib
-from distill import terms
-from distill.config import LossWeights, Stage
-from distill.freeze import split_trainable
-from distill.logit_loss import LogitLossSettings
-from distill.loss_term import LossTerm, TermInputs
+import nnx_surgery.distill.step as step_lib
+from nnx_surgery.distill import terms
+from nnx_surgery.distill.config import LossWeights, Stage
+from nnx_surgery.distill.freeze import split_trainable
+from nnx_surgery.distill.logit_loss import LogitLossSettings
+from nnx_surgery.distill.loss_term import LossTerm, TermInputs
 from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_teacher
 
 BUILT_IN = ("kl", "reverse_kl", "jsd", "ce", "attention", "feature")

@@ -21,8 +21,9 @@ CHILD = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import AxisType
     from flax import nnx
-    from surgery import load_pretrained, save_pretrained
-    import surgery.host_buffers
+    from nnx_surgery.surgery import load_pretrained, save_pretrained
+    from nnx_surgery import surgery
+    import nnx_surgery.surgery.host_buffers
     surgery.host_buffers.HUGE_BUFFER_MIN_BYTES = 0  # per-device row blocks in mappings of their own, as large ones are
 
     folder, out_dir, data = sys.argv[1], sys.argv[2], np.load(sys.argv[3])

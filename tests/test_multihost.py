@@ -117,8 +117,8 @@ def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_
 
 
 def test_recipe_multi_host_flags_become_initialize_arguments():
-    from distill.distributed import DistributedError, DistributedSettings
-    from recipes.cli import distributed_settings
+    from nnx_surgery.distill.distributed import DistributedError, DistributedSettings
+    from nnx_surgery.recipes.cli import distributed_settings
 
     settings = distributed_settings(["--coordinator", "10.0.0.2:8476", "--num-processes", "4", "--process-id",
                                      "3", "--heartbeat-timeout", "30", "--preset", "tiny"])
@@ -139,7 +139,7 @@ def test_recipe_multi_host_flags_become_initialize_arguments():
 
 def test_multi_host_launches_are_recognised_and_a_late_start_is_refused():
     import jax
-    from distill.distributed import (DistributedError, DistributedSettings, initialize_distributed,
+    from nnx_surgery.distill.distributed import (DistributedError, DistributedSettings, initialize_distributed,
                                      launched_multi_host)
 
     assert launched_multi_host({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"})

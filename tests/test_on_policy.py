@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
-from distill.interface import next_token_targets
-from distill.logit_loss import LogitLossSettings, reference_logit_loss
-from distill.on_policy import OnPolicyConfig, completion_rows, on_policy_at, prompts
-from distill.trainer import run
-from surgery.generate import _decode, _prefill, completion_mask, generate, make_sampler
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.interface import next_token_targets
+from nnx_surgery.distill.logit_loss import LogitLossSettings, reference_logit_loss
+from nnx_surgery.distill.on_policy import OnPolicyConfig, completion_rows, on_policy_at, prompts
+from nnx_surgery.distill.trainer import run
+from nnx_surgery.surgery.generate import _decode, _prefill, completion_mask, generate, make_sampler
 from test_distill_train import (BATCH, FAST_COMPILE, LENGTH, ArrayBatches, student_from, teacher_samples,
                                 tiny_teacher)
 

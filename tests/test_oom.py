@@ -1,4 +1,4 @@
-"""Out-of-memory handling (distill/oom.py): a compile hook injects RESOURCE_EXHAUSTED (CPU memory is too plentiful
+"""Out-of-memory handling (nnx_surgery/distill/oom.py): a compile hook injects RESOURCE_EXHAUSTED (CPU memory is too plentiful
 to run out of honestly); the run retries with remat "dots", then "full", then half the micro-batch and twice the
 accumulation, whose update equals the original one; each decision is an event, lands in the run folder and
 survives a resume."""
@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from distill.config import CheckpointConfig, DistillConfig, LossWeights, OOMConfig, Stage
-from distill.oom import MemoryPlan, compile_hooks, is_out_of_memory, split_micro_batches
-from distill.trainer import OutOfMemoryError, run
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, LossWeights, OOMConfig, Stage
+from nnx_surgery.distill.oom import MemoryPlan, compile_hooks, is_out_of_memory, split_micro_batches
+from nnx_surgery.distill.trainer import OutOfMemoryError, run
 from test_distill_train import FAST_COMPILE, LENGTH, ArrayBatches, params_numpy, student_from, teacher_samples
 from test_distill_train import tiny_teacher
 
@@ -116,7 +116,7 @@ def test_when_every_retry_fails_the_error_says_what_was_tried(batches, oom_when)
 def test_an_out_of_memory_step_that_consumed_its_state_is_restored_and_skipped(batches, monkeypatch):
     """A failure after the step took its (donated) inputs: the state is restored from the last good copy and the
     batch skipped, as after a divergence."""
-    from distill.step_runner import StepRunner
+    from nnx_surgery.distill.step_runner import StepRunner
 
     real, calls = StepRunner.train_step, []
 

@@ -17,8 +17,8 @@ from flax import nnx
 
 from hf_reference import (FAMILIES, hf_forward, hf_logits, make_hf_model, make_hf_multimodal, max_abs_diff,
                           sample_ids)
-from surgery import Gemma, load_pretrained
-from surgery.config import FULL, RopeSpec, SLIDING
+from nnx_surgery.surgery import Gemma, load_pretrained
+from nnx_surgery.surgery.config import FULL, RopeSpec, SLIDING
 
 TOL = 1e-4
 IDS = sample_ids(2, 13)  # 13 > sliding window 5

@@ -55,7 +55,7 @@ def test_student_folder_is_complete_and_loads_in_transformers(runs):
     assert_clean_loading(info)
 
     import jax.numpy as jnp
-    import surgery
+    from nnx_surgery import surgery
 
     ids = np.random.default_rng(0).integers(0, 260, (2, 20)).astype(np.int32)
     ours = np.asarray(surgery.load_pretrained(str(student), dtype="float32")(jnp.asarray(ids)).logits)

@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
-from recipes import cli  # noqa: E402
-import surgery  # noqa: E402
+from nnx_surgery.recipes import cli  # noqa: E402
+from nnx_surgery import surgery  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(teacher, tmp_path
 
 def test_loss_weight_flags_reach_the_stages():
     """--alpha, --feature-weight and --cosine-weight become the stage's LossWeights (cosine with feature)."""
-    from recipes import gemma_7b_to_2b as recipe
-    import distill
+    from nnx_surgery.recipes import compress as recipe
+    from nnx_surgery import distill
 
     args = recipe.parse_args(["--preset", "tiny", "--output", "unused", "--alpha", "0.75", "--cosine-weight", "0.2"])
     assert recipe.loss_weights(args, 0.5) == distill.LossWeights(kl=0.75, ce=0.25, feature=0.5, cosine=0.2)

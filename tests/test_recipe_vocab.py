@@ -67,7 +67,7 @@ def test_the_student_folder_loads_in_transformers_with_its_trimmed_tokenizer(tea
     from transformers import AutoTokenizer
 
     import jax.numpy as jnp
-    import surgery
+    from nnx_surgery import surgery
 
     student = oneshot[0] / "student"
     config = json.loads((student / "config.json").read_text())
@@ -128,8 +128,8 @@ def _restricted_kl(teacher, out) -> float:
     gathered at the kept ids."""
     import jax.numpy as jnp
 
-    import distill
-    import surgery
+    from nnx_surgery import distill
+    from nnx_surgery import surgery
 
     held = distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), teacher[0], seq_len=32,
                                          max_tokens=256, seed=0).retokenised(str(out / "student"))
@@ -160,8 +160,8 @@ def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_
 
 
 def test_vocab_values_parse_and_bad_ones_are_one_line_and_exit_2(teacher, tmp_path):
-    from recipes import cli
-    import surgery
+    from nnx_surgery.recipes import cli
+    from nnx_surgery import surgery
 
     config = surgery.ModelConfig.from_file(teacher[0])
     assert cli.student_spec("layers=2,mlp=24,vocab=400", config, tokenizer=teacher[0]).vocab_size == 400

@@ -13,12 +13,12 @@ import torch
 import jax.numpy as jnp
 from safetensors import safe_open
 
-import surgery.checkpoint as checkpoint_module
+import nnx_surgery.surgery.checkpoint as checkpoint_module
 from hf_reference import (assert_clean_loading, hf_forward, load_with_info, make_hf_model, make_hf_multimodal,
                           max_abs_diff, sample_ids, save_tiny_tokenizer)
-from surgery import CheckpointError, load_pretrained, save_pretrained
-from surgery.checkpoint import write_hf_folder
-from surgery.safetensors_io import INDEX_FILE, PendingTensor
+from nnx_surgery.surgery import CheckpointError, load_pretrained, save_pretrained
+from nnx_surgery.surgery.checkpoint import write_hf_folder
+from nnx_surgery.surgery.safetensors_io import INDEX_FILE, PendingTensor
 
 TOL = 1e-4
 IDS = sample_ids(2, 13)
@@ -222,7 +222,7 @@ def test_overwrite_replaces_whole_folder(teacher, tmp_path):
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_config_survives_its_own_json_and_the_legacy_keys_alone(teacher, name):
     """What we write reads back equal; so does the same dict with only the legacy (transformers 4) rope keys."""
-    from surgery import GemmaConfig
+    from nnx_surgery.surgery import GemmaConfig
 
     config = teacher(name)[1].config
     written = config.to_hf_dict(dtype="float32")

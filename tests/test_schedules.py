@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from distill.config import DistillConfig, LossWeights, Ramp, Stage
-from distill.data import TokenBatches
-from distill.freeze import describe_split, split_trainable
-from distill.schedules import progressive, resolve_epochs, sft_then_distil, steps_per_epoch
-from distill.sources import DataError
-from distill.step import hyper_values
-from surgery.config import GemmaConfig
-from surgery.model import create_model
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Ramp, Stage
+from nnx_surgery.distill.data import TokenBatches
+from nnx_surgery.distill.freeze import describe_split, split_trainable
+from nnx_surgery.distill.schedules import progressive, resolve_epochs, sft_then_distil, steps_per_epoch
+from nnx_surgery.distill.sources import DataError
+from nnx_surgery.distill.step import hyper_values
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.model import create_model
 
 
 def test_progressive_defaults_are_the_three_described_stages():
@@ -128,7 +128,7 @@ def test_a_weight_ramp_trains_with_the_moving_weights_and_never_recompiles():
     ramps, and the ramped run compiles nothing the constant-weight run did not."""
     from test_distill_train import BATCH, FAST_COMPILE, LENGTH, student_from, teacher_samples, tiny_teacher
 
-    from distill.trainer import run
+    from nnx_surgery.distill.trainer import run
 
     compiles: list[str] = []
     monitoring.register_event_duration_secs_listener(

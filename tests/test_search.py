@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-import distill
-from distill.config import DistillConfig, LossWeights, Stage
-from distill.heldout import HeldoutSet, score_heldout, summarise
-from distill.search import SearchCandidate, rank_curves, search
+from nnx_surgery import distill
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.heldout import HeldoutSet, score_heldout, summarise
+from nnx_surgery.distill.search import SearchCandidate, rank_curves, search
 from tests.test_distill_train import (BATCH, FAST_COMPILE, LENGTH, ArrayBatches, student_from, teacher_samples,
                                       tiny_teacher)
 

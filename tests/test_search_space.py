@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from surgery import ModelConfig
-from surgery.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget, uniform_spec)
-from surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, SpecError, StudentSpec
+from nnx_surgery.surgery import ModelConfig
+from nnx_surgery.surgery.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget, uniform_spec)
+from nnx_surgery.surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, SpecError, StudentSpec
 
 from hf_reference import LLAMA_FAMILIES, tiny_config
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("surgery", "distill", "recipes")
+PACKAGES = ("nnx_surgery", "recipes")
 UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
 UNSAFE_CALLS = {("torch", "load"), ("yaml", "load"), ("yaml", "unsafe_load"), ("yaml", "full_load")}
 UNSAFE_NAMES = {"eval", "exec"}
@@ -84,16 +84,16 @@ hf_logging.set_verbosity_debug()
 import numpy as np
 sys.path.insert(0, os.path.join({root!r}, "tests"))
 from hf_reference import make_hf_model, save_hf
-import surgery.hub as hub_module
-from distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
-from distill.tokenizer import save_byte_tokenizer
-from distill.trainer import run
-from surgery.apply import apply_plan, save_student
-from surgery.card import write_model_card
-from surgery.checkpoint import load_pretrained
-from surgery.hub import HubError, push_to_hub
-from surgery.planner import plan_student
-from surgery.spec import StudentSpec
+import nnx_surgery.surgery.hub as hub_module
+from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.tokenizer import save_byte_tokenizer
+from nnx_surgery.distill.trainer import run
+from nnx_surgery.surgery.apply import apply_plan, save_student
+from nnx_surgery.surgery.card import write_model_card
+from nnx_surgery.surgery.checkpoint import load_pretrained
+from nnx_surgery.surgery.hub import HubError, push_to_hub
+from nnx_surgery.surgery.planner import plan_student
+from nnx_surgery.surgery.spec import StudentSpec
 
 hub_module.RETRY_WAIT_S = 0.01
 work = sys.argv[1]

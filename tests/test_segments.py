@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from distill.data import TokenBatches
+from nnx_surgery.distill.data import TokenBatches
 from hf_reference import FAMILIES, make_hf_model, max_abs_diff
-from surgery import load_pretrained
-from surgery.model import segment_positions
+from nnx_surgery.surgery import load_pretrained
+from nnx_surgery.surgery.model import segment_positions
 
 TOL = 1e-5
 # Per row: document lengths, then padding. 9 and 12 are longer than the window, 1 is a lone token.

@@ -15,12 +15,12 @@ from flax import nnx
 from hf_reference import hf_logits, make_hf_model, max_abs_diff, rewrite_unaligned, sample_ids
 from safetensors.numpy import load_file, save_file
 
-import surgery.block_reads as block_reads
-import surgery.host_buffers as host_buffers
-from surgery import load_pretrained, save_pretrained
-from surgery.pipeline import work_ahead
-from surgery.readers import DiskReader, Reader, row_runs
-from surgery.safetensors_io import ALIGN, CheckpointError, PendingTensor, RowSlice, open_safetensors, write_safetensors
+import nnx_surgery.surgery.block_reads as block_reads
+import nnx_surgery.surgery.host_buffers as host_buffers
+from nnx_surgery.surgery import load_pretrained, save_pretrained
+from nnx_surgery.surgery.pipeline import work_ahead
+from nnx_surgery.surgery.readers import DiskReader, Reader, row_runs
+from nnx_surgery.surgery.safetensors_io import ALIGN, CheckpointError, PendingTensor, RowSlice, open_safetensors, write_safetensors
 
 
 def test_work_ahead_keeps_order_and_bounds_what_is_in_flight():

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill.data import DataError, TokenBatches, load_tokenizer
-from distill.evaluate import agreement_and_kl, heldout_loss, sequence_loglikelihoods
-from distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
+from nnx_surgery.distill.data import DataError, TokenBatches, load_tokenizer
+from nnx_surgery.distill.evaluate import agreement_and_kl, heldout_loss, sequence_loglikelihoods
+from nnx_surgery.distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
                            multiple_choice, multiple_choice_items)
-from distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
-from surgery.config import GemmaConfig
-from surgery.generate import generate
-from surgery.model import create_model
+from nnx_surgery.distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.generate import generate
+from nnx_surgery.surgery.model import create_model
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 SETTINGS = SuiteSettings(prompts=3, prompt_tokens=40, min_prompt_tokens=8, new_tokens=12, choice_items=6,

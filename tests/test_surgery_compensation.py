@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from surgery import GemmaConfig, create_model
-from surgery.apply import apply_plan
-from surgery.importance import activation_stats, calibration_batches
-from surgery.planner import plan_student
-from surgery.readers import MemoryReader
-from surgery.spec import StudentSpec
+from nnx_surgery.surgery import GemmaConfig, create_model
+from nnx_surgery.surgery.apply import apply_plan
+from nnx_surgery.surgery.importance import activation_stats, calibration_batches
+from nnx_surgery.surgery.planner import plan_student
+from nnx_surgery.surgery.readers import MemoryReader
+from nnx_surgery.surgery.spec import StudentSpec
 
 SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}

@@ -17,11 +17,11 @@ import textwrap
 import ml_dtypes
 import numpy as np
 
-from surgery.checkpoint import hf_shape, tensor_table
-from surgery.config import GemmaConfig
-from surgery.safetensors_io import PendingTensor, write_json, write_model_files
-from surgery.slices import nnx_shape
-from surgery.spec import StudentSpec
+from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table
+from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.safetensors_io import PendingTensor, write_json, write_model_files
+from nnx_surgery.surgery.slices import nnx_shape
+from nnx_surgery.surgery.spec import StudentSpec
 
 TEACHER = {"model_type": "gemma", "vocab_size": 64000, "hidden_size": 1024, "intermediate_size": 4096,
            "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
@@ -56,10 +56,10 @@ def write_teacher(folder: str) -> GemmaConfig:
 PHASE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from surgery.plan import Plan
-    from surgery.planner import plan_student
-    from surgery.prune_disk import prune_checkpoint
-    from surgery.spec import StudentSpec
+    from nnx_surgery.surgery.plan import Plan
+    from nnx_surgery.surgery.planner import plan_student
+    from nnx_surgery.surgery.prune_disk import prune_checkpoint
+    from nnx_surgery.surgery.spec import StudentSpec
     jax.devices()  # initialise the runtime before the baseline
     phase, src, spec, plan_path, dst = sys.argv[1:6]
     plan = Plan.load(plan_path) if phase == "prune" else None

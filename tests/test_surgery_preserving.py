@@ -14,10 +14,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import FAMILIES, make_hf_model, sample_ids, save_hf  # noqa: E402
 
-from surgery import load_pretrained  # noqa: E402
-from surgery.apply import apply_plan  # noqa: E402
-from surgery.planner import plan_student  # noqa: E402
-from surgery.spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery import load_pretrained  # noqa: E402
+from nnx_surgery.surgery.apply import apply_plan  # noqa: E402
+from nnx_surgery.surgery.planner import plan_student  # noqa: E402
+from nnx_surgery.surgery.spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=13)
 CALIBRATION = np.random.default_rng(7).integers(0, 96, (8, 16))

@@ -10,15 +10,15 @@ import pytest
 import torch
 from flax import nnx
 
-from surgery import GemmaConfig, create_model, save_pretrained
-from surgery.checkpoint import tensor_table
-from surgery.config import SUPPORTED_MODEL_TYPES
-from surgery.planner import plan_student
-from surgery.prune_disk import prune_checkpoint
-from surgery.readers import DiskReader, MemoryReader, Reader, expected_hf_shapes
-from surgery.safetensors_io import CheckpointError
-from surgery.slices import head_rows
-from surgery.spec import StudentSpec
+from nnx_surgery.surgery import GemmaConfig, create_model, save_pretrained
+from nnx_surgery.surgery.checkpoint import tensor_table
+from nnx_surgery.surgery.config import SUPPORTED_MODEL_TYPES
+from nnx_surgery.surgery.planner import plan_student
+from nnx_surgery.surgery.prune_disk import prune_checkpoint
+from nnx_surgery.surgery.readers import DiskReader, MemoryReader, Reader, expected_hf_shapes
+from nnx_surgery.surgery.safetensors_io import CheckpointError
+from nnx_surgery.surgery.slices import head_rows
+from nnx_surgery.surgery.spec import StudentSpec
 
 SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 8,

@@ -11,11 +11,11 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import AxisType, NamedSharding
     from flax import nnx
-    from surgery import GemmaConfig, create_model
-    from surgery.apply import apply_plan
-    from surgery.model import parameter_sharding
-    from surgery.planner import plan_student
-    from surgery.spec import StudentSpec
+    from nnx_surgery.surgery import GemmaConfig, create_model
+    from nnx_surgery.surgery.apply import apply_plan
+    from nnx_surgery.surgery.model import parameter_sharding
+    from nnx_surgery.surgery.planner import plan_student
+    from nnx_surgery.surgery.spec import StudentSpec
 
     config = GemmaConfig.from_hf_dict({
         "model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

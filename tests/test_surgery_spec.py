@@ -4,12 +4,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from surgery import GemmaConfig, create_model, save_pretrained
-from surgery.apply import apply_plan
-from surgery.plan import Plan, PlanError
-from surgery.planner import plan_student
-from surgery.prune_disk import prune_checkpoint
-from surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, NAMED_SHAPES, SpecError, StudentSpec
+from nnx_surgery.surgery import GemmaConfig, create_model, save_pretrained
+from nnx_surgery.surgery.apply import apply_plan
+from nnx_surgery.surgery.plan import Plan, PlanError
+from nnx_surgery.surgery.planner import plan_student
+from nnx_surgery.surgery.prune_disk import prune_checkpoint
+from nnx_surgery.surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, NAMED_SHAPES, SpecError, StudentSpec
 
 
 def config(model_type="gemma2", **changes) -> GemmaConfig:
@@ -58,7 +58,7 @@ def test_hidden_multiple_of_heads_rule_is_transformers_own():
     from huggingface_hub.errors import StrictDataclassClassValidationError
     from transformers import CONFIG_MAPPING
 
-    from surgery.config import SUPPORTED_MODEL_TYPES
+    from nnx_surgery.surgery.config import SUPPORTED_MODEL_TYPES
 
     refused = set()
     for model_type in SUPPORTED_MODEL_TYPES:

@@ -13,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import (FAMILIES, assert_clean_loading, hf_logits, load_with_info, make_hf_model,  # noqa: E402
                           sample_ids, save_hf)
 
-from surgery import GemmaConfig, load_pretrained  # noqa: E402
-from surgery.apply import apply_plan, save_student  # noqa: E402
-from surgery.plan import Plan  # noqa: E402
-from surgery.planner import plan_student  # noqa: E402
-from surgery.prune_disk import prune_checkpoint  # noqa: E402
-from surgery.report import format_report  # noqa: E402
-from surgery.spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery import GemmaConfig, load_pretrained  # noqa: E402
+from nnx_surgery.surgery.apply import apply_plan, save_student  # noqa: E402
+from nnx_surgery.surgery.plan import Plan  # noqa: E402
+from nnx_surgery.surgery.planner import plan_student  # noqa: E402
+from nnx_surgery.surgery.prune_disk import prune_checkpoint  # noqa: E402
+from nnx_surgery.surgery.report import format_report  # noqa: E402
+from nnx_surgery.surgery.spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=11)
 CALIBRATION = np.random.default_rng(11).integers(0, 96, (8, 16))  # one batch: one compile

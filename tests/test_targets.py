@@ -1,4 +1,4 @@
-"""Monitoring targets (distill/targets.py): every evaluation reports which targets are met (JSONL, the terminal
+"""Monitoring targets (nnx_surgery/distill/targets.py): every evaluation reports which targets are met (JSONL, the terminal
 line, the run summary); `stop_when_met` ends the run at the first evaluation meeting the quality targets; a
 data-bound run warns once with its cause; the step / data / host split."""
 import json
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from distill.config import DistillConfig, LossWeights, Stage, TargetsConfig
-from distill.targets import (StepTimes, check_targets, low_utilisation_cause, quality_met, record_fields,
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage, TargetsConfig
+from nnx_surgery.distill.targets import (StepTimes, check_targets, low_utilisation_cause, quality_met, record_fields,
                              report_line, split_step)
-from distill.trainer import run
+from nnx_surgery.distill.trainer import run
 from test_distill_train import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, student_from, teacher_samples, tiny_teacher
 
 

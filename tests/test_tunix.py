@@ -25,12 +25,12 @@ from tunix.rl.grpo import grpo_learner as grpo  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.sft.dpo import dpo_trainer as dpo  # noqa: E402
 
-import distill  # noqa: E402
-import surgery  # noqa: E402
+from nnx_surgery import distill  # noqa: E402
+from nnx_surgery import surgery  # noqa: E402
 from hf_reference import (assert_clean_loading, hf_logits, load_with_info, make_hf_model,  # noqa: E402
                           save_tiny_tokenizer)
-from surgery.generate import generate  # noqa: E402
-from surgery.tunix import INSTALL_HINT, from_tunix, require_tunix, to_tunix, tunix_sampler  # noqa: E402
+from nnx_surgery.surgery.generate import generate  # noqa: E402
+from nnx_surgery.surgery.tunix import INSTALL_HINT, from_tunix, require_tunix, to_tunix, tunix_sampler  # noqa: E402
 
 # 10 tokens with BOS: past the window (5). Chosen so that no pad id (0) is generated before the end: Tunix's
 # sampler masks every pad-id token out of later steps (its own models do too), transformers does not.

@@ -16,15 +16,15 @@ from hf_reference import (assert_clean_loading, hf_logits, load_with_info, make_
                           tiny_config)
 from tiny_tokenizers import SAVERS, stdlib_text  # noqa: E402
 
-from surgery import ModelConfig, load_pretrained  # noqa: E402
-from surgery.apply import apply_plan, save_student  # noqa: E402
-from surgery.plan import Plan, PlanError  # noqa: E402
-from surgery.planner import plan_student  # noqa: E402
-from surgery.prune_disk import prune_checkpoint  # noqa: E402
-from surgery.report import format_report  # noqa: E402
-from surgery.spec import SpecError, StudentSpec  # noqa: E402
-from surgery.vocab import TeacherTokenizer, calibration_counts, choose_vocabulary  # noqa: E402
-from surgery.vocab_files import trimmed_tokenizer_json  # noqa: E402
+from nnx_surgery.surgery import ModelConfig, load_pretrained  # noqa: E402
+from nnx_surgery.surgery.apply import apply_plan, save_student  # noqa: E402
+from nnx_surgery.surgery.plan import Plan, PlanError  # noqa: E402
+from nnx_surgery.surgery.planner import plan_student  # noqa: E402
+from nnx_surgery.surgery.prune_disk import prune_checkpoint  # noqa: E402
+from nnx_surgery.surgery.report import format_report  # noqa: E402
+from nnx_surgery.surgery.spec import SpecError, StudentSpec  # noqa: E402
+from nnx_surgery.surgery.vocab import TeacherTokenizer, calibration_counts, choose_vocabulary  # noqa: E402
+from nnx_surgery.surgery.vocab_files import trimmed_tokenizer_json  # noqa: E402
 
 CALIBRATION = ("fnmatch.py", "glob.py", "genericpath.py", "tabnanny.py")
 HELD_OUT = ("posixpath.py", "copy.py")
@@ -271,9 +271,9 @@ def test_real_gemma3_tokenizer_trimmed_to_16k_pieces_of_python(tmp_path):
     parameter count."""
     from tokenizers import Tokenizer
 
-    from distill import stdlib_corpus
+    from nnx_surgery.distill import stdlib_corpus
     from real_gemma import gguf_path
-    from surgery import cached_import
+    from nnx_surgery.surgery import cached_import
 
     start = time.perf_counter()
     folder = cached_import(gguf_path(), "float32")

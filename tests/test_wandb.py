@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from distill.config import DistillConfig, LossWeights, Stage
-from distill.metrics import make_logger
-from distill.wandb_logger import RUN_ID_FILE, redact
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.metrics import make_logger
+from nnx_surgery.distill.wandb_logger import RUN_ID_FILE, redact
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
                                  reason="the wandb extra is not installed (pip install 'nnx-surgery[wandb]')")
@@ -221,7 +221,7 @@ def test_redact_hides_secret_keys_and_token_shaped_values():
 @needs_wandb
 def test_a_training_run_logs_its_steps_evaluations_events_and_curves_to_wandb(offline):
     """`distill.trainer.run` with logger="wandb": W&B's history holds the run's own step and evaluation values."""
-    from distill.trainer import run
+    from nnx_surgery.distill.trainer import run
     from test_distill_train import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, student_from, teacher_samples, \
         tiny_teacher
 

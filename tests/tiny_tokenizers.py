@@ -38,8 +38,8 @@ def _trained_pieces(size: int) -> list[str]:
 
 def save_gemma_tokenizer(folder: str, size: int = 500) -> int:
     """A Gemma-style tokenizer (tokenizer.json and configs) in `folder`; returns its vocabulary size."""
-    from surgery.gguf_tokenizer import build_tokenizer, tokenizer_configs
-    from surgery.atomic import write_json
+    from nnx_surgery.surgery.gguf_tokenizer import build_tokenizer, tokenizer_configs
+    from nnx_surgery.surgery.atomic import write_json
 
     control = [*SPECIALS, "<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>", "<unused1>", "<unused2>"]
     user = ["\n", "\n\n", "\n\n\n"]

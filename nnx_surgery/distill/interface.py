@@ -64,7 +64,7 @@ class DistillModel(Protocol):
 
 @runtime_checkable
 class Sampler(Protocol):
-    """How on-policy distillation (`DistillConfig.on_policy`, distill/on_policy.py) gets the student's own samples:
+    """How on-policy distillation (`DistillConfig.on_policy`, nnx_surgery/distill/on_policy.py) gets the student's own samples:
     a callable passed as `distill.run(..., sampler=)`, so `distill` needs no generation code of its own (the
     surgery's is `surgery.make_sampler()`, over its jitted KV-cache prefill and decode loop).
 
@@ -97,7 +97,7 @@ def forward_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
         if missing:
             raise TypeError(f"the batch has {missing} (packed documents) but {type(model).__name__}.__call__ "
                             f"does not take them; give the model those keywords (see DistillModel in "
-                            "distill/interface.py) or build the data with TokenBatches(return_segments=False).")
+                            "nnx_surgery/distill/interface.py) or build the data with TokenBatches(return_segments=False).")
     return present
 
 
@@ -126,7 +126,7 @@ def check_model(model: Any, role: str) -> None:
         missing.insert(0, "__call__")
     if missing:
         raise TypeError(f"The {role} ({type(model).__name__}) lacks {missing}; distill needs the DistillModel "
-                        "interface of distill/interface.py (the surgery's Gemma has it).")
+                        "interface of nnx_surgery/distill/interface.py (the surgery's Gemma has it).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ Tunix calls a policy as `model(tokens, positions, cache, attention_mask) -> (log
   token j of its token buffer, so the mask's entry at the slot a new token is written to says whether that token
   is real (not padding). The cache is a dict `{"layer_i": {"k", "v", "end_index", "positions"}}` of arrays whose
   first axis is the batch (so its beam search can repeat and gather them); it holds our KV cache
-  (surgery/kv_cache.py) layer by layer: full-attention layers keep `cache_size` slots, sliding layers a ring of
+  (nnx_surgery/surgery/kv_cache.py) layer by layer: full-attention layers keep `cache_size` slots, sliding layers a ring of
   the window, and `positions` are the tokens' positions in each slot (-1: empty or padding). Causality and the
   windows come from those positions, exactly as in `surgery.generate`.
 

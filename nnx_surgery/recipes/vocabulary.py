@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 import jax
 
-import distill
-import surgery
-from recipes.tiny_teacher import wait_for_process_0
-from surgery.atomic import atomic_folder
-from surgery.vocab_files import trimmed_tokenizer_files
+from nnx_surgery import distill
+from nnx_surgery import surgery
+from nnx_surgery.recipes.tiny_teacher import wait_for_process_0
+from nnx_surgery.surgery.atomic import atomic_folder
+from nnx_surgery.surgery.vocab_files import trimmed_tokenizer_files
 
 FOLDER = "student_tokenizer"
 

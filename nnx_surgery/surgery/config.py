@@ -2,7 +2,7 @@
 
 `config.json` is the only source of truth: every size, the attention type of every layer, the RoPE settings,
 soft-caps and the attention scale come from it, never from a table of model sizes. What is particular to a
-family (Gemma 1/2/3; Llama, Mistral, Qwen2) lives in its adapter, `surgery/families/`: its config-class defaults,
+family (Gemma 1/2/3; Llama, Mistral, Qwen2) lives in its adapter, `nnx_surgery/surgery/families/`: its config-class defaults,
 the keys it reads and writes, and its tensor schema. `ModelConfig` holds the result; `GemmaConfig` is the same
 class under the name the toolkit started with.
 """

@@ -14,9 +14,9 @@ import inspect
 import os
 from typing import Any
 
-import distill
-from distill import schedules
-from recipes.cli import RecipeError
+from nnx_surgery import distill
+from nnx_surgery.distill import schedules
+from nnx_surgery.recipes.cli import RecipeError
 
 SCHEDULE_FUNCTIONS = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
 

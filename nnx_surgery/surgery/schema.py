@@ -1,6 +1,6 @@
 """The tensor schema: every tensor of a model family declared once, with named axes (as penzai names them).
 
-A family (surgery/families/) lists its tensors as `Tensor` declarations: the Hugging Face name, the NNX path, the
+A family (nnx_surgery/surgery/families/) lists its tensors as `Tensor` declarations: the Hugging Face name, the NNX path, the
 named axes of the NNX parameter, how those axes group into the checkpoint's axes, whether it is an RMSNorm
 weight (and which activation stream it normalises), and when it exists. Everything that used to know the
 family's shape by heart derives from this list:

@@ -221,7 +221,7 @@ class DistillConfig:
     # intermediate losses
     correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
     plan: Any = None  # an object or dict with kept_layers / kept_hidden (surgery plan)
-    # a trimmed student's vocabulary: the teacher token id of each student token id (distill/vocab_map.py);
+    # a trimmed student's vocabulary: the teacher token id of each student token id (nnx_surgery/distill/vocab_map.py);
     # None: the plan's kept_vocab when it has one, else teacher and student share one vocabulary
     vocab_map: tuple[int, ...] | None = None
     feature_kind: str = "nmse"

@@ -7,8 +7,8 @@ import os
 
 import jax
 
-import surgery
-from distill.mesh import parse_mesh_spec
+from nnx_surgery import surgery
+from nnx_surgery.distill.mesh import parse_mesh_spec
 
 BYTES = {"bf16": 2, "fp32": 4}
 

@@ -19,12 +19,13 @@ from typing import Any
 
 import jax
 
-import distill
-import surgery.gguf_export
-from distill.config import NESTED
-from recipes import phases
-from recipes.cli import MULTI_HOST_FLAGS, RecipeError
-from recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
+from nnx_surgery import distill
+from nnx_surgery import surgery
+import nnx_surgery.surgery.gguf_export  # noqa: F401  (surgery.gguf_export below)
+from nnx_surgery.distill.config import NESTED
+from nnx_surgery.recipes import phases
+from nnx_surgery.recipes.cli import MULTI_HOST_FLAGS, RecipeError
+from nnx_surgery.recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
                            distill_epilog)
 
 FORMAT = "nnx-surgery recipe config 1"

@@ -3,7 +3,7 @@ Self-Generated Mistakes"): some steps train on the student's own continuations i
 
 With probability `OnPolicyConfig.fraction` (GKD's lambda) per optimizer step, every row of the step's batch (all its
 micro-batches) is replaced by its prompt followed by the student's continuation, sampled at `temperature` by the
-`Sampler` given to `distill.run` (distill/interface.py). The replacement happens on the host, between fetching the
+`Sampler` given to `distill.run` (nnx_surgery/distill/interface.py). The replacement happens on the host, between fetching the
 batch and dispatching the jitted step: sampling is not differentiated (the samples are data), and the step's code
 is the same for both kinds of batch. Teacher and student then score prompt plus completion in the ordinary step,
 with the stage's loss weights (GKD's JSD(beta) is the `jsd` weight with `DistillConfig.jsd_beta`).

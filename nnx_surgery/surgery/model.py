@@ -2,7 +2,7 @@
 Hugging Face checkpoint.
 
 One module per HF tensor group, with the same names, and every parameter made from its declaration in the
-family's tensor schema (surgery/schema.py, surgery/families/): a projection's NNX path is its HF tensor name
+family's tensor schema (nnx_surgery/surgery/schema.py, nnx_surgery/surgery/families/): a projection's NNX path is its HF tensor name
 without the `model.` prefix (`model.layers.3.self_attn.q_proj.weight` is `layers.3.self_attn.q_proj.weight`
 here); norms hold HF's `.weight` as `.scale`, and `embed_tokens` / `lm_head` are bare parameters. Every
 projection holds HF's own `[out, in]` weight, only reshaped to name its head axes (q_proj `(N, H, D)` is HF's
@@ -19,7 +19,7 @@ with `capture=`, so the default forward stores nothing extra; they are plain out
 `jax.jit`, `grad` and `vmap`. `skip_layers` replaces layers by the identity (for layer-removal scores).
 
 Masks come from positions, once per attention type: causal, in the sliding window, not padding, and with
-`segment_ids` (packed documents) in the query's own document. With `cache=` (`init_cache`, surgery/generate.py)
+`segment_ids` (packed documents) in the query's own document. With `cache=` (`init_cache`, nnx_surgery/surgery/generate.py)
 keys include the cached ones and the output carries the updated cache: prefill a prompt batch, then decode.
 """
 from __future__ import annotations

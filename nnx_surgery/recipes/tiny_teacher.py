@@ -18,13 +18,13 @@ import tempfile
 
 import jax
 
-import distill
-import surgery
-from recipes import cli
-from distill.data import stdlib_corpus
-from distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
-from surgery.checkpoint import model_tensors, write_hf_folder
-from surgery.safetensors_io import write_json
+from nnx_surgery import distill
+from nnx_surgery import surgery
+from nnx_surgery.recipes import cli
+from nnx_surgery.distill.data import stdlib_corpus
+from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
+from nnx_surgery.surgery.checkpoint import model_tensors, write_hf_folder
+from nnx_surgery.surgery.safetensors_io import write_json
 
 TEACHER_CONFIG = {
     "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 48,

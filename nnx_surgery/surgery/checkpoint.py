@@ -1,7 +1,7 @@
 """Hugging Face checkpoint <-> NNX model: the tensor table, streaming load and streaming save.
 
 `tensor_table(config)` lists every HF tensor with the NNX parameter it fills and how the layout changes, read
-from the family's tensor schema (schema.py). The model keeps HF's own layouts (surgery/model.py), so the only
+from the family's tensor schema (schema.py). The model keeps HF's own layouts (nnx_surgery/surgery/model.py), so the only
 change is a reshape that names the head axes:
 
     same        norms, embedding, gate/up/down, lm_head     identical
