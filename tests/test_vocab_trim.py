@@ -326,3 +326,22 @@ def _check_transformers_loads(data, teacher_folder, folder, student_tok, texts) 
 
 def _lines_of(texts) -> list[str]:
     return [line for text in texts for line in text.splitlines(keepends=True) if line.strip()]
+
+
+def test_vocabulary_can_be_counted_on_more_rows_than_the_model_passes_score(teachers):
+    """vocab_calibration: the kept pieces follow its counts (as if it were the calibration), while the importance
+    scores and the widths stay those of `calibration` (the recipe counts the whole corpus, scores a few rows)."""
+    folder, _ = teachers("gemma3_text", "gemma")
+    teacher, rows = load_pretrained(folder), _calibration_rows(folder)
+    spec, few = StudentSpec(3, 24, 32, 2, 1, vocab_size=450), rows[:4]
+    both = plan_student(teacher, spec, calibration=few, vocab_calibration=rows, tokenizer=folder)
+    counted_all = plan_student(teacher, spec, calibration=rows, tokenizer=folder)
+    few_only = plan_student(teacher, spec, calibration=few, tokenizer=folder)
+    assert both.kept_vocab == counted_all.kept_vocab != few_only.kept_vocab
+    assert both.scores["vocab"] == counted_all.scores["vocab"]
+    assert (both.kept_layers, both.kept_hidden, both.kept_mlp) == \
+        (few_only.kept_layers, few_only.kept_hidden, few_only.kept_mlp)
+    def without_vocab(plan):
+        return {name: value for name, value in plan.scores.items() if name != "vocab"}
+
+    assert without_vocab(both) == without_vocab(few_only) != without_vocab(counted_all)

@@ -36,13 +36,15 @@ METRICS = ("ce", "ce_per_byte", "kl", "top1_agreement")
 @dataclasses.dataclass(frozen=True)
 class SearchCandidate:
     """A student shape to try: `build()` returns its pruned student (built only when it is trained, so one
-    candidate is in memory at a time); `plan` goes to `DistillConfig.plan` (the layer map of feature losses)."""
+    candidate is in memory at a time); `plan` goes to `DistillConfig.plan` (the layer map of feature losses);
+    `note` is shown beside the name in search.md and kept in search.json (e.g. "uniform guess")."""
 
     name: str
     build: Callable[[], Any]
     plan: Any = None
     parameters: int | None = None
     non_embedding: int | None = None
+    note: str | None = None
 
 
 @dataclasses.dataclass
@@ -72,11 +74,13 @@ class SearchResult:
 
 def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, config: DistillConfig, *,
            sets: Sequence[HeldoutSet], directory: str, eval_at: Sequence[int] | None = None,
-           rank_by: tuple[str, str] | None = None, log: Callable[[str], None] | None = None) -> SearchResult:
+           rank_by: tuple[str, str] | None = None, log: Callable[[str], None] | None = None,
+           sampler: Any = None) -> SearchResult:
     """Distil every candidate with `config` (its stages' steps are the search length) on the same batches of
     `data` (a callable returning a fresh data object, or one that `copy.deepcopy` can copy, e.g. TokenBatches),
     score each on `sets` at every step of `eval_at` (default: the last), and rank them by `rank_by` = (set name,
-    metric) (default: the first set's CE). Results go to `directory` (see the module docstring)."""
+    metric) (default: the first set's CE). Results go to `directory` (see the module docstring). `sampler` goes
+    to `distill.run` (needed when `config.on_policy.fraction` > 0)."""
     log = log or (lambda line: print(line, flush=True))
     total = config.total_steps
     eval_at = tuple(sorted({int(s) for s in (eval_at or ())} | {total}))
@@ -100,9 +104,10 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
     for number, candidate in enumerate(candidates, start=1):
         log(f"[search] {number}/{len(candidates)} {candidate.name}")
         curve = _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at,
-                                 os.path.join(directory, _folder_name(candidate.name)), log, teacher_hidden)
+                                 os.path.join(directory, _folder_name(candidate.name)), log, teacher_hidden, sampler)
         rows.append({"name": candidate.name, "parameters": candidate.parameters,
-                     "non_embedding": candidate.non_embedding, "curve": curve})
+                     "non_embedding": candidate.non_embedding, "curve": curve}
+                    | ({"note": candidate.note} if candidate.note else {}))
     order = rank_curves(rows, eval_at[-1], *rank_by)
     rows.sort(key=lambda r: order.index(r["name"]))
     result = SearchResult(rows, teacher_scores, eval_at, tuple(rank_by))
@@ -115,7 +120,7 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
 
 
 def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, folder, log,
-                     teacher_hidden: dict) -> list[dict]:
+                     teacher_hidden: dict, sampler: Any = None) -> list[dict]:
     """The candidate's scores at each point of `eval_at`: from its result.json when finished, else trained (from
     its newest checkpoint when there is one) and scored point by point, each point saved as it is reached."""
     done_path, curve_path = os.path.join(folder, "result.json"), os.path.join(folder, "curve.json")
@@ -136,7 +141,7 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
         started = time.perf_counter()
         result = run(teacher, student, data, dataclasses.replace(
             config, plan=candidate.plan if candidate.plan is not None else config.plan, halt_after=stop,
-            checkpoint=checkpoints, run_dir=None, progress=False, plots=False))
+            checkpoint=checkpoints, run_dir=None, progress=False, plots=False), sampler=sampler)
         student = result.student
         point = {"step": stop, "train_s": round(time.perf_counter() - started, 1),
                  "tokens": stop * config.grad_accum * (config.batch_size or 0) * (config.seq_len or 0) or None}
@@ -175,8 +180,9 @@ def search_markdown(result: SearchResult) -> str:
         point = _point(row["curve"], last)
         cells = " | ".join(f"{point[s]['ce']:.4f} | {point[s]['kl']:.4f}" for s in sets)
         history = ", ".join(str(ranks[s].index(row["name"]) + 1) for s in result.eval_at)
-        lines.append(f"| {number} | `{row['name']}` | {_count(row['parameters'])} | {_count(row['non_embedding'])} "
-                     f"| {cells} | {history} |")
+        note = f" ({row['note']})" if row.get("note") else ""
+        lines.append(f"| {number} | `{row['name']}`{note} | {_count(row['parameters'])} | "
+                     f"{_count(row['non_embedding'])} | {cells} | {history} |")
     stable = all(ranks[s][0] == result.winner for s in result.eval_at[len(result.eval_at) // 2:])
     lines += ["", f"The winner led at every scored step from the middle of the search on: {'yes' if stable else 'no'}."]
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ line instead of a traceback when the toolkit refuses something.
     --student layers=18,mlp=512            explicit sizes; the rest stay the teacher's
     --student layers=0.5,mlp=0.25          fractions of the teacher's sizes (rounded to a valid size)
     --student layers=18,mlp=512,vocab=16384   and a trimmed vocabulary: pieces kept (or vocab=0.0625, a fraction)
+    --student params=0.5                   the compress recipe only: search the shapes within a parameter budget
 """
 from __future__ import annotations
 
@@ -71,7 +72,12 @@ def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | No
     """Parse `--student` (`surgery.StudentSpec.from_text`; see the module docstring) and check it against the
     teacher: a SpecError names the size that does not fit and the sizes that would. A `vocab=` is checked against
     the teacher's `tokenizer` folder when given (room for its special tokens and 256 byte pieces), and refused
-    when the script cannot trim the vocabulary (`vocabulary=False`)."""
+    when the script cannot trim the vocabulary (`vocabulary=False`). A budget (`params=`) is the compress recipe's
+    shape search (nnx_surgery/recipes/shape_search.py), refused here with a line saying so."""
+    if any(item.partition("=")[0].strip() == "params" for item in (text or "").split(",")):
+        raise surgery.SpecError(f"--student {text!r}: a parameter budget (params=) makes the compress recipe "
+                                "(recipes/gemma_7b_to_2b.py) search the shapes; here give the shape itself, e.g. "
+                                "layers=12,mlp=0.5.")
     try:
         spec = surgery.StudentSpec.from_text(text, teacher)
         spec.check_against(teacher)

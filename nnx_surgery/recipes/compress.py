@@ -37,6 +37,8 @@ Why the defaults:
   `--teacher-correction` first fine-tunes the teacher on the corpus (Minitron).
 * `--student ...,vocab=N` also trims the vocabulary (the embedding is most of a small Gemma): the final plan keeps
   N pieces, the student trains on the corpus in its own tokens, and is judged per byte (nnx_surgery/recipes/vocabulary.py).
+* `--student params=0.5` (or params=120M) first searches the shapes within that parameter budget, Minitron's way,
+  and distils the winner (nnx_surgery/recipes/shape_search.py).
 * The control (`--control`): `pruned-ce` retrains the same pruned student with plain cross-entropy on the same
   tokens (Minitron's baseline: what distillation must beat); `scratch` trains the student's shape from random
   initialisation.
@@ -56,7 +58,7 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import cli, evaluation, phases, settings, tiny_teacher, vocabulary
+from nnx_surgery.recipes import cli, evaluation, phases, settings, shape_search, tiny_teacher, vocabulary
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
 
 PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
@@ -68,9 +70,9 @@ class Interrupted(SystemExit):
     """--halt-after reached: the run stops like an interrupted job; rerun with --resume."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> argparse.Namespace:
     """The resolved settings (nnx_surgery/recipes/settings.py): defaults < preset < schedule < --config < flags < --set."""
-    return settings.resolve(argv, description=__doc__)
+    return settings.resolve(argv, description=__doc__, prog=prog)
 
 
 loss_weights = phases.loss_weights  # the stage weights the loss flags make (also used by tests)
@@ -134,9 +136,9 @@ def prepare_output(args) -> str:
     return out
 
 
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     if args.print_config:
         print(json.dumps(args.resolved, indent=2))
         return {}
@@ -162,11 +164,12 @@ def main(argv=None) -> dict:
         args.data_description = args.data or ""
     args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
     teacher_config = args.teacher_config = surgery.ModelConfig.from_file(args.teacher_folder)
-    spec = cli.student_spec(args.student, teacher_config, tokenizer=args.teacher_folder)
+    choice = shape_search.student_choice(args, teacher_config)  # a shape, or params=: the shapes to search
+    spec = choice.spec
     if args.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
         surgery.gguf_export.check_exportable(teacher_config, args.teacher_folder)
     if args.dry_run:
-        print(dry_run_report(args, teacher_config, spec))
+        print(dry_run_report(args, teacher_config, spec, search=choice if choice.budget else None))
         return {}
     settings.save_resolved(args, out)  # `--config OUT/resolved_config.json` repeats this run
     if jax.process_index() == 0:
@@ -184,6 +187,10 @@ def main(argv=None) -> dict:
         teacher = correct_teacher(args, teacher, data, out, teacher_dtype)
         clock.lap("teacher correction")
     calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
+    # 1b. With --student params=...: each shape within the budget distilled briefly; the winner is the student.
+    spec, searched = shape_search.choose_student(args, choice, teacher, data, calibration, out)
+    if searched:
+        clock.lap("shape search")
 
     # 2. Surgery. Staged: depth + MLP (A), distil, then hidden + heads + KV merge (B). Plans are data (plan.json).
     if args.compression == "staged":
@@ -198,7 +205,11 @@ def main(argv=None) -> dict:
     else:
         plan_a, history_a, student, steps_a = None, [], teacher, 0
     steps_b = args.steps - steps_a
-    plan = surgery.plan_student(student, spec, calibration=calibration, seed=args.seed, measure_compensation=True,
+    # A trimmed vocabulary keeps the pieces the training corpus uses most, counted over every training row (a few
+    # calibration rows see too few of the pieces the student will meet).
+    vocab_rows = data.calibration_ids(data.num_rows, seed=args.seed) if spec.vocab_size is not None else None
+    plan = surgery.plan_student(student, spec, calibration=calibration, vocab_calibration=vocab_rows,
+                                seed=args.seed, measure_compensation=True,
                                 source=f"stage-A student of {args.teacher}" if plan_a else args.teacher,
                                 revision=None if plan_a else args.revision, tokenizer=args.teacher_folder)
     data = vocabulary.student_batches(args, plan, out, data, lambda folder: load_data(args, corpus, folder))
@@ -247,6 +258,7 @@ def main(argv=None) -> dict:
     clock.lap("evaluation")
     results.update(wall_time_s=round(time.time() - t_start, 1), preset=args.preset, compression=args.compression,
                    control=args.control, phase_times_s=clock.laps, teacher_correction=args.teacher_correction)
+    results.update({"search": searched} if searched else {})
     results["final_losses"] = {k: round(v, 4) for k, v in (history_b[-1] if history_b else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
     results["step_stats"] = {"distilled": evaluation.step_stats(history_b),
@@ -373,9 +385,10 @@ def load_data(args, corpus: list[str] | None = None, tokenizer: str | None = Non
     return distill.TokenBatches.from_files(args.data, tokenizer, **common)
 
 
-def entry(argv=None) -> None:
+def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:
+    """The recipe as a command (`prog` names it in --help): one-line errors, exit 3 when --halt-after stops it."""
     try:
-        cli.guarded(main, argv)
+        cli.guarded(lambda args: main(args, prog), argv)
     except Interrupted as stop:
         print(stop.code if isinstance(stop.code, str) else "interrupted", file=sys.stderr)
         sys.exit(3)

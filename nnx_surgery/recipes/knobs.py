@@ -44,7 +44,7 @@ DEFAULTS = dict(
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
     choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
     teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0,
-    gguf=None)
+    gguf=None, search_candidates=6, search_steps=None, search_tolerance=0.05)
 
 # Named schedules for the main distillation stages: their options (`schedule_options` in a config file; any
 # parameter of the distill.schedules function) and the recipe settings they change unless the user sets them.
@@ -94,7 +94,9 @@ FLAGS = [
         (("--teacher",), dict(), "Hub repo id, local HF folder or .gguf file"),
         (("--revision",), dict(), "teacher revision on the Hub"),
         (("--student",), dict(), "scaled | a named shape (gemma-2b, ...) | layers=..,hidden=..,mlp=..,heads=..,"
-         "kv_heads=.. (sizes, or fractions of the teacher's)"),
+         "kv_heads=.. (sizes, or fractions of the teacher's) | params=FRACTION or COUNT (e.g. 0.5, 120M: a budget "
+         "of the teacher's non-embedding parameters, or with ,counting=total of the whole checkpoint): search the "
+         "shapes within it first (Shape search below) and distil the winner"),
         (("--data",), dict(), "text files: a file, folder or glob (.txt/.py/.jsonl); or hf:NAME for a dataset"),
         (("--corpus-bytes",), dict(type=int), "bytes of stdlib source (tiny and gemma3-270m presets)"),
         (("--restart-rows",), dict(action=argparse.BooleanOptionalAction), "a packed row that continues a "
@@ -116,6 +118,21 @@ FLAGS = [
         (("--calibration-samples",), dict(type=int), "sequences for activation importance (Minitron: 1024)"),
         (("--from-disk",), dict(action="store_true"), "cut the student with prune_checkpoint (reads only the "
          "kept slices of the teacher files: less memory)"),
+    ]),
+    ("Shape search (--student params=...)", [
+        (("--search-candidates",), dict(type=int, metavar="N"), "shapes the search trains: always the uniform "
+         "guess (every axis cut by the same ratio, the shape one would pick by hand: does the search beat it?), "
+         "plus N-1 of the shapes within the budget (surgery.candidate_specs, largest non-embedding count first), "
+         "the middle one of each of N-1 equal slices of that list (deterministic, and spread over the whole list, "
+         "not its largest few, so different mixes of depth and width are tried); all of them when fewer fit"),
+        (("--search-steps",), dict(type=int, metavar="S"), "distillation steps per candidate (the recipe's loss "
+         "weights, learning rate, batch and sequence, on identical batches), each scored on the held-out sets at "
+         "a third, two thirds and the end. Right after pruning the ranking does not predict the trained one "
+         "(Minitron), so each candidate gets a short distillation: a tenth of --steps keeps N candidates at N/10 of "
+         "the main distillation's cost (--dry-run prints it); at least 3, so the three scored points differ and "
+         "show whether the ranking has settled"),
+        (("--search-tolerance",), dict(type=float, metavar="FRACTION"), "how far from the budget a candidate's "
+         "parameter count may be (relative)"),
     ]),
     ("Distillation", [
         (("--steps",), dict(type=int), "total distillation optimizer steps over all stages"),
@@ -232,7 +249,8 @@ NONE_MEANS = {"warmup_steps": "2% of --steps", "scratch_learning_rate": "--learn
               "eval_every": "a quarter of --steps", "revision": "the default branch", "logger": "JSONL and "
               "TensorBoard only", "wandb_project": "W&B's default", "data": "the preset's corpus (tiny, "
               "gemma3-270m)", "frozen": "nothing", "teacher": "the preset's", "student": "the preset's",
-              "teacher_correction_lr": "a tenth of --learning-rate"}
+              "teacher_correction_lr": "a tenth of --learning-rate",
+              "search_steps": "a tenth of --steps, at least 3"}
 
 
 def _default_text(dest: str) -> str:

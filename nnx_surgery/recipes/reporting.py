@@ -9,6 +9,7 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
+from nnx_surgery.recipes.shape_search import eval_points
 
 BYTES = {"bf16": 2, "fp32": 4}
 
@@ -17,8 +18,10 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
     return parse_mesh_spec(mesh) if mesh else {}
 
 
-def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec) -> str:
-    """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan."""
+def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec, search=None) -> str:
+    """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan. With
+    `search` (a `shape_search.StudentChoice` of `--student params=...`), first the shapes the search would train and
+    its cost; `spec` (the uniform guess) stands for the student below."""
     student = spec.config_for(teacher, list(range(spec.num_layers)))
     pieces = spec.vocab_size_for(teacher)
     student = student if pieces is None else student.replace(vocab_size=pieces)
@@ -42,7 +45,8 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
             ("vocabulary", teacher.vocab_size, student.vocab_size),
             ("parameters", _count(n_t), f"{_count(n_s)}  ({n_s / n_t:.0%} of the teacher)")]
     width = max(len(str(r[0])) for r in rows)
-    lines = [f"{str(a).ljust(width)}  {str(b).rjust(10)}  {c}" for a, b, c in rows]
+    lines = search_plan(args, search) if search is not None else []
+    lines += [f"{str(a).ljust(width)}  {str(b).rjust(10)}  {c}" for a, b, c in rows]
     gib = 2**30
     memory = [(f"teacher weights ({args.precision})", t_bytes / devices),
               ("student weights, grads, Adam moments (float32)", s_bytes / devices),
@@ -68,6 +72,29 @@ def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec
     else:
         lines.append("  the teacher's weights are not on disk yet; the plan is computed at run time")
     return "\n".join(lines)
+
+
+def search_plan(args, search) -> list[str]:
+    """The dry run's account of a shape search: each candidate's shape and parameter counts (the uniform guess
+    marked), and its cost in steps and tokens against the main distillation's."""
+    budget = search.budget
+    width = max(len(c.text) for c in search.candidates)
+    lines = [f"shape search ({budget.text}: {search.target:,} {budget.counting.replace('_', '-')} parameters "
+             f"+-{args.search_tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
+             f"  {'candidate'.ljust(width)}  {'parameters':>10}  {'non-embedding':>13}"]
+    for number, candidate in enumerate(search.candidates):
+        mark = "  uniform guess (every axis cut by the same ratio)" if number == 0 else ""
+        lines.append(f"  {candidate.text.ljust(width)}  {_count(candidate.parameters):>10}  "
+                     f"{_count(candidate.non_embedding):>13}{mark}")
+    steps = len(search.candidates) * args.search_steps
+    lines += [f"  cost: {len(search.candidates)} candidates x {args.search_steps} steps x "
+              f"{args.tokens_per_step:,} tokens per step = {steps:,} steps, {steps * args.tokens_per_step:,} tokens: "
+              f"{steps / args.steps:.2f}x the main distillation's {args.steps:,} steps "
+              f"({args.steps * args.tokens_per_step:,} tokens)",
+              "  each candidate scored on the held-out sets at steps "
+              f"{', '.join(map(str, eval_points(args.search_steps)))}; ranked by in-domain CE at the last",
+              "  the shapes and plan below are the uniform guess's; the run distils the search's winner", ""]
+    return lines
 
 
 def _count(n: int) -> str:
@@ -105,7 +132,7 @@ def results_table(results: dict) -> str:
                      + " | ".join(cells) + " |")
     if results.get("trimmed_vocabulary"):
         lines += ["", results["trimmed_vocabulary"]]
-    lines += ["", *verdicts(results)]
+    lines += ["", *verdicts(results), *search_summary(results.get("search"))]
     times = results.get("phase_times_s") or {}
     if times:
         lines.append("Wall time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
@@ -113,6 +140,25 @@ def results_table(results: dict) -> str:
     else:
         lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
     return "\n".join(lines)
+
+
+METRIC_NAMES = {"ce": "CE", "ce_per_byte": "CE per byte", "kl": "KL to the teacher", "top1_agreement": "top-1 agreement"}
+
+
+def search_summary(search: dict | None) -> list[str]:
+    """The shape search in results.md: what was searched, the winner, the uniform guess's rank, the ranking at
+    each scored step, and the link to search.md (relative to the run folder, where results.md lies)."""
+    if not search:
+        return []
+    count = len(search["candidates"])
+    rankings = "; ".join(f"step {step}: " + " > ".join(f"`{name}`" for name in names)
+                         for step, names in search["rankings"].items())
+    return [f"Shape search ({search['student']}: {search['target_parameters']:,} "
+            f"{search['counting'].replace('_', '-')} parameters +-{search['tolerance']:.0%}): {count} of the "
+            f"{search['shapes_within_budget']} shapes within the budget, {search['steps']} steps each on the same "
+            f"batches, ranked by {search['rank_by'][0]} {METRIC_NAMES[search['rank_by'][1]]}. Winner, the student above: `{search['winner']}`; "
+            f"the uniform guess `{search['uniform_guess']}` ranked {search['guess_rank']} of {count}.",
+            f"  Ranking at {rankings}. Details: [{search['report']}]({search['report']}).", ""]
 
 
 def verdicts(results: dict) -> list[str]:

@@ -34,20 +34,20 @@ RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_aft
 MANAGED_CHECKPOINT = ("directory", "resume")
 
 
-def build_parser(description: str = "") -> argparse.ArgumentParser:
+def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gemma_7b_to_2b.py", description=description or "Compress a causal LM: plan, prune, distil, save.",
+        prog=prog, description=description or "Compress a causal LM: plan, prune, distil, save.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=distill_epilog(),
         argument_default=argparse.SUPPRESS)
     add_arguments(parser)
     return parser
 
 
-def resolve(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
+def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.Namespace:
     """Parse the command line, read --config and layer everything (module docstring). The namespace has every
     recipe setting, `distill` (the resolved distill section, a dict), the run-only flags, and `resolved`
     (`resolved_config`, taken before the run adds anything)."""
-    given = vars(build_parser(description).parse_args(argv))
+    given = vars(build_parser(description, prog).parse_args(argv))
     file = load_config_file(given["config"]) if given.get("config") else {}
     file_distill = file.pop("distill", None) or {}
     file.pop("format", None)
@@ -170,6 +170,8 @@ def _derive(args: argparse.Namespace) -> None:
         args.scratch_learning_rate = args.learning_rate
     if args.teacher_correction_lr is None:
         args.teacher_correction_lr = args.learning_rate / 10
+    if args.search_steps is None:
+        args.search_steps = max(3, args.steps // 10)
     if args.distill.get("eval_every") is None:
         args.distill["eval_every"] = max(1, args.steps // 4)
     args.temperature = parse_ramp(args.temperature, "--temperature")
@@ -210,6 +212,13 @@ def check(args: argparse.Namespace) -> None:
             surgery.gguf_export.resolve_export_dtype(args.gguf)
         except ValueError as err:
             raise RecipeError(f"--gguf {args.gguf}: {err}") from None
+    for flag, value, fine, need in (
+            ("--search-candidates", args.search_candidates, args.search_candidates >= 1, "at least 1 shape"),
+            ("--search-steps", args.search_steps, args.search_steps >= 1, "at least 1 step per candidate"),
+            ("--search-tolerance", args.search_tolerance, 0 < args.search_tolerance < 1, "a fraction in (0, 1), "
+             "e.g. 0.05")):
+        if not fine:
+            raise RecipeError(f"{flag} {value}: give {need}.")
     if args.teacher_correction < 0:
         raise RecipeError(f"--teacher-correction {args.teacher_correction}: give a number of steps >= 0.")
     if args.schedule not in ("none", *SCHEDULES):

@@ -54,7 +54,7 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
                  mlp: Sequence | None = None, heads: Sequence | None = None, kv_groups: Sequence | None = None,
                  compensate: bool = True, norm_correction: bool = False, measure_compensation: bool = False,
                  source: str | None = None, revision: str | None = None, mesh=None,
-                 tokenizer: str | os.PathLike | None = None) -> Plan:
+                 tokenizer: str | os.PathLike | None = None, vocab_calibration=None) -> Plan:
     """Decide a student of shape `spec` (a StudentSpec or a named shape such as "gemma-2b") for `teacher`.
 
     `teacher` is an NNX model or an HF folder / repo id. From a folder without calibration data, scores are
@@ -70,9 +70,12 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     student with and without compensation and store both KL(teacher || student) values on the calibration data in
     `scores["compensation"]`. `tokenizer`: where the teacher's tokenizer.json is (a folder or the file), for a
     spec with `vocab_size`; default: the teacher's folder, else `source` when it is a folder.
+    `vocab_calibration`: token ids (like `calibration`) whose piece counts choose a trimmed vocabulary, e.g. the
+    whole training corpus while the model passes score a few rows of it; default: all of `calibration`.
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
-    every = calibration_batches(calibration, batch_size) if calibration is not None else None  # vocabulary counts
+    every = calibration_batches(calibration, batch_size) if calibration is not None else None
+    counted = every if vocab_calibration is None else calibration_batches(vocab_calibration, batch_size)
     batches = every if every is None or num_samples is None else \
         calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
     depth, width = _methods(depth, width, kv_merge, batches, explicit_layers=layers is not None,
@@ -84,7 +87,7 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
         formation = spec.check_against(config, kv_mode)
         if tokenizer is None and spec.vocab_size is not None:
             tokenizer = _tokenizer_folder(teacher, source, revision)
-        kept_vocab, vocab_record = _vocabulary(spec, config, every, tokenizer)  # before the long scoring passes
+        kept_vocab, vocab_record = _vocabulary(spec, config, counted, tokenizer)  # before the long scoring passes
         scores, stats = _scores(model, config, read, batches, depth if layers is None else "explicit", width)
         fingerprint = teacher_fingerprint(config, read)
 

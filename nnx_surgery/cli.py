@@ -1,0 +1,242 @@
+"""The installed command line, `nnx-surgery` (also `python -m nnx_surgery`): one subcommand per step a user may
+want alone, each a thin layer over the Python API (nnx_surgery/commands/ holds what they run).
+
+    nnx-surgery compress --preset tiny --output runs/tiny             the whole recipe (recipes/gemma_7b_to_2b.py)
+    nnx-surgery plan TEACHER --student layers=18,mlp=0.5 --output plan.json
+    nnx-surgery prune TEACHER plan.json student/
+    nnx-surgery distill TEACHER student/ --output distilled/
+    nnx-surgery eval --teacher TEACHER student/ distilled/ --output eval/
+    nnx-surgery generate distilled/ --prompt "def main("
+    nnx-surgery import-gguf model.gguf folder/            nnx-surgery export-gguf folder/ model.gguf
+    nnx-surgery push distilled/ me/tiny-student
+
+Errors are one line on stderr and exit code 2 (`--debug` keeps the traceback). Nothing here imports jax: a
+subcommand's module is imported when it runs, so `--help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from nnx_surgery import __version__
+
+PROG = "nnx-surgery"
+DATA_HELP = ("training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME (default: the Python standard "
+             "library's source, offline)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals look like the toolkit's: one line on stderr naming the flag, exit code 2."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _number(kind: type, low: float, high: float | None = None, *, above: bool = False) -> Callable:
+    """An argparse type: a `kind` number from `low` (excluded with `above`) up to `high`, else a one-line refusal."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or value < low or (above and value == low) or (high is not None and value > high):
+            need = (f"above {low:g}" if above else f"at least {low:g}") if high is None else \
+                f"in {'(' if above else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} must be {need}")
+        return value
+    return parse
+
+
+POSITIVE, COUNT = _number(int, 1), _number(int, 0)
+
+
+def _data_flags(parser: argparse.ArgumentParser, seq_len: int, *, batch: bool = False) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--data", help=DATA_HELP)
+    group.add_argument("--corpus-bytes", type=POSITIVE, default=2_000_000,
+                       help="bytes of standard library source when --data is not given (default %(default)s)")
+    group.add_argument("--seq-len", type=_number(int, 2), default=seq_len, help="tokens per row (default %(default)s)")
+    if batch:
+        group.add_argument("--batch-size", type=POSITIVE, default=8, help="rows per step (default %(default)s)")
+    group.add_argument("--seed", type=int, default=0, help="the data split, order and sampling (default 0)")
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
+    p.add_argument("--student", required=True, metavar="SPEC",
+                   help="the student's shape: gemma-2b, scaled, layers=18,mlp=0.5 or layers=18,mlp=512,vocab=16384")
+    p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where the plan is written")
+    p.add_argument("--calibration-samples", type=COUNT, default=128,
+                   help="rows of data for activation importance (default %(default)s; 0: data-free scores read "
+                        "from the weights on disk, the teacher never loaded)")
+    p.add_argument("--revision", help="the Hub revision of a Hub teacher")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing plan file")
+    _data_flags(p, 256)
+
+
+def _prune_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="the teacher the plan was made for (folder or .gguf)")
+    p.add_argument("plan", metavar="PLAN.json", help="a plan from `nnx-surgery plan` (or a folder holding plan.json)")
+    p.add_argument("output", metavar="OUTPUT", help="the student folder to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the student's dtype (default: the teacher checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+
+
+def _distill_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
+    p.add_argument("student", metavar="STUDENT", help="the student folder (e.g. from `nnx-surgery prune`)")
+    p.add_argument("-o", "--output", required=True, help="the distilled student's folder")
+    p.add_argument("--steps", type=POSITIVE, default=200, help="optimizer steps (default %(default)s)")
+    p.add_argument("--learning-rate", type=_number(float, 0.0, above=True), default=3e-4,
+                   help="peak learning rate, cosine decay to 0.1x (default %(default)s)")
+    p.add_argument("--warmup-steps", type=COUNT, default=None, help="linear warm-up steps (default: 2%% of --steps)")
+    p.add_argument("--alpha", type=_number(float, 0.0, 1.0), default=1.0,
+                   help="weight of forward KL to the teacher; 1 - alpha goes to hard-label CE (default 1)")
+    p.add_argument("--temperature", type=_number(float, 0.0, above=True), default=1.0,
+                   help="distillation temperature (default 1)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the teacher's weights and the student's compute (default fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    _data_flags(p, 256, batch=True)
+
+
+def _eval_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folders", metavar="FOLDER", nargs="+", help="model folders to judge against the teacher")
+    p.add_argument("--teacher", required=True, help="the reference: a folder, a .gguf file or gguf:gemma3-270m")
+    p.add_argument("-o", "--output", required=True, help="where suite.md, suite.json and results.json go")
+    p.add_argument("--eval-tokens", type=POSITIVE, default=4096, help="scored tokens of each held-out set "
+                   "(default %(default)s)")
+    p.add_argument("--general-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="also judge on English prose no training corpus contains (default: yes)")
+    p.add_argument("--eval-prompts", type=POSITIVE, default=8, help="held-out prompts continued greedily")
+    p.add_argument("--new-tokens", type=POSITIVE, default=48, help="tokens generated per prompt (default 48)")
+    p.add_argument("--choice-items", type=POSITIVE, default=32, help="next-line multiple-choice items (default 32)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    _data_flags(p, 256)
+
+
+def _generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", metavar="FOLDER", help="a model folder with its tokenizer.json")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens (default 64)")
+    p.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 (default): greedy; else sample")
+    p.add_argument("--top-k", type=POSITIVE, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weights' dtype in memory (default float32)")
+
+
+def _import_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("gguf", metavar="FILE.gguf", help="a GGUF Gemma (e.g. from llama.cpp or `export-gguf`)")
+    p.add_argument("output", metavar="OUTPUT", help="the Hugging Face folder to write (must not hold files)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                   help="the folder's weights (default bfloat16; float32 keeps quantised values exact)")
+
+
+def _export_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", metavar="FOLDER", help="a Gemma model folder (what prune, distill, compress write)")
+    p.add_argument("output", metavar="OUTPUT.gguf", help="the GGUF file to write")
+    p.add_argument("--dtype", default="q8_0", help="the matrices' type: f32, f16, bf16, q8_0 (default), q5_1, q5_0, "
+                   "q4_1, q4_0")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT.gguf")
+
+
+def _push_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", metavar="FOLDER", help="a complete model folder (config.json and safetensors)")
+    p.add_argument("repo_id", metavar="REPO_ID", help="user/name or org/name (a bare name goes to the token's user)")
+    access = p.add_mutually_exclusive_group()
+    access.add_argument("--private", action="store_true", default=True, help="create the repo private (default)")
+    access.add_argument("--public", action="store_true", help="create the repo public")
+    p.add_argument("--revision", help="the branch to push to (default main)")
+    p.add_argument("--message", help="the commit message")
+    p.add_argument("--token-env", metavar="VAR", help="the environment variable holding the token (default: "
+                   "HF_TOKEN, else `hf auth login`'s); tokens are never taken as flags, printed or written")
+
+
+# name -> (module:function that runs it, one line, examples, flags)
+COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
+    "compress": ("nnx_surgery.recipes.compress:entry", "the whole recipe: plan, prune, distil, evaluate, save "
+                 "(recipes/gemma_7b_to_2b.py; every flag in `nnx-surgery compress --help`)",
+                 ["compress --preset tiny --output runs/tiny",
+                  "compress --preset gemma3-270m --output runs/gemma3-270m",
+                  "compress --teacher FOLDER --student layers=12,mlp=0.5 --data 'corpus/*.txt' --output runs/x"], None),
+    "plan": ("nnx_surgery.commands.surgery_steps:plan", "choose what a student of a given shape keeps of the "
+             "teacher, from calibration data, and write the plan as JSON",
+             ["plan TEACHER --student layers=18,mlp=0.5 --output plan.json",
+              "plan gguf:gemma3-270m --student layers=18,mlp=512,vocab=16384 --data 'corpus/*.txt' -o plan.json"],
+             _plan_flags),
+    "prune": ("nnx_surgery.commands.surgery_steps:prune", "cut the student a plan describes from the teacher's "
+              "files, slice by slice (the teacher is never loaded whole)",
+              ["prune TEACHER plan.json student/", "prune TEACHER plan.json student/ --dtype bfloat16"], _prune_flags),
+    "distill": ("nnx_surgery.commands.training:distill_student", "train a student on a teacher's outputs (forward KL, "
+                "plus hard-label CE when --alpha < 1) and save it",
+                ["distill TEACHER student/ --output distilled/",
+                 "distill TEACHER student/ --data 'corpus/*.txt' --steps 500 --alpha 0.5 --output distilled/"],
+                _distill_flags),
+    "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
+             "(in-domain and general prose), generations and multiple choice; writes suite.md",
+             ["eval --teacher TEACHER student/ distilled/ --output eval/",
+              "eval --teacher TEACHER student/ --data 'corpus/*.txt' --eval-prompts 4 --output eval/"], _eval_flags),
+    "generate": ("nnx_surgery.commands.models:generate", "continue a prompt with a model folder (greedy by default)",
+                 ["generate student/ --prompt 'def main('",
+                  "generate student/ --prompt 'Once' --temperature 0.8 --top-p 0.9 --max-new-tokens 100"],
+                 _generate_flags),
+    "import-gguf": ("nnx_surgery.commands.models:import_gguf", "write a GGUF Gemma as a Hugging Face folder",
+                    ["import-gguf model.gguf folder/", "import-gguf model.gguf folder/ --dtype float32"],
+                    _import_flags),
+    "export-gguf": ("nnx_surgery.commands.models:export_gguf", "write a Gemma folder as one GGUF file for llama.cpp",
+                    ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --dtype f16"],
+                    _export_flags),
+    "push": ("nnx_surgery.commands.models:push", "upload a model folder to the Hugging Face Hub (private by default)",
+             ["push student/ me/tiny-student", "HUB_WRITE=... nnx-surgery push student/ acme/student "
+              "--token-env HUB_WRITE --public"], _push_flags),
+}
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    description=__doc__.split("\n\n")[0].replace("\n", " "),
+                    epilog="examples:\n" + "\n".join(f"  {PROG} {examples[0]}" for _, _, examples, _ in
+                                                     COMMANDS.values()) + f"\n\n`{PROG} COMMAND --help` for each.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, (_, line, examples, flags) in COMMANDS.items():
+        sub = commands.add_parser(name, help=line, description=line[0].upper() + line[1:] + ".",
+                                  formatter_class=argparse.RawDescriptionHelpFormatter, add_help=flags is not None,
+                                  epilog="examples:\n" + "\n".join(f"  {PROG} {e}" for e in examples))
+        if flags is not None:
+            flags(sub)
+            sub.add_argument("--debug", action="store_true", help="keep the traceback of an error")
+    return parser
+
+
+def _load(target: str) -> Callable:
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.cli.guarded`);
+    `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "compress":  # the recipe's own flags, --help and exit codes
+        _load(COMMANDS["compress"][0])(argv[1:], prog="nnx-surgery compress")
+        return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from nnx_surgery.recipes.cli import guarded  # imports jax: only once a subcommand runs
+    run = _load(COMMANDS[args.command][0])
+    guarded(lambda _: run(args), argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What the subcommands of `nnx-surgery` run (the parser is nnx_surgery/cli.py), one module per group:
+
+    surgery_steps   plan, prune
+    training        distill, eval
+    models          generate, import-gguf, export-gguf, push
+
+Each function takes the parsed flags and calls the Python API; what they share is here: the checks that turn a
+missing or unusable path into one line naming the argument, and the recipe's data pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+from nnx_surgery.recipes.cli import RecipeError
+
+
+def model_folder(path: str, name: str) -> str:
+    """`path` when it is a Hugging Face model folder (config.json inside), else a RecipeError naming `name`."""
+    if not os.path.isdir(path):
+        raise RecipeError(f"{name} {path}: no such folder; give a Hugging Face model folder (config.json and "
+                          "safetensors, as prune, distill, compress and import-gguf write).")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise RecipeError(f"{name} {path}: no config.json there, so it is not a Hugging Face model folder.")
+    return os.path.abspath(path)
+
+
+def teacher_source(text: str, name: str, revision: str | None = None) -> str:
+    """`recipes.cli.teacher_folder` (a folder, a .gguf file, gguf:gemma3-270m or a Hub id), with a missing local
+    path refused here, before it could be taken for a Hub id."""
+    path = os.path.expanduser(text)
+    local = path.startswith((".", os.sep)) or path.count("/") > 1
+    if local and not text.endswith(".gguf") and not os.path.exists(path):
+        raise RecipeError(f"{name} {text}: no such folder; give a model folder, a .gguf file, gguf:gemma3-270m "
+                          "or a Hub id (user/name).")
+    from nnx_surgery.recipes.cli import teacher_folder
+    try:
+        return teacher_folder(text, revision)
+    except RecipeError as error:  # it names --teacher, the recipe's flag
+        raise RecipeError(str(error).replace("--teacher", name, 1)) from None
+
+
+def empty_folder(path: str, name: str, overwrite: bool) -> str:
+    """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RecipeError(f"{name} {path}: exists and is not a folder; choose another path.")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise RecipeError(f"{name} {path}: the folder is not empty; pass --overwrite to replace it, or choose "
+                          "another path.")
+    return os.path.abspath(path)
+
+
+def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None) -> str:
+    """A file to write (a folder gets `inside` appended): refused when it exists unless `overwrite`; its folder is
+    created."""
+    if inside is not None and os.path.isdir(path):
+        path = os.path.join(path, inside)
+    if os.path.isdir(path):
+        raise RecipeError(f"{name} {path}: is a folder; give a file path.")
+    if os.path.exists(path) and not overwrite:
+        raise RecipeError(f"{name} {path}: exists; pass --overwrite to replace it, or choose another path.")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return os.path.abspath(path)
+
+
+def checked(flag: str, value, resolve: Callable):
+    """`resolve(value)`, its ValueError turned into a RecipeError naming the flag."""
+    try:
+        return resolve(value)
+    except ValueError as error:
+        raise RecipeError(f"{flag} {value!r}: {error}") from None
+
+
+def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: str | None = None,
+                 batch_size: int = 1):
+    """(batches, description) of `--data` (or, without it, `--corpus-bytes` of the standard library's source) in
+    the tokens of `tokenizer` (default: the teacher's): the recipe's own pipeline (compress.load_data: packed
+    rows, BOS at the start of rows that continue a document, the teacher's position limit, a held-out split)."""
+    from nnx_surgery.recipes import compress, tiny_teacher
+
+    settings = argparse.Namespace(teacher_folder=teacher_folder, data=args.data, corpus_bytes=args.corpus_bytes,
+                                  seed=args.seed, batch_size=batch_size, seq_len=args.seq_len, restart_rows=True,
+                                  general_mix=0.0)
+    corpus = None if args.data else tiny_teacher.corpus_files(settings)
+    description = args.data or f"{len(corpus)} modules of the Python standard library's source"
+    return compress.load_data(settings, corpus, tokenizer), description
+
+
+def shape_line(config) -> str:
+    """A model's shape in one line."""
+    return (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, MLP {config.intermediate_size}, "
+            f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV, vocabulary {config.vocab_size:,}, "
+            f"{config.num_parameters() / 1e6:,.2f}M parameters")
+
+
+__all__ = ["teacher_source", "model_folder", "empty_folder", "new_file", "checked", "text_batches", "shape_line"]

@@ -1,0 +1,134 @@
+"""`nnx-surgery distill` (distill.run, then save_student / save_pretrained) and `nnx-surgery eval` (the recipe's
+evaluation: recipes/evaluation.py over distill.evaluate_suite, both held-out sets)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from nnx_surgery import distill, surgery
+from nnx_surgery.commands import empty_folder, model_folder, shape_line, teacher_source, text_batches
+from nnx_surgery.recipes import cli, evaluation
+
+PLAN_FILE = "plan.json"
+
+
+def _plan_of(folder: str) -> surgery.Plan | None:
+    path = os.path.join(folder, PLAN_FILE)
+    return surgery.Plan.load(path) if os.path.isfile(path) else None
+
+
+def _kept_vocab(folder: str, name: str, teacher: surgery.ModelConfig) -> tuple[int, ...] | None:
+    """The teacher ids of a trimmed student's pieces (its plan.json), None when it has the teacher's vocabulary;
+    a RecipeError for a vocabulary the teacher's cannot be mapped to."""
+    config, plan = surgery.ModelConfig.from_file(folder), _plan_of(folder)
+    if plan is not None and plan.kept_vocab is not None:
+        plan.check_teacher(teacher, where=f"--teacher (for {name} {folder})")
+        return tuple(plan.kept_vocab)
+    if config.vocab_size != teacher.vocab_size:
+        raise cli.RecipeError(f"{name} {folder}: its vocabulary ({config.vocab_size:,}) is not the teacher's "
+                              f"({teacher.vocab_size:,}) and it has no plan.json with the kept pieces; give the "
+                              "teacher it was cut from.")
+    return None
+
+
+def _tokenizer_source(student: str, teacher: str) -> str:
+    return student if os.path.isfile(os.path.join(student, "tokenizer.json")) else teacher
+
+
+def distill_student(args: argparse.Namespace) -> str:
+    """Distil STUDENT from TEACHER on the data (one stage: alpha * KL + (1 - alpha) * CE) and save it to --output,
+    with the student's plan.json when it has one."""
+    teacher_folder = teacher_source(args.teacher, "TEACHER")
+    student_folder = model_folder(args.student, "STUDENT")
+    out = empty_folder(args.output, "--output", args.overwrite)
+    teacher_config = surgery.ModelConfig.from_file(teacher_folder)
+    kept = _kept_vocab(student_folder, "STUDENT", teacher_config)
+    tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
+    distill.data.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
+    data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
+    teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
+    student = surgery.load_pretrained(student_folder, dtype="float32")
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 50
+    stage = distill.Stage(steps=args.steps, name="distill", learning_rate=args.learning_rate, warmup_steps=warmup,
+                          weights=distill.LossWeights.mixed(args.alpha), temperature=args.temperature)
+    config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len,
+                                   vocab_map=kept, seed=args.seed, plots=False,
+                                   compute_dtype="bfloat16" if args.precision == "bf16" else "float32")
+    print(f"[distill] {args.steps} steps of {args.batch_size} x {args.seq_len} tokens of {description}", flush=True)
+    result = distill.run(teacher, student, data, config)
+    extra = {"history.json": {"train": result.full_history, "eval": result.full_evals,
+                              "data_state": result.data_state}}
+    plan = _plan_of(student_folder)
+    if plan is not None:  # the source makes a trimmed student's tokenizer again from the teacher's
+        folder = surgery.save_student(result.student, plan, out, overwrite=args.overwrite, extra_files=extra,
+                                      source=teacher_folder if kept else _tokenizer_source(student_folder,
+                                                                                            teacher_folder))
+    else:
+        folder = surgery.save_pretrained(result.student, out, source=_tokenizer_source(student_folder, teacher_folder),
+                                         overwrite=args.overwrite, extra_files=extra)
+    ce = [record["student_ce"] for record in result.full_evals if "student_ce" in record]
+    if ce:
+        print(f"held-out CE: {ce[0]:.4f} before, {ce[-1]:.4f} after ({len(ce)} evaluations)")
+    print(f"distilled student: {folder}")
+    return folder
+
+
+SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
+           ("top1_agreement", "top-1", "{:.1%}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
+           ("general_kl", "general KL", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
+           ("multiple_choice", "next-line MC", "{:.1%}"))
+
+
+def summary(rows: list[dict]) -> str:
+    """The results' rows as a Markdown table (suite.md has every set in full, with intervals and samples)."""
+    columns = [c for c in SUMMARY if any(row.get(c[0]) is not None for row in rows)]
+    lines = ["| model | parameters | vocabulary | " + " | ".join(title for _, title, _ in columns) + " |",
+             "|---|---:|---:|" + "---:|" * len(columns)]
+    for row in rows:
+        cells = ["-" if row.get(key) is None else form.format(row[key]) for key, _, form in columns]
+        lines.append(f"| {row['model']} | {row['parameters']:,} | {row['vocab_size']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _names(folders: list[str], given: list[str]) -> list[str]:
+    """Table names: each folder's base name, or the path as given when two share one (or one is "teacher")."""
+    bases = [os.path.basename(os.path.normpath(path)) for path in given]
+    return [base if bases.count(base) == 1 and base != "teacher" else path for base, path in zip(bases, given)]
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
+    --no-general-eval, general prose), with generations and multiple choice; write suite.md/json and results.json."""
+    teacher_folder = teacher_source(args.teacher, "--teacher")
+    folders = [model_folder(path, "FOLDER") for path in args.folders]
+    names = _names(folders, args.folders)
+    if len(set(names)) != len(names):
+        raise cli.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
+                              "folder once.")
+    out = empty_folder(args.output, "--output", args.overwrite)
+    teacher_config = surgery.ModelConfig.from_file(teacher_folder)
+    kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
+    data, description = text_batches(args, teacher_folder)
+    settings = argparse.Namespace(teacher_folder=teacher_folder, seq_len=args.seq_len, eval_tokens=args.eval_tokens,
+                                  seed=args.seed, data_description=description, general_eval=args.general_eval,
+                                  eval_prompts=args.eval_prompts, new_tokens=args.new_tokens,
+                                  choice_items=args.choice_items)
+    rows = [("teacher", surgery.load_pretrained(teacher_folder, dtype="float32"), 0)]
+    for name, folder in zip(names, folders):
+        model = surgery.load_pretrained(folder, dtype="float32")
+        print(f"[eval] {name}: {shape_line(model.config)}", flush=True)
+        rows.append((name, model, 0))
+    vocabularies = {name: distill.Vocabulary(folder, kept[name]) for name, folder in zip(names, folders)
+                    if kept[name] is not None}
+    os.makedirs(out, exist_ok=True)
+    results = evaluation.evaluate(settings, rows, data, out, pairs=[(name, "teacher") for name in names],
+                                  vocabularies=vocabularies)
+    for row in results["rows"]:
+        row.pop("tokens")  # the recipe's training tokens: not known here
+    results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+    print(summary(results["rows"]))
+    print(f"written: {os.path.join(out, 'suite.md')} (every held-out set, samples), suite.json, results.json")
+    return results

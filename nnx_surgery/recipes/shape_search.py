@@ -1,0 +1,201 @@
+"""The recipe's shape search: `--student params=0.5` (half the teacher's non-embedding parameters), `params=120M`,
+or `params=0.5,counting=total` (the whole checkpoint) chooses the student among the shapes within that budget before
+the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run distils the winner.
+
+    choice = student_choice(args, teacher_config)   # an explicit --student, or a budget and the shapes to try
+    spec, summary = choose_student(args, choice, teacher, data, calibration, out)   # the winner; results["search"]
+
+* The shapes tried (`--search-candidates N`): the uniform guess (`surgery.uniform_spec`: every axis cut by the same
+  ratio, what one would pick by hand), so the search shows whether it beats the guess, and N-1 of the shapes within
+  `--search-tolerance` of the budget (`surgery.candidate_specs`, largest non-embedding count first): the middle one
+  of each of N-1 equal slices of that list (deterministic, and spread over the whole list, not its largest few,
+  so different mixes of depth and width are tried).
+* Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses (plans cached
+  in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
+  stage's settings (loss weights, learning rate, warm-up scaled to the search's length, temperature, trainable and
+  frozen patterns, batch, sequence, precision, mesh) on identical batches: copies of the run's batches as they
+  stand before the main distillation, which therefore sees the batches a run with `--student WINNER` would. With
+  --schedule or the config file's stages the search still trains that one stage (a schedule is sized for the main
+  run); students are built in memory (`apply_plan`), --from-disk or not.
+* Scored at a third, two thirds and the end on the recipe's held-out sets (`evaluation.heldout_sets`: in-domain and,
+  unless --no-general-eval, general prose) and ranked by in-domain CE per token: every candidate keeps the teacher's
+  tokenizer, so per-token CE compares (a `vocab=` beside `params=` is refused: candidates with a trimmed vocabulary
+  would each need the trimmed tokenizer's corpus and held-out sets; search first, then give the winner with vocab=).
+* Staged compression (`--compression staged`, the tiny and 7b presets): the search compares one-shot cuts; the main
+  run then stages the winner exactly as it stages an explicit --student.
+* Results in OUT/search/ (search.md, search.json, search.png, a folder per candidate); with --resume a finished
+  candidate is read back, not trained again, and an interrupted one continues from its checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from nnx_surgery import distill
+from nnx_surgery import surgery
+from nnx_surgery.recipes import cli, evaluation, phases
+from nnx_surgery.surgery.search_space import COUNTINGS, budget_target
+
+FOLDER = "search"
+GUESS = "uniform guess"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A `--student params=...` budget: the flag's text, the fraction or count, and what it counts."""
+
+    text: str
+    params: str
+    counting: str = "non_embedding"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentChoice:
+    """An explicit student (`budget` None), or a search: the budget, the shapes to try (the uniform guess first),
+    how many shapes fit it, and its target count. `spec` is the explicit student, or the uniform guess (what a dry
+    run shows) until the search picks the winner."""
+
+    spec: surgery.StudentSpec
+    budget: Budget | None = None
+    candidates: tuple[surgery.Candidate, ...] = ()
+    fitting: int = 0
+    target: int = 0
+
+    @property
+    def guess(self) -> surgery.Candidate:
+        return self.candidates[0]
+
+
+def parse_budget_text(text: str | None) -> Budget | None:
+    """The budget of a `--student` value with `params=`, else None. Refuses sizes or a named shape beside it and
+    `vocab=` (module docstring) with a one-line error."""
+    items = [item.strip() for item in (text or "").split(",")]
+    if not any(item.partition("=")[0].strip() == "params" for item in items):
+        return None
+    given: dict[str, str] = {}
+    for item in items:
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key == "vocab":
+            raise cli.RecipeError(f"--student {text!r}: the shape search compares candidates in the teacher's "
+                                  "tokens, so it does not take vocab=; search without it, then run the winner "
+                                  "as --student WINNER,vocab=N.")
+        if key not in ("params", "counting"):
+            raise surgery.SpecError(f"--student {text!r}: params= lets the search choose the shape, so {item!r} "
+                                    "(a size or a named shape) cannot join it; give a budget "
+                                    "(params=0.5 or params=120M, optionally ,counting=total) or a shape.")
+        given[key] = value
+    counting = given.get("counting", "non_embedding").replace("-", "_")
+    if counting not in COUNTINGS:
+        raise surgery.SpecError(f"--student {text!r}: counting={given['counting']!r}; choose non_embedding (the "
+                                "default: the layers alone) or total (the whole checkpoint).")
+    return Budget(text, given["params"], counting)
+
+
+def student_choice(args, teacher: surgery.ModelConfig) -> StudentChoice:
+    """The student `--student` asks for, checked against the teacher's config before any model loads: an explicit
+    shape (`cli.student_spec`), or the budget and the shapes the search will try."""
+    budget = parse_budget_text(args.student)
+    if budget is None:
+        return StudentChoice(cli.student_spec(args.student, teacher, tokenizer=args.teacher_folder))
+    try:
+        target = budget_target(teacher, budget.params, budget.counting)
+        fitting = surgery.candidate_specs(teacher, params=budget.params, counting=budget.counting,
+                                          tolerance=args.search_tolerance)
+        guess = surgery.uniform_spec(teacher, params=budget.params, counting=budget.counting)
+        guess.spec.check_against(teacher)
+    except surgery.SpecError as error:
+        raise surgery.SpecError(f"--student {budget.text!r}: {error}") from None
+    chosen = spread(fitting, guess, args.search_candidates)
+    return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target)
+
+
+def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: int) -> list[surgery.Candidate]:
+    """The uniform guess, then the middle shape of each of `count` - 1 equal slices of `fitting` (all of them when
+    fewer fit)."""
+    others = [c for c in fitting if c.text != guess.text]
+    slots = min(count - 1, len(others))
+    return [guess] + [others[(2 * i + 1) * len(others) // (2 * slots)] for i in range(slots)]
+
+
+def eval_points(steps: int) -> tuple[int, ...]:
+    """A third, two thirds and the end of the search (fewer when the search is shorter than 3 steps)."""
+    return tuple(sorted({max(1, round(steps * k / 3)) for k in (1, 2, 3)}))
+
+
+def search_config(args, out: str, data) -> distill.DistillConfig:
+    """One stage of `--search-steps` with the main stage's settings (module docstring); held-out batches only at
+    the start and the end (the held-out sets score the candidates), and every candidate trains every step
+    (--stop-when-met is the main run's)."""
+    warmup = min(args.search_steps - 1, round(phases.warmup_steps(args) * args.search_steps / args.steps))
+    stage = distill.Stage(steps=args.search_steps, name="search", trainable=args.trainable, frozen=args.frozen,
+                          learning_rate=args.learning_rate, warmup_steps=max(0, warmup),
+                          weights=phases.loss_weights(args, args.feature_weight), temperature=args.temperature)
+    config = phases.phase_config(args, FOLDER, [stage], None, out, data)
+    return dataclasses.replace(config, eval_every=args.search_steps,
+                               targets=dataclasses.replace(config.targets, stop_when_met=False))
+
+
+def candidate_plan(args, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
+    """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it."""
+    path = os.path.join(directory, "plans", candidate.text.replace(",", "_") + ".json")
+    if os.path.exists(path):
+        return surgery.Plan.load(path)
+    plan = surgery.plan_student(teacher, candidate.spec, calibration=calibration, source=args.teacher,
+                                revision=args.revision, seed=args.seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    plan.save(path)
+    return plan
+
+
+def search_candidates(args, choice: StudentChoice, teacher, calibration, directory: str) -> list:
+    """`distill.SearchCandidate`s of the chosen shapes: planned now, each student built when it trains."""
+    found = []
+    for candidate in choice.candidates:
+        plan = candidate_plan(args, teacher, candidate, calibration, directory)
+        found.append(distill.SearchCandidate(
+            candidate.text, build=lambda plan=plan: surgery.apply_plan(teacher, plan), plan=plan,
+            parameters=candidate.parameters, non_embedding=candidate.non_embedding,
+            note=GUESS if candidate is choice.guess else None))
+    return found
+
+
+def choose_student(args, choice: StudentChoice, teacher, data, calibration, out: str):
+    """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
+    or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be."""
+    if choice.budget is None:
+        return choice.spec, None
+    directory = os.path.join(out, FOLDER)
+    candidates = search_candidates(args, choice, teacher, calibration, directory)
+    config = search_config(args, out, data)
+    print(f"[search] {len(candidates)} of the {choice.fitting} shapes within {choice.budget.text} "
+          f"({choice.target:,} {choice.budget.counting.replace('_', '-')} parameters +-{args.search_tolerance:.0%}), "
+          f"{args.search_steps} steps each on the same batches; results in {directory}", flush=True)
+    result = distill.search(teacher, candidates, data, config, sets=evaluation.heldout_sets(args, data),
+                            directory=directory, eval_at=eval_points(args.search_steps),
+                            rank_by=(evaluation.IN_DOMAIN, "ce"),
+                            sampler=surgery.make_sampler() if config.on_policy.fraction else None)
+    return cli.student_spec(result.winner, args.teacher_config), summary(args, choice, result)
+
+
+def summary(args, choice: StudentChoice, result: distill.SearchResult) -> dict:
+    """What results.json records of the search: the budget, the candidates (ranked), the winner, the uniform
+    guess's rank, the ranking at every scored step, and where search.md is (relative to the run folder)."""
+    last = result.eval_at[-1]
+    ranked = []
+    for row in result.rows:
+        point = next(p for p in row["curve"] if p["step"] == last)
+        ranked.append({"student": row["name"], "parameters": row["parameters"],
+                       "non_embedding": row["non_embedding"], "uniform_guess": row.get("note") == GUESS,
+                       "scores": {name: {metric: point[name][metric] for metric in ("ce", "ce_per_byte", "kl")}
+                                  for name in result.teacher}})
+    return {"student": choice.budget.text, "counting": choice.budget.counting, "target_parameters": choice.target,
+            "tolerance": args.search_tolerance, "shapes_within_budget": choice.fitting, "steps": args.search_steps,
+            "tokens_per_candidate": args.search_steps * args.tokens_per_step, "eval_at": list(result.eval_at),
+            "rank_by": list(result.rank_by), "candidates": ranked, "winner": result.winner,
+            "uniform_guess": choice.guess.text, "guess_rank": result.ranking().index(choice.guess.text) + 1,
+            "rankings": {str(step): result.ranking(step) for step in result.eval_at},
+            "report": os.path.join(FOLDER, "search.md")}
+
+
+__all__ = ["Budget", "StudentChoice", "parse_budget_text", "student_choice", "spread", "eval_points",
+           "search_config", "choose_student", "summary", "FOLDER", "GUESS"]

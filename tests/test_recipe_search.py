@@ -1,0 +1,184 @@
+"""The recipe's shape search (`--student params=0.5`) at tiny scale: the candidates searched (the uniform guess
+among them, marked), the winner distilled as the main student, results.json / results.md recording the search, a
+resumed run reading finished candidates back, the dry run's candidates and cost, and bad budgets refused in one
+line with exit 2 before any model loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recipe_env import recipe_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
+sys.path.insert(0, ROOT)
+
+from nnx_surgery import surgery  # noqa: E402
+from nnx_surgery.recipes import phases, settings, shape_search  # noqa: E402
+from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
+from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG  # noqa: E402
+
+# the tiny teacher of test_recipe.py / test_config_surface.py (same teacher settings: one cached teacher)
+TINY = ["--preset", "tiny", "--teacher-steps", "40", "--corpus-bytes", "150000", "--batch-size", "4", "--seq-len",
+        "32", "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0", "--control", "none",
+        "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1", "--eval-every", "3", "--eval-tokens",
+        "1024", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
+SEARCH = ["--student", "params=0.5", "--search-candidates", "2", "--search-steps", "2"]
+TEACHER = surgery.GemmaConfig.from_hf_dict(TEACHER_CONFIG)
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def run_recipe(cache, *flags):
+    return subprocess.run([sys.executable, RECIPE, *TINY, "--cache-dir", str(cache), *flags], capture_output=True,
+                          text=True, env=recipe_env(cache.parent), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """A search run stopped in stage B (after the search and stage A), its finished candidates' result.json
+    modification times, then the same run resumed to the end."""
+    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+    out = tmp_path_factory.mktemp("search-run") / "run"
+    halted = run_recipe(cache, *SEARCH, "--output", str(out), "--halt-after", "stage_b:1")
+    assert halted.returncode == 3, f"{halted.stdout[-3000:]}\n{halted.stderr[-3000:]}"
+    finished = {path: os.path.getmtime(path) for path in result_files(out)}
+    resumed = run_recipe(cache, *SEARCH, "--output", str(out), "--resume")
+    assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-3000:]}"
+    return out, halted, resumed, finished
+
+
+def result_files(out) -> list[str]:
+    folder = out / "search"
+    return sorted(str(folder / name / "result.json") for name in os.listdir(folder)
+                  if os.path.exists(folder / name / "result.json"))
+
+
+def shape_text(config: dict) -> str:
+    return "layers={},hidden={},mlp={},heads={},kv_heads={}".format(*(config[key] for key in SHAPE_KEYS))
+
+
+def test_the_search_tries_the_uniform_guess_and_a_spread_shape_and_marks_the_guess(searched):
+    out = searched[0]
+    report = json.loads((out / "search" / "search.json").read_text())
+    guess = surgery.uniform_spec(TEACHER, params=0.5).text
+    fitting = [c.text for c in surgery.candidate_specs(TEACHER, params=0.5)]
+    others = [text for text in fitting if text != guess]
+    names = {row["name"]: row for row in report["candidates"]}
+    assert set(names) == {guess, others[len(others) // 2]}  # the guess, and the middle of the one slice
+    assert names[guess]["note"] == "uniform guess" and "note" not in names[others[len(others) // 2]]
+    assert report["eval_at"] == [1, 2] and set(report["teacher"]) == {"in-domain", "general"}
+    for row in report["candidates"]:
+        assert [point["step"] for point in row["curve"]] == [1, 2]
+        assert all(0 < point[name]["ce"] < 10 for point in row["curve"] for name in ("in-domain", "general"))
+    table = (out / "search" / "search.md").read_text()
+    assert f"`{guess}` (uniform guess)" in table and f"`{others[len(others) // 2]}` |" in table
+    assert os.path.getsize(out / "search" / "search.png") > 1000
+
+
+def test_the_winner_is_the_main_student_and_the_results_record_the_search(searched):
+    out = searched[0]
+    report = json.loads((out / "search" / "search.json").read_text())
+    final_ce = {row["name"]: row["curve"][-1]["in-domain"]["ce"] for row in report["candidates"]}
+    winner = min(final_ce, key=final_ce.get)
+    assert report["rankings"]["2"][0] == winner
+    assert shape_text(json.loads((out / "student" / "config.json").read_text())) == winner
+    assert (out / "student" / "plan_stage_a.json").exists()  # the main run still stages the winner
+    results = json.loads((out / "results.json").read_text())
+    search = results["search"]
+    assert search["winner"] == winner and search["student"] == "params=0.5" and search["steps"] == 2
+    assert search["uniform_guess"] == surgery.uniform_spec(TEACHER, params=0.5).text
+    assert search["guess_rank"] == report["rankings"]["2"].index(search["uniform_guess"]) + 1
+    assert search["rankings"] == report["rankings"] and len(search["candidates"]) == 2
+    assert [c["uniform_guess"] for c in search["candidates"]].count(True) == 1
+    assert (out / search["report"]).exists() and "shape search" in results["phase_times_s"]
+    text = (out / "results.md").read_text()
+    assert "Shape search (params=0.5" in text and f"Winner, the student above: `{winner}`" in text
+    assert f"ranked {search['guess_rank']} of 2" in text and "(search/search.md)" in text
+
+
+def test_a_resumed_run_reads_finished_candidates_back(searched):
+    out, halted, resumed, finished = searched
+    assert len(finished) == 2 and halted.stdout.count("[search]   step ") == 4  # 2 candidates x 2 points
+    assert resumed.stdout.count("[search]   finished earlier") == 2
+    assert "[search]   step " not in resumed.stdout
+    assert {path: os.path.getmtime(path) for path in result_files(out)} == finished
+
+
+def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+    out = tmp_path_factory.mktemp("search-dry") / "run"
+    proc = run_recipe(cache, "--student", "params=0.5", "--search-candidates", "3", "--search-steps", "4",
+                      "--dry-run", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    guess = surgery.uniform_spec(TEACHER, params=0.5)
+    chosen = shape_search.spread(surgery.candidate_specs(TEACHER, params=0.5), guess, 3)
+    lines = proc.stdout.splitlines()
+    for candidate in chosen:
+        line = next(line for line in lines if line.strip().startswith(candidate.text + " "))
+        assert f"{candidate.parameters / 1e6:.2f}M" in line and f"{candidate.non_embedding / 1e6:.2f}M" in line
+        assert ("uniform guess" in line) == (candidate is guess)
+    # 3 candidates x 4 steps x (4 x 32) tokens, against the main run's 3 steps
+    assert "3 candidates x 4 steps x 128 tokens per step = 12 steps, 1,536 tokens: 4.00x the main " \
+           "distillation's 3 steps (384 tokens)" in proc.stdout
+    assert "[search]" not in proc.stdout and not (out / "search").exists()
+    assert not (out / "run_args.json").exists()
+
+
+def test_candidates_spread_over_the_list_after_the_guess():
+    fitting = surgery.candidate_specs(TEACHER, params=0.5)
+    guess = surgery.uniform_spec(TEACHER, params=0.5)
+    chosen = shape_search.spread(fitting, guess, 4)
+    others = [c for c in fitting if c.text != guess.text]
+    n = len(others)
+    assert chosen[0] is guess and [c.text for c in chosen[1:]] == [others[n // 6].text, others[n // 2].text,
+                                                                    others[5 * n // 6].text]
+    assert len({c.text for c in shape_search.spread(fitting, guess, 100)}) == n + 1  # every shape, once
+    assert shape_search.spread(fitting, guess, 1) == [guess]
+    assert shape_search.eval_points(2) == (1, 2) and shape_search.eval_points(24) == (8, 16, 24)
+
+
+def test_the_search_distils_with_the_recipes_settings():
+    args = settings.resolve([*TINY, "--student", "params=0.5", "--search-steps", "5", "--alpha", "0.75",
+                             "--temperature", "2", "--frozen", "embed_tokens", "--stop-when-met"])
+    config = shape_search.search_config(args, "/unused", None)
+    (stage,) = config.stages
+    assert config.total_steps == 5 and (config.batch_size, config.seq_len) == (4, 32)
+    assert stage.weights == phases.loss_weights(args, args.feature_weight) and stage.learning_rate == 2e-3
+    assert stage.weights.ce == 0.25 and stage.temperature.start == 2.0 and stage.frozen == ("embed_tokens",)
+    assert config.targets.stop_when_met is False  # every candidate trains every step
+    assert settings.resolve([*TINY]).search_steps == 3  # the default: a tenth of --steps, at least 3
+    assert settings.resolve([*TINY, "--steps", "240"]).search_steps == 24
+
+
+@pytest.mark.parametrize("student, error, culprit", [
+    ("params=1", surgery.SpecError, "not below the teacher's"),           # the budget is the whole teacher
+    ("params=3M", surgery.SpecError, "not below the teacher's"),
+    ("params=2", surgery.SpecError, "no student shape"),                  # nothing fits two parameters
+    ("params=0.5,layers=3", surgery.SpecError, "'layers=3'"),             # sizes beside a budget
+    ("gemma-2b,params=0.5", surgery.SpecError, "'gemma-2b'"),             # a named shape beside a budget
+    ("params=0.5,counting=all", surgery.SpecError, "counting='all'"),
+    ("params=half", surgery.SpecError, "'half'"),
+    ("params=0.5,vocab=128", RecipeError, "vocab="),
+])
+def test_bad_budgets_are_refused_against_the_teacher_config(student, error, culprit):
+    args = settings.resolve([*TINY, "--student", student])
+    args.teacher_folder = None
+    with pytest.raises(error) as raised:
+        shape_search.student_choice(args, TEACHER)
+    assert culprit in str(raised.value) and f"--student {student!r}" in str(raised.value)
+
+
+@pytest.mark.parametrize("flags, culprit", [
+    (["--student", "params=1", "--dry-run"], "SpecError: --student 'params=1'"),
+    (["--student", "params=0.5", "--search-candidates", "0"], "RecipeError: --search-candidates 0"),
+    (["--student", "params=0.5", "--search-steps", "0"], "RecipeError: --search-steps 0"),
+])
+def test_bad_search_input_is_one_line_and_exit_2(tmp_path_factory, flags, culprit):
+    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+    proc = run_recipe(cache, *flags, "--output", str(tmp_path_factory.mktemp("bad") / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {culprit}") and len(proc.stderr.strip().splitlines()) == 2
