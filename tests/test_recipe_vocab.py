@@ -19,6 +19,8 @@ from hf_reference import assert_clean_loading, hf_logits, load_with_info, make_h
 from recipe_env import recipe_env
 from tiny_tokenizers import SAVERS
 
+pytestmark = pytest.mark.slow  # recipe runs end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
@@ -148,8 +150,9 @@ def _restricted_kl(teacher, out) -> float:
 
 def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_path):
     out = tmp_path / "staged"
+    # no control run and no multiple choice here (the one-shot run above has both, trimmed)
     proc = run_recipe(teacher, out, "--student", "layers=2,hidden=24,mlp=24,heads=2,kv_heads=1,vocab=0.6",
-                      "--compression", "staged", "--eval-prompts", "0")
+                      "--compression", "staged", "--eval-prompts", "0", "--choice-items", "0", "--control", "none")
     student = out / "student"
     assert json.loads((student / "plan_stage_a.json").read_text()).get("kept_vocab") is None
     kept = json.loads((student / "plan.json").read_text())["kept_vocab"]
@@ -195,6 +198,8 @@ def test_the_recipe_writes_the_trimmed_student_as_gguf(teacher, oneshot):
     assert fields["general.architecture"] == "gemma3" and fields["gemma3.block_count"] == 2
     assert len(fields["tokenizer.ggml.tokens"]) == config["vocab_size"] == 400
     assert fields["tokenizer.ggml.bos_token_id"] == config["bos_token_id"]
+    card = (out / "student" / "README.md").read_text()  # the model card says how to run the file
+    assert "`student-f32.gguf`" in card and "llama-cli -m student-f32.gguf" in card
     bad = run_recipe(teacher, out.parent / "bad-gguf", "--student", "layers=2", "--gguf", "q4_k_m", check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: RecipeError: --gguf q4_k_m:"), bad.stderr
     assert not (out.parent / "bad-gguf").exists() or not any((out.parent / "bad-gguf").iterdir())

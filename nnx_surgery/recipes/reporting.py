@@ -297,5 +297,6 @@ def card_writer(args, plan, plan_a, results: dict, tokens: int):
         surgery.write_model_card(os.path.dirname(path), teacher_id=str(args.teacher), teacher_revision=args.revision,
                                  plan_summary=summary, data_description=args.data_description, steps=args.steps,
                                  tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,
-                                 repo_id=args.push_to_hub)
+                                 repo_id=args.push_to_hub,
+                                 gguf=f"student-{args.gguf}.gguf" if args.gguf else None)
     return write

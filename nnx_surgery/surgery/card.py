@@ -38,13 +38,15 @@ def write_model_card(folder: str | os.PathLike, *, teacher_id: str, teacher_revi
                      plan_summary: str | Mapping[str, Any], data_description: str, steps: int, tokens: int,
                      losses: Mapping[str, Any], evaluation: Mapping[str, Any], license: str | None = None,
                      model_name: str | None = None, tags: Sequence[str] = (), datasets: Sequence[str] = (),
-                     language: str | Sequence[str] | None = None, repo_id: str | None = None) -> str:
+                     language: str | Sequence[str] | None = None, repo_id: str | None = None,
+                     gguf: str | None = None) -> str:
     """Write `folder/README.md`; returns its path.
 
     `plan_summary` is free text or a mapping (e.g. {"layers": "26 -> 18", "hidden": "2304 -> 1536"});
     `losses` maps a loss name to its final value, or to a sequence of values (shown first -> last);
     `evaluation` maps a metric name to a value or to {"teacher": x, "student": y}. `repo_id` (default: the
-    folder name) is used in the usage snippet. Multi-host (`jax.distributed`): only process 0 writes (shared
+    folder name) is used in the usage snippet; `gguf`, the name of a GGUF export of the same weights, adds how to
+    run it with llama.cpp. Multi-host (`jax.distributed`): only process 0 writes (shared
     storage); the others return the path.
     """
     from huggingface_hub import ModelCardData
@@ -59,7 +61,7 @@ def write_model_card(folder: str | os.PathLike, *, teacher_id: str, teacher_revi
                          datasets=list(datasets) or None, language=language, model_name=model_name)
     text = f"---\n{data.to_yaml()}\n---\n\n" + _body(folder, model_name, repo_id or model_name, teacher_id,
                                                       teacher_revision, plan_summary, data_description, steps,
-                                                      tokens, losses, evaluation)
+                                                      tokens, losses, evaluation, gguf)
     path = os.path.join(folder, "README.md")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -67,7 +69,7 @@ def write_model_card(folder: str | os.PathLike, *, teacher_id: str, teacher_revi
 
 
 def _body(folder, model_name, repo_id, teacher_id, teacher_revision, plan_summary, data_description, steps,
-          tokens, losses, evaluation) -> str:
+          tokens, losses, evaluation, gguf=None) -> str:
     teacher_link = f"[{teacher_id}](https://huggingface.co/{teacher_id})" if is_hub_repo_id(teacher_id) \
         else f"`{teacher_id}`"
     revision = f" at revision `{teacher_revision}`" if teacher_revision else ""
@@ -99,8 +101,14 @@ def _body(folder, model_name, repo_id, teacher_id, teacher_revision, plan_summar
         lines.append("")
     lines += ["## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
-              f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", "",
-              "## Limitations", "",
+              f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
+    if gguf:
+        lines += [f"The same weights as one GGUF file for llama.cpp and the runtimes built on it: `{gguf}` (written "
+                  "beside this folder; `nnx-surgery export-gguf` makes one of any dtype).", "", "```bash",
+                  f'llama-cli -m {gguf} -p "def fib(n):" -n 48', "```", "", "```python",
+                  "from llama_cpp import Llama  # pip install llama-cpp-python", "",
+                  f'print(Llama("{gguf}")("def fib(n):", max_tokens=48)["choices"][0]["text"])', "```", ""]
+    lines += ["## Limitations", "",
               "The student inherits the teacher's license, training data caveats and limitations. It is smaller "
               "and was trained on far fewer tokens than the teacher; check the evaluation above on your own task.",
               ""]
