@@ -92,11 +92,12 @@ def section_demo(records: list[dict]) -> list[str]:
                          f"{cell('kl_to_teacher')} | {cell('bleu', '{:.1f}')} | {cell('rouge_l', '{:.1f}')} | "
                          f"{cell('multiple_choice', '{:.2%}')} |")
     lines += ["", demo.get("verdict", ""), ""]
+    vocab = next((row.get("vocab_size") for row in demo["rows"] if row.get("tokens")), None) or VOCAB  # trimmed?
     for phase, stats in (demo.get("step_stats") or {}).items():
         if stats:
             # distill.step_flops counts a trained head; the demo freezes the tied embedding, so the step skips the
-            # head-gradient matmul (2 * V * D FLOPs per token): count only what runs.
-            executed = stats["tflops_per_s"] * 1e3 - 2 * VOCAB * HIDDEN * stats["tokens_per_s"] / 1e9
+            # head-gradient matmul (2 * V * D FLOPs per token, V the student's vocabulary): count only what runs.
+            executed = stats["tflops_per_s"] * 1e3 - 2 * vocab * HIDDEN * stats["tokens_per_s"] / 1e9
             lines.append(f"- {phase} phase step: {stats['step_time_s']:.2f} s median ({stats['tokens_per_s']:.0f} "
                          f"tokens/s; {executed:.0f} GFLOP/s by `distill.step_flops`' count less the skipped head gradient = "
                          f"{executed / CPU_PEAK_GFLOPS:.0%} of the "
