@@ -85,8 +85,8 @@ FLAGS = [
         (("--dry-run",), dict(action="store_true"), "print shapes, parameters, memory and plan; no training"),
         (("--cache-dir",), dict(), "where the tiny teacher and imported GGUFs are cached (default: "
          "$NNX_SURGERY_CACHE or ~/.cache/nnx-surgery)"),
-        (("--gguf",), dict(metavar="DTYPE"), "also write the student as OUT/student-DTYPE.gguf for llama.cpp "
-         "(f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; Gemma families)"),
+        (("--gguf", "--export-gguf"), dict(metavar="DTYPE"), "also write the student as OUT/student-DTYPE.gguf for "
+         "llama.cpp (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; Gemma families)"),
         (("--push-to-hub",), dict(metavar="REPO_ID"), "publish the student (private unless --public)"),
         (("--public",), dict(action="store_true"), "make the pushed repo public"),
     ]),
