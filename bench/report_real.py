@@ -5,8 +5,9 @@ quality table, the recovery curves, GGUF export and llama.cpp decoding).
 
 Reads the committed records in bench/results/real-270m.jsonl and bench/results/gguf-export.jsonl (`gguf_export`
 summaries from bench/gguf_export.py): `gguf_import` and `generate` summaries (from
-bench/gguf_import.py and bench/generate.py), `demo` records (a results.json of `make demo`, added with
-`--add-demo runs/gemma3-270m/results.json`) and `recovery` records (bench/real_recovery.py's lines).
+bench/gguf_import.py and bench/generate.py), `demo` records (the rows, sets, step_stats, recovery_curves,
+multiple_choice, phase_times_s and wall_time_s of a `make demo` results.json, with `bench: "demo"`, a description
+and a verdict, appended as one JSON line; the newest is rendered) and `recovery` records (bench/real_recovery.py's lines).
 """
 from __future__ import annotations
 
