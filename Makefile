@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test bench clean llama-cpp test-llama
+.PHONY: demo test test-fast bench clean llama-cpp test-llama
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,8 +20,22 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume
 
+# Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one), then the
+# `serial` tests alone (multi-process JAX with time bounds, peak-memory measurements); both passes always run and
+# either failing fails. `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs (exit 5:
+# nothing selected). (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.)
+PYTEST := $(PY) -m pytest -q
+PARALLEL := -n 2 --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests bench/test_bench.py
+	$(PYTEST) $(PARALLEL) -m "not serial" tests bench/test_bench.py; a=$$?; \
+	$(PYTEST) -m serial tests bench/test_bench.py; b=$$?; \
+	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
+
+test-fast: $(STAMP)
+	$(PYTEST) $(PARALLEL) -m "not slow and not serial" tests bench/test_bench.py; a=$$?; \
+	$(PYTEST) -m "serial and not slow" tests bench/test_bench.py; b=$$?; \
+	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
 
 # llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our
 # GGUF exports with llama.cpp itself; `make test` skips them without it. The version the exports were checked with.

@@ -60,6 +60,7 @@ def test_report_renders_partial_results(tmp_path):
     assert text.startswith("# Benchmarks") and "Not measured yet" in text
 
 
+@pytest.mark.slow
 def test_gpu_script_runs_on_cpu_at_tiny_shapes(tmp_path):
     """bench/gpu.sh is the prepared H200 check; without a GPU it runs the same code at tiny shapes."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

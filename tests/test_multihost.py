@@ -45,6 +45,8 @@ def runs(tmp_path_factory):
     return {"root": root, "two": finish(two, str(root / "two")), "one": finish(one, str(root / "one"))[0]}
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
 def test_two_processes_give_the_losses_and_student_of_one(runs):
     one, (first, second) = runs["one"], runs["two"]
     assert (first["process_count"], first["devices"], one["devices"]) == (2, 8, 8)
@@ -68,6 +70,8 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
         np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
 def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
     """The 2-process run's step-2 checkpoint resumes in 1 process on 4 devices (fsdp=2,tp=2) with a student of
     other weights: step 3 and the final student equal the uninterrupted run's."""
@@ -83,6 +87,8 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
         np.testing.assert_allclose(resumed[name], value, rtol=0, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
 def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
     """Two runs at once. In each, one process is SIGKILLed inside the loop (fetching batch 2 while step 1 runs)
     and the other waits in the step's collectives. Process 1 killed: JAX's coordination service (in process 0)

@@ -13,6 +13,9 @@ from safetensors.numpy import load_file
 
 import multihost_launch
 
+# two JAX processes and a reference run: slow, and alone (the Makefile's second pass)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_eval_worker.py")
 TIMEOUT_S = 240  # for all workers together: a hang fails the test instead of blocking it

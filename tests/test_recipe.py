@@ -16,10 +16,15 @@ import pytest
 from hf_reference import assert_clean_loading, hf_logits, load_with_info
 from recipe_env import recipe_env
 
+pytestmark = pytest.mark.slow  # recipe runs end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 SMALL = ["--preset", "tiny", "--teacher-steps", "40", "--steps", "24", "--batch-size", "4", "--seq-len", "32",
-         "--corpus-bytes", "150000", "--calibration-samples", "8", "--checkpoint-every", "4"]
+         "--corpus-bytes", "150000", "--calibration-samples", "8", "--checkpoint-every", "4",
+         # the suite's generations and multiple choice still run, for fewer prompts and items than the preset's
+         # (8 x 48 tokens, 32 items, for each of four models); fewer held-out batches during training
+         "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4", "--eval-batches", "4"]
 
 
 def run_recipe(output, cache, *extra, check=True):
@@ -117,8 +122,8 @@ def test_teacher_correction_trains_the_teacher_alone_resumes_and_is_reported(run
     """--teacher-correction: the teacher fine-tuned with CE first (halted inside it, then resumed), then pruned
     and teaching; the results show the corrected teacher and the teacher as it was."""
     base, cache = runs[0], runs[4]
-    fast = ["--steps", "6", "--control", "none", "--eval-prompts", "0", "--eval-tokens", "1024",
-            "--teacher-correction", "4", "--teacher-correction-lr", "1e-3"]
+    fast = ["--steps", "6", "--control", "none", "--eval-prompts", "0", "--choice-items", "0", "--eval-tokens",
+            "1024", "--teacher-correction", "4", "--teacher-correction-lr", "1e-3"]
     halted = run_recipe(base / "corrected", cache, *fast, "--halt-after", "teacher_correction:2", check=False)
     assert halted.returncode == 3, halted.stderr[-2000:]
     assert not (base / "corrected" / "phases" / "teacher_correction").exists()

@@ -61,6 +61,7 @@ def shape_text(config: dict) -> str:
     return "layers={},hidden={},mlp={},heads={},kv_heads={}".format(*(config[key] for key in SHAPE_KEYS))
 
 
+@pytest.mark.slow
 def test_the_search_tries_the_uniform_guess_and_a_spread_shape_and_marks_the_guess(searched):
     out = searched[0]
     report = json.loads((out / "search" / "search.json").read_text())
@@ -79,6 +80,7 @@ def test_the_search_tries_the_uniform_guess_and_a_spread_shape_and_marks_the_gue
     assert os.path.getsize(out / "search" / "search.png") > 1000
 
 
+@pytest.mark.slow
 def test_the_winner_is_the_main_student_and_the_results_record_the_search(searched):
     out = searched[0]
     report = json.loads((out / "search" / "search.json").read_text())
@@ -100,6 +102,7 @@ def test_the_winner_is_the_main_student_and_the_results_record_the_search(search
     assert f"ranked {search['guess_rank']} of 2" in text and "(search/search.md)" in text
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_finished_candidates_back(searched):
     out, halted, resumed, finished = searched
     assert len(finished) == 2 and halted.stdout.count("[search]   step ") == 4  # 2 candidates x 2 points
@@ -108,6 +111,7 @@ def test_a_resumed_run_reads_finished_candidates_back(searched):
     assert {path: os.path.getmtime(path) for path in result_files(out)} == finished
 
 
+@pytest.mark.slow
 def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "recipe-cache"
     out = tmp_path_factory.mktemp("search-dry") / "run"

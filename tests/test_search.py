@@ -54,11 +54,23 @@ def candidates(teacher, built=None):
             for name, kept in (("first+last", (0, 3)), ("middle", (1, 2)), ("one", (3,)))]
 
 
-def test_every_candidate_sees_the_same_batches_and_is_scored_like_a_direct_run(setup, tmp_path):
+@pytest.fixture(scope="module")
+def searched(setup, tmp_path_factory):
+    """One search of the three candidates, each candidate's batches noted: (result, batch log, its folder). Shared:
+    the stopped-and-resumed search compares with its first two candidates (each candidate trains alone on fresh
+    data, so they are what a search of those two gives)."""
     teacher, train, held = setup
     seen: list = []
+    folder = tmp_path_factory.mktemp("search")
     result = search(teacher, candidates(teacher), lambda: RecordingBatches(train, seen), config(), sets=[held],
-                    directory=str(tmp_path), eval_at=(2,), log=lambda line: None)
+                    directory=str(folder), eval_at=(2,), log=lambda line: None)
+    return result, seen, folder
+
+
+@pytest.mark.slow
+def test_every_candidate_sees_the_same_batches_and_is_scored_like_a_direct_run(setup, searched):
+    teacher, train, held = setup
+    result, seen, tmp_path = searched
     per_candidate = [seen[i * STEPS:(i + 1) * STEPS] for i in range(3)]
     assert len(seen) == 3 * STEPS and per_candidate[0] == per_candidate[1] == per_candidate[2]
     # an independent run of one candidate with the same settings gives the same scores
@@ -81,10 +93,12 @@ def test_every_candidate_sees_the_same_batches_and_is_scored_like_a_direct_run(s
     assert os.path.getsize(tmp_path / "search.png") > 1000
 
 
-def test_a_search_stopped_midway_resumes_without_redoing_finished_candidates(setup, tmp_path):
+@pytest.mark.slow
+def test_a_search_stopped_midway_resumes_without_redoing_finished_candidates(setup, searched, tmp_path):
     teacher, train, held = setup
-    whole = search(teacher, candidates(teacher)[:2], ArrayBatches(train), config(), sets=[held],
-                   directory=str(tmp_path / "whole"), eval_at=(2,), log=lambda line: None)
+    # the uninterrupted search of the first two candidates: theirs in the shared search of three, in its order
+    two = {candidate.name for candidate in candidates(teacher)[:2]}
+    whole_rows = [row for row in searched[0].rows if row["name"] in two]
 
     class Stop(Exception):
         pass
@@ -107,7 +121,7 @@ def test_a_search_stopped_midway_resumes_without_redoing_finished_candidates(set
     assert built == [(1, 2)]  # the finished first candidate was not rebuilt
     assert any("finished earlier" in line for line in lines)
     assert [(r["name"], [(p["step"], p["samples"]) for p in r["curve"]]) for r in resumed.rows] == \
-           [(r["name"], [(p["step"], p["samples"]) for p in r["curve"]]) for r in whole.rows]
+           [(r["name"], [(p["step"], p["samples"]) for p in r["curve"]]) for r in whole_rows]
     assert not os.path.exists(tmp_path / "cut" / "middle" / "checkpoints")  # only the curve is kept
 
 

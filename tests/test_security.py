@@ -123,6 +123,7 @@ print("RESULT " + json.dumps({{"errors": messages}}))
 """
 
 
+@pytest.mark.slow
 def test_hub_token_never_reaches_logs_errors_or_files(tmp_path):
     from fake_hub import FakeHub
 

@@ -19,14 +19,20 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from recipe_env import compile_cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
-TINY = ["--preset", "tiny", "--teacher-steps", "20", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
-        "--corpus-bytes", "60000", "--calibration-samples", "4", "--eval-prompts", "0", "--control", "none",
-        "--checkpoint-every", "1"]
+# The teacher settings of test_recipe.py / test_config_surface.py / test_recipe_search.py (teacher steps, batch, seq,
+# corpus): the session's cached tiny teacher when one of them ran first in this process. The evaluation compared at
+# the end is smaller than the preset's (no generations or multiple choice, 1,024 held-out tokens per set); XLA:CPU
+# without backend optimisation (the same for every run).
+TINY = ["--preset", "tiny", "--teacher-steps", "40", "--steps", "12", "--batch-size", "4", "--seq-len", "32",
+        "--corpus-bytes", "150000", "--calibration-samples", "4", "--eval-prompts", "0", "--choice-items", "0",
+        "--eval-tokens", "1024", "--control", "none", "--checkpoint-every", "1",
+        "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 KILLS = 5
 STAGE_A_STEPS, STAGE_B_STEPS = 4, 8  # --steps 12 with the default --stage-a-fraction 0.3
 # Progress marks of a run, in order: a checkpoint folder appears when its write completes, a phase folder when
@@ -39,8 +45,9 @@ DELAY_S = (0.0, 1.2)
 
 
 def _env(compile_cache) -> dict[str, str]:
-    """CPU, offline, and a persistent compilation cache shared by the runs: a resumed run loads what the first one
-    compiled instead of compiling it again (the same executables; most of a tiny run's time)."""
+    """CPU, offline, and a persistent compilation cache shared by the runs (the session's, tests/recipe_env.py): a
+    resumed run loads what the first one compiled instead of compiling it again (the same executables; most of a
+    tiny run's time)."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
             **compile_cache_env(compile_cache)}
 
@@ -140,8 +147,11 @@ def _soak(output, cache, compile_cache, seed: int) -> str:
     return report
 
 
-def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path):
-    cache, compile_cache = tmp_path / "cache", tmp_path / "compile-cache"
+@pytest.mark.slow
+def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path, tmp_path_factory):
+    # the session's tiny teacher cache and compilation cache (tests/recipe_env.py)
+    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+    compile_cache = tmp_path_factory.getbasetemp() / "jax-compile-cache"
     started = time.monotonic()
     # The uninterrupted run trains and caches the tiny teacher; the soaked runs start once it is cached and run
     # beside the rest of it (two processes: most of a tiny run's time is single-threaded tracing).

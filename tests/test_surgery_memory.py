@@ -16,12 +16,15 @@ import textwrap
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table
 from nnx_surgery.surgery.config import GemmaConfig
 from nnx_surgery.surgery.safetensors_io import PendingTensor, write_json, write_model_files
 from nnx_surgery.surgery.slices import nnx_shape
 from nnx_surgery.surgery.spec import StudentSpec
+
+pytestmark = pytest.mark.serial  # peak memory of a fresh process: alone (the Makefile's second pass)
 
 TEACHER = {"model_type": "gemma", "vocab_size": 64000, "hidden_size": 1024, "intermediate_size": 4096,
            "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,

@@ -155,6 +155,7 @@ def test_dpo_trains_a_pruned_student(pruned, tmp_path):
     _saved_logits_match(trained, folder, tmp_path / "dpo-student")
 
 
+@pytest.mark.slow
 def test_grpo_trains_a_pruned_student(pruned, tmp_path):
     teacher, plan, folder = pruned
     student = surgery.apply_plan(teacher, plan)

@@ -272,11 +272,10 @@ def test_real_gemma3_tokenizer_trimmed_to_16k_pieces_of_python(tmp_path):
     from tokenizers import Tokenizer
 
     from nnx_surgery.distill import stdlib_corpus
-    from real_gemma import gguf_path
-    from nnx_surgery.surgery import cached_import
+    from real_gemma import cached_import
 
     start = time.perf_counter()
-    folder = cached_import(gguf_path(), "float32")
+    folder = cached_import("float32")
     teacher_tok, reader = Tokenizer.from_file(os.path.join(folder, "tokenizer.json")), TeacherTokenizer.read(folder)
     config = ModelConfig.from_file(folder)
     files = stdlib_corpus()
