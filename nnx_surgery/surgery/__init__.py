@@ -1,5 +1,6 @@
 """nnx-surgery: exact Gemma 1/2/3 and Llama/Mistral/Qwen2 in Flax NNX, and the surgery that turns a large model
-into a smaller one. Each family is a tensor schema plus a config adapter (nnx_surgery/surgery/families/).
+into a smaller one. Each family is one module of nnx_surgery/surgery/families/: its tensor schema, config adapter,
+divisibility rule and GGUF conversion.
 
     teacher = load_pretrained("google/gemma-7b")              # config.json decides everything
     plan = plan_student(teacher, StudentSpec.named("gemma-2b"), calibration=token_ids)

@@ -3,7 +3,7 @@
 `config.json` is the only source of truth: every size, the attention type of every layer, the RoPE settings,
 soft-caps and the attention scale come from it, never from a table of model sizes. What is particular to a
 family (Gemma 1/2/3; Llama, Mistral, Qwen2) lives in its adapter, `nnx_surgery/surgery/families/`: its config-class defaults,
-the keys it reads and writes, and its tensor schema. `ModelConfig` holds the result; `GemmaConfig` is the same
+the keys it reads and writes, its tensor schema and its divisibility rule. `ModelConfig` holds the result; `GemmaConfig` is the same
 class under the name the toolkit started with.
 """
 from __future__ import annotations
@@ -218,6 +218,11 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"{where}: sliding layers need a positive sliding_window.")
     if cfg.hidden_act not in ("gelu_pytorch_tanh", "silu"):
         raise ConfigError(f"{where}: hidden_act={cfg.hidden_act!r}; expected 'gelu_pytorch_tanh' or 'silu'.")
+    rule = cfg.family.broken_rule(cfg.model_type, cfg.hidden_size, cfg.num_attention_heads)
+    if rule:
+        raise ConfigError(f"{where}: hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads="
+                          f"{cfg.num_attention_heads}; transformers rejects such {cfg.model_type} configs although "
+                          f"head_dim is explicit (the {cfg.family.name} family's rule: {rule}).")
     cfg.family.validate(cfg, where)
 
 
