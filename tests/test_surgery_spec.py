@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nnx_surgery.surgery import GemmaConfig, create_model, save_pretrained
+from nnx_surgery.surgery import ModelConfig, create_model, save_pretrained
 from nnx_surgery.surgery.apply import apply_plan
 from nnx_surgery.surgery.plan import Plan, PlanError
 from nnx_surgery.surgery.planner import plan_student
@@ -12,14 +12,14 @@ from nnx_surgery.surgery.prune_disk import prune_checkpoint
 from nnx_surgery.surgery.spec import NAMED_SHAPES, SpecError, StudentSpec
 
 
-def config(model_type="gemma2", **changes) -> GemmaConfig:
+def config(model_type="gemma2", **changes) -> ModelConfig:
     base = {"model_type": model_type, "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64,
             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
             "query_pre_attn_scalar": 8, "sliding_window": 4}
-    return GemmaConfig.from_hf_dict({**base, **changes})
+    return ModelConfig.from_hf_dict({**base, **changes})
 
 
-def real_shape(name: str, model_type: str = "gemma") -> GemmaConfig:
+def real_shape(name: str, model_type: str = "gemma") -> ModelConfig:
     layers, hidden, inter, heads, kv, head_dim = NAMED_SHAPES[name]
     return config(model_type, vocab_size=256000, hidden_size=hidden, intermediate_size=inter,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)

@@ -7,8 +7,8 @@ divisibility rule and GGUF conversion.
     student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
     save_student(student, plan, "out/student", source="google/gemma-7b")
 """
-from .config import ConfigError, GemmaConfig, ModelConfig
-from .model import CausalLM, Gemma, GemmaOutput, ModelOutput, abstract_model, create_model
+from .config import ConfigError, ModelConfig
+from .model import CausalLM, ModelOutput, abstract_model, create_model
 from .families import SUPPORTED_MODEL_TYPES
 from .safetensors_io import CheckpointError
 from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
@@ -26,8 +26,8 @@ from .gguf_export import export_gguf
 from .generate import Generation, generate, make_sampler
 from .tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
 
-__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "GemmaConfig", "CausalLM", "Gemma", "ModelOutput",
-           "GemmaOutput", "SUPPORTED_MODEL_TYPES", "abstract_model",
+__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOutput", "SUPPORTED_MODEL_TYPES",
+           "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
            "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
