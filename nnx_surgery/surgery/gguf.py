@@ -75,8 +75,9 @@ class GGUFTensorPlan:
 
 class GGUFFile:
     """The metadata (plain Python values) and tensor table of a little-endian GGUF v2/v3 file, parsed without
-    materialising the arrays GGUFReader builds per token (0.7 GB and seconds for a 262k vocabulary); tensor data
-    is read through a read-only memory map only when a tensor is dequantised."""
+    materialising the arrays GGUFReader builds per token (for a 262k vocabulary they would dominate the header's
+    memory and time; figures in bench/NOTES.md); tensor data is read through a read-only memory map only when a
+    tensor is dequantised."""
 
     SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                12: "<d"}
