@@ -5,7 +5,7 @@
     python bench/make_checkpoint.py --hub-copy-of /tmp/ckpt/gemma-7b /tmp/ckpt/gemma-7b-hub  # same tensors, Hub layout
 
 Shapes are the real configs (shared/research/hf_nnx.md §1.4); names and layouts come from
-`surgery.checkpoint.tensor_table`, config.json from `GemmaConfig.to_hf_dict`, and the files are written by
+`surgery.checkpoint.tensor_table`, config.json from `ModelConfig.to_hf_dict`, and the files are written by
 `surgery.safetensors_io.write_model_files`, which asks each tensor for its data only when its turn comes. The
 weights are produced in row blocks straight into the output array, so peak memory is the largest tensor (the
 embedding, 1.6 GB for gemma-7b) plus a few MB, whatever the model's size.
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table  # noqa: E402
-from nnx_surgery.surgery.config import GemmaConfig  # noqa: E402
+from nnx_surgery.surgery.config import ModelConfig  # noqa: E402
 from nnx_surgery.surgery.model import abstract_model  # noqa: E402
 from nnx_surgery.surgery.safetensors_io import PendingTensor, atomic_folder, write_json, write_model_files  # noqa: E402
 
@@ -84,8 +84,8 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def shape_config(shape: str, overrides: dict | None = None) -> GemmaConfig:
-    """The GemmaConfig of a named shape, with `overrides` (HF config keys) applied; layer_types follow
+def shape_config(shape: str, overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig of a named shape, with `overrides` (HF config keys) applied; layer_types follow
     num_hidden_layers when it is overridden."""
     if shape not in SHAPES:
         raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -95,7 +95,7 @@ def shape_config(shape: str, overrides: dict | None = None) -> GemmaConfig:
     if "num_hidden_layers" in overrides and "layer_types" in data and "layer_types" not in overrides:
         layers = int(data["num_hidden_layers"])
         data["layer_types"] = (_alternating(layers) if data["model_type"] == "gemma2" else _every_sixth(layers))
-    return GemmaConfig.from_hf_dict(data, where=f"shape {shape}")
+    return ModelConfig.from_hf_dict(data, where=f"shape {shape}")
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -139,7 +139,7 @@ def _bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def pending_tensors(config: GemmaConfig, dtype: np.dtype, seed: int) -> list[PendingTensor]:
+def pending_tensors(config: ModelConfig, dtype: np.dtype, seed: int) -> list[PendingTensor]:
     """Every HF tensor of `config`, in transformers' order, produced lazily."""
     model = abstract_model(config)
     from flax import nnx
@@ -179,7 +179,7 @@ def ensure_checkpoint(shape: str, out_dir: str, **kwargs) -> str:
     config_path = os.path.join(out_dir, "config.json")
     if os.path.exists(config_path):
         want = shape_config(shape, kwargs.get("overrides"))
-        if GemmaConfig.from_file(out_dir) == want:
+        if ModelConfig.from_file(out_dir) == want:
             return out_dir
     print(json.dumps(make_checkpoint(shape, out_dir, **kwargs)), file=sys.stderr, flush=True)
     return out_dir
@@ -279,7 +279,7 @@ def ensure_layout(src_dir: str, out_dir: str, layout: str) -> str:
     same = (os.path.exists(os.path.join(out_dir, "config.json"))
             and os.path.getmtime(os.path.join(out_dir, "config.json"))
             >= os.path.getmtime(os.path.join(src_dir, "config.json"))
-            and GemmaConfig.from_file(out_dir) == GemmaConfig.from_file(src_dir) and layout_of(out_dir) == layout
+            and ModelConfig.from_file(out_dir) == ModelConfig.from_file(src_dir) and layout_of(out_dir) == layout
             and all(os.path.exists(os.path.join(out_dir, f)) and payload(out_dir, f) == payload(src_dir, f)
                     for f in names))
     if not same:

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from nnx_surgery.surgery import CheckpointError, ConfigError, GemmaConfig, load_pretrained
+from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, load_pretrained
 from nnx_surgery.surgery.checkpoint import _check_tied_head, canonical_names
 from nnx_surgery.surgery.safetensors_io import INDEX_FILE, checkpoint_weight_map
 
@@ -259,7 +259,7 @@ def test_config_defaults_match_transformers_for_sparse_multimodal_config():
                               "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                               "sliding_window": 1024},
               "vision_config": {"model_type": "siglip_vision_model"}}
-    ours = GemmaConfig.from_hf_dict(sparse)
+    ours = ModelConfig.from_hf_dict(sparse)
     theirs = transformers.Gemma3Config(**sparse).text_config
     for field in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "query_pre_attn_scalar", "sliding_window", "rms_norm_eps", "tie_word_embeddings"):
@@ -269,7 +269,7 @@ def test_config_defaults_match_transformers_for_sparse_multimodal_config():
     assert ours.rope["full_attention"].theta == rope["full_attention"]["rope_theta"] == 1e6
     assert ours.rope["full_attention"].linear_factor == rope["full_attention"]["factor"] == 8.0
     assert ours.rope["sliding_attention"].theta == rope["sliding_attention"]["rope_theta"]
-    gemma2 = GemmaConfig.from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 2})
+    gemma2 = ModelConfig.from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 2})
     reference = transformers.Gemma2Config(num_hidden_layers=2)
     assert (gemma2.final_logit_softcapping, gemma2.attn_logit_softcapping, gemma2.query_pre_attn_scalar) == \
         (reference.final_logit_softcapping, reference.attn_logit_softcapping, reference.query_pre_attn_scalar)
@@ -415,7 +415,7 @@ def _call(fn, *culprits):
 def _named_shape_other_head_dim(w, tmp):
     from nnx_surgery.surgery.spec import StudentSpec
 
-    big = GemmaConfig.from_hf_dict({"model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640,
+    big = ModelConfig.from_hf_dict({"model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640,
                                     "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1,
                                     "head_dim": 160, "vocab_size": 96})
     return StudentSpec.named("gemma-3-270m").check_against(big)
@@ -719,7 +719,7 @@ import numpy as np
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
 import jax
 from nnx_surgery.distill.mesh import MeshError, check_mesh_fits, make_mesh, put_batch
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 
 assert jax.device_count() == 8
@@ -731,7 +731,7 @@ def case(name, fn):
     except Exception as err:
         out[name] = [type(err).__name__, str(err)]
 
-six_heads = GemmaConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 48,
+six_heads = ModelConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 48,
     "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 1,
     "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4})
 case("idle devices", lambda: make_mesh("fsdp=3,tp=1"))

@@ -8,13 +8,13 @@ from flax import nnx
 
 from nnx_surgery.distill.freeze import (carry_matching, expand_braces, pattern_matches, selected_paths, split_trainable,
                             trainable_filter)
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = GemmaConfig.from_hf_dict(dict(model_type="gemma", vocab_size=32, hidden_size=8, intermediate_size=12,
+    config = ModelConfig.from_hf_dict(dict(model_type="gemma", vocab_size=32, hidden_size=8, intermediate_size=12,
                                            num_hidden_layers=12, num_attention_heads=2, num_key_value_heads=1,
                                            head_dim=4))
     return create_model(config)

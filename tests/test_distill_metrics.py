@@ -7,12 +7,12 @@ import types
 import pytest
 
 from nnx_surgery.distill.metrics import MetricsLogger, device_peak_flops, matrix_parameters, plot_history, step_flops
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 
 
 def _model(layers: int):
-    return create_model(GemmaConfig.from_hf_dict(dict(
+    return create_model(ModelConfig.from_hf_dict(dict(
         model_type="gemma", vocab_size=50, hidden_size=8, intermediate_size=12, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=1, head_dim=4)))
 

@@ -13,7 +13,7 @@ import nnx_surgery.distill.step as step_lib
 from nnx_surgery.distill.config import LossWeights, Stage
 from nnx_surgery.distill.freeze import path_string, split_trainable
 from nnx_surgery.distill.logit_loss import LogitLossSettings
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_config, tiny_teacher
 
@@ -68,7 +68,7 @@ def test_tied_trainable_embedding_fold_equals_autodiff(models):
 def test_fold_of_a_tied_model_without_embedding_scale_equals_autodiff():
     """A Llama-style tied student (`config.scales_embeddings` False: rows are not multiplied by sqrt(D)): the fold
     adds the lookup gradient unscaled, as autodiff does."""
-    config = GemmaConfig.from_hf_dict(dict(
+    config = ModelConfig.from_hf_dict(dict(
         model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
     assert not config.scales_embeddings

@@ -16,7 +16,7 @@ import nnx_surgery.distill.step as step_lib
 from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
 from nnx_surgery.distill.freeze import path_string
 from nnx_surgery.distill.trainer import DivergenceError, run
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 
 VOCAB, LENGTH, BATCH = 96, 16, 4
@@ -24,8 +24,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile t
 KEPT_LAYERS = (0, 3)
 
 
-def tiny_config(layers: int) -> GemmaConfig:
-    return GemmaConfig.from_hf_dict(dict(
+def tiny_config(layers: int) -> ModelConfig:
+    return ModelConfig.from_hf_dict(dict(
         model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=12, sliding_window=5,
         attn_logit_softcapping=20.0, final_logit_softcapping=15.0))

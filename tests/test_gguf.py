@@ -23,7 +23,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from nnx_surgery.surgery import CheckpointError, GemmaConfig, load_pretrained
+from nnx_surgery.surgery import CheckpointError, ModelConfig, load_pretrained
 from nnx_surgery.surgery.gguf import cached_import, import_gguf
 
 ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
@@ -184,7 +184,7 @@ TINY_CASES += [("gemma3_text", Q.Q8_0, dict(tie_word_embeddings=False, num_key_v
 def test_tiny_import_matches_transformers(tiny_file, tmp_path, family, qtype, overrides):
     original, path = tiny_file(family, qtype, **overrides)
     folder = import_gguf(path, tmp_path / "hf", dtype="float32")
-    config = GemmaConfig.from_file(folder)
+    config = ModelConfig.from_file(folder)
     assert config.model_type == family and config.tie_word_embeddings == original.config.tie_word_embeddings
     if family == "gemma":  # transformers reads no Gemma 1 GGUF
         with pytest.raises(Exception, match="gemma"):
@@ -192,7 +192,7 @@ def test_tiny_import_matches_transformers(tiny_file, tmp_path, family, qtype, ov
         reference = with_file_weights(original, qtype)
     else:
         reference = transformers_gguf(path)
-        assert GemmaConfig.from_hf_dict(reference.config.to_dict()) == config
+        assert ModelConfig.from_hf_dict(reference.config.to_dict()) == config
         from safetensors.numpy import load_file
         ours = load_file(os.path.join(folder, "model.safetensors"))
         theirs = {k: v for k, v in reference.state_dict().items() if k in ours}
@@ -249,7 +249,7 @@ def test_cached_import(tiny_file, tmp_path, monkeypatch):
     path = shutil.copy(source, tmp_path / "model.gguf")
     first = cached_import(path, "bfloat16")
     assert first.startswith(str(tmp_path / "cache" / "gguf"))
-    assert GemmaConfig.from_file(first).model_type == "gemma2"
+    assert ModelConfig.from_file(first).model_type == "gemma2"
     with open(os.path.join(first, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     stamp = os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns
@@ -323,7 +323,7 @@ def test_real_270m_config_and_weights(real_import):
               "final_logit_softcapping", "tie_word_embeddings", "max_position_embeddings", "hidden_activation",
               "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     assert {k: ours.get(k, "absent") for k in fields} == {k: theirs.get(k, "absent") for k in fields}
-    assert GemmaConfig.from_file(folder) == GemmaConfig.from_file(reference)
+    assert ModelConfig.from_file(folder) == ModelConfig.from_file(reference)
     with open(os.path.join(folder, "generation_config.json")) as f, \
             open(os.path.join(reference, "generation_config.json")) as g:
         ours, theirs = json.load(f), json.load(g)

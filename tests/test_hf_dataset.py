@@ -126,10 +126,10 @@ def test_missing_datasets_package_names_the_extra(sources, monkeypatch):
 def test_train_step_loss_counts_completion_targets_only(sources):
     """The train step's loss function (hard-label CE, no teacher) on a prompt/completion batch equals the mean
     negative log-likelihood over the completion targets alone, computed from the model's logits by hand."""
-    from nnx_surgery.surgery.config import GemmaConfig
+    from nnx_surgery.surgery.config import ModelConfig
     from nnx_surgery.surgery.model import create_model
 
-    model = create_model(GemmaConfig.from_hf_dict(dict(
+    model = create_model(ModelConfig.from_hf_dict(dict(
         model_type="gemma", vocab_size=260, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8)), seed=3)
     batch = {k: jnp.asarray(v) for k, v in packed(str(sources / "qa.jsonl")).next_batch().items()}

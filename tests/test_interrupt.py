@@ -113,11 +113,11 @@ def child(mode: str, checkpoint_dir: str, out: str) -> None:
     from nnx_surgery.distill.freeze import path_string
     from nnx_surgery.distill.trainer import RunInterrupted, run
     from flax import nnx
-    from nnx_surgery.surgery.config import GemmaConfig
+    from nnx_surgery.surgery.config import ModelConfig
     from nnx_surgery.surgery.model import create_model
 
     def config(layers):
-        return GemmaConfig.from_hf_dict(dict(model_type="gemma", vocab_size=64, hidden_size=16,
+        return ModelConfig.from_hf_dict(dict(model_type="gemma", vocab_size=64, hidden_size=16,
                                              intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
                                              num_key_value_heads=1, head_dim=8))
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_surgery.surgery import GemmaConfig, abstract_model, tensor_table
+from nnx_surgery.surgery import ModelConfig, abstract_model, tensor_table
 from nnx_surgery.surgery.checkpoint import hf_shape, write_hf_folder
 from nnx_surgery.surgery.safetensors_io import PendingTensor
 from hf_reference import rewrite_unaligned, safetensors_data_start
@@ -62,7 +62,7 @@ CONFIG = dict(model_type="gemma", vocab_size=8192, hidden_size=512, intermediate
 
 
 def _write_checkpoint(folder: str, dtype, layout: str = "aligned") -> tuple[int, list[float]]:
-    config = GemmaConfig.from_hf_dict(CONFIG)
+    config = ModelConfig.from_hf_dict(CONFIG)
     shapes = {path: tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract_model(config)))}
     rng = np.random.default_rng(0)
     embed_row0 = []

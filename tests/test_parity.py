@@ -17,8 +17,8 @@ from flax import nnx
 
 from hf_reference import (FAMILIES, hf_forward, hf_logits, make_hf_model, make_hf_multimodal, max_abs_diff,
                           sample_ids)
-from nnx_surgery.surgery import Gemma, load_pretrained
-from nnx_surgery.surgery.config import FULL, RopeSpec, SLIDING
+from nnx_surgery.surgery import CausalLM, load_pretrained
+from nnx_surgery.surgery.config import FULL, Rope, SLIDING
 
 TOL = 1e-4
 IDS = sample_ids(2, 13)  # 13 > sliding window 5
@@ -51,7 +51,7 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def logits(model: Gemma, ids=IDS, **kwargs) -> np.ndarray:
+def logits(model: CausalLM, ids=IDS, **kwargs) -> np.ndarray:
     return np.asarray(model(jnp.asarray(ids), **kwargs).logits)
 
 
@@ -75,9 +75,9 @@ def test_sharded_checkpoint_really_has_several_files(checkpoint):
     assert len(files) > 2 and not os.path.exists(os.path.join(folder, "model.safetensors"))
 
 
-def _with_config(model: Gemma, **changes) -> Gemma:
+def _with_config(model: CausalLM, **changes) -> CausalLM:
     """The same weights under a changed config (to switch one quirk off)."""
-    other = nnx.eval_shape(lambda: Gemma(model.config.replace(**changes)))
+    other = nnx.eval_shape(lambda: CausalLM(model.config.replace(**changes)))
     nnx.update(other, nnx.state(model))
     return other
 
@@ -89,8 +89,8 @@ def _with_config(model: Gemma, **changes) -> Gemma:
     ("gemma2", dict(layer_types=(FULL,) * 4)),
     ("gemma3", dict(query_pre_attn_scalar=12)),
     ("gemma3", dict(layer_types=(FULL,) * 4)),
-    ("gemma3", dict(rope={FULL: RopeSpec(1e6), SLIDING: RopeSpec(1e4)})),
-    ("gemma3", dict(rope={FULL: RopeSpec(1e6, 4.0), SLIDING: RopeSpec(1e6, 4.0)})),
+    ("gemma3", dict(rope={FULL: Rope(1e6), SLIDING: Rope(1e4)})),
+    ("gemma3", dict(rope={FULL: Rope(1e6, "linear", 4.0), SLIDING: Rope(1e6, "linear", 4.0)})),
 ], ids=["gemma2-qpas", "gemma2-attn-softcap", "gemma2-final-softcap", "gemma2-window",
         "gemma3-qpas", "gemma3-window", "gemma3-linear-rope", "gemma3-local-theta"])
 def test_quirks_are_exercised(checkpoint, name, changes):

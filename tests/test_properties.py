@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nnx_surgery.distill.freeze import expand_braces, pattern_matches
 from nnx_surgery.distill.mesh import MeshError, format_mesh_spec, parse_mesh_spec
-from nnx_surgery.surgery.config import FULL, SLIDING, ConfigError, GemmaConfig
+from nnx_surgery.surgery.config import FULL, SLIDING, ConfigError, ModelConfig
 from nnx_surgery.surgery.plan import Plan, PlanError
 from nnx_surgery.surgery.spec import SpecError, StudentSpec
 
@@ -55,8 +55,8 @@ def gemma_configs(draw) -> dict:
 @FAST
 @given(gemma_configs())
 def test_valid_configs_round_trip(data):
-    config = GemmaConfig.from_hf_dict(data)
-    again = GemmaConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict())))
+    config = ModelConfig.from_hf_dict(data)
+    again = ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict())))
     assert again == config and again.to_hf_dict() == config.to_hf_dict()
 
 
@@ -67,13 +67,13 @@ def test_broken_configs_raise_config_errors(data, draw):
                                                     "text_config", "rope_local_base_freq"]))
     data = {**data, key: draw.draw(JSON)}
     try:
-        GemmaConfig.from_hf_dict(data)
+        ModelConfig.from_hf_dict(data)
     except ConfigError as err:
         assert key in str(err) or "config" in str(err)
 
 
 # ------------------------------------------------------------------------------------------------ plans
-TEACHER = GemmaConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 96, "hidden_size": 32,
+TEACHER = ModelConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 96, "hidden_size": 32,
                                     "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
                                     "num_key_value_heads": 2, "head_dim": 12, "query_pre_attn_scalar": 20,
                                     "sliding_window": 5})

@@ -28,7 +28,7 @@ TINY = ["--preset", "tiny", "--teacher-steps", "40", "--corpus-bytes", "150000",
         "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1", "--eval-every", "3", "--eval-tokens",
         "1024", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 SEARCH = ["--student", "params=0.5", "--search-candidates", "2", "--search-steps", "2"]
-TEACHER = surgery.GemmaConfig.from_hf_dict(TEACHER_CONFIG)
+TEACHER = surgery.ModelConfig.from_hf_dict(TEACHER_CONFIG)
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 

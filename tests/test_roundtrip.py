@@ -222,10 +222,10 @@ def test_overwrite_replaces_whole_folder(teacher, tmp_path):
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_config_survives_its_own_json_and_the_legacy_keys_alone(teacher, name):
     """What we write reads back equal; so does the same dict with only the legacy (transformers 4) rope keys."""
-    from nnx_surgery.surgery import GemmaConfig
+    from nnx_surgery.surgery import ModelConfig
 
     config = teacher(name)[1].config
     written = config.to_hf_dict(dtype="float32")
-    assert GemmaConfig.from_hf_dict(written) == config
+    assert ModelConfig.from_hf_dict(written) == config
     legacy = {k: v for k, v in written.items() if k != "rope_parameters"}
-    assert GemmaConfig.from_hf_dict(legacy) == config
+    assert ModelConfig.from_hf_dict(legacy) == config

@@ -14,7 +14,7 @@ from nnx_surgery.distill.freeze import describe_split, split_trainable
 from nnx_surgery.distill.schedules import progressive, resolve_epochs, sft_then_distil, steps_per_epoch
 from nnx_surgery.distill.sources import DataError
 from nnx_surgery.distill.step import hyper_values
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.model import create_model
 
 
@@ -33,7 +33,7 @@ def test_progressive_defaults_are_the_three_described_stages():
 
 
 def test_progressive_freezes_the_first_layers_of_a_real_model():
-    model = create_model(GemmaConfig.from_hf_dict(dict(
+    model = create_model(ModelConfig.from_hf_dict(dict(
         model_type="gemma", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=10,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8)), seed=0)
     per_layer = describe_split(*split_trainable(model, None, "layers.0")[1:])["frozen"]

@@ -7,7 +7,7 @@ import transformers
 
 from nnx_surgery.surgery import ModelConfig
 from nnx_surgery.surgery.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget, uniform_spec)
-from nnx_surgery.surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, SpecError, StudentSpec
+from nnx_surgery.surgery.spec import SpecError, StudentSpec
 
 from hf_reference import LLAMA_FAMILIES, tiny_config
 
@@ -55,7 +55,7 @@ def test_every_candidate_is_inside_the_budget_and_valid(family, counting):
         spec.check_against(teacher)  # every candidate can be planned
         assert StudentSpec.from_text(candidate.text, teacher) == spec  # the text form is the spec
         assert spec.num_layers >= 4  # at most 50% of the depth by default
-        if teacher.model_type in HIDDEN_MULTIPLE_OF_HEADS:
+        if teacher.model_type in teacher.family.hidden_multiple_of_heads:
             assert spec.hidden_size % spec.num_attention_heads == 0
         assert spec.num_attention_heads % spec.num_key_value_heads == 0
     counts = [(c.non_embedding, c.parameters) for c in found]

@@ -16,7 +16,7 @@ from nnx_surgery.distill.evaluate import agreement_and_kl, heldout_loss, sequenc
 from nnx_surgery.distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
                            multiple_choice, multiple_choice_items)
 from nnx_surgery.distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.generate import generate
 from nnx_surgery.surgery.model import create_model
 
@@ -34,7 +34,7 @@ DOCUMENTS = [
 
 
 def tiny_gemma(layers: int, seed: int):
-    config = GemmaConfig.from_hf_dict(dict(
+    config = ModelConfig.from_hf_dict(dict(
         model_type="gemma2", vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         attn_logit_softcapping=20.0, final_logit_softcapping=15.0))

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from nnx_surgery.surgery import GemmaConfig, create_model
+from nnx_surgery.surgery import ModelConfig, create_model
 from nnx_surgery.surgery.apply import apply_plan
 from nnx_surgery.surgery.importance import activation_stats, calibration_batches
 from nnx_surgery.surgery.planner import plan_student
@@ -21,7 +21,7 @@ C = math.sqrt(32 / 24)  # teacher / student hidden size
 
 
 def teacher(model_type: str, tied: bool):
-    config = GemmaConfig.from_hf_dict({"model_type": model_type, **SIZES, **EXTRA[model_type],
+    config = ModelConfig.from_hf_dict({"model_type": model_type, **SIZES, **EXTRA[model_type],
                                        "tie_word_embeddings": tied})
     return create_model(config, seed=2)
 

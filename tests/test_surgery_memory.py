@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table
-from nnx_surgery.surgery.config import GemmaConfig
+from nnx_surgery.surgery.config import ModelConfig
 from nnx_surgery.surgery.safetensors_io import PendingTensor, write_json, write_model_files
 from nnx_surgery.surgery.slices import nnx_shape
 from nnx_surgery.surgery.spec import StudentSpec
@@ -32,7 +32,7 @@ TEACHER = {"model_type": "gemma", "vocab_size": 64000, "hidden_size": 1024, "int
 BOUND = 1.0  # peak / (largest teacher tensor + largest student tensor)
 
 
-def shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
+def shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {e.hf_name: hf_shape(e.layout, nnx_shape(config, e.path)) for e in tensor_table(config)}
 
 
@@ -40,9 +40,9 @@ def nbytes(shape) -> int:
     return int(np.prod(shape)) * 2  # bf16
 
 
-def write_teacher(folder: str) -> GemmaConfig:
+def write_teacher(folder: str) -> ModelConfig:
     """A random bf16 teacher written tensor by tensor (one tensor in memory at a time)."""
-    config = GemmaConfig.from_hf_dict(TEACHER)
+    config = ModelConfig.from_hf_dict(TEACHER)
     rng = np.random.default_rng(0)
     tile = (rng.standard_normal(1 << 20, dtype=np.float32) * 0.05).astype(ml_dtypes.bfloat16)
 
@@ -103,7 +103,7 @@ def test_plan_and_prune_from_disk_stay_within_one_tensor_plus_output(tmp_path):
     plan_extra = run_phase("plan", src, json.dumps(spec.to_dict()), plan_path, dst)
     prune_extra = run_phase("prune", src, "{}", plan_path, dst)
 
-    student_shapes = shapes(GemmaConfig.from_file(dst))
+    student_shapes = shapes(ModelConfig.from_file(dst))
     largest_student = max(nbytes(s) for s in student_shapes.values())
     written = sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst) if f.endswith(".safetensors"))
     assert written >= sum(nbytes(s) for s in student_shapes.values())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
-from nnx_surgery.surgery import GemmaConfig, create_model, save_pretrained
+from nnx_surgery.surgery import ModelConfig, create_model, save_pretrained
 from nnx_surgery.surgery.checkpoint import tensor_table
 from nnx_surgery.surgery.config import SUPPORTED_MODEL_TYPES
 from nnx_surgery.surgery.planner import plan_student
@@ -23,7 +23,7 @@ from nnx_surgery.surgery.spec import StudentSpec
 SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 8,
          "sliding_window": 4}
-CONFIG = GemmaConfig.from_hf_dict({"model_type": "gemma2", **SIZES})
+CONFIG = ModelConfig.from_hf_dict({"model_type": "gemma2", **SIZES})
 SPEC = StudentSpec(1, 24, 32, 2, 1)
 
 
@@ -61,7 +61,7 @@ def _selection(entry, shape, rng):
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_memory_and_disk_readers_agree_on_every_tensor(model_type, teacher, folders, tmp_path):
-    config = GemmaConfig.from_hf_dict({"model_type": model_type, **SIZES})
+    config = ModelConfig.from_hf_dict({"model_type": model_type, **SIZES})
     model = teacher if config == CONFIG else random_model(config)
     folder = folders["float32"] if config == CONFIG else save_pretrained(model, tmp_path / model_type)
     rng = np.random.default_rng(0)

@@ -11,13 +11,13 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import AxisType, NamedSharding
     from flax import nnx
-    from nnx_surgery.surgery import GemmaConfig, create_model
+    from nnx_surgery.surgery import ModelConfig, create_model
     from nnx_surgery.surgery.apply import apply_plan
     from nnx_surgery.surgery.model import parameter_sharding
     from nnx_surgery.surgery.planner import plan_student
     from nnx_surgery.surgery.spec import StudentSpec
 
-    config = GemmaConfig.from_hf_dict({
+    config = ModelConfig.from_hf_dict({
         "model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
         "query_pre_attn_scalar": 8, "sliding_window": 4, "attn_logit_softcapping": 50.0,

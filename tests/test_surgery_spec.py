@@ -4,22 +4,22 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nnx_surgery.surgery import GemmaConfig, create_model, save_pretrained
+from nnx_surgery.surgery import ModelConfig, create_model, save_pretrained
 from nnx_surgery.surgery.apply import apply_plan
 from nnx_surgery.surgery.plan import Plan, PlanError
 from nnx_surgery.surgery.planner import plan_student
 from nnx_surgery.surgery.prune_disk import prune_checkpoint
-from nnx_surgery.surgery.spec import HIDDEN_MULTIPLE_OF_HEADS, NAMED_SHAPES, SpecError, StudentSpec
+from nnx_surgery.surgery.spec import NAMED_SHAPES, SpecError, StudentSpec
 
 
-def config(model_type="gemma2", **changes) -> GemmaConfig:
+def config(model_type="gemma2", **changes) -> ModelConfig:
     base = {"model_type": model_type, "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64,
             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
             "query_pre_attn_scalar": 8, "sliding_window": 4}
-    return GemmaConfig.from_hf_dict({**base, **changes})
+    return ModelConfig.from_hf_dict({**base, **changes})
 
 
-def real_shape(name: str, model_type: str = "gemma") -> GemmaConfig:
+def real_shape(name: str, model_type: str = "gemma") -> ModelConfig:
     layers, hidden, inter, heads, kv, head_dim = NAMED_SHAPES[name]
     return config(model_type, vocab_size=256000, hidden_size=hidden, intermediate_size=inter,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
@@ -53,12 +53,13 @@ def test_spec_against_teacher(teacher, sizes, kv_mode, message):
 
 
 def test_hidden_multiple_of_heads_rule_is_transformers_own():
-    """`HIDDEN_MULTIPLE_OF_HEADS` lists exactly the supported model types whose transformers config refuses a
-    hidden_size that is not a multiple of the heads (head_dim explicit)."""
+    """The families' `hidden_multiple_of_heads` list exactly the supported model types whose transformers config
+    refuses a hidden_size that is not a multiple of the heads (head_dim explicit)."""
     from huggingface_hub.errors import StrictDataclassClassValidationError
     from transformers import CONFIG_MAPPING
 
     from nnx_surgery.surgery.config import SUPPORTED_MODEL_TYPES
+    from nnx_surgery.surgery.families import FAMILIES
 
     refused = set()
     for model_type in SUPPORTED_MODEL_TYPES:
@@ -67,7 +68,7 @@ def test_hidden_multiple_of_heads_rule_is_transformers_own():
                                        intermediate_size=64, num_hidden_layers=2, vocab_size=64)
         except (ValueError, StrictDataclassClassValidationError):
             refused.add(model_type)
-    assert refused == set(HIDDEN_MULTIPLE_OF_HEADS) & set(SUPPORTED_MODEL_TYPES)
+    assert refused == {t for family in FAMILIES for t in family.hidden_multiple_of_heads}
     assert "gemma2" in refused and "gemma" not in refused
 
 

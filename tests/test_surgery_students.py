@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import (FAMILIES, assert_clean_loading, hf_logits, load_with_info, make_hf_model,  # noqa: E402
                           sample_ids, save_hf)
 
-from nnx_surgery.surgery import GemmaConfig, load_pretrained  # noqa: E402
+from nnx_surgery.surgery import ModelConfig, load_pretrained  # noqa: E402
 from nnx_surgery.surgery.apply import apply_plan, save_student  # noqa: E402
 from nnx_surgery.surgery.plan import Plan  # noqa: E402
 from nnx_surgery.surgery.planner import plan_student  # noqa: E402
@@ -58,7 +58,7 @@ def test_student_loads_in_transformers_and_disk_path_is_bit_exact(family, case, 
     options = dict(options)
     bf16, report, untied = (options.pop(key, False) for key in ("bf16", "report", "untied"))
     src = teachers(family, kv, bf16, untied)
-    config = GemmaConfig.from_file(src)
+    config = ModelConfig.from_file(src)
     spec = spec(config) if callable(spec) else spec
     # Without calibration the plan is scored from disk, tensor by tensor, without loading the teacher.
     plan = plan_student(src if bf16 else load_pretrained(src), spec, source=src, **options)
@@ -79,7 +79,7 @@ def test_student_loads_in_transformers_and_disk_path_is_bit_exact(family, case, 
 
     hf_model, info = load_with_info(on_disk, dtype=torch.float32)
     assert_clean_loading(info)
-    expected = GemmaConfig.from_file(on_disk)
+    expected = ModelConfig.from_file(on_disk)
     assert hf_model.config.num_key_value_heads == spec.num_key_value_heads == expected.num_key_value_heads
     assert expected.layer_types == tuple(config.layer_types[i] for i in plan.kept_layers)
     assert expected.tie_word_embeddings is not untied

@@ -5,12 +5,12 @@ Every process runs the same program over one global mesh (all processes' devices
 (started by process 0) connects them, and XLA's collectives (gloo on CPU, NCCL on GPU, ICI on TPU) move the data.
 `initialize_distributed` must run before anything touches devices (`jax.devices()`, an array, a jit).
 
-A lost process (killed, crashed, preempted) ends the others through JAX's coordination service, measured on
-jax 0.10.2 with 2 CPU processes: when process 1 dies, process 0 (which hosts the service) sees its heartbeats stop
-and is aborted (SIGABRT, exit status 134 in a shell) at most `heartbeat_timeout_s` later (6-10 s for 10 s: the
-service checks heartbeats periodically), wherever it is (a survivor inside a collective waits for its peer until
-then); when process 0 dies, the others lose the service and are aborted at once (under 1 s). The message is
-JAX's: "Terminating process because the JAX distributed service detected fatal errors. This most likely
+A lost process (killed, crashed, preempted) ends the others through JAX's coordination service (seen on jax
+0.10.2 with 2 CPU processes; timings in bench/NOTES.md): when process 1 dies, process 0 (which hosts the service)
+sees its heartbeats stop and is aborted (SIGABRT, exit status 134 in a shell) at most `heartbeat_timeout_s` later
+(the service checks heartbeats periodically, so it can be sooner), wherever it is (a survivor inside a collective
+waits for its peer until then); when process 0 dies, the others lose the service and are aborted at once. The
+message is JAX's: "Terminating process because the JAX distributed service detected fatal errors. This most likely
 indicates that another task died", with "The following tasks are unhealthy (stopped sending heartbeats): 1"
 (task = process id) or "Failed to send RPC to coordination service. Either the leader task ..." (process 0 lost).
 The abort cannot be caught in Python, so `failure_note` (printed by each process at the start) says beforehand

@@ -75,9 +75,6 @@ def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> argparse.Namespace
     return settings.resolve(argv, description=__doc__, prog=prog)
 
 
-loss_weights = phases.loss_weights  # the stage weights the loss flags make (also used by tests)
-
-
 def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:
     """Depth and MLP width of the final student; hidden size and heads still the teacher's."""
     return surgery.StudentSpec(final.num_layers, teacher_config.hidden_size, final.intermediate_size,

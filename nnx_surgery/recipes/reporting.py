@@ -18,7 +18,7 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
     return parse_mesh_spec(mesh) if mesh else {}
 
 
-def dry_run_report(args, teacher: surgery.GemmaConfig, spec: surgery.StudentSpec, search=None) -> str:
+def dry_run_report(args, teacher: surgery.ModelConfig, spec: surgery.StudentSpec, search=None) -> str:
     """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan. With
     `search` (a `shape_search.StudentChoice` of `--student params=...`), first the shapes the search would train and
     its cost; `spec` (the uniform guess) stands for the student below."""

@@ -94,7 +94,7 @@ def train_teacher(args, files: list[str], folder: str) -> None:
     """Train the tiny teacher on this process's devices alone and write it to `folder` with its tokenizer."""
     print(f"[teacher] training a tiny Gemma-7B-shaped teacher for {args.teacher_steps} steps "
           f"({len(files)} stdlib files); cached in {folder}")
-    config = surgery.GemmaConfig.from_hf_dict(TEACHER_CONFIG)
+    config = surgery.ModelConfig.from_hf_dict(TEACHER_CONFIG)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_folder = os.path.join(scratch, "tokenizer")
         save_byte_tokenizer(tokenizer_folder)

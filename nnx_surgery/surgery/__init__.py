@@ -1,13 +1,14 @@
 """nnx-surgery: exact Gemma 1/2/3 and Llama/Mistral/Qwen2 in Flax NNX, and the surgery that turns a large model
-into a smaller one. Each family is a tensor schema plus a config adapter (nnx_surgery/surgery/families/).
+into a smaller one. Each family is one module of nnx_surgery/surgery/families/: its tensor schema, config adapter,
+divisibility rule and GGUF conversion.
 
     teacher = load_pretrained("google/gemma-7b")              # config.json decides everything
     plan = plan_student(teacher, StudentSpec.named("gemma-2b"), calibration=token_ids)
     student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
     save_student(student, plan, "out/student", source="google/gemma-7b")
 """
-from .config import ConfigError, GemmaConfig, ModelConfig
-from .model import CausalLM, Gemma, GemmaOutput, ModelOutput, abstract_model, create_model
+from .config import ConfigError, ModelConfig
+from .model import CausalLM, ModelOutput, abstract_model, create_model
 from .families import SUPPORTED_MODEL_TYPES
 from .safetensors_io import CheckpointError
 from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
@@ -25,8 +26,8 @@ from .gguf_export import export_gguf
 from .generate import Generation, generate, make_sampler
 from .tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
 
-__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "GemmaConfig", "CausalLM", "Gemma", "ModelOutput",
-           "GemmaOutput", "SUPPORTED_MODEL_TYPES", "abstract_model",
+__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOutput", "SUPPORTED_MODEL_TYPES",
+           "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
            "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",

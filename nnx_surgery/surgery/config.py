@@ -3,8 +3,7 @@
 `config.json` is the only source of truth: every size, the attention type of every layer, the RoPE settings,
 soft-caps and the attention scale come from it, never from a table of model sizes. What is particular to a
 family (Gemma 1/2/3; Llama, Mistral, Qwen2) lives in its adapter, `nnx_surgery/surgery/families/`: its config-class defaults,
-the keys it reads and writes, and its tensor schema. `ModelConfig` holds the result; `GemmaConfig` is the same
-class under the name the toolkit started with.
+the keys it reads and writes, its tensor schema and its divisibility rule. `ModelConfig` holds the result.
 """
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ import math
 import os
 from typing import Any
 
-from .config_values import FULL, SLIDING, ConfigError, Numbers, Rope, linear_rope
+from .config_values import FULL, SLIDING, ConfigError, Numbers, Rope
 from .families import ARCHITECTURES, BY_MODEL_TYPE, SUPPORTED_MODEL_TYPES, Family
 from .schema import bound_tensors, nnx_shape
 
-RopeSpec = linear_rope  # `RopeSpec(theta, linear_factor)`, as before RoPE kinds other than linear existed
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {t: d for f in BY_MODEL_TYPE.values() for t, d in f.defaults.items()}
 # Keys whose explicit null still means "the default" (elsewhere null means "off", e.g. a soft-cap).
 _NULL_MEANS_DEFAULT = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -187,9 +185,6 @@ class ModelConfig:
         return cls.from_hf_dict(data, where=path)
 
 
-GemmaConfig = ModelConfig
-
-
 def validate(cfg: ModelConfig) -> None:
     where = f"{cfg.model_type} config"
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -218,8 +213,13 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"{where}: sliding layers need a positive sliding_window.")
     if cfg.hidden_act not in ("gelu_pytorch_tanh", "silu"):
         raise ConfigError(f"{where}: hidden_act={cfg.hidden_act!r}; expected 'gelu_pytorch_tanh' or 'silu'.")
+    rule = cfg.family.broken_rule(cfg.model_type, cfg.hidden_size, cfg.num_attention_heads)
+    if rule:
+        raise ConfigError(f"{where}: hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads="
+                          f"{cfg.num_attention_heads}; transformers rejects such {cfg.model_type} configs although "
+                          f"head_dim is explicit (the {cfg.family.name} family's rule: {rule}).")
     cfg.family.validate(cfg, where)
 
 
-__all__ = ["ModelConfig", "GemmaConfig", "ConfigError", "Rope", "RopeSpec", "FULL", "SLIDING",
+__all__ = ["ModelConfig", "ConfigError", "Rope", "FULL", "SLIDING",
            "SUPPORTED_MODEL_TYPES", "ARCHITECTURES", "FAMILY_DEFAULTS"]

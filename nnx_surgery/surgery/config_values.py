@@ -48,11 +48,6 @@ class Rope:
         return {"rope_type": "default", "rope_theta": self.theta}
 
 
-def linear_rope(theta: float, linear_factor: float = 1.0) -> Rope:
-    """A default RoPE, or a linearly scaled one (the toolkit's first RoPE type, `RopeSpec(theta, factor)`)."""
-    return Rope(theta, "linear", linear_factor) if linear_factor != 1.0 else Rope(theta)
-
-
 class Numbers:
     """Typed reads of config values: a ConfigError naming the key for a value of the wrong kind."""
 

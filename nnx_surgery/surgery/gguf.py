@@ -1,23 +1,19 @@
-"""Import a llama.cpp GGUF Gemma (1, 2 or 3) as a Hugging Face folder: config, safetensors, tokenizer.
+"""Import a llama.cpp GGUF file as a Hugging Face folder: config, safetensors, tokenizer.
 
     folder = import_gguf("gemma-3-270m-q4_k_m.gguf", "gemma-3-270m", dtype="float32")
     folder = cached_import("gemma-3-270m-q4_k_m.gguf", "bfloat16")   # once per file and dtype, then cached
 
 The folder is what transformers makes of the file (`from_pretrained(dir, gguf_file=name)`), so
-`surgery.load_pretrained(folder)` gives its logits. llama.cpp's conversion is undone as transformers undoes it:
-RMSNorm weights were stored as `1 + w` (w = stored - 1, in float32 after dequantisation, before the cast); the
-dequantised arrays (GGUF lists dims innermost first) are already HF's `[out, in]`, Gemma's q/k unpermuted; a tied
-head is not stored, so a file with `output.weight` is untied. Tensor names come from the family's schema
-(`schema.Tensor.gguf`). Llama-family files are refused: llama.cpp permutes their q/k rows for its RoPE layout, and
-undoing that is not built here.
+`surgery.load_pretrained(folder)` gives its logits. The file's architecture names the family
+(`families.BY_GGUF_ARCHITECTURE`); a family without a GGUF conversion (Llama's, see `Family.no_gguf`) is refused.
+llama.cpp's conversion is undone as transformers undoes it: RMSNorm weights of a family with `norm_offset` were
+stored as `1 + w` (w = stored - 1, in float32 after dequantisation, before the cast); the dequantised arrays (GGUF
+lists dims innermost first) are already HF's `[out, in]`; a tied head is not stored, so a file with
+`output.weight` is untied. Tensor names come from the family's schema (`schema.Tensor.gguf`).
 
-The config takes every size and special-token id the file states, and transformers' config-class defaults for
-what it does not: `query_pre_attn_scalar` 256, the sliding RoPE base 10000 (Gemma 3), the layer pattern (Gemma 2
-alternates, Gemma 3 has one full layer in six). Two facts a file can state that transformers 5.24 drops are kept,
-since they change the model the file describes (llama.cpp applies them): Gemma 2's soft-caps and Gemma 3's linear
-RoPE scaling of full layers. Released Gemma 2 files state the soft-caps transformers assumes (50, 30) and Gemma 3
-270M/1B have no scaling, so there the configs are identical. transformers reads no Gemma 1 (`gemma`) GGUF; its
-config is built the same way from the same keys.
+The config takes every size and special-token id the file states (llama.cpp's common keys, read here) and the
+family's own keys (`GGUFFormat.read`: e.g. Gemma's soft-caps, RoPE bases and layer pattern), with transformers'
+config-class defaults for what the file does not state.
 
 Tensors are dequantised with `gguf.quants.dequantize` one at a time (in row chunks, straight into the output)
 while the previous one is written (`write_model_files`), into a temporary folder renamed into place at the end: a
@@ -37,13 +33,11 @@ import numpy as np
 
 from .dtypes import resolve_dtype, torch_dtype_name
 from .config import ARCHITECTURES, ConfigError, ModelConfig
-from .families import FAMILIES
+from .families import BY_GGUF_ARCHITECTURE, GGUFKeys, without_gguf
 from .schema import bound_tensors, hf_shape_of
 from .gguf_tokenizer import build_tokenizer, tokenizer_configs
 from .safetensors_io import (CheckpointError, PendingTensor, atomic_folder, write_json, write_model_files)
 
-# llama.cpp architecture -> HF model_type, for the families whose schema names their GGUF tensors (Tensor.gguf).
-MODEL_TYPES = {arch: model_type for family in FAMILIES for arch, model_type in family.gguf_architectures.items()}
 DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes dequantised at once
 
 
@@ -81,8 +75,9 @@ class GGUFTensorPlan:
 
 class GGUFFile:
     """The metadata (plain Python values) and tensor table of a little-endian GGUF v2/v3 file, parsed without
-    materialising the arrays GGUFReader builds per token (0.7 GB and seconds for a 262k vocabulary); tensor data
-    is read through a read-only memory map only when a tensor is dequantised."""
+    materialising the arrays GGUFReader builds per token (for a 262k vocabulary they would dominate the header's
+    memory and time; figures in bench/NOTES.md); tensor data is read through a read-only memory map only when a
+    tensor is dequantised."""
 
     SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                12: "<d"}
@@ -169,19 +164,14 @@ class GGUFFile:
 
 
 def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str) -> dict[str, Any]:
-    """The transformers config dict this file describes (see the module docstring for the choices)."""
+    """The transformers config dict this file describes: llama.cpp's common keys, then the family's."""
     arch = metadata.get("general.architecture")
-    if arch not in MODEL_TYPES:
+    if arch not in BY_GGUF_ARCHITECTURE:
+        others = without_gguf()
         raise CheckpointError(f"{where}: architecture {arch!r} is not supported; expected one of "
-                              f"{sorted(MODEL_TYPES)} (Gemma 1, 2, 3 text models).")
-    model_type = MODEL_TYPES[arch]
-
-    def key(name: str, default: Any = KeyError) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
-        if value is KeyError:
-            raise CheckpointError(f"{where}: metadata key {arch}.{name} is missing; the file is incomplete.")
-        return value
-
+                              f"{sorted(BY_GGUF_ARCHITECTURE)}" + (f" ({others})." if others else "."))
+    family, model_type = BY_GGUF_ARCHITECTURE[arch]
+    key = GGUFKeys(metadata, arch, where)
     heads = int(key("attention.head_count"))
     tokens = metadata.get("tokenizer.ggml.tokens") or ()
     vocab = key("vocab_size", None) or len(tokens)
@@ -197,43 +187,13 @@ def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str)
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
-        hidden_activation="gelu_pytorch_tanh",
     )
     for name, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("unk_token_id", "unknown_token_id"), ("pad_token_id", "padding_token_id")):
         if metadata.get(f"tokenizer.ggml.{gguf_key}") is not None:
             config[name] = int(metadata[f"tokenizer.ggml.{gguf_key}"])
-    if model_type == "gemma":
-        config["hidden_act"] = "gelu_pytorch_tanh"
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
-        return config
-    config.update(query_pre_attn_scalar=256, sliding_window=int(key("attention.sliding_window", 4096)))
-    if model_type == "gemma2":
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
-        config["attn_logit_softcapping"] = float(key("attn_logit_softcapping", 50.0))
-        config["final_logit_softcapping"] = float(key("final_logit_softcapping", 30.0))
-        config["layer_types"] = _layer_types(metadata, arch, config["num_hidden_layers"], 2)
-        return config
-    full = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1_000_000.0))}
-    scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise CheckpointError(f"{where}: {arch}.rope.scaling.type={scaling!r}; Gemma 3 uses 'linear' only.")
-        full.update(rope_type="linear", factor=float(key("rope.scaling.factor")))
-    config["rope_parameters"] = {"full_attention": full,
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    config.update(attn_logit_softcapping=None, final_logit_softcapping=None)
-    config["layer_types"] = _layer_types(metadata, arch, config["num_hidden_layers"], 6)
+    config.update(family.gguf.read(model_type, key, config))
     return config
-
-
-def _layer_types(metadata: dict, arch: str, num_layers: int, default_pattern: int) -> list[str]:
-    """Sliding/full per layer: `{arch}.attention.sliding_window_pattern` (a period, or one flag per layer, True
-    = sliding) when the file has it, else every `default_pattern`-th layer full (transformers' default)."""
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, list):
-        return ["sliding_attention" if flag else "full_attention" for flag in pattern]
-    return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
 
 
 def tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
@@ -257,11 +217,11 @@ def tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
             raise CheckpointError(f"{file.path}: tensor {name} has type {found.type.name}, which gguf.quants "
                                   "cannot dequantise; re-quantise the model to a supported type (F32, F16, BF16, "
                                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ*).")
-        # llama.cpp stores Gemma's RMSNorm weights as 1 + w
+        # llama.cpp stores offset RMSNorm weights (Gemma's) as 1 + w
         plans.append(GGUFTensorPlan(tensor.hf_name, shape, found, tensor.decl.norm and config.norm_offset))
     if left:
         raise CheckpointError(f"{file.path}: {len(left)} tensor(s) a {config.model_type} model does not use, e.g. "
-                              f"{sorted(left)[:3]}; this is not a plain Gemma text model.")
+                              f"{sorted(left)[:3]}; this is not a plain {config.family.name} text model.")
     return plans
 
 
@@ -301,7 +261,7 @@ def resolve_gguf_dtype(dtype) -> np.dtype:
 
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype="bfloat16") -> str:
-    """Write the GGUF Gemma at `gguf_path` as an HF folder (config.json, model.safetensors, tokenizer.json,
+    """Write the GGUF model at `gguf_path` as an HF folder (config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json, special_tokens_map.json, generation_config.json) at `out_dir`; returns its absolute
     path. Raises CheckpointError (naming the file, and the tensor or key) for a truncated or foreign file, an
     unsupported architecture or tensor type, or missing tensors, before anything is written."""

@@ -1,27 +1,24 @@
-"""Export a Hugging Face Gemma folder (1, 2 or 3, any shape the surgery makes) as one GGUF file llama.cpp runs.
+"""Export a Hugging Face model folder (any shape the surgery makes) as one GGUF file llama.cpp runs.
 
     export_gguf("out/student", "student-q8_0.gguf", dtype="q8_0")
 
-The conventions are llama.cpp's converter's (convert_hf_to_gguf.py, its Gemma classes), whose files llama.cpp's
-loader expects; this is the inverse of the GGUF import (gguf.py):
+The conventions are llama.cpp's converter's (convert_hf_to_gguf.py), whose files llama.cpp's loader expects; this
+is the inverse of the GGUF import (gguf.py). The family's GGUF conversion (`Family.gguf`) supplies what differs by
+family: the llama.cpp architecture, what its graph cannot run (refused before anything is written), its metadata
+keys, the query scale and the default context length. A family without one (Llama's) is refused. The rest is
+common:
 
 * tensor names from the family schema (`schema.Tensor.gguf`); GGUF lists dimensions innermost first, so an HF
-  `[out, in]` matrix is written as is; Gemma's q/k rows are not permuted (Llama's would be: refused here);
-* RMSNorm weights as `1 + w` (llama.cpp multiplies by the stored weight alone), in float32; a tied head is not
-  written (llama.cpp reuses `token_embd.weight`);
+  `[out, in]` matrix is written as is;
+* RMSNorm weights of a family with `norm_offset` as `1 + w` (llama.cpp multiplies by the stored weight alone), in
+  float32; a tied head is not written (llama.cpp reuses `token_embd.weight`);
 * 1-D tensors and norms stay F32; matrices take `dtype`, except that a block type falls back to F16 for a tensor
   whose rows are not a whole number of blocks (as the converter does);
-* the metadata llama.cpp reads: sizes, head counts, key/value lengths (head_dim), RMS epsilon, RoPE bases (global,
-  and the local one of Gemma 3's sliding layers), linear RoPE scaling, the sliding window, Gemma 2's soft-caps, and
-  `attention.sliding_window_pattern` as one flag per layer (True = sliding): llama.cpp reads a per-layer array as
-  is and a number as a period, and a depth-pruned student's layer types follow no period;
+* the common metadata: sizes, head counts, key/value lengths (head_dim), RMS epsilon, the full layers' RoPE base and
+  linear scaling; then the family's keys (`GGUFFormat.write`);
+* the queries times `GGUFFormat.query_scale` (into the q_norm weight when the model normalises queries before RoPE,
+  else into q_proj's rows), which RoPE and the dot product carry linearly;
 * the tokenizer as llama.cpp's SentencePiece vocabulary (gguf_export_tokenizer.py).
-
-llama.cpp fixes Gemma 2/3's attention scale at 1/sqrt(head_dim) (1/sqrt(hidden/heads) for a 46-layer Gemma 2 or a
-62-layer Gemma 3, the 27B models); where the folder's `query_pre_attn_scalar` gives another scale (a 27B student of
-another depth), the ratio is folded into the queries (Gemma 3's q_norm weight, Gemma 2's q_proj rows), which RoPE
-and the dot product carry linearly. What llama.cpp's Gemma graphs cannot express is refused before anything is
-written: an untied Gemma 1/2 head, Gemma 2 without soft-caps, scaled RoPE on Gemma 3's sliding layers.
 
 Tensors are read one at a time from the safetensors files and converted a chunk of rows at a time into the output
 buffer, so the only full-size buffer is the tensor being written. The file is written to a temporary name beside
@@ -38,28 +35,24 @@ from typing import Iterator
 
 import numpy as np
 
-from .config import FULL, SLIDING, ModelConfig
-from .families import FAMILIES
+from .config import FULL, ModelConfig
+from .families import BY_GGUF_ARCHITECTURE, without_gguf
 from .gguf_export_tokenizer import Vocabulary, add_to_writer, read_vocabulary
 from .safetensors_io import DTYPE_CODES, CheckpointError, checkpoint_weight_map, open_safetensors
 from .schema import BoundTensor, bound_tensors, hf_shape_of
 
-# HF model_type -> llama.cpp architecture, for the families whose schema names their GGUF tensors.
-ARCHITECTURES = {model_type: arch for family in FAMILIES for arch, model_type in family.gguf_architectures.items()}
+# HF model_type -> llama.cpp architecture, for the families with a GGUF conversion.
+ARCHITECTURES = {model_type: arch for arch, (_, model_type) in BY_GGUF_ARCHITECTURE.items()}
 # dtype name -> (GGML type of the matrices, general.file_type); types gguf.quants quantises in Python.
 EXPORT_DTYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
                  "q8_0": ("Q8_0", "MOSTLY_Q8_0"), "q5_1": ("Q5_1", "MOSTLY_Q5_1"), "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
                  "q4_1": ("Q4_1", "MOSTLY_Q4_1"), "q4_0": ("Q4_0", "MOSTLY_Q4_0")}
 REFUSED_DTYPES = {
-    "tq1_0": "a ternary type for BitNet-trained weights; it would destroy a Gemma",
-    "tq2_0": "a ternary type for BitNet-trained weights; it would destroy a Gemma",
+    "tq1_0": "a ternary type for BitNet-trained weights; it would destroy a model not trained in it",
+    "tq2_0": "a ternary type for BitNet-trained weights; it would destroy a model not trained in it",
     "mxfp4": "llama.cpp's converter writes it only for checkpoints trained in it (MoE experts)",
     "nvfp4": "llama.cpp's converter writes it only for checkpoints trained in it",
 }
-# transformers' config-class defaults for a config.json without max_position_embeddings (llama.cpp requires it).
-CONTEXT_DEFAULTS = {"gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
-# Layer counts llama.cpp takes for the 27B models, whose attention scale it derives from hidden / heads.
-LAYERS_OF_27B = {"gemma2": 46, "gemma3_text": 62}
 CHUNK_BYTES = 32 << 20  # float32 bytes converted at once
 
 
@@ -87,7 +80,7 @@ class ExportTensor:
 
 
 def export_gguf(folder: str | os.PathLike, path: str | os.PathLike, *, dtype: str = "f16") -> str:
-    """Write the Gemma model in the HF `folder` (config.json, safetensors, tokenizer.json) as a GGUF file at
+    """Write the model in the HF `folder` (config.json, safetensors, tokenizer.json) as a GGUF file at
     `path` (replaced atomically if it exists); returns its absolute path. `dtype`: the matrices' type, one of
     EXPORT_DTYPES (norms and 1-D tensors stay f32). Raises ValueError for an unknown dtype and CheckpointError
     (or ConfigError) naming the file and what to do for a folder this cannot export, before writing anything."""
@@ -120,37 +113,15 @@ def resolve_export_dtype(dtype) -> tuple[str, str]:
 
 
 def check_exportable(config: ModelConfig, folder: str) -> str:
-    """The llama.cpp architecture for `config`, or a CheckpointError for what llama.cpp's Gemma graphs cannot run."""
+    """The llama.cpp architecture for `config`, or a CheckpointError for what its family's GGUF conversion cannot
+    write (no conversion, or what llama.cpp's graph for the model type cannot run)."""
     where = os.path.join(folder, "config.json")
     if config.model_type not in ARCHITECTURES:
-        raise CheckpointError(f"{where}: model_type {config.model_type!r}: GGUF export writes Gemma 1/2/3 only "
-                              "(llama.cpp permutes Llama-family q/k rows, not built here); convert this folder with "
+        raise CheckpointError(f"{where}: model_type {config.model_type!r}: GGUF export writes "
+                              f"{', '.join(ARCHITECTURES)} only ({without_gguf()}); convert this folder with "
                               "llama.cpp's convert_hf_to_gguf.py.")
-    if config.unties_head and config.model_type != "gemma3_text":
-        raise CheckpointError(f"{where}: tie_word_embeddings=false, but llama.cpp's {config.model_type} model always "
-                              "uses token_embd as the output layer; tie the head (or export a Gemma 3).")
-    if config.model_type == "gemma2" and (config.attn_logit_softcapping is None
-                                          or config.final_logit_softcapping is None):
-        raise CheckpointError(f"{where}: a Gemma 2 without attention or final soft-capping; llama.cpp always applies "
-                              "both (set attn_logit_softcapping and final_logit_softcapping).")
-    sliding = config.rope.get(SLIDING)
-    if config.model_type == "gemma3_text" and SLIDING in config.layer_types and sliding.kind != "default":
-        raise CheckpointError(f"{where}: RoPE {sliding.kind!r} on sliding layers; llama.cpp scales only Gemma 3's "
-                              "full-attention layers (use a default RoPE for sliding_attention).")
-    if config.model_type == "gemma2" and config.rope[FULL] != sliding:
-        raise CheckpointError(f"{where}: different RoPE for sliding and full layers; Gemma 2 in llama.cpp has one.")
+    config.family.gguf.check(config, where)
     return ARCHITECTURES[config.model_type]
-
-
-def query_scale(config: ModelConfig) -> float:
-    """What the queries must be multiplied by for llama.cpp's fixed attention scale to give the model's."""
-    if config.model_type == "gemma":
-        return 1.0
-    if config.num_hidden_layers == LAYERS_OF_27B[config.model_type]:
-        fixed = 1.0 / math.sqrt(float(config.hidden_size // config.num_attention_heads))
-    else:
-        fixed = 1.0 / math.sqrt(float(config.head_dim))
-    return 1.0 if math.isclose(config.attention_scale, fixed, rel_tol=1e-12) else config.attention_scale / fixed
 
 
 def tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder: str) -> list[ExportTensor]:
@@ -164,7 +135,7 @@ def tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder:
         raise CheckpointError(f"{folder}: {len(unknown)} tensor(s) a {config.model_type} model does not have, e.g. "
                               f"{unknown[:3]}; this is not a plain {config.model_type} checkpoint.")
     shapes = stored_shapes(folder, weight_map)
-    scale, plans = query_scale(config), []
+    scale, plans = config.family.gguf.query_scale(config), []
     for tensor in bound_tensors(config):
         shape = hf_shape_of(config, tensor)
         if tensor.hf_name not in shapes:
@@ -181,7 +152,7 @@ def tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder:
 
 
 def _query_factor(config: ModelConfig, tensor: BoundTensor, scale: float) -> float:
-    """Gemma 3 normalises the queries (q_norm) before RoPE: the scale goes into that weight; Gemma 2 into q_proj."""
+    """A model that normalises the queries (q_norm) before RoPE takes the scale in that weight, others in q_proj."""
     target = "q_norm" if config.uses_qk_norm else "q_proj"
     return scale if tensor.module == target else 1.0
 
@@ -280,12 +251,15 @@ def converted(plan: ExportTensor, file) -> np.ndarray:
 
 
 def add_model_metadata(writer, config: ModelConfig, name: str, file_type) -> None:
-    """general.* and `<arch>.*` keys, as llama.cpp's converter writes them for this model type."""
+    """general.* and `<arch>.*` keys, as llama.cpp's converter writes them for this model type: the common ones,
+    then the family's (`GGUFFormat.write`)."""
     from gguf import GGML_QUANT_VERSION, RopeScalingType
 
+    gguf_format = config.family.gguf
     writer.add_type("model")
     writer.add_name(name)
-    writer.add_context_length(int(config.raw.get("max_position_embeddings") or CONTEXT_DEFAULTS[config.model_type]))
+    writer.add_context_length(int(config.raw.get("max_position_embeddings")
+                                  or gguf_format.context_lengths[config.model_type]))
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -299,17 +273,7 @@ def add_model_metadata(writer, config: ModelConfig, name: str, file_type) -> Non
     if full.linear_factor != 1.0:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full.linear_factor)
-    sliding = [kind == SLIDING for kind in config.layer_types]
-    if config.model_type == "gemma2" or (config.model_type == "gemma3_text" and any(sliding)):
-        # an all-full Gemma 2 still states a window (llama.cpp's Gemma 2 always has one): transformers' default
-        writer.add_sliding_window(int(config.sliding_window or config.family.defaults["gemma2"]["sliding_window"]))
-        writer.add_sliding_window_pattern(sliding)
-    if config.model_type == "gemma3_text" and any(sliding):
-        writer.add_rope_freq_base_swa(config.rope[SLIDING].theta)
-    if config.model_type == "gemma2":
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-    if config.model_type != "gemma" and config.final_logit_softcapping:
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    gguf_format.write(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(GGML_QUANT_VERSION)
 

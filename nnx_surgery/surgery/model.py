@@ -247,7 +247,6 @@ class ModelOutput:
     cache: KVCache | None = None  # the updated KV cache, when one was passed
 
 
-GemmaOutput = ModelOutput
 jax.tree_util.register_dataclass(
     ModelOutput, data_fields=[f.name for f in dataclasses.fields(ModelOutput)], meta_fields=[])
 
@@ -355,9 +354,6 @@ class CausalLM(nnx.Module):
         return KVCache.create(layers, batch, max_len, self.dtype if dtype is None else dtype)
 
 
-Gemma = CausalLM  # the toolkit's first family; every family builds the same class
-
-
 # ------------------------------------------------------------------------------------------------ functions
 def _skip_flags(skip_layers, num_layers: int, cache) -> list:
     """Per layer: False (run it), True (skip it, static) or a traced bool scalar."""
@@ -397,6 +393,6 @@ def abstract_model(config: ModelConfig, *, dtype=jnp.float32, mesh=None) -> Caus
         _ABSTRACT.reset(token)
 
 
-__all__ = ["CausalLM", "Gemma", "ModelOutput", "GemmaOutput", "KVCache", "create_model", "abstract_model",
+__all__ = ["CausalLM", "ModelOutput", "KVCache", "create_model", "abstract_model",
            "apply_rope", "rope_frequencies", "attention_mask", "segment_positions", "softcap", "fitted_spec",
            "parameter_sharding", "CAPTURABLE", "FULL", "SLIDING"]

@@ -2,8 +2,8 @@
 
 A family (nnx_surgery/surgery/families/) lists its tensors as `Tensor` declarations: the Hugging Face name, the NNX path, the
 named axes of the NNX parameter, how those axes group into the checkpoint's axes, whether it is an RMSNorm
-weight (and which activation stream it normalises), and when it exists. Everything that used to know the
-family's shape by heart derives from this list:
+weight (and which activation stream it normalises), and when it exists. Everything that needs the family's
+shape derives from this list, so nothing else knows it by heart:
 
     loading and saving        `tensor_table(config)`: HF name <-> NNX path and layout (checkpoint.py)
     the model's parameters    `declared(config, name)`: shape, logical axes (model.py)

@@ -8,8 +8,9 @@ A candidate varies the axes in `axes` over a grid of the teacher's sizes: depth 
 of 1/`grid` of the teacher's (rounded to `align` where the teacher's size allows it), query heads in whole heads,
 KV heads among the counts whole teacher KV groups can form, and the vocabulary in halvings. `max_cut` bounds what
 each axis may lose (a search of 50% depth cuts is already wide; deeper cuts are better reached iteratively). Each
-shape passes `StudentSpec.check_against`, so every candidate can be planned. Parameter counts come from the
-family's tensor schema (`ModelConfig.num_parameters`), so they are the counts of the student's checkpoint.
+shape passes `StudentSpec.check_against` (the teacher family's divisibility rule among its checks), so every
+candidate can be planned. Parameter counts come from the family's tensor schema (`ModelConfig.num_parameters`), so
+they are the counts of the student's checkpoint.
 """
 from __future__ import annotations
 

@@ -41,10 +41,6 @@ KV_MODES = ("auto", "select", "merge")
 SIZE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 TEACHER_FIELDS = dict(zip(SIZE_FIELDS, ("num_hidden_layers", "hidden_size", "intermediate_size",
                                         "num_attention_heads", "num_key_value_heads")))
-# Model types whose transformers config rejects a hidden_size that is not a multiple of num_attention_heads even
-# though head_dim is explicit (its `validate_architecture`); tests/test_surgery_spec.py checks this against
-# transformers for every supported model type.
-HIDDEN_MULTIPLE_OF_HEADS = ("gemma2", "gemma3_text", "llama")
 TEXT_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "mlp": "intermediate_size",
              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size"}
 
@@ -154,13 +150,14 @@ class StudentSpec:
         if vocab is not None and vocab > teacher.vocab_size:
             raise SpecError(f"StudentSpec.vocab_size={vocab} is larger than the teacher's vocab_size="
                             f"{teacher.vocab_size}; keep at most {teacher.vocab_size} pieces, or None for all.")
-        if teacher.model_type in HIDDEN_MULTIPLE_OF_HEADS and self.hidden_size % self.num_attention_heads:
+        rule = teacher.family.broken_rule(teacher.model_type, self.hidden_size, self.num_attention_heads)
+        if rule:
             lower = self.hidden_size - self.hidden_size % self.num_attention_heads
             raise SpecError(
                 f"StudentSpec.hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
-                f"{self.num_attention_heads}: transformers rejects such {teacher.model_type} configs although "
-                f"head_dim is explicit. Use hidden_size={lower or self.num_attention_heads} or "
-                f"{lower + self.num_attention_heads}.")
+                f"{self.num_attention_heads}: the {teacher.family.name} family's rule for {teacher.model_type} "
+                f"({rule}; transformers rejects such configs although head_dim is explicit). Use hidden_size="
+                f"{lower or self.num_attention_heads} or {lower + self.num_attention_heads}.")
         if self.name is not None and NAMED_SHAPES[self.name][5] != teacher.head_dim:
             raise SpecError(f"StudentSpec.named({self.name!r}) has head_dim {NAMED_SHAPES[self.name][5]}, but a "
                             f"student keeps the teacher's head_dim {teacher.head_dim}; the result would not be "

@@ -1,8 +1,49 @@
-"""What a model family is: its tensor schema plus a config adapter (see nnx_surgery/surgery/families/gemma.py, llama.py)."""
+"""What a model family is: its tensor schema, its config adapter, its divisibility rules and, where llama.cpp's
+files for it are built, its GGUF metadata conversion (see nnx_surgery/surgery/families/gemma.py, llama.py)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+
+from ..errors import CheckpointError
+
+# The divisibility rule a family may impose beyond the universal one (query heads a multiple of the KV heads).
+HIDDEN_MULTIPLE_OF_HEADS = "hidden_size must be a multiple of num_attention_heads"
+
+
+class GGUFKeys:
+    """A GGUF file's metadata as a family reads it: `keys(name)` is `<arch>.<name>`, a CheckpointError naming
+    the file when it is missing and no default is given; `keys.raw` is the whole metadata dict."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str, where: str):
+        self.raw, self.arch, self.where = metadata, arch, where
+
+    def __call__(self, name: str, default: Any = KeyError) -> Any:
+        value = self.raw.get(f"{self.arch}.{name}", default)
+        if value is KeyError:
+            raise CheckpointError(f"{self.where}: metadata key {self.arch}.{name} is missing; the file is incomplete.")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFormat:
+    """How a family's configs meet llama.cpp's GGUF files, both ways. The sizes, head counts, head_dim, RMS
+    epsilon, context length, RoPE base and linear scaling, tying and special-token ids are llama.cpp's common keys
+    (gguf.py, gguf_export.py); the rest is the family's:
+
+    `architectures`: llama.cpp architecture -> model_type. `read(model_type, keys, config)`: the family's keys of
+    the transformers config dict the file describes (`config` holds the common ones already; `keys` a GGUFKeys).
+    `check(config, where)`: a CheckpointError for what llama.cpp's graph for the model type cannot run.
+    `write(writer, config)`: the family's `<arch>.*` keys (a gguf.GGUFWriter). `query_scale(config)`: what the
+    queries are multiplied by so that llama.cpp's fixed attention scale gives the model's. `context_lengths`:
+    model_type -> transformers' default max_position_embeddings (llama.cpp requires one)."""
+
+    architectures: dict[str, str]
+    read: Callable[[str, GGUFKeys, dict[str, Any]], dict[str, Any]]
+    check: Callable[[Any, str], None]
+    write: Callable[[Any, Any], None]
+    query_scale: Callable[[Any], float]
+    context_lengths: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +57,9 @@ class Family:
     a config.json dict; `validate(config, where)` raises ConfigError for what transformers would reject.
     `norm_offset`: RMSNorm weights act as (1 + w) (else w); `scales_embeddings`: embeddings are multiplied by
     sqrt(hidden_size). The frozensets name the model types with sandwich norms, q/k norms and attention soft-caps.
-    `gguf_architectures`: llama.cpp architecture name -> model_type, for the families the GGUF importer reads."""
+    `hidden_multiple_of_heads`: the model types whose transformers config rejects a hidden_size that is not a
+    multiple of num_attention_heads even with head_dim explicit (checked by `ModelConfig` and `StudentSpec`).
+    `gguf`: the GGUF conversion (import and export), or None with `no_gguf` saying why there is none."""
 
     name: str
     architectures: dict[str, str]
@@ -32,4 +75,16 @@ class Family:
     sandwich_norms: frozenset = frozenset()
     qk_norm: frozenset = frozenset()
     attention_softcap: frozenset = frozenset()
-    gguf_architectures: dict[str, str] = dataclasses.field(default_factory=dict)
+    hidden_multiple_of_heads: frozenset = frozenset()
+    gguf: GGUFFormat | None = None
+    no_gguf: str = ""
+
+    def __post_init__(self):
+        if (self.gguf is None) == (not self.no_gguf):
+            raise ValueError(f"family {self.name!r}: give either a GGUF conversion or, in no_gguf, why there is none.")
+
+    def broken_rule(self, model_type: str, hidden_size: int, num_attention_heads: int) -> str | None:
+        """The divisibility rule that (hidden_size, num_attention_heads) breaks for `model_type`, or None."""
+        if model_type in self.hidden_multiple_of_heads and hidden_size % num_attention_heads:
+            return HIDDEN_MULTIPLE_OF_HEADS
+        return None

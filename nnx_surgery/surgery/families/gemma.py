@@ -1,4 +1,5 @@
-"""Gemma 1 (`gemma`), 2 (`gemma2`) and 3 (`gemma3_text`): tensor schema and config adapter.
+"""Gemma 1 (`gemma`), 2 (`gemma2`) and 3 (`gemma3_text`): tensor schema, config adapter, divisibility rule and
+GGUF conversion (llama.cpp's `gemma`, `gemma2` and `gemma3` architectures).
 
 The three differ in small ways that change the logits:
 
@@ -10,15 +11,29 @@ The three differ in small ways that change the logits:
                  attention soft-cap even if the field is set (transformers stores it but never applies it).
 
 All three: RMSNorm weights applied as `(1 + w)`, embeddings multiplied by sqrt(hidden_size), tanh GELU.
+
+GGUF: the file states sizes, RoPE bases and (Gemma 2) soft-caps; what it leaves out takes transformers'
+config-class defaults (`query_pre_attn_scalar` 256, Gemma 3's sliding RoPE base 10000, the layer pattern: Gemma 2
+alternates, Gemma 3 has one full layer in six). Two facts a file can state that transformers' GGUF loader drops are
+kept, since llama.cpp applies them: Gemma 2's soft-caps and Gemma 3's linear RoPE scaling of full layers (released
+Gemma 2 files state the soft-caps transformers assumes, 50 and 30, and Gemma 3 270M/1B have no scaling, so there the
+configs are identical). transformers reads no Gemma 1 GGUF; its config is built the same way from the same keys.
+llama.cpp's converter leaves Gemma's q/k rows unpermuted, so tensors move as they are. llama.cpp fixes Gemma 2/3's
+attention scale at 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B models, which it knows by their depth), so an
+export folds any other scale into the queries (`gguf_query_scale`). What its Gemma graphs cannot express is refused
+before anything is written (`gguf_check`).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import math
+
 from ..config_values import FULL, SLIDING, ConfigError, Numbers, Rope, layer_types_given, legacy_rope, \
     pattern_of, rope_entry
+from ..errors import CheckpointError
 from ..schema import Tensor
-from .base import Family
+from .base import Family, GGUFFormat, GGUFKeys
 
 H, G = ("heads", "head_dim"), ("kv_heads", "head_dim")
 P = "model.layers.{i}."
@@ -156,13 +171,101 @@ def attention_scale(config) -> float:
 
 
 def validate(config, where: str) -> None:
-    if config.model_type != "gemma" and config.hidden_size % config.num_attention_heads:
-        raise ConfigError(
-            f"{where}: hidden_size={config.hidden_size} is not a multiple of num_attention_heads="
-            f"{config.num_attention_heads}; transformers rejects such Gemma 2/3 configs although head_dim is explicit.")
     if config.model_type == "gemma3_text" and SLIDING not in config.rope:
         raise ConfigError(f"{where}: rope has no entry for {SLIDING!r}; give a Rope per attention type.")
 
+
+# ------------------------------------------------------------------------------------------------ GGUF
+# Layer counts llama.cpp takes for the 27B models, whose attention scale it derives from hidden / heads.
+LAYERS_OF_27B = {"gemma2": 46, "gemma3_text": 62}
+
+
+def gguf_read(model_type: str, keys: GGUFKeys, config: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma keys of the transformers config a GGUF file describes (see the module docstring)."""
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+    if model_type == "gemma":
+        out["hidden_act"] = "gelu_pytorch_tanh"
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(keys("rope.freq_base", 10000.0))}
+        return out
+    out.update(query_pre_attn_scalar=256, sliding_window=int(keys("attention.sliding_window", 4096)))
+    layers = config["num_hidden_layers"]
+    if model_type == "gemma2":
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(keys("rope.freq_base", 10000.0))}
+        out["attn_logit_softcapping"] = float(keys("attn_logit_softcapping", 50.0))
+        out["final_logit_softcapping"] = float(keys("final_logit_softcapping", 30.0))
+        out["layer_types"] = _gguf_layer_types(keys, layers, 2)
+        return out
+    full = {"rope_type": "default", "rope_theta": float(keys("rope.freq_base", 1_000_000.0))}
+    scaling = keys("rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise CheckpointError(f"{keys.where}: {keys.arch}.rope.scaling.type={scaling!r}; Gemma 3 uses 'linear' "
+                                  "only.")
+        full.update(rope_type="linear", factor=float(keys("rope.scaling.factor")))
+    out["rope_parameters"] = {"full_attention": full,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    out.update(attn_logit_softcapping=None, final_logit_softcapping=None)
+    out["layer_types"] = _gguf_layer_types(keys, layers, 6)
+    return out
+
+
+def _gguf_layer_types(keys: GGUFKeys, num_layers: int, default_pattern: int) -> list[str]:
+    """Sliding/full per layer: `attention.sliding_window_pattern` (a period, or one flag per layer, True =
+    sliding) when the file has it, else every `default_pattern`-th layer full (transformers' default)."""
+    pattern = keys("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        return [SLIDING if flag else FULL for flag in pattern]
+    return [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
+
+
+def gguf_check(config, where: str) -> None:
+    """A CheckpointError for what llama.cpp's Gemma graphs cannot express."""
+    if config.unties_head and config.model_type != "gemma3_text":
+        raise CheckpointError(f"{where}: tie_word_embeddings=false, but llama.cpp's {config.model_type} model always "
+                              "uses token_embd as the output layer; tie the head (or export a Gemma 3).")
+    if config.model_type == "gemma2" and (config.attn_logit_softcapping is None
+                                          or config.final_logit_softcapping is None):
+        raise CheckpointError(f"{where}: a Gemma 2 without attention or final soft-capping; llama.cpp always applies "
+                              "both (set attn_logit_softcapping and final_logit_softcapping).")
+    sliding = config.rope.get(SLIDING)
+    if config.model_type == "gemma3_text" and SLIDING in config.layer_types and sliding.kind != "default":
+        raise CheckpointError(f"{where}: RoPE {sliding.kind!r} on sliding layers; llama.cpp scales only Gemma 3's "
+                              "full-attention layers (use a default RoPE for sliding_attention).")
+    if config.model_type == "gemma2" and config.rope[FULL] != sliding:
+        raise CheckpointError(f"{where}: different RoPE for sliding and full layers; Gemma 2 in llama.cpp has one.")
+
+
+def gguf_write(writer, config) -> None:
+    """The Gemma `<arch>.*` keys: sliding window and per-layer pattern, Gemma 3's local RoPE base, soft-caps."""
+    sliding = [kind == SLIDING for kind in config.layer_types]
+    if config.model_type == "gemma2" or (config.model_type == "gemma3_text" and any(sliding)):
+        # an all-full Gemma 2 still states a window (llama.cpp's Gemma 2 always has one): transformers' default
+        writer.add_sliding_window(int(config.sliding_window or DEFAULTS["gemma2"]["sliding_window"]))
+        # one flag per layer: llama.cpp reads a number as a period, and a depth-pruned student's follow none
+        writer.add_sliding_window_pattern(sliding)
+    if config.model_type == "gemma3_text" and any(sliding):
+        writer.add_rope_freq_base_swa(config.rope[SLIDING].theta)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.model_type != "gemma" and config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+def gguf_query_scale(config) -> float:
+    """What the queries must be multiplied by for llama.cpp's fixed attention scale to give the model's."""
+    if config.model_type == "gemma":
+        return 1.0
+    if config.num_hidden_layers == LAYERS_OF_27B[config.model_type]:
+        fixed = 1.0 / math.sqrt(float(config.hidden_size // config.num_attention_heads))
+    else:
+        fixed = 1.0 / math.sqrt(float(config.head_dim))
+    return 1.0 if math.isclose(config.attention_scale, fixed, rel_tol=1e-12) else config.attention_scale / fixed
+
+
+GGUF = GGUFFormat(
+    architectures={"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}, read=gguf_read,
+    check=gguf_check, write=gguf_write, query_scale=gguf_query_scale,
+    context_lengths={"gemma": 8192, "gemma2": 8192, "gemma3_text": 131072})
 
 FAMILY = Family(
     name="gemma", architectures={"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -170,5 +273,6 @@ FAMILY = Family(
     tensors=TENSORS, defaults=DEFAULTS, normalise=normalise, read=read, write=write, validate=validate,
     attention_scale=attention_scale, norm_offset=True, scales_embeddings=True,
     sandwich_norms=frozenset({"gemma2", "gemma3_text"}), qk_norm=frozenset({"gemma3_text"}),
-    attention_softcap=frozenset({"gemma2"}), gguf_architectures={"gemma": "gemma", "gemma2": "gemma2",
-                                                                 "gemma3": "gemma3_text"})
+    attention_softcap=frozenset({"gemma2"}),
+    # transformers' Gemma 2/3 configs check the rule although head_dim is explicit; Gemma 1's does not
+    hidden_multiple_of_heads=frozenset({"gemma2", "gemma3_text"}), gguf=GGUF)

@@ -1,4 +1,4 @@
-"""Llama (`llama`), Mistral (`mistral`) and Qwen2 (`qwen2`): tensor schema and config adapter.
+"""Llama (`llama`), Mistral (`mistral`) and Qwen2 (`qwen2`): tensor schema, config adapter and divisibility rule.
 
 What sets them apart from Gemma: RMSNorm weights act as `w` (not `1 + w`, initialised to ones, and the
 normalised activations are cast back to the input dtype before the weight multiplies them), embeddings are not
@@ -8,6 +8,9 @@ LM head is untied by default. Within the family:
 * `llama`    RoPE `default`, `linear` or `llama3`; `attention_bias` adds biases to q/k/v and o_proj.
 * `mistral`  a sliding window on every layer when `sliding_window` is set (the class default is 4096).
 * `qwen2`    biases on q/k/v (never on o_proj); with `use_sliding_window`, layers from `max_window_layers` on slide.
+
+No GGUF conversion (`NO_GGUF` says why): llama.cpp's converter permutes Llama's q/k rows into its RoPE layout,
+and neither undoing nor redoing that is built here, so the schema names no GGUF tensors either.
 """
 from __future__ import annotations
 
@@ -104,17 +107,18 @@ def write(config, out: dict[str, Any]) -> None:
 
 
 def validate(config, where: str) -> None:
-    if config.model_type == "llama" and config.hidden_size % config.num_attention_heads:
-        raise ConfigError(f"{where}: hidden_size={config.hidden_size} is not a multiple of num_attention_heads="
-                          f"{config.num_attention_heads}; transformers rejects such Llama configs.")
     if config.model_type == "mistral" and len(set(config.layer_types)) > 1:
         raise ConfigError(f"{where}: a mistral model slides on every layer or none; mixed layer_types are "
                           "Ministral's.")
 
+
+NO_GGUF = "llama.cpp permutes Llama-family q/k rows for its RoPE layout, and undoing that is not built here"
 
 FAMILY = Family(
     name="llama", architectures={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM"},
     tensors=TENSORS, defaults=DEFAULTS, normalise=lambda data, where: data, read=read, write=write,
     validate=validate, attention_scale=lambda config: config.head_dim ** -0.5, norm_offset=False,
-    scales_embeddings=False)
+    scales_embeddings=False,
+    # transformers' LlamaConfig checks the rule; MistralConfig and Qwen2Config take head_dim as given
+    hidden_multiple_of_heads=frozenset({"llama"}), no_gguf=NO_GGUF)
