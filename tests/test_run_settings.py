@@ -37,6 +37,12 @@ def test_the_settings_are_frozen_all_the_way_down():
     assert resolved["frozen"] == ["embed_tokens"] and isinstance(resolved["distill"]["optimizer"], dict)
 
 
+def test_no_scratch_is_control_none():
+    flags = settings.resolve(["--preset", "tiny", "--no-scratch"])
+    assert (flags.control, flags.control_name) == ("none", None)
+    assert settings.resolved_config(flags)["control"] == "none"
+
+
 def test_the_tiny_preset_resolves_every_derived_value(tmp_path):
     flags = settings.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
                               "--output", str(tmp_path / "run"), "--halt-after", "stage_b:5"])

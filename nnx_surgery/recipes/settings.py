@@ -69,7 +69,7 @@ def resolve(argv: list[str] | None = None, description: str = "", prog: str = "g
         raise RecipeError(f"--config {given['config']}: unknown settings {unknown}; the recipe's settings are the "
                           "flags' names (see --help), DistillConfig's go in the \"distill\" section.")
     flags = {k: v for k, v in given.items() if k not in RUN_ONLY}
-    if flags.pop("no_scratch", False):
+    if given.get("no_scratch"):  # a run-only flag, so not among `flags`
         flags["control"] = "none"
     preset = flags.get("preset", file.get("preset", DEFAULTS["preset"]))
     if preset not in PRESETS:
