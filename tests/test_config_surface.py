@@ -102,7 +102,7 @@ def test_student_flag_and_preset_defaults():
     args = resolve("--student", "layers=3,mlp=0.5")
     assert args.student == "layers=3,mlp=0.5" and args.teacher is None
     args = settings.resolve(["--preset", "gemma3-270m"])
-    assert (args.student, args.frozen, args.alpha, args.feature_weight) == ("layers=18,mlp=512,vocab=16384", ["embed_tokens"],
+    assert (args.student, args.frozen, args.alpha, args.feature_weight) == ("layers=18,mlp=512,vocab=16384", ("embed_tokens",),
                                                                      1.0, 0.0)
     assert (args.general_mix, args.gguf) == (0.5, "q8_0")
 

@@ -3,7 +3,7 @@ of data files; query options (`hf:NAME?prompt=...&completion=...`); prompt/compl
 masked out of the loss, checked down to the train step's loss; the recipe's `--data hf:NAME`."""
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -162,17 +162,18 @@ def test_recipe_data_flag_reads_a_local_dataset(sources, tmp_path):
     """`--data hf:SPEC`: the recipe's loader with a teacher folder holding the byte tokenizer."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from nnx_surgery.recipes import compress as recipe
+    from nnx_surgery.recipes import cli, corpus
 
     teacher = save_byte_tokenizer(tmp_path / "teacher")
     with open(os.path.join(teacher, "config.json"), "w") as handle:
         json.dump({"model_type": "gemma", "max_position_embeddings": 64}, handle)
-    args = argparse.Namespace(data=f"hf:{sources / 'qa.jsonl'}?max_records=8", batch_size=2, seq_len=SEQ_LEN,
-                              seed=0, teacher_folder=teacher, restart_rows=True, general_mix=0.0)
-    data = recipe.load_data(args)
+    settings = corpus.DataSettings(files=f"hf:{sources / 'qa.jsonl'}?max_records=8", corpus=None, description="",
+                                   teacher_folder=teacher, batch_size=2, seq_len=SEQ_LEN, seed=0,
+                                   position_limit=cli.position_limit(teacher))
+    data = corpus.load_data(settings)
     assert len(data.train_indices) + len(data.eval_indices) == 8
     assert all(text.startswith("Q") for text in data.eval_texts())
     batch = data.next_batch()
     assert batch["input_ids"].shape == (2, SEQ_LEN) and 0 < batch["loss_mask"].sum() < batch["loss_mask"].size / 2
-    with pytest.raises(recipe.cli.RecipeError, match="--general-mix needs text files"):
-        recipe.load_data(argparse.Namespace(**{**vars(args), "general_mix": 0.25}))
+    with pytest.raises(cli.RecipeError, match="--general-mix needs text files"):
+        corpus.load_data(dataclasses.replace(settings, general_mix=0.25))

@@ -170,9 +170,8 @@ def test_the_search_distils_with_the_recipes_settings():
 ])
 def test_bad_budgets_are_refused_against_the_teacher_config(student, error, culprit):
     args = settings.resolve([*TINY, "--student", student])
-    args.teacher_folder = None
     with pytest.raises(error) as raised:
-        shape_search.student_choice(args, TEACHER)
+        shape_search.student_choice(args, TEACHER, tokenizer=None)
     assert culprit in str(raised.value) and f"--student {student!r}" in str(raised.value)
 
 

@@ -75,16 +75,16 @@ def checked(flag: str, value, resolve: Callable):
 def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: str | None = None,
                  batch_size: int = 1):
     """(batches, description) of `--data` (or, without it, `--corpus-bytes` of the standard library's source) in
-    the tokens of `tokenizer` (default: the teacher's): the recipe's own pipeline (compress.load_data: packed
+    the tokens of `tokenizer` (default: the teacher's): the recipe's own pipeline (corpus.load_data: packed
     rows, BOS at the start of rows that continue a document, the teacher's position limit, a held-out split)."""
-    from nnx_surgery.recipes import compress, tiny_teacher
+    from nnx_surgery.recipes import cli, corpus, tiny_teacher
 
-    settings = argparse.Namespace(teacher_folder=teacher_folder, data=args.data, corpus_bytes=args.corpus_bytes,
-                                  seed=args.seed, batch_size=batch_size, seq_len=args.seq_len, restart_rows=True,
-                                  general_mix=0.0)
-    corpus = None if args.data else tiny_teacher.corpus_files(settings)
-    description = args.data or f"{len(corpus)} modules of the Python standard library's source"
-    return compress.load_data(settings, corpus, tokenizer), description
+    corpus_files = None if args.data else tuple(tiny_teacher.corpus_files(args))
+    description = args.data or f"{len(corpus_files)} modules of the Python standard library's source"
+    settings = corpus.DataSettings(files=args.data, corpus=corpus_files, description=description,
+                                   teacher_folder=teacher_folder, batch_size=batch_size, seq_len=args.seq_len,
+                                   seed=args.seed, position_limit=cli.position_limit(teacher_folder))
+    return corpus.load_data(settings, tokenizer), description
 
 
 def shape_line(config) -> str:

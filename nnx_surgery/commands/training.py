@@ -110,10 +110,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)
-    settings = argparse.Namespace(teacher_folder=teacher_folder, seq_len=args.seq_len, eval_tokens=args.eval_tokens,
-                                  seed=args.seed, data_description=description, general_eval=args.general_eval,
-                                  eval_prompts=args.eval_prompts, new_tokens=args.new_tokens,
-                                  choice_items=args.choice_items)
+    settings = evaluation.EvalSettings.of(args, teacher_folder, description)
     rows = [("teacher", surgery.load_pretrained(teacher_folder, dtype="float32"), 0)]
     for name, folder in zip(names, folders):
         model = surgery.load_pretrained(folder, dtype="float32")

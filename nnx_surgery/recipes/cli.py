@@ -163,14 +163,17 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
     return surgery.checkpoint.resolve_source(teacher, revision)
 
 
-def position_limit(folder: str) -> dict:
+def position_limit(folder: str, config: surgery.ModelConfig | None = None) -> dict:
     """TokenBatches' `max_positions` from the teacher's config.json (rows longer than the model supports are a
-    DataError naming the limit and this file)."""
+    DataError naming the limit and this file); from `config` (that file already read) when given."""
     path = os.path.join(folder, "config.json")
-    with open(path, encoding="utf-8") as handle:
-        config = json.load(handle)
-    config = config.get("text_config", config)
-    limit = config.get("max_position_embeddings")
+    if config is not None:
+        values = config.raw  # a multimodal Gemma 3's text_config, as read
+    else:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    values = values.get("text_config", values)
+    limit = values.get("max_position_embeddings")
     if not isinstance(limit, int):
         return {}
     return {"max_positions": limit, "max_positions_source": f"max_position_embeddings in {path}"}

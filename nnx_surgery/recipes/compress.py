@@ -14,7 +14,8 @@ Every knob is a flag or a setting of a --config file (JSON/YAML), flags winning;
 resolved settings, and every run saves them in its folder (resolved_config.json). `--help` lists each knob with
 its default and why.
 
-Read it top to bottom: it is the documented example of the Python API (`surgery` then `distill`).
+`main` reads as the list of phases: the settings resolved once (run_settings.py), then each phase (run_phases.py,
+the documented example of the Python API: `surgery` then `distill`) taking them and the earlier phases' outputs.
 
 Why the defaults:
 * 7B -> 2B (28 -> 18 layers, hidden 3072 -> 2048, MLP 24576 -> 16384, 16 -> 8 query heads, 16 -> 1 KV heads)
@@ -45,261 +46,177 @@ Why the defaults:
 """
 from __future__ import annotations
 
-import argparse
-import copy
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
 
-
 import jax
 
-from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import cli, evaluation, phases, settings, shape_search, tiny_teacher, vocabulary
+from nnx_surgery.recipes import cli, evaluation, phases, run_phases, run_settings, settings, vocabulary
+from nnx_surgery.recipes.frozen import thaw
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
+from nnx_surgery.recipes.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
 
-PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
 ORIGINAL_TEACHER = "teacher before correction"
-CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 
 
-class Interrupted(SystemExit):
-    """--halt-after reached: the run stops like an interrupted job; rerun with --resume."""
-
-
-def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> argparse.Namespace:
-    """The resolved settings (nnx_surgery/recipes/settings.py): defaults < preset < schedule < --config < flags < --set."""
+def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> settings.Flags:
+    """The resolved flags (nnx_surgery/recipes/settings.py): defaults < preset < schedule < --config < flags < --set."""
     return settings.resolve(argv, description=__doc__, prog=prog)
 
 
-def stage_a_spec(teacher_config: surgery.ModelConfig, final: surgery.StudentSpec) -> surgery.StudentSpec:
-    """Depth and MLP width of the final student; hidden size and heads still the teacher's."""
-    return surgery.StudentSpec(final.num_layers, teacher_config.hidden_size, final.intermediate_size,
-                               teacher_config.num_attention_heads, teacher_config.num_key_value_heads)
+def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
+    """The run: its settings resolved once (run_settings.py), then the phases in order (run_phases.py), each
+    taking the settings and the outputs of the phases before it."""
+    cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
+    flags = parse_args(argv, prog)
+    if flags.print_config:
+        print(json.dumps(settings.resolved_config(flags), indent=2))
+        return {}
+    clock = PhaseClock(time.time())
+    run = run_settings.resolve(flags)  # the output folder, the teacher, the student, the stages
+    prepare_output(run)
+    if flags.dry_run:
+        print(dry_run_report(run))
+        return {}
+    record_settings(run)  # `--config OUT/resolved_config.json` repeats this run
+    loaded = run_phases.load_teacher_and_data(run)
+    clock.lap("teacher and data")
+    teacher = loaded.teacher
+    if flags.teacher_correction:  # Minitron: the teacher first adapts to the corpus it will teach on
+        teacher = run_phases.correct_teacher(run, loaded)
+        clock.lap("teacher correction")
+    chosen = run_phases.choose_student(run, loaded, teacher)  # --student params=: the search's winner
+    run = chosen.run
+    if chosen.search:
+        clock.lap("shape search")
+    first = run_phases.stage_a(run, loaded, teacher)  # staged: depth + MLP cut and distilled first
+    if first.plan is not None:
+        clock.lap("stage A")
+    cut = run_phases.final_cut(run, loaded, teacher, first)  # plans are data (plan.json)
+    clock.lap("surgery")
+    distilled = run_phases.distil(run, loaded, teacher, first, cut)
+    clock.lap("distillation")
+    control = run_phases.train_control(run, loaded, teacher, first, cut, distilled.steps)  # at equal tokens
+    if control is not None:
+        clock.lap("control")
+    results = evaluate(run, loaded, teacher, cut, distilled, control)
+    clock.lap("evaluation")
+    results = summarise(run, results, clock, chosen.search, distilled, control)
+    final = write_student(run, results, first, cut, distilled, control)
+    publish(run, final)
+    return results
 
 
-def run_phase(args, phase, teacher, student, data, config, out, dtype="float32"):
-    """Distil one phase, or reload it when an earlier run finished it. Returns (student, history, evals); the
-    student comes back in `dtype` when it was reloaded."""
-    done = os.path.join(out, "phases", phase)
-    if os.path.exists(os.path.join(done, "history.json")):
-        print(f"[{phase}] finished in an earlier run: loading {done}")
-        with open(os.path.join(done, "history.json")) as f:
-            logged = json.load(f)
-        history, evals = (logged["train"], logged["eval"]) if isinstance(logged, dict) else (logged, [])
-        if isinstance(logged, dict) and logged.get("data_state") is not None:
-            data.restore(logged["data_state"])  # the next phase continues where this one stopped
-        return surgery.load_pretrained(done, dtype=dtype, mesh=mesh_of(args)), history, evals
-    # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
-    sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
-    result = distill.run(teacher, student, data, config, sampler=sampler)
-    if result.steps < config.total_steps:
-        raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
-                          "rerun with --resume to continue.")
-    history, evals = result.full_history, result.full_evals  # across resumes
-    surgery.save_pretrained(result.student, done, source=vocabulary.phase_source(args, phase), overwrite=True,
-                            extra_files={"history.json": {"train": history, "eval": evals,
-                                                          "data_state": result.data_state}})
-    return result.student, history, evals
-
-
-def mesh_of(args):
-    if not args.mesh:
-        return None
-    if getattr(args, "_mesh", None) is None:
-        args._mesh = distill.make_mesh(args.mesh, devices=args.mesh_devices)
-    return args._mesh
-
-
-def prepare_output(args) -> str:
-    out, started = cli.output_folder(args.output, resume=args.resume, overwrite=args.overwrite,
-                                     dry_run=args.dry_run)
-    args.halt_steps = {}
-    if args.halt_after:
-        phase, _, step = args.halt_after.partition(":")
-        if phase not in PHASES or not step.isdigit():
-            raise cli.RecipeError(f"--halt-after {args.halt_after!r}: use PHASE:STEP with PHASE in {PHASES}.")
-        args.halt_steps[phase] = int(step)
-    if jax.process_index() == 0:  # multi-host: the run folder is shared storage, process 0 prepares it
-        if args.overwrite and os.path.isdir(out) and os.listdir(out) and not args.dry_run:
+def prepare_output(run: run_settings.RunSettings) -> None:
+    """The run folder emptied with --overwrite and made (multi-host: process 0 prepares the shared folder)."""
+    out, flags = run.folder, run.flags
+    if jax.process_index() == 0:
+        if flags.overwrite and os.path.isdir(out) and os.listdir(out) and not flags.dry_run:
             shutil.rmtree(out)
         os.makedirs(out, exist_ok=True)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(f"prepare_output {out}")
-    return out
 
 
-def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
-    cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
-    args = parse_args(argv, prog)
-    if args.print_config:
-        print(json.dumps(args.resolved, indent=2))
-        return {}
-    if not args.output:
-        raise cli.RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
-    if jax.process_count() > 1 and not args.mesh:
-        raise cli.RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
-                              f"{jax.device_count()} devices, e.g. --mesh fsdp={jax.device_count()}.")
-    out = prepare_output(args)
-    t_start = time.time()
-
-    # 1. The teacher and the data. The tiny preset makes both offline (cached in --cache-dir); the gemma3-270m
-    #    preset imports the real GGUF once (cached) and reads the standard library's source.
-    corpus = None
-    if args.preset == "tiny" and args.teacher is None:
-        args.teacher, corpus = tiny_teacher.prepare(args)
-        args.data_description = (f"{len(corpus)} files of the Python standard library's source, byte-level "
-                                 "tokens (offline tiny preset)")
-    elif args.data is None and args.preset == "gemma3-270m":
-        corpus = tiny_teacher.corpus_files(args)
-        args.data_description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
-    else:
-        args.data_description = args.data or ""
-    args.teacher_folder = cli.teacher_folder(args.teacher, args.revision)
-    teacher_config = args.teacher_config = surgery.ModelConfig.from_file(args.teacher_folder)
-    choice = shape_search.student_choice(args, teacher_config)  # a shape, or params=: the shapes to search
-    spec = choice.spec
-    if args.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
-        surgery.gguf_export.check_exportable(teacher_config, args.teacher_folder)
-    if args.dry_run:
-        print(dry_run_report(args, teacher_config, spec, search=choice if choice.budget else None))
-        return {}
-    settings.save_resolved(args, out)  # `--config OUT/resolved_config.json` repeats this run
+def record_settings(run: run_settings.RunSettings) -> None:
+    """resolved_config.json (refusing --resume with other settings) and run_args.json: every flag and what the
+    run found (the teacher's folder and config, the data)."""
+    settings.save_resolved(run.flags, run.folder)
     if jax.process_index() == 0:
-        with open(os.path.join(out, "run_args.json"), "w") as f:
-            json.dump({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "resolved"}, f,
-                      indent=2, default=str)
-    mesh = mesh_of(args)
-    teacher_dtype = "bfloat16" if args.precision == "bf16" else "float32"
-    teacher = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
-    distill.data.check_vocabulary(args.teacher_folder, teacher_config.vocab_size)
-    data = load_data(args, corpus)
-    clock = PhaseClock(t_start)
-    clock.lap("teacher and data")
-    if args.teacher_correction:  # Minitron: the teacher first adapts to the corpus it will teach on
-        teacher = correct_teacher(args, teacher, data, out, teacher_dtype)
-        clock.lap("teacher correction")
-    calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
-    # 1b. With --student params=...: each shape within the budget distilled briefly; the winner is the student.
-    spec, searched = shape_search.choose_student(args, choice, teacher, data, calibration, out)
-    if searched:
-        clock.lap("shape search")
+        record = {field.name: thaw(getattr(run.flags, field.name)) for field in dataclasses.fields(run.flags)}
+        record.update(teacher=run.teacher.source, data_description=run.data.description,
+                      teacher_folder=run.teacher.folder, teacher_config=run.teacher.config,
+                      halt_steps=thaw(run.output.halt_steps))
+        with open(os.path.join(run.folder, "run_args.json"), "w") as f:
+            json.dump(record, f, indent=2, default=str)
 
-    # 2. Surgery. Staged: depth + MLP (A), distil, then hidden + heads + KV merge (B). Plans are data (plan.json).
-    if args.compression == "staged":
-        plan_a = surgery.plan_student(teacher, stage_a_spec(teacher_config, spec), calibration=calibration,
-                                      source=args.teacher, revision=args.revision, seed=args.seed)
-        student = make_student(args, teacher, plan_a, out, "stage_a")
-        print(surgery.format_report(plan_a))
-        config_a = phases.phase_config(args, "stage_a", [phases.stage_a(args)], plan_a, out, data)
-        student, history_a, _ = run_phase(args, "stage_a", teacher, student, data, config_a, out)
-        steps_a = config_a.total_steps
-        clock.lap("stage A")
-    else:
-        plan_a, history_a, student, steps_a = None, [], teacher, 0
-    steps_b = args.steps - steps_a
-    # A trimmed vocabulary keeps the pieces the training corpus uses most, counted over every training row (a few
-    # calibration rows see too few of the pieces the student will meet).
-    vocab_rows = data.calibration_ids(data.num_rows, seed=args.seed) if spec.vocab_size is not None else None
-    plan = surgery.plan_student(student, spec, calibration=calibration, vocab_calibration=vocab_rows,
-                                seed=args.seed, measure_compensation=True,
-                                source=f"stage-A student of {args.teacher}" if plan_a else args.teacher,
-                                revision=None if plan_a else args.revision, tokenizer=args.teacher_folder)
-    data = vocabulary.student_batches(args, plan, out, data, lambda folder: load_data(args, corpus, folder))
-    pruned = pruned_student(teacher, plan_a, plan)
-    student = make_student(args, student, plan, out, "stage_b")
-    print(surgery.format_report(plan))
-    clock.lap("surgery")
-    lineage = composed_map(plan_a, plan)  # teacher layer -> student layer, teacher channels kept
 
-    # 3. Distillation: after a KV merge, a K/V warm-up with the rest frozen; then the main stages (one stage from
-    #    the loss flags, --schedule, or the config file's stages).
-    merged = str(plan.methods.get("kv", "")).startswith("merge") and teacher_config.num_key_value_heads != spec.num_key_value_heads
-    warmup = max(1, round(args.steps * args.kv_warmup)) if args.kv_warmup > 0 and merged else 0
-    stages_b = ([phases.kv_warmup(args, warmup)] if warmup else []) + \
-        phases.main_stages(args, spec.num_layers, max(1, steps_b - warmup))
-    config_b = phases.phase_config(args, "stage_b", stages_b, lineage, out, data)
-    student, history_b, evals_b = run_phase(args, "stage_b", teacher, student, data, config_b, out)
-    distilled_steps = steps_a + config_b.total_steps
-    clock.lap("distillation")
-
-    # 4. The control at equal tokens: the same pruned student retrained with plain CE, or the shape from scratch.
-    history_control, evals_control, control = [], [], None
-    if args.control != "none":
-        control = (pruned_student(teacher, plan_a, plan) if args.control == "pruned-ce"
-                   else surgery.create_model(pruned.config, seed=args.seed + 1, mesh=mesh))
-        config_c = phases.phase_config(args, "control", [phases.control_stage(args, distilled_steps)], None, out)
-        control, history_control, evals_control = run_phase(args, "control", None, control, data, config_c, out)
-        clock.lap("control")
-
-    # 5. Evaluate on held-out data, save the student folder (HF + plan + results + card), publish.
-    tokens = distilled_steps * args.tokens_per_step
+def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
+    """Every model on the held-out sets, then generations and multiple choice (evaluation.py)."""
+    tokens = distilled.steps * run.flags.tokens_per_step
     rows = [("teacher", teacher, 0)]
-    if args.teacher_correction:  # the teacher as it was, beside the corrected one that taught
-        original = surgery.load_pretrained(args.teacher_folder, dtype=teacher_dtype, mesh=mesh)
+    if run.flags.teacher_correction:  # the teacher as it was, beside the corrected one that taught
+        original = surgery.load_pretrained(run.teacher.folder, dtype=run.teacher.dtype, mesh=loaded.mesh)
         rows.append((ORIGINAL_TEACHER, original, 0))
-    rows += [("pruned (before distillation)", pruned, 0), ("distilled student", student, tokens)]
+    rows += [("pruned (before distillation)", cut.pruned, 0), ("distilled student", distilled.model, tokens)]
     pairs = [("distilled student", "teacher")]
     if control is not None:
-        rows.append((CONTROL_NAMES[args.control], control, tokens))
-        pairs = [("distilled student", CONTROL_NAMES[args.control])] + pairs + [(CONTROL_NAMES[args.control],
-                                                                                 "teacher")]
-    print(f"[eval] {len(rows)} models on the held-out sets ({args.eval_tokens:,} tokens each), then generations "
-          "and multiple choice", flush=True)
-    results = evaluation.evaluate(args, rows, data, out, pairs=pairs,
-                                  vocabularies=vocabulary.vocabularies(args, rows, plan))
-    clock.lap("evaluation")
-    results.update(wall_time_s=round(time.time() - t_start, 1), preset=args.preset, compression=args.compression,
-                   control=args.control, phase_times_s=clock.laps, teacher_correction=args.teacher_correction)
-    results.update({"search": searched} if searched else {})
-    results["final_losses"] = {k: round(v, 4) for k, v in (history_b[-1] if history_b else {}).items()
+        name = run.flags.control_name
+        rows.append((name, control.model, tokens))
+        pairs = [("distilled student", name)] + pairs + [(name, "teacher")]
+    print(f"[eval] {len(rows)} models on the held-out sets ({run.flags.eval_tokens:,} tokens each), then "
+          "generations and multiple choice", flush=True)
+    vocabularies = vocabulary.vocabularies(rows, cut.plan, cut.tokenizer, run.teacher.config.vocab_size)
+    return evaluation.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
+
+
+def summarise(run, results: dict, clock, search: dict | None, distilled, control) -> dict:
+    """results.json: the evaluation, the run's wall times and settings, the search, the final losses, step speed
+    and the recovery curves."""
+    flags, history = run.flags, distilled.history
+    results = dict(results, wall_time_s=round(time.time() - clock.start, 1), preset=flags.preset,
+                   compression=flags.compression, control=flags.control, phase_times_s=clock.laps,
+                   teacher_correction=flags.teacher_correction)
+    results.update({"search": search} if search else {})
+    results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
-    results["step_stats"] = {"distilled": evaluation.step_stats(history_b),
-                             "control": evaluation.step_stats(history_control)}
-    results["recovery_curves"] = {"distilled": evaluation.curve(evals_b, args),
-                                  "control": evaluation.curve(evals_control, args)}
-    table = results_table(results) + evaluation.sample_section(results)
-    print(table)
-    final = os.path.join(out, "student")
-    extra = {"results.json": results, "README.md": card_writer(args, plan, plan_a, results, tokens)}
-    if plan_a is not None:
-        extra["plan_stage_a.json"] = plan_a.to_dict()
-    surgery.save_student(student, plan, final, source=args.teacher_folder, extra_files=extra, overwrite=True)
-    if jax.process_index() == 0:  # multi-host: process 0 writes the reports
-        plot_curves(os.path.join(out, "training_curves.png"), history_a, history_b, history_control,
-                    args.tokens_per_step, control_name=CONTROL_NAMES.get(args.control, ""),
-                    recovery=results["recovery_curves"],  # a trimmed student's CE is in other tokens
-                    teacher_loss=None if plan.kept_vocab else results["rows"][0]["loss"])
-        surgery.plot_report(plan_a or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
-        if plan_a is not None:
-            surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
-        write_results(out, results, table)
-    print(f"student: {final}  (results.md, training_curves.png, layer_importance.png in {out})")
-    if args.gguf and jax.process_index() == 0:
-        export_gguf(args, final, out)
-    if args.push_to_hub:
-        url = surgery.push_to_hub(final, args.push_to_hub, private=not args.public)
-        print(f"pushed to {url}")
+    control = control or run_phases.Trained(None, [], [], 0)
+    results["step_stats"] = {"distilled": evaluation.step_stats(history),
+                             "control": evaluation.step_stats(control.history)}
+    results["recovery_curves"] = {"distilled": evaluation.curve(distilled.evals, flags.tokens_per_step),
+                                  "control": evaluation.curve(control.evals, flags.tokens_per_step)}
     return results
 
 
-def export_gguf(args, folder: str, out: str) -> str:
-    """The student as one GGUF file beside its folder, for llama.cpp (`--gguf DTYPE`)."""
-    started = time.perf_counter()
-    path = surgery.export_gguf(folder, os.path.join(out, f"student-{args.gguf}.gguf"), dtype=args.gguf)
-    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {args.gguf}, "
-          f"{time.perf_counter() - started:.0f} s; run it with llama.cpp, README 'Run a student with llama.cpp')")
-    return path
+def write_student(run, results: dict, first, cut, distilled, control) -> str:
+    """The results table printed; the student folder (HF + plan + results + card); results.md, the curves and
+    the importance plots in the run folder. Returns the student folder."""
+    out, flags, plan = run.folder, run.flags, cut.plan
+    table = results_table(results) + evaluation.sample_section(results)
+    print(table)
+    final = os.path.join(out, "student")
+    tokens = distilled.steps * flags.tokens_per_step
+    extra = {"results.json": results, "README.md": card_writer(run, plan, first.plan, results, tokens)}
+    if first.plan is not None:
+        extra["plan_stage_a.json"] = first.plan.to_dict()
+    surgery.save_student(distilled.model, plan, final, source=run.teacher.folder, extra_files=extra, overwrite=True)
+    if jax.process_index() == 0:  # multi-host: process 0 writes the reports
+        plot_curves(os.path.join(out, "training_curves.png"), first.history, distilled.history,
+                    control.history if control else [], flags.tokens_per_step,
+                    control_name=flags.control_name or "", recovery=results["recovery_curves"],
+                    teacher_loss=None if plan.kept_vocab else results["rows"][0]["loss"])  # trimmed: other tokens
+        surgery.plot_report(first.plan or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
+        if first.plan is not None:
+            surgery.plot_report(plan, os.path.join(out, "width_importance_stage_b.png"))
+        write_results(out, results, table)
+    print(f"student: {final}  (results.md, training_curves.png, layer_importance.png in {out})")
+    return final
+
+
+def publish(run, final: str) -> None:
+    """--gguf: the student as one GGUF file beside its folder, for llama.cpp; --push-to-hub: the folder uploaded."""
+    flags = run.flags
+    if flags.gguf and jax.process_index() == 0:
+        started = time.perf_counter()
+        path = surgery.export_gguf(final, os.path.join(run.folder, f"student-{flags.gguf}.gguf"), dtype=flags.gguf)
+        print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {flags.gguf}, "
+              f"{time.perf_counter() - started:.0f} s; run it with llama.cpp, README 'Run a student with llama.cpp')")
+    if flags.push_to_hub:
+        url = surgery.push_to_hub(final, flags.push_to_hub, private=not flags.public)
+        print(f"pushed to {url}")
 
 
 class PhaseClock:
     """Wall time of each phase of the run, in order (for the results table)."""
 
     def __init__(self, start: float):
+        self.start = start
         self.laps: dict[str, float] = {}
         self._last = start
 
@@ -307,79 +224,6 @@ class PhaseClock:
         now = time.time()
         self.laps[name] = round(now - self._last, 1)
         self._last = now
-
-
-def correct_teacher(args, teacher, data, out, dtype):
-    """Teacher correction (Minitron): the teacher fine-tuned with plain CE on the distillation corpus for
-    --teacher-correction steps before it is pruned and teaches. It trains on its own copy of the batches, so the
-    student's batches are those of a run without correction; it is saved in phases/teacher_correction (a
-    resumed run reloads it)."""
-    print(f"[teacher correction] {args.teacher_correction} steps of plain CE on the corpus, learning rate "
-          f"{args.teacher_correction_lr:g}", flush=True)
-    trainee = teacher if dtype == "float32" else surgery.load_pretrained(args.teacher_folder, dtype="float32",
-                                                                         mesh=mesh_of(args))
-    config = phases.phase_config(args, "teacher_correction", [phases.teacher_correction_stage(args)], None, out)
-    corrected, _, _ = run_phase(args, "teacher_correction", None, trainee, copy.deepcopy(data), config, out,
-                                dtype=dtype)
-    if dtype != "float32":  # trained in float32, teaches in the run's precision
-        corrected = surgery.load_pretrained(os.path.join(out, "phases", "teacher_correction"), dtype=dtype,
-                                            mesh=mesh_of(args))
-    return corrected
-
-
-def pruned_student(teacher, plan_a, plan):
-    """The student before any distillation: the same surgery on the raw teacher. With staged compression the
-    stage-B plan was made on the distilled stage-A student, so it is applied to the undistilled stage-A cut on
-    purpose (same shapes, other weights: the plan's weight fingerprint is not checked)."""
-    if plan_a is None:
-        return surgery.apply_plan(teacher, plan)
-    return surgery.apply_plan(surgery.apply_plan(teacher, plan_a), plan, check_weights=False)
-
-
-def make_student(args, source_model, plan, out, phase):
-    """Apply `plan` in memory, or with --from-disk (when the source is the teacher itself) write the student with
-    prune_checkpoint, which reads only the kept slices of the teacher's files, and load it."""
-    if args.from_disk and source_model is not None and plan.teacher_config == args.teacher_config:
-        folder = os.path.join(out, "surgery", phase)
-        surgery.prune_checkpoint(args.teacher_folder, plan, folder, overwrite=True)
-        return surgery.load_pretrained(folder, dtype="float32", mesh=mesh_of(args))
-    return surgery.apply_plan(source_model, plan)
-
-
-def composed_map(plan_a, plan_b) -> dict:
-    """Teacher -> final-student layer and channel correspondence through both stages (plans are data), and the
-    kept pieces of a trimmed vocabulary (stage A keeps every piece, so the final plan's ids are the teacher's)."""
-    if plan_a is None:
-        return {"kept_layers": plan_b.kept_layers, "kept_hidden": plan_b.kept_hidden,
-                "kept_vocab": plan_b.kept_vocab}
-    return {"kept_layers": [plan_a.kept_layers[i] for i in plan_b.kept_layers],
-            "kept_hidden": [plan_a.kept_hidden[i] for i in plan_b.kept_hidden], "kept_vocab": plan_b.kept_vocab}
-
-
-def load_data(args, corpus: list[str] | None = None, tokenizer: str | None = None) -> distill.TokenBatches:
-    """The run's batches: the preset's corpus files when it has one, else --data, in the tokens of `tokenizer` (a
-    folder; default: the teacher's). On multi-host each process tokenises its share and keeps its rows of every
-    batch."""
-    tokenizer = tokenizer or args.teacher_folder
-    if corpus is None and not args.data:
-        raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
-    common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                  eval_batch_size=args.batch_size, process_index=jax.process_index(),
-                  process_count=jax.process_count(), **cli.position_limit(args.teacher_folder))
-    text_tokenizer = distill.load_tokenizer(tokenizer)
-    if args.restart_rows and text_tokenizer.add_bos:  # a row continuing a document starts with BOS, as documents do
-        common["restart_id"] = text_tokenizer.bos_id
-    if args.general_mix:  # general prose beside the domain corpus: training only, never held out
-        if corpus is None and args.data.startswith("hf:"):
-            raise cli.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
-                                  "mix general text into the dataset itself instead.")
-        files = corpus if corpus is not None else distill.sources.expand_paths(args.data)
-        common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), args.general_mix)
-    if corpus is not None:
-        return distill.TokenBatches.from_files(corpus, tokenizer, **common)
-    if args.data.startswith("hf:"):
-        return distill.TokenBatches.from_hf_dataset(args.data[3:], tokenizer, **common)
-    return distill.TokenBatches.from_files(args.data, tokenizer, **common)
 
 
 def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:

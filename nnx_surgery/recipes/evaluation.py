@@ -16,6 +16,7 @@ and their intervals are per byte; generations and multiple choice use their own 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -31,7 +32,30 @@ SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu":
 IN_DOMAIN, GENERAL = "in-domain", "general"
 
 
-def heldout_sets(args, data) -> list:
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What the final evaluation reads: the teacher's folder (its tokenizer), --seq-len, --eval-tokens of each
+    held-out set, --seed, what the training text is, --general-eval, and the suite's --eval-prompts (0: held-out
+    sets only), --new-tokens and --choice-items."""
+
+    teacher_folder: str
+    seq_len: int
+    eval_tokens: int
+    seed: int
+    data_description: str
+    general_eval: bool = True
+    eval_prompts: int = 0
+    new_tokens: int = 48
+    choice_items: int = 0
+
+    @classmethod
+    def of(cls, flags, teacher_folder: str, data_description: str) -> "EvalSettings":
+        """The recipe's, from its resolved flags."""
+        return cls(teacher_folder, flags.seq_len, flags.eval_tokens, flags.seed, data_description,
+                   flags.general_eval, flags.eval_prompts, flags.new_tokens, flags.choice_items)
+
+
+def heldout_sets(args: EvalSettings, data) -> list:
     """The final held-out sets: the corpus's held-out documents (in-domain) and, unless --no-general-eval,
     English prose no training corpus contains (general), each cut to --eval-tokens scored tokens."""
     common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.eval_tokens, seed=args.seed)
@@ -45,10 +69,12 @@ def heldout_sets(args, data) -> list:
     return sets
 
 
-def evaluate(args, rows: list[tuple[str, Any, int]], data, out: str, pairs=(), vocabularies=None) -> dict:
+def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: str, pairs=(),
+             vocabularies=None) -> dict:
     """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
     differences get 95% intervals; `vocabularies`: the rows with a trimmed vocabulary (name ->
-    `distill.Vocabulary`), judged in their own tokens (module docstring). Returns the results dict of results.json."""
+    `distill.Vocabulary`), judged in their own tokens (module docstring). Returns the results dict of results.json;
+    suite.md goes to `out`."""
     models = {name: model for name, model, _ in rows}
     vocabularies = vocabularies or {}
     if args.eval_prompts > 0:
@@ -117,10 +143,10 @@ def trimmed_note(vocabularies: dict, reference: str) -> str:
             "tokenizer.")
 
 
-def curve(evals: list[dict], args) -> list[dict]:
-    """Held-out evaluations of one training run as points: tokens seen, cross-entropy, and (when the run had a
-    teacher) KL to it and the teacher-student logit correlation."""
-    tokens_per_step = args.tokens_per_step  # micro-batch x sequence x accumulation
+def curve(evals: list[dict], tokens_per_step: int) -> list[dict]:
+    """Held-out evaluations of one training run as points: tokens seen (`tokens_per_step`: micro-batch x sequence x
+    accumulation), cross-entropy, and (when the run had a teacher) KL to it and the teacher-student logit
+    correlation."""
     points = []
     for record in evals:
         point = {"step": record["step"], "tokens": record["step"] * tokens_per_step,

@@ -9,6 +9,7 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
+from nnx_surgery.recipes.settings import CONTROL_NAMES
 from nnx_surgery.recipes.shape_search import eval_points
 
 BYTES = {"bf16": 2, "fp32": 4}
@@ -18,10 +19,12 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
     return parse_mesh_spec(mesh) if mesh else {}
 
 
-def dry_run_report(args, teacher: surgery.ModelConfig, spec: surgery.StudentSpec, search=None) -> str:
-    """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan. With
-    `search` (a `shape_search.StudentChoice` of `--student params=...`), first the shapes the search would train and
-    its cost; `spec` (the uniform guess) stands for the student below."""
+def dry_run_report(run) -> str:
+    """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan, from the
+    run's settings (run_settings.RunSettings). With `--student params=...`, first the shapes the search would train
+    and its cost; the uniform guess stands for the student below."""
+    args, teacher, spec = run.flags, run.teacher.config, run.student.spec
+    search = run.student.choice if run.student.choice.budget else None
     student = spec.config_for(teacher, list(range(spec.num_layers)))
     pieces = spec.vocab_size_for(teacher)
     student = student if pieces is None else student.replace(vocab_size=pieces)
@@ -57,12 +60,11 @@ def dry_run_report(args, teacher: surgery.ModelConfig, spec: surgery.StudentSpec
               "memory per device (FSDP shards parameters and optimizer state over all devices):"]
     lines += [f"  {name.ljust(50)} {value / gib:9.3f} GiB" for name, value in memory]
     lines += ["", "plan:"]
-    if os.path.exists(os.path.join(args.teacher_folder, "config.json")) and _has_weights(args.teacher_folder):
-        stage_a = surgery.StudentSpec(spec.num_layers, teacher.hidden_size, spec.intermediate_size,
-                                      teacher.num_attention_heads, teacher.num_key_value_heads)
+    folder = run.teacher.folder
+    if os.path.exists(os.path.join(folder, "config.json")) and _has_weights(folder):
         # the kept pieces come from calibration counts, which a dry run does not have
-        target = stage_a if args.compression == "staged" else dataclasses.replace(spec, vocab_size=None)
-        plan = surgery.plan_student(args.teacher_folder, target)  # data-free, tensor by tensor from disk
+        target = run.student.stage_a_spec or dataclasses.replace(spec, vocab_size=None)
+        plan = surgery.plan_student(folder, target)  # data-free, tensor by tensor from disk
         lines.append(f"  ({'stage A of staged compression; ' if args.compression == 'staged' else ''}"
                      "data-free magnitude scores read from disk; the run uses calibration data)")
         lines.append(surgery.format_report(plan))
@@ -105,7 +107,7 @@ def _has_weights(folder: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(folder))
 
 
-CONTROL_ROWS = ("CE-retrained pruned student (control)", "scratch student (same shape)")
+CONTROL_ROWS = tuple(CONTROL_NAMES.values())
 # (results row key, column title, format); a column shows when any row has its key
 COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/byte", "{:.4f}"),
            ("top1_agreement", "in-domain top-1", "{:.1%}"), ("kl_to_teacher", "in-domain KL", "{:.3f}"),
@@ -278,8 +280,11 @@ def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], control: li
     return path
 
 
-def card_writer(args, plan, plan_a, results: dict, tokens: int):
-    """A callable for `save_student(extra_files={"README.md": ...})`: the model card with the lineage."""
+def card_writer(run, plan, plan_a, results: dict, tokens: int):
+    """A callable for `save_student(extra_files={"README.md": ...})`: the model card with the lineage. `run`: the
+    run's settings (run_settings.RunSettings)."""
+    args = run.flags
+
     def write(path: str) -> None:
         teacher = plan_a.teacher_config if plan_a is not None else plan.teacher_config
         student = plan.student
@@ -294,8 +299,9 @@ def card_writer(args, plan, plan_a, results: dict, tokens: int):
         if any("general_loss" in r for r in results["rows"]):
             evaluation["general-domain held-out loss (English prose)"] = {
                 r["model"]: round(r["general_loss"], 4) for r in results["rows"] if "general_loss" in r}
-        surgery.write_model_card(os.path.dirname(path), teacher_id=str(args.teacher), teacher_revision=args.revision,
-                                 plan_summary=summary, data_description=args.data_description, steps=args.steps,
+        surgery.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
+                                 teacher_revision=args.revision, plan_summary=summary,
+                                 data_description=run.data.description, steps=args.steps,
                                  tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,
                                  repo_id=args.push_to_hub,
                                  gguf=f"student-{args.gguf}.gguf" if args.gguf else None)

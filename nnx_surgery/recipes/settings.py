@@ -8,11 +8,16 @@ own settings (batch size, sequence length, precision, mesh, seed, run folders, t
 the distill section with the setting to use instead. `resolved_config` is the result with every default filled
 in: `--print-config` prints it and every run saves it as `resolved_config.json`, which `--config` reads back to
 the same settings.
+
+`resolve` returns them as `Flags`, a frozen record (lists become tuples, mappings read-only) with the values that
+follow from the flags alone (warm-up, learning rates, eval_every, the temperature ramp, tokens per step, the compute
+dtype, the control's name); `run_settings.resolve` adds what needs the teacher. Nothing writes them afterwards.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 from typing import Any
@@ -25,6 +30,7 @@ import nnx_surgery.surgery.gguf_export  # noqa: F401  (surgery.gguf_export below
 from nnx_surgery.distill.config import NESTED
 from nnx_surgery.recipes import phases
 from nnx_surgery.recipes.cli import MULTI_HOST_FLAGS, RecipeError
+from nnx_surgery.recipes.frozen import freeze, thaw
 from nnx_surgery.recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
                            distill_epilog)
 
@@ -32,6 +38,14 @@ FORMAT = "nnx-surgery recipe config 1"
 RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_after", "dry_run", "push_to_hub",
             "public", "cache_dir", "set", "no_scratch", *MULTI_HOST_FLAGS)  # how this invocation runs, not what it computes: never saved
 MANAGED_CHECKPOINT = ("directory", "resume")
+CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
+# what follows from the flags alone, beside them in Flags (not saved: resolved_config repeats it from the flags)
+FLAG_DERIVED = ("distill", "tokens_per_step", "compute_dtype", "control_name")
+
+Flags = dataclasses.make_dataclass(
+    "Flags", [(name, Any) for name in dict.fromkeys((*RUN_ONLY, *DEFAULTS, *FLAG_DERIVED))], frozen=True,
+    namespace={"__module__": __name__, "__doc__": "Every recipe setting after layering, frozen: one field per flag of knobs.py (the fields "
+               "are made from its tables, so a flag is declared once) and FLAG_DERIVED."})
 
 
 def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
@@ -43,10 +57,9 @@ def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argp
     return parser
 
 
-def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.Namespace:
-    """Parse the command line, read --config and layer everything (module docstring). The namespace has every
-    recipe setting, `distill` (the resolved distill section, a dict), the run-only flags, and `resolved`
-    (`resolved_config`, taken before the run adds anything)."""
+def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> Flags:
+    """Parse the command line, read --config and layer everything (module docstring): every recipe setting,
+    `distill` (the resolved distill section), the run-only flags and the values derived from them, checked."""
     given = vars(build_parser(description, prog).parse_args(argv))
     file = load_config_file(given["config"]) if given.get("config") else {}
     file_distill = file.pop("distill", None) or {}
@@ -56,7 +69,7 @@ def resolve(argv: list[str] | None = None, description: str = "", prog: str = "g
         raise RecipeError(f"--config {given['config']}: unknown settings {unknown}; the recipe's settings are the "
                           "flags' names (see --help), DistillConfig's go in the \"distill\" section.")
     flags = {k: v for k, v in given.items() if k not in RUN_ONLY}
-    if flags.pop("no_scratch", False):
+    if given.get("no_scratch"):  # a run-only flag, so not among `flags`
         flags["control"] = "none"
     preset = flags.get("preset", file.get("preset", DEFAULTS["preset"]))
     if preset not in PRESETS:
@@ -66,12 +79,12 @@ def resolve(argv: list[str] | None = None, description: str = "", prog: str = "g
     for layer in (file, flags):
         settings.update({k: v for k, v in layer.items() if k not in DISTILL_FLAGS})
     section = distill_section(file_distill, [file, flags], given.get("set") or [], given.get("config"))
-    args = argparse.Namespace(**{key: given.get(key) for key in RUN_ONLY}, **settings, distill=section)
-    args.cache_dir = args.cache_dir or os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
-    _derive(args)
-    check(args)
-    args.resolved = resolved_config(args)  # before the run fills in what it finds (e.g. the tiny teacher's folder)
-    return args
+    values = {**{key: given.get(key) for key in RUN_ONLY}, **settings, "distill": section}
+    values["cache_dir"] = values["cache_dir"] or os.environ.get("NNX_SURGERY_CACHE",
+                                                                os.path.expanduser("~/.cache/nnx-surgery"))
+    flags = Flags(**freeze(_derive(values)))
+    check(flags)
+    return flags
 
 
 def distill_section(file_distill: dict, layers: list[dict], overrides: list[str], source: str | None) -> dict:
@@ -162,25 +175,25 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-def _derive(args: argparse.Namespace) -> None:
-    """Settings whose default depends on others, written out so the resolved config states them."""
-    if args.warmup_steps is None:
-        args.warmup_steps = args.steps // 50
-    if args.scratch_learning_rate is None:
-        args.scratch_learning_rate = args.learning_rate
-    if args.teacher_correction_lr is None:
-        args.teacher_correction_lr = args.learning_rate / 10
-    if args.search_steps is None:
-        args.search_steps = max(3, args.steps // 10)
-    if args.distill.get("eval_every") is None:
-        args.distill["eval_every"] = max(1, args.steps // 4)
-    args.temperature = parse_ramp(args.temperature, "--temperature")
-    args.tokens_per_step = args.batch_size * args.seq_len * args.distill["grad_accum"]
+def _derive(values: dict) -> dict:
+    """Settings whose default depends on others, written out so the resolved config states them, and the values
+    that follow from the flags alone (FLAG_DERIVED)."""
+    steps, rate = values["steps"], values["learning_rate"]
+    derived = dict(warmup_steps=steps // 50, scratch_learning_rate=rate, teacher_correction_lr=rate / 10,
+                   search_steps=max(3, steps // 10))
+    values.update({key: value for key, value in derived.items() if values[key] is None})
+    if values["distill"].get("eval_every") is None:
+        values["distill"]["eval_every"] = max(1, steps // 4)
+    values["temperature"] = parse_ramp(values["temperature"], "--temperature")
     for key in ("frozen", "trainable"):
-        if isinstance(getattr(args, key), str):
-            setattr(args, key, [getattr(args, key)])
-    if args.schedule in SCHEDULES:
-        args.schedule_options = {**SCHEDULES[args.schedule], **(args.schedule_options or {})}
+        if isinstance(values[key], str):
+            values[key] = [values[key]]
+    if values["schedule"] in SCHEDULES:
+        values["schedule_options"] = {**SCHEDULES[values["schedule"]], **(values["schedule_options"] or {})}
+    values.update(tokens_per_step=values["batch_size"] * values["seq_len"] * values["distill"]["grad_accum"],
+                  compute_dtype="bfloat16" if values["precision"] == "bf16" else "float32",
+                  control_name=CONTROL_NAMES.get(values["control"]))
+    return values
 
 
 def parse_ramp(value: Any, flag: str) -> float | list:
@@ -198,7 +211,7 @@ def parse_ramp(value: Any, flag: str) -> float | list:
     return numbers + ([parts[2]] if len(parts) == 3 and parts[2] != "linear" else [])
 
 
-def check(args: argparse.Namespace) -> None:
+def check(args: Flags) -> None:
     """Refuse impossible combinations now, before any model is loaded."""
     if not 0.0 <= args.alpha <= 1.0 or args.steps < 1:
         raise RecipeError(f"--alpha {args.alpha} must lie in [0, 1] and --steps {args.steps} be at least 1.")
@@ -229,43 +242,39 @@ def check(args: argparse.Namespace) -> None:
     if args.schedule == "progressive" and args.trainable:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
-    try:  # the main stages as they will be built (for a student of any depth), with the distill section
-        stages = phases.main_stages(args, num_layers=10, steps=max(args.steps, 10))
-        distill.DistillConfig.from_dict({**args.distill, "stages": stages})
+    try:  # what the stages are built from; they are built once the student's depth is known (run_settings)
+        phases.check_stage_settings(args)
     except RecipeError:
         raise
     except (ValueError, TypeError) as error:
         raise RecipeError(f"distill settings: {error}") from None
 
 
-def resolved_config(args: argparse.Namespace) -> dict:
+def resolved_config(args: Flags) -> dict:
     """Every setting of the run (run-only flags left out), as JSON data --config reads back to the same."""
     out = {"format": FORMAT}
-    out.update({key: _plain(getattr(args, key)) for key in DEFAULTS})
-    out["distill"] = copy.deepcopy(args.distill)
+    out.update({key: thaw(getattr(args, key)) for key in DEFAULTS})
+    out["distill"] = thaw(args.distill)
     return out
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def save_resolved(args: argparse.Namespace, folder: str) -> str:
+def save_resolved(args: Flags, folder: str) -> str:
     """Write resolved_config.json into the run folder. Resuming a run with other settings than it started with
     is refused (the checkpoints were made under those), naming the settings that differ."""
     path = os.path.join(folder, "resolved_config.json")
     if args.resume and os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
             before = json.load(handle)
-        now = args.resolved
+        now = resolved_config(args)
         differ = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
         if differ:
             raise RecipeError(f"--resume: the settings {differ} differ from the run's own ({path}); resume it "
                               f"as it was with --config {path} --resume, or start over with --overwrite.")
     if jax.process_index() == 0:  # multi-host: the run folder is shared, process 0 writes it
         with open(path, "w", encoding="utf-8") as handle:
-            json.dump(args.resolved, handle, indent=2)
+            json.dump(resolved_config(args), handle, indent=2)
     return path
 
 
-__all__ = ["build_parser", "resolve", "resolved_config", "save_resolved", "load_config_file", "parse_ramp"]
+__all__ = ["Flags", "build_parser", "resolve", "resolved_config", "save_resolved", "load_config_file", "parse_ramp",
+           "CONTROL_NAMES"]

@@ -2,8 +2,8 @@
 or `params=0.5,counting=total` (the whole checkpoint) chooses the student among the shapes within that budget before
 the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run distils the winner.
 
-    choice = student_choice(args, teacher_config)   # an explicit --student, or a budget and the shapes to try
-    spec, summary = choose_student(args, choice, teacher, data, calibration, out)   # the winner; results["search"]
+    choice = student_choice(flags, teacher_config, tokenizer)   # an explicit --student, or a budget and shapes to try
+    spec, summary = choose_student(run, teacher, data, calibration)   # the winner; results["search"]
 
 * The shapes tried (`--search-candidates N`): the uniform guess (`surgery.uniform_spec`: every axis cut by the same
   ratio, what one would pick by hand), so the search shows whether it beats the guess, and N-1 of the shapes within
@@ -91,12 +91,13 @@ def parse_budget_text(text: str | None) -> Budget | None:
     return Budget(text, given["params"], counting)
 
 
-def student_choice(args, teacher: surgery.ModelConfig) -> StudentChoice:
-    """The student `--student` asks for, checked against the teacher's config before any model loads: an explicit
-    shape (`cli.student_spec`), or the budget and the shapes the search will try."""
+def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = None) -> StudentChoice:
+    """The student `--student` asks for, checked against the teacher's config (and a `vocab=` against its
+    `tokenizer` folder) before any model loads: an explicit shape (`cli.student_spec`), or the budget and the shapes
+    the search will try."""
     budget = parse_budget_text(args.student)
     if budget is None:
-        return StudentChoice(cli.student_spec(args.student, teacher, tokenizer=args.teacher_folder))
+        return StudentChoice(cli.student_spec(args.student, teacher, tokenizer=tokenizer))
     try:
         target = budget_target(teacher, budget.params, budget.counting)
         fitting = surgery.candidate_specs(teacher, params=budget.params, counting=budget.counting,
@@ -126,32 +127,30 @@ def search_config(args, out: str, data) -> distill.DistillConfig:
     """One stage of `--search-steps` with the main stage's settings (module docstring); held-out batches only at
     the start and the end (the held-out sets score the candidates), and every candidate trains every step
     (--stop-when-met is the main run's)."""
-    warmup = min(args.search_steps - 1, round(phases.warmup_steps(args) * args.search_steps / args.steps))
-    stage = distill.Stage(steps=args.search_steps, name="search", trainable=args.trainable, frozen=args.frozen,
-                          learning_rate=args.learning_rate, warmup_steps=max(0, warmup),
-                          weights=phases.loss_weights(args, args.feature_weight), temperature=args.temperature)
+    warmup = min(args.search_steps - 1, round(args.warmup_steps * args.search_steps / args.steps))
+    stage = dataclasses.replace(phases.flag_stage(args, "search", args.search_steps), warmup_steps=max(0, warmup))
     config = phases.phase_config(args, FOLDER, [stage], None, out, data)
     return dataclasses.replace(config, eval_every=args.search_steps,
                                targets=dataclasses.replace(config.targets, stop_when_met=False))
 
 
-def candidate_plan(args, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
+def candidate_plan(run, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
     """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it."""
     path = os.path.join(directory, "plans", candidate.text.replace(",", "_") + ".json")
     if os.path.exists(path):
         return surgery.Plan.load(path)
-    plan = surgery.plan_student(teacher, candidate.spec, calibration=calibration, source=args.teacher,
-                                revision=args.revision, seed=args.seed)
+    plan = surgery.plan_student(teacher, candidate.spec, calibration=calibration, source=run.teacher.source,
+                                revision=run.flags.revision, seed=run.flags.seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     plan.save(path)
     return plan
 
 
-def search_candidates(args, choice: StudentChoice, teacher, calibration, directory: str) -> list:
+def search_candidates(run, choice: StudentChoice, teacher, calibration, directory: str) -> list:
     """`distill.SearchCandidate`s of the chosen shapes: planned now, each student built when it trains."""
     found = []
     for candidate in choice.candidates:
-        plan = candidate_plan(args, teacher, candidate, calibration, directory)
+        plan = candidate_plan(run, teacher, candidate, calibration, directory)
         found.append(distill.SearchCandidate(
             candidate.text, build=lambda plan=plan: surgery.apply_plan(teacher, plan), plan=plan,
             parameters=candidate.parameters, non_embedding=candidate.non_embedding,
@@ -159,22 +158,24 @@ def search_candidates(args, choice: StudentChoice, teacher, calibration, directo
     return found
 
 
-def choose_student(args, choice: StudentChoice, teacher, data, calibration, out: str):
+def choose_student(run, teacher, data, calibration):
     """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
-    or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be."""
+    or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be. `run`: the
+    run's settings (run_settings.RunSettings)."""
+    args, choice = run.flags, run.student.choice
     if choice.budget is None:
         return choice.spec, None
-    directory = os.path.join(out, FOLDER)
-    candidates = search_candidates(args, choice, teacher, calibration, directory)
-    config = search_config(args, out, data)
+    directory = os.path.join(run.folder, FOLDER)
+    candidates = search_candidates(run, choice, teacher, calibration, directory)
+    config = search_config(args, run.folder, data)
     print(f"[search] {len(candidates)} of the {choice.fitting} shapes within {choice.budget.text} "
           f"({choice.target:,} {choice.budget.counting.replace('_', '-')} parameters +-{args.search_tolerance:.0%}), "
           f"{args.search_steps} steps each on the same batches; results in {directory}", flush=True)
-    result = distill.search(teacher, candidates, data, config, sets=evaluation.heldout_sets(args, data),
+    result = distill.search(teacher, candidates, data, config, sets=evaluation.heldout_sets(run.evaluation, data),
                             directory=directory, eval_at=eval_points(args.search_steps),
                             rank_by=(evaluation.IN_DOMAIN, "ce"),
                             sampler=surgery.make_sampler() if config.on_policy.fraction else None)
-    return cli.student_spec(result.winner, args.teacher_config), summary(args, choice, result)
+    return cli.student_spec(result.winner, run.teacher.config), summary(args, choice, result)
 
 
 def summary(args, choice: StudentChoice, result: distill.SearchResult) -> dict:

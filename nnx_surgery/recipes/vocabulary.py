@@ -34,14 +34,14 @@ from nnx_surgery.surgery.vocab_files import trimmed_tokenizer_files
 FOLDER = "student_tokenizer"
 
 
-def write_student_tokenizer(args, plan: surgery.Plan, out: str) -> str | None:
+def write_student_tokenizer(teacher_folder: str, plan: surgery.Plan, out: str) -> str | None:
     """The trimmed student's tokenizer folder in the run folder (None when the plan keeps every piece). Written
     by process 0, the run folder being shared storage on multi-host; every process returns after it is there."""
     if plan.kept_vocab is None:
         return None
     folder = os.path.join(out, FOLDER)
     if jax.process_index() == 0:
-        files = trimmed_tokenizer_files(args.teacher_folder, plan)  # built (and checked) before anything is written
+        files = trimmed_tokenizer_files(teacher_folder, plan)  # built (and checked) before anything is written
         with atomic_folder(folder, overwrite=True) as scratch:
             for name, write in files.items():
                 write(os.path.join(scratch, name))
@@ -49,35 +49,31 @@ def write_student_tokenizer(args, plan: surgery.Plan, out: str) -> str | None:
     return folder
 
 
-def student_batches(args, plan: surgery.Plan, out: str, data: distill.TokenBatches,
-                    load: Callable[[str], distill.TokenBatches]) -> distill.TokenBatches:
-    """The batches the student trains on after the final cut: `data` (teacher tokens) when the plan keeps the
-    whole vocabulary, else the corpus tokenised again by `load(student tokenizer folder)`. Sets
-    `args.student_tokenizer` (None without trimming): the phases save it with the student's weights."""
-    args.student_tokenizer = write_student_tokenizer(args, plan, out)
-    if args.student_tokenizer is None:
-        return data
-    distill.data.check_vocabulary(args.student_tokenizer, len(plan.kept_vocab))
-    trimmed = load(args.student_tokenizer)
+def student_batches(teacher_folder: str, plan: surgery.Plan, out: str, data: distill.TokenBatches,
+                    load: Callable[[str], distill.TokenBatches]) -> tuple[distill.TokenBatches, str | None]:
+    """(the batches the student trains on after the final cut, its tokenizer folder): `data` (teacher tokens) and
+    None when the plan keeps the whole vocabulary, else the corpus tokenised again by `load(student tokenizer
+    folder)` and that folder (the phases save it with the student's weights)."""
+    tokenizer = write_student_tokenizer(teacher_folder, plan, out)
+    if tokenizer is None:
+        return data, None
+    distill.data.check_vocabulary(tokenizer, len(plan.kept_vocab))
+    trimmed = load(tokenizer)
     teacher_rows, student_rows = data.num_rows, trimmed.num_rows
-    print(f"[vocab] the student keeps {len(plan.kept_vocab):,} of the teacher's {args.teacher_config.vocab_size:,} "
-          f"pieces; its tokenizer ({args.student_tokenizer}) makes {student_rows:,} training rows of the corpus "
+    print(f"[vocab] the student keeps {len(plan.kept_vocab):,} of the teacher's {plan.teacher_config.vocab_size:,} "
+          f"pieces; its tokenizer ({tokenizer}) makes {student_rows:,} training rows of the corpus "
           f"where the teacher's made {teacher_rows:,}", flush=True)
-    return trimmed
+    return trimmed, tokenizer
 
 
-def vocabularies(args, rows: list[tuple[str, Any, int]], plan: surgery.Plan) -> dict[str, distill.Vocabulary]:
-    """The rows (name, model, tokens) whose model has the plan's trimmed vocabulary, with its tokenizer and map."""
+def vocabularies(rows: list[tuple[str, Any, int]], plan: surgery.Plan, tokenizer: str | None,
+                 teacher_vocab_size: int) -> dict[str, distill.Vocabulary]:
+    """The rows (name, model, tokens) whose model has the plan's trimmed vocabulary, with its `tokenizer` (the
+    student's folder) and map."""
     if plan.kept_vocab is None:
         return {}
-    return {name: distill.Vocabulary(args.student_tokenizer, plan.kept_vocab) for name, model, _ in rows
-            if model.config.vocab_size == len(plan.kept_vocab) != args.teacher_config.vocab_size}
+    return {name: distill.Vocabulary(tokenizer, plan.kept_vocab) for name, model, _ in rows
+            if model.config.vocab_size == len(plan.kept_vocab) != teacher_vocab_size}
 
 
-def phase_source(args, phase: str) -> str:
-    """The tokenizer files saved with a phase's model: the student's once it has a trimmed vocabulary."""
-    trimmed = getattr(args, "student_tokenizer", None)
-    return trimmed if trimmed and phase in ("stage_b", "control") else args.teacher_folder
-
-
-__all__ = ["write_student_tokenizer", "student_batches", "vocabularies", "phase_source", "FOLDER"]
+__all__ = ["write_student_tokenizer", "student_batches", "vocabularies", "FOLDER"]

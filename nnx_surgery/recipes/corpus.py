@@ -1,0 +1,60 @@
+"""The recipe's training text: what it reads (`DataSettings`, part of the run's resolved settings) and the batches
+made of it (`load_data`), in the teacher's tokens or a trimmed student's."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import jax
+
+from nnx_surgery import distill
+from nnx_surgery.recipes import cli
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """Where the text comes from and how it is batched: `files` is --data (files, a folder, a glob or hf:NAME),
+    `corpus` a preset's corpus files (then --data is not read), `description` what the model card and the
+    held-out set say of it; `position_limit` is TokenBatches' `max_positions` from the teacher's config."""
+
+    files: str | None
+    corpus: tuple[str, ...] | None
+    description: str
+    teacher_folder: str
+    batch_size: int
+    seq_len: int
+    seed: int
+    restart_rows: bool = True
+    general_mix: float = 0.0
+    position_limit: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def load_data(settings: DataSettings, tokenizer: str | None = None) -> distill.TokenBatches:
+    """The run's batches: the preset's corpus files when it has one, else --data, in the tokens of `tokenizer` (a
+    folder; default: the teacher's). On multi-host each process tokenises its share and keeps its rows of every
+    batch."""
+    tokenizer = tokenizer or settings.teacher_folder
+    corpus, data = (list(settings.corpus) if settings.corpus is not None else None), settings.files
+    if corpus is None and not data:
+        raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
+    common = dict(batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,
+                  eval_batch_size=settings.batch_size, process_index=jax.process_index(),
+                  process_count=jax.process_count(), **settings.position_limit)
+    text_tokenizer = distill.load_tokenizer(tokenizer)
+    if settings.restart_rows and text_tokenizer.add_bos:  # a row continuing a document starts with BOS, as documents do
+        common["restart_id"] = text_tokenizer.bos_id
+    if settings.general_mix:  # general prose beside the domain corpus: training only, never held out
+        if corpus is None and data.startswith("hf:"):
+            raise cli.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
+                                  "mix general text into the dataset itself instead.")
+        files = corpus if corpus is not None else distill.sources.expand_paths(data)
+        common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), settings.general_mix)
+    if corpus is not None:
+        return distill.TokenBatches.from_files(corpus, tokenizer, **common)
+    if data.startswith("hf:"):
+        return distill.TokenBatches.from_hf_dataset(data[3:], tokenizer, **common)
+    return distill.TokenBatches.from_files(data, tokenizer, **common)
+
+
+__all__ = ["DataSettings", "load_data"]

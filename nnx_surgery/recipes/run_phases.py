@@ -1,0 +1,219 @@
+"""The compress recipe's phases, in the order `compress.main` runs them. Each takes the run's settings
+(`run_settings.RunSettings`) and the earlier phases' outputs and returns its own, a small frozen record:
+
+    load_teacher_and_data(run)                          -> Loaded(teacher, data, mesh, calibration)
+    correct_teacher(run, loaded)                        -> the corrected teacher (--teacher-correction)
+    choose_student(run, loaded, teacher)                -> Chosen(run for the winner, search summary)
+    stage_a(run, loaded, teacher)                       -> StageA(plan, student, history, steps)
+    final_cut(run, loaded, teacher, first)              -> Cut(plan, student, pruned, data, lineage, tokenizer)
+    distil(run, loaded, teacher, first, cut)            -> Trained(model, history, evals, steps)
+    train_control(run, loaded, teacher, first, cut, n)  -> Trained, or None with --control none
+
+A phase an earlier run finished (its folder in OUT/phases/) is read back instead of trained (`train`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any
+
+from nnx_surgery import distill
+from nnx_surgery import surgery
+from nnx_surgery.recipes import corpus, phases, shape_search, vocabulary
+from nnx_surgery.recipes.run_settings import RunSettings, for_student
+
+
+class Interrupted(SystemExit):
+    """--halt-after reached: the run stops like an interrupted job; rerun with --resume."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    teacher: Any
+    data: distill.TokenBatches  # in the teacher's tokens
+    mesh: Any
+    calibration: Any  # the importance passes' rows (teacher tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    run: RunSettings  # the settings for the student the run distils (the search's winner)
+    search: dict | None  # the search's summary for results.json
+
+
+@dataclasses.dataclass(frozen=True)
+class StageA:
+    plan: surgery.Plan | None  # None: one-shot compression
+    student: Any  # the distilled stage-A student, or the teacher itself
+    history: list
+    steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    plan: surgery.Plan
+    student: Any  # the final cut of the stage-A student
+    pruned: Any  # the same surgery on the raw teacher: the "before distillation" row
+    data: distill.TokenBatches  # in the student's tokens
+    lineage: dict  # teacher layer -> student layer, teacher channels and pieces kept
+    tokenizer: str | None  # the trimmed student's tokenizer folder
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    model: Any
+    history: list
+    evals: list
+    steps: int
+
+
+def load_teacher_and_data(run: RunSettings) -> Loaded:
+    """The teacher in the run's precision on the mesh, its batches, and the calibration rows."""
+    mesh = distill.make_mesh(run.flags.mesh, devices=run.flags.mesh_devices) if run.flags.mesh else None
+    teacher = surgery.load_pretrained(run.teacher.folder, dtype=run.teacher.dtype, mesh=mesh)
+    distill.data.check_vocabulary(run.teacher.folder, run.teacher.config.vocab_size)
+    data = corpus.load_data(run.data)
+    return Loaded(teacher, data, mesh, data.calibration_ids(run.flags.calibration_samples, seed=run.flags.seed))
+
+
+def correct_teacher(run: RunSettings, loaded: Loaded):
+    """Teacher correction (Minitron): the teacher fine-tuned with plain CE on the distillation corpus for
+    --teacher-correction steps before it is pruned and teaches. It trains on its own copy of the batches, so the
+    student's batches are those of a run without correction; it is saved in phases/teacher_correction (a
+    resumed run reloads it)."""
+    flags, dtype = run.flags, run.teacher.dtype
+    print(f"[teacher correction] {flags.teacher_correction} steps of plain CE on the corpus, learning rate "
+          f"{flags.teacher_correction_lr:g}", flush=True)
+    trainee = loaded.teacher if dtype == "float32" else surgery.load_pretrained(run.teacher.folder, dtype="float32",
+                                                                                mesh=loaded.mesh)
+    config = run.phase_config("teacher_correction", [run.stages.teacher_correction])
+    corrected = train(run, "teacher_correction", None, trainee, copy.deepcopy(loaded.data), config, loaded.mesh,
+                      dtype=dtype).model
+    if dtype != "float32":  # trained in float32, teaches in the run's precision
+        corrected = surgery.load_pretrained(os.path.join(run.folder, "phases", "teacher_correction"), dtype=dtype,
+                                            mesh=loaded.mesh)
+    return corrected
+
+
+def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
+    """With --student params=...: each shape within the budget distilled briefly; the winner is the student."""
+    spec, search = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration)
+    return Chosen(for_student(run, spec) if search else run, search)
+
+
+def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
+    """Staged compression: depth and MLP width cut from the teacher (plan_stage_a.json), then distilled."""
+    if run.student.stage_a_spec is None:
+        return StageA(None, teacher, [], 0)
+    plan = surgery.plan_student(teacher, run.student.stage_a_spec, calibration=loaded.calibration,
+                                source=run.teacher.source, revision=run.flags.revision, seed=run.flags.seed)
+    student = make_student(run, teacher, plan, "stage_a", loaded.mesh)
+    print(surgery.format_report(plan))
+    config = run.phase_config("stage_a", [run.stages.stage_a], plan, loaded.data)
+    trained = train(run, "stage_a", teacher, student, loaded.data, config, loaded.mesh)
+    return StageA(plan, trained.model, trained.history, config.total_steps)
+
+
+def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
+    """The final plan, made on the stage-A student (or the teacher), and the student it cuts; with a trimmed
+    vocabulary the student's tokenizer and the corpus in its tokens."""
+    spec, flags = run.student.spec, run.flags
+    # A trimmed vocabulary keeps the pieces the training corpus uses most, counted over every training row (a few
+    # calibration rows see too few of the pieces the student will meet).
+    data = loaded.data
+    vocab_rows = data.calibration_ids(data.num_rows, seed=flags.seed) if spec.vocab_size is not None else None
+    plan = surgery.plan_student(first.student, spec, calibration=loaded.calibration, vocab_calibration=vocab_rows,
+                                seed=flags.seed, measure_compensation=True,
+                                source=f"stage-A student of {run.teacher.source}" if first.plan else run.teacher.source,
+                                revision=None if first.plan else flags.revision, tokenizer=run.teacher.folder)
+    data, tokenizer = vocabulary.student_batches(run.teacher.folder, plan, run.folder, data,
+                                                 lambda folder: corpus.load_data(run.data, folder))
+    pruned = pruned_student(teacher, first.plan, plan)
+    student = make_student(run, first.student, plan, "stage_b", loaded.mesh)
+    print(surgery.format_report(plan))
+    return Cut(plan, student, pruned, data, composed_map(first.plan, plan), tokenizer)
+
+
+def distil(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut) -> Trained:
+    """After a KV merge, a K/V warm-up with the rest frozen; then the main stages (one stage from the loss flags,
+    --schedule, or the config file's stages). `steps` counts stage A's too."""
+    config = run.phase_config("stage_b", run.stages.stage_b, cut.lineage, cut.data)
+    trained = train(run, "stage_b", teacher, cut.student, cut.data, config, loaded.mesh,
+                    source=cut.tokenizer or run.teacher.folder)
+    return dataclasses.replace(trained, steps=first.steps + config.total_steps)
+
+
+def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, steps: int) -> Trained | None:
+    """The control on `steps` (the distillation's): the same pruned student retrained with plain CE, or the
+    shape from scratch."""
+    flags = run.flags
+    if flags.control == "none":
+        return None
+    control = (pruned_student(teacher, first.plan, cut.plan) if flags.control == "pruned-ce"
+               else surgery.create_model(cut.pruned.config, seed=flags.seed + 1, mesh=loaded.mesh))
+    config = run.phase_config("control", [phases.control_stage(flags, steps)])
+    return train(run, "control", None, control, cut.data, config, loaded.mesh,
+                 source=cut.tokenizer or run.teacher.folder)
+
+
+def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dtype: str = "float32",
+          source: str | None = None) -> Trained:
+    """Distil one phase and save it in OUT/phases/PHASE (with the tokenizer files of `source`, default the
+    teacher's), or reload it when an earlier run finished it (in `dtype`). `steps` is the phase's own."""
+    done = os.path.join(run.folder, "phases", phase)
+    if os.path.exists(os.path.join(done, "history.json")):
+        print(f"[{phase}] finished in an earlier run: loading {done}")
+        with open(os.path.join(done, "history.json")) as f:
+            logged = json.load(f)
+        history, evals = (logged["train"], logged["eval"]) if isinstance(logged, dict) else (logged, [])
+        if isinstance(logged, dict) and logged.get("data_state") is not None:
+            data.restore(logged["data_state"])  # the next phase continues where this one stopped
+        model = surgery.load_pretrained(done, dtype=dtype, mesh=mesh)
+        return Trained(model, history, evals, config.total_steps)
+    # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
+    sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
+    result = distill.run(teacher, student, data, config, sampler=sampler)
+    if result.steps < config.total_steps:
+        raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
+                          "rerun with --resume to continue.")
+    history, evals = result.full_history, result.full_evals  # across resumes
+    surgery.save_pretrained(result.student, done, source=source or run.teacher.folder, overwrite=True,
+                            extra_files={"history.json": {"train": history, "eval": evals,
+                                                          "data_state": result.data_state}})
+    return Trained(result.student, history, evals, config.total_steps)
+
+
+def pruned_student(teacher, plan_a, plan):
+    """The student before any distillation: the same surgery on the raw teacher. With staged compression the
+    stage-B plan was made on the distilled stage-A student, so it is applied to the undistilled stage-A cut on
+    purpose (same shapes, other weights: the plan's weight fingerprint is not checked)."""
+    if plan_a is None:
+        return surgery.apply_plan(teacher, plan)
+    return surgery.apply_plan(surgery.apply_plan(teacher, plan_a), plan, check_weights=False)
+
+
+def make_student(run: RunSettings, source_model, plan, phase: str, mesh):
+    """Apply `plan` in memory, or with --from-disk (when the source is the teacher itself) write the student with
+    prune_checkpoint, which reads only the kept slices of the teacher's files, and load it."""
+    if run.flags.from_disk and source_model is not None and plan.teacher_config == run.teacher.config:
+        folder = os.path.join(run.folder, "surgery", phase)
+        surgery.prune_checkpoint(run.teacher.folder, plan, folder, overwrite=True)
+        return surgery.load_pretrained(folder, dtype="float32", mesh=mesh)
+    return surgery.apply_plan(source_model, plan)
+
+
+def composed_map(plan_a, plan_b) -> dict:
+    """Teacher -> final-student layer and channel correspondence through both stages (plans are data), and the
+    kept pieces of a trimmed vocabulary (stage A keeps every piece, so the final plan's ids are the teacher's)."""
+    if plan_a is None:
+        return {"kept_layers": plan_b.kept_layers, "kept_hidden": plan_b.kept_hidden,
+                "kept_vocab": plan_b.kept_vocab}
+    return {"kept_layers": [plan_a.kept_layers[i] for i in plan_b.kept_layers],
+            "kept_hidden": [plan_a.kept_hidden[i] for i in plan_b.kept_hidden], "kept_vocab": plan_b.kept_vocab}
+
+
+__all__ = ["Interrupted", "Loaded", "Chosen", "StageA", "Cut", "Trained", "load_teacher_and_data",
+           "correct_teacher", "choose_student", "stage_a", "final_cut", "distil", "train_control", "train",
+           "pruned_student", "make_student", "composed_map"]
