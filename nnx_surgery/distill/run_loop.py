@@ -274,7 +274,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         """The step's traced hyperparameters, with the loss weights the active fallbacks set."""
         stage = self.config.stages[index]
         hyper = hyper_values(stage, in_stage, self.config.optimizer.weight_decay, self.lr_scale)
-        if not (self.fallbacks.mse_until is not None or self.fallbacks.sft is not None):
+        if not self.fallbacks.active:
             return hyper, []
         weights, active = self.fallbacks.weights(stage.weights_at(in_stage), self.step)  # host values, no sync
         hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in terms.weight_names()})
@@ -321,7 +321,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
         if active:  # a fallback sets the loss weights
             record["fallback"] = ",".join(active)
-            record.update({f"weight/{name}": float(hyper[name]) for name in ("kl", "ce", "mse")})
+            record.update({f"weight/{name}": float(hyper[name]) for name in self.fallbacks.moved_weights})
         self.history.append(record)
         self.logger.step(record)
         return record
