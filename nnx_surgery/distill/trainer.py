@@ -2,7 +2,8 @@
 
 The pieces, in order of ownership: `run` (here) checks the models against each other and the config, places
 them on the mesh and resolves the layer correspondence; `TrainingLoop` (run_loop.py) drives the steps: stages,
-schedules, logging, the divergence guard, checkpoints, resume and evaluation; `StepRunner` (step_runner.py) holds
+schedules, logging and evaluation, calling its collaborators (divergence guard, fallbacks, checkpoints and
+resume, OOM retries, targets); `StepRunner` (step_runner.py) holds
 the student's training state for the current stage and runs the compiled steps (step.py). Stages switch by
 re-splitting the student with the new trainable set; Adam moments of parameters that stay trainable (and the step
 counter) carry over (freeze.carry_matching).
@@ -247,8 +248,8 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
                          projections=runner.params["proj"] if runner.params else projections,
                          steps=loop.step, run_dir=config.run_dir, resumed_history=loop.resumed_history,
                          resumed_evals=loop.resumed_evals, data_state=loop.data_state,
-                         resumed_events=loop.resumed_events, targets=loop.target_report,
-                         stopped_early=loop.stopped_early, utilisation=loop.times.fractions() or {},
+                         resumed_events=loop.resumed_events, targets=loop.monitor.report,
+                         stopped_early=loop.stopped_early, utilisation=loop.monitor.times.fractions() or {},
                          oom_decisions=list(loop.memory.decisions))
 
 
