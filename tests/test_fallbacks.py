@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nnx_surgery.distill import terms
 from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage
 from nnx_surgery.distill.fallbacks import Fallbacks, mixed_weights
-from nnx_surgery.distill.loss_term import ModelSide, TermInputs
+from nnx_surgery.distill.loss_term import LossTerm, ModelSide, TermInputs
 from nnx_surgery.distill.mse_loss import logit_mse
 from nnx_surgery.distill.trainer import run
 from test_distill_train import (BATCH, FAST_COMPILE, LENGTH, ArrayBatches, params_numpy, student_from,
@@ -204,3 +205,28 @@ def test_a_run_interrupted_during_sft_then_mix_resumes_inside_it(corpus, tmp_pat
     assert [(r["step"], r["weight/kl"], r["weight/ce"], r["loss"]) for r in resumed.history] == want
     assert [e["action"] for e in fallback_events(resumed)] == ["start", "ramp", "mixed"]
     assert fallback_events(resumed, "start")[0] in resumed.resumed_events
+
+
+def test_the_mse_fallback_is_an_ordinary_term_switched_by_weights(corpus, monkeypatch):
+    """The MSE term declares its fallback role (switch_to_mse moves its weight); the fallback only raises that
+    weight, for any term declaring the role, and compiles it in as a stage weighting it would. A stage may
+    weight the MSE term itself, with no policy: it trains like any term."""
+    assert terms.fallback_weights(("switch_to_mse",)) == ("mse",)
+    assert terms.fallback_weights(("sft_then_mix",)) == ("ce",)  # the logit term's CE kind
+    stage_weights = LossWeights.mixed(0.8)
+    compiled = terms.compiled_weights(stage_weights, ("switch_to_mse",))
+    assert compiled == {**stage_weights.as_dict(), "mse": 1.0}
+    assert [t.name for t in terms.active_terms(compiled)] == ["logit", "mse"]
+    monkeypatch.setattr(terms, "_REGISTRY", dict(terms._REGISTRY))
+    terms.register(LossTerm(name="other_aux", compute=lambda inputs: 0.0, fallbacks={"switch_to_mse": ("other_aux",)}))
+    policy = Fallbacks(GuardConfig(policies=("switch_to_mse",), mse_weight=2.0), has_teacher=True)
+    policy.on_divergence(restored_step=0, reason="test")
+    weights, active = policy.weights(LossWeights.mixed(0.8, other_aux=0.5), 0)
+    assert (weights["mse"], weights["other_aux"], active) == (2.0, 2.5, ["switch_to_mse"])
+    monkeypatch.undo()
+
+    stage = Stage(steps=3, learning_rate=5e-3, weights=LossWeights.mixed(0.8, mse=0.5))
+    result = run(tiny_teacher(), student_from(tiny_teacher()), corpus["train"],
+                 config(stages=(stage,), guard=GuardConfig()))
+    assert all(r["loss/mse"] > 0 and "fallback" not in r for r in result.history)
+    assert all(r["loss"] == pytest.approx(r["loss/logit"] + 0.5 * r["loss/mse"], rel=1e-5) for r in result.history)

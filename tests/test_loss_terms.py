@@ -1,5 +1,6 @@
 """Loss terms as objects: weights keyed by registered names, the step's hyperparameters and switches derived from
-the registry, and a term defined outside the package trained by the step after one `register` call."""
+the registry, options declared on the terms, and a term defined outside the package (with an option) trained
+after one `register` call, with its recipe flag."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +9,12 @@ from flax import nnx
 
 import nnx_surgery.distill.step as step_lib
 from nnx_surgery.distill import terms
-from nnx_surgery.distill.config import LossWeights, Stage
+from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
 from nnx_surgery.distill.freeze import split_trainable
 from nnx_surgery.distill.logit_loss import LogitLossSettings
-from nnx_surgery.distill.loss_term import LossTerm, TermInputs
-from test_distill_train import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_teacher
+from nnx_surgery.distill.loss_term import LossTerm, TermInputs, TermOption
+from nnx_surgery.distill.trainer import run
+from test_distill_train import BATCH, FAST_COMPILE, LENGTH, VOCAB, student_from, teacher_samples, tiny_teacher
 
 BUILT_IN = ("kl", "reverse_kl", "jsd", "ce", "attention", "feature")
 
@@ -101,3 +103,65 @@ def test_a_term_registered_outside_the_package_is_weighted_and_trained(registry)
     assert loss_0 == pytest.approx(metrics_0["term/kl"], rel=1e-6)
     moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(grads_0), jax.tree.leaves(grads_2))]
     assert sum(moved) > len(moved) // 2  # the new term's gradient reaches most student parameters
+
+
+def _scaled_gap(inputs: TermInputs) -> jax.Array:
+    """The final-hidden-state gap times the term's own option `scale`."""
+    return inputs.options["scale"] * _final_hidden_gap(inputs)
+
+
+SCALED_GAP = LossTerm(name="scaled_gap", compute=_scaled_gap, options=(TermOption("scale", 1.0),),
+                      flag="the scaled final-hidden-state gap (0: off)")
+
+
+def test_a_term_with_an_option_is_one_registration(registry, monkeypatch):
+    """A term with its own option, defined here: one `register` call makes its option a DistillConfig setting
+    (checked against the declaration), trains it with that option in `distill.run`, and gives the recipe a
+    weight flag for it."""
+    registry.register(SCALED_GAP)
+    with pytest.raises(ValueError, match=r"has no option\(s\) \['scal'\]; its options: scale"):
+        DistillConfig(loss_options={"scaled_gap": {"scal": 2.0}})
+    with pytest.raises(ValueError, match="no loss term 'scaled_gapp'"):
+        DistillConfig(loss_options={"scaled_gapp": {"scale": 2.0}})
+    teacher = tiny_teacher()
+    batches = teacher_samples(teacher, 1, seed=1)
+    stage = Stage(steps=1, learning_rate=1e-3, weights=LossWeights(kl=1.0, scaled_gap=2.0))
+    config = DistillConfig(stages=(stage,), batch_size=BATCH, seq_len=LENGTH, progress=False, logit_chunk=16,
+                           compiler_options=FAST_COMPILE, loss_options={"scaled_gap": {"scale": 3.0}})
+    assert DistillConfig.from_dict(config.to_dict()) == config
+    student = student_from(teacher)
+    ids = jnp.asarray(batches[0]["input_ids"])
+    gap = np.sum(np.square(np.asarray(student(ids, return_logits=False).final_hidden)
+                           - np.asarray(teacher(ids, return_logits=False).final_hidden))) / ids.size
+    record, = run(teacher, student, batches, config).history
+    assert record["loss/scaled_gap"] == pytest.approx(3.0 * gap, rel=1e-4)  # the metric before the update
+    assert record["loss"] == pytest.approx(record["loss/logit"] + 2.0 * record["loss/scaled_gap"], rel=1e-5)
+
+    from nnx_surgery.recipes import knobs, phases, settings
+
+    monkeypatch.setitem(knobs.DEFAULTS, "scaled_gap_weight", 0.0)  # added by the parser; gone after the test
+    flags = {name for action in settings.build_parser()._actions for name in action.option_strings}
+    assert {"--scaled-gap-weight", "--feature-weight", "--cosine-weight", "--attention-weight",
+            "--feature-kind"} <= flags and "--mse-weight" not in flags  # the MSE term has no recipe flag
+    args = settings.resolve(["--preset", "tiny", "--scaled-gap-weight", "0.5"])
+    assert phases.loss_weights(args, args.feature_weight).scaled_gap == 0.5
+
+
+def test_options_live_on_the_terms_and_reach_the_step():
+    """The built-in terms' options: declared on the term, read from `loss_options` or the older DistillConfig
+    field, checked when the config is made, and compiled into the step settings."""
+    assert DistillConfig(feature_kind="pooled").feature_kind == "pooled"
+    config = DistillConfig(feature_kind="cosine", loss_options={"mse": {"chunk": 64}})
+    assert terms.option_values(terms.term("feature"), config) == {"kind": "cosine"}
+    assert terms.option_values(terms.term("mse"), config) == {"on": "logits", "chunk": 64}
+    assert terms.option_values(terms.term("feature"), DistillConfig(loss_options={"feature": {"kind": "mse"}})) \
+        == {"kind": "mse"}  # loss_options wins over the older field
+    with pytest.raises(ValueError, match="option kind='max'"):
+        DistillConfig(loss_options={"feature": {"kind": "max"}})
+    settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True), terms=("feature", "mse"),
+                                     options={"mse": {"on": "features"}})
+    assert settings.options_of(terms.term("feature")) == {"kind": "nmse"}  # the default
+    assert settings.captures == ("residual",) and hash(settings) == hash(
+        step_lib.StepSettings(logit=LogitLossSettings(kl=True), terms=("feature", "mse"),
+                              options={"mse": {"on": "features"}}))
+    assert step_lib.StepSettings(logit=LogitLossSettings(kl=True), terms=("mse",)).captures == ()

@@ -24,7 +24,7 @@ from .on_policy import OnPolicyConfig
 from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
 from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
 from .losses import attention_transfer_loss, feature_loss, pool_features
-from .loss_term import LossTerm, ModelSide, TermInputs
+from .loss_term import LossTerm, ModelSide, TermInputs, TermOption
 from .terms import register as register_loss
 from . import terms
 from .metrics import MetricsLogger, make_logger, plot_history, step_flops
@@ -49,6 +49,6 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
-           "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
+           "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
 __all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across"]

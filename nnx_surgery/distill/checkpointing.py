@@ -1,6 +1,6 @@
 """Orbax checkpoints of a distillation run: the whole student, the optimizer state, learned projections and a
 JSON `meta` (step, stage, data position, learning-rate scale, guard history, fallback and OOM state, seed, the
-records so far); `LoopCheckpoints` is the training loop's side of it (rollback target, resume).
+records so far); `RunCheckpoints` is the training loop's collaborator for them (rollback target, resume).
 
 Restores go against ShapeDtypeStruct targets carrying the shardings of the arrays currently in memory, so a run
 resumes on the mesh it is started with, whichever mesh wrote the checkpoint. The optimizer
@@ -14,13 +14,14 @@ The in-memory rollback copy (no checkpoint directory) keeps each process's own s
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from .fallbacks import DivergenceError
+from .interruption import remove_unfinished_saves
 
 
 def abstract_like(tree: Any) -> Any:
@@ -105,69 +106,68 @@ def by_step(records: list[dict[str, Any]], last_step: int) -> list[dict[str, Any
     return sorted({r["step"]: r for r in records if r["step"] <= last_step}.values(), key=lambda r: r["step"])
 
 
-class LoopCheckpoints:
-    """TrainingLoop's checkpoints: the rollback target (a checkpoint, else a host copy), `meta` with the run's
-    bookkeeping (data position, guard, fallback and OOM state, history, evaluations, events) and resume."""
+class RunCheckpoints:
+    """A run's checkpoints, collaborator of the training loop: the rollback target (the latest checkpoint, else,
+    with the guard on and no directory, a host copy of the last good state) and resume.
 
-    def _meta(self) -> dict[str, Any]:
-        return {"step": self.step, "stage": self.runner.stage_index, "data_state": self.data_state,
-                "lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "good_losses": self.good_losses,
-                "seed": self.config.seed, "total_steps": self.config.total_steps,
-                "fallbacks": self.fallbacks.state(), "oom": self.memory.state(),
-                "history": by_step(self.resumed_history + self.history, self.step),
-                "evals": by_step(self.resumed_evals + self.evals, self.step),
-                "events": [e for e in self.resumed_events + self.events if e["step"] <= self.step]}
+    State: `checkpointer` (None without a directory), `snapshot` (the host copy), `stale_saves` (unfinished writes
+    of an earlier run, removed on start) and `skipped` (unreadable checkpoints passed over on resume). The loop
+    passes what a checkpoint records besides the model state (`meta`, built only when one is written)."""
 
-    def _mark_good(self) -> None:
-        """Record the current state as the rollback target (checkpoint, else host copy)."""
+    def __init__(self, config: Any, runner: Any):
+        ckpt = config.checkpoint
+        self.runner = runner
+        self.resume_enabled = ckpt.resume
+        self.keeps_snapshot = config.guard.enabled
+        self.stale_saves = remove_unfinished_saves(ckpt.directory) if ckpt.directory else []
+        self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
+        self.snapshot: dict[str, Any] | None = None
+        self.skipped: list[str] = []
+
+    @property
+    def directory(self) -> str | None:
+        return self.checkpointer.directory if self.checkpointer is not None else None
+
+    def mark_good(self, step: int, meta: Callable[[], dict[str, Any]]) -> None:
+        """Record the state at `step` as the rollback target (checkpoint with `meta()`, else host copy)."""
         runner = self.runner
         if self.checkpointer is not None:
-            if self.checkpointer.latest_step() != self.step:
-                self.checkpointer.save(self.step, student=runner.full_state(), optimizer=runner.opt,
-                                       projections=runner.params["proj"], meta=self._meta())
-        elif self.config.guard.enabled:
-            self.snapshot = {"step": self.step, "stage": runner.stage_index,
+            if self.checkpointer.latest_step() != step:
+                self.checkpointer.save(step, student=runner.full_state(), optimizer=runner.opt,
+                                       projections=runner.params["proj"], meta=meta())
+        elif self.keeps_snapshot:
+            self.snapshot = {"step": step, "stage": runner.stage_index,
                              "student": host_snapshot(runner.full_state()), "opt": host_snapshot(runner.opt),
                              "proj": host_snapshot(runner.params["proj"])}
 
-    def _restore_last_good(self) -> int:
-        runner = self.runner
+    def restore_last_good(self) -> int:
+        """Put the rollback target back into the runner; returns its step."""
         if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
-            meta = self._restore_checkpoint(self.checkpointer.latest_step())
-            return int(meta["step"])
+            return int(self.restore(self.checkpointer.latest_step())["step"])
         if self.snapshot is None:
             raise DivergenceError("diverged before any good state was recorded.")
         snap = self.snapshot
-        runner.load(snap["stage"], from_snapshot(snap["student"]), from_snapshot(snap["opt"]),
-                    from_snapshot(snap["proj"]))
-        self.step = snap["step"]
-        return self.step
+        self.runner.load(snap["stage"], from_snapshot(snap["student"]), from_snapshot(snap["opt"]),
+                         from_snapshot(snap["proj"]))
+        return snap["step"]
 
-    def _restore_checkpoint(self, step: int) -> dict[str, Any]:
+    def restore(self, step: int) -> dict[str, Any]:
+        """Load checkpoint `step` into the runner; returns its `meta`."""
         runner, checkpointer = self.runner, self.checkpointer
         meta = checkpointer.read_meta(step)
         runner.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
         student_state, opt_state, projections = checkpointer.restore(
             step, student=runner.full_state(), optimizer=runner.opt, projections=runner.params["proj"])
         runner.load(int(meta["stage"]), student_state, opt_state, projections)
-        self.step = int(meta["step"])
         return meta
 
-    def _resume(self) -> bool:
+    def resume(self) -> dict[str, Any] | None:
+        """The `meta` of the checkpoint a run continues from, its state loaded; None when there is none (no
+        directory, resume off, nothing written yet)."""
         checkpointer = self.checkpointer
-        if checkpointer is None or not self.config.checkpoint.resume or checkpointer.latest_step() is None:
-            return False
-        meta = self._restore_newest_readable()
-        self.data.restore(meta["data_state"])
-        self.data_state = meta["data_state"]
-        self.lr_scale, self.rollbacks = float(meta["lr_scale"]), int(meta["rollbacks"])
-        self.good_losses = [float(x) for x in meta["good_losses"]]
-        self.fallbacks.restore(meta.get("fallbacks"))
-        self.resumed_history, self.resumed_evals = list(meta.get("history", [])), list(meta.get("evals", []))
-        self.resumed_events = list(meta.get("events", []))
-        self._last_eval_step = max((r["step"] for r in self.resumed_evals), default=-1)
-        self._restore_memory_plan(meta.get("oom"))
-        return True
+        if checkpointer is None or not self.resume_enabled or checkpointer.latest_step() is None:
+            return None
+        return self._restore_newest_readable()
 
     def _restore_newest_readable(self) -> dict[str, Any]:
         """Restore the newest checkpoint that reads back; an unreadable one (damaged after it was written) is
@@ -175,15 +175,15 @@ class LoopCheckpoints:
         steps = sorted(self.checkpointer.manager.all_steps(), reverse=True)
         for position, step in enumerate(steps):
             try:
-                return self._restore_checkpoint(step)
+                return self.restore(step)
             except Exception as error:  # noqa: BLE001 - any read failure: fall back, or re-raise on the last
                 if position == len(steps) - 1:
                     raise
-                self.skipped_checkpoints.append(f"step {step} in {self.checkpointer.directory} could not be read "
-                                                f"({type(error).__name__}: {error}); trying step {steps[position + 1]}")
+                self.skipped.append(f"step {step} in {self.checkpointer.directory} could not be read "
+                                    f"({type(error).__name__}: {error}); trying step {steps[position + 1]}")
         raise AssertionError("unreachable: latest_step() named a checkpoint")
 
-    def _latest_complete_step(self) -> int | None:
+    def latest_complete_step(self) -> int | None:
         """The newest finalised checkpoint on disk (not the manager's cached list: a write may have been cut)."""
         try:
             self.checkpointer.manager.reload()
@@ -191,5 +191,9 @@ class LoopCheckpoints:
         except Exception:  # noqa: BLE001 - only for the message; the checkpoint itself is not touched
             return None
 
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
-__all__ = ["Checkpointer", "LoopCheckpoints", "abstract_like", "by_step", "HostShards", "host_snapshot", "from_snapshot"]
+
+__all__ = ["Checkpointer", "RunCheckpoints", "abstract_like", "by_step", "HostShards", "host_snapshot", "from_snapshot"]

@@ -10,9 +10,10 @@ from typing import Any
 
 import optax
 
+from . import terms
 from .interface import Correspondence
 from .loss_weights import LossWeights, Ramp, _plain, _ramp
-from .losses import FEATURE_KINDS
+from .mse_loss import MSE_ON
 from .on_policy import OnPolicyConfig
 from .vocab_map import checked_vocab_map
 
@@ -146,7 +147,7 @@ class GuardConfig:
     policies: tuple[str, ...] = ()
     mse_weight: float = 1.0  # switch_to_mse: weight of the auxiliary MSE term ("mse")
     mse_steps: int = 20  # switch_to_mse: optimizer steps it stays on after a divergence
-    mse_on: str = "logits"  # switch_to_mse: "logits" or "features"
+    mse_on: str = "logits"  # what the MSE term compares, "logits" or "features" (its option `on`)
     sft_steps: int = 20  # sft_then_mix: steps of pure cross-entropy
     sft_ramp_steps: int = 20  # sft_then_mix: steps to ramp the distillation weight back
     sft_alpha: float = 0.5  # sft_then_mix: the alpha it ramps back to
@@ -155,8 +156,8 @@ class GuardConfig:
     def __post_init__(self):
         policies = _names(self.policies, GUARD_POLICIES, "GuardConfig: unknown policies")
         object.__setattr__(self, "policies", policies)
-        if self.mse_on not in ("logits", "features"):
-            raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use 'logits' or 'features'.")
+        if self.mse_on not in MSE_ON:
+            raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use one of {MSE_ON}.")
         if not 0.0 <= self.sft_alpha <= 1.0:
             raise ValueError(f"GuardConfig: sft_alpha={self.sft_alpha} must lie in [0, 1].")
         if self.mse_weight < 0:
@@ -213,7 +214,7 @@ class DistillConfig:
     top_k: int | None = None
     jsd_beta: float = 0.5
     logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 128 on
-    # CPU, up to 2048 on an accelerator as its memory allows (`distill.trainer.logit_chunk`)
+    # CPU, up to 2048 on an accelerator as its memory allows (`distill.logit_term.logit_chunk`)
     logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
     logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU
     train_diagnostics: bool = False  # teacher CE / logit correlation / T=1 KL every train step (eval has them)
@@ -224,8 +225,10 @@ class DistillConfig:
     # a trimmed student's vocabulary: the teacher token id of each student token id (nnx_surgery/distill/vocab_map.py);
     # None: the plan's kept_vocab when it has one, else teacher and student share one vocabulary
     vocab_map: tuple[int, ...] | None = None
-    feature_kind: str = "nmse"
+    feature_kind: str = "nmse"  # the feature term's option `kind`
     feature_projection: bool = False  # learned (D_s, D_t) projections (feature, cosine terms) for another width
+    # term name -> {option: value} (distill.terms), e.g. {"mse": {"chunk": 64}}; wins over feature_kind, guard.mse_on
+    loss_options: dict = dataclasses.field(default_factory=dict, hash=False)
     # numerics and placement
     compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
     remat: str | None = None  # None, "full" or "dots": rematerialise the student forward
@@ -261,9 +264,7 @@ class DistillConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
         if self.logit_impl not in ("fused", "reference"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
-        feature_kinds = tuple(dict.fromkeys((*FEATURE_KINDS, "pooled")))
-        if self.feature_kind not in feature_kinds:
-            raise ValueError(f"feature_kind={self.feature_kind!r}: choose from {feature_kinds}.")
+        object.__setattr__(self, "loss_options", terms.checked_options(self))
         if self.logger not in (None, "wandb"):
             raise ValueError(f"logger={self.logger!r}: use 'wandb' or None (JSONL and TensorBoard are always on).")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -347,6 +348,8 @@ class DistillConfig:
                 kept_vocab = _field_of(value, "kept_vocab")  # only plans that trim the vocabulary have it
                 value = _json({**{k: _field_of(value, k) for k in ("kept_layers", "kept_hidden", "kept_heads")},
                                **({"kept_vocab": kept_vocab} if kept_vocab is not None else {})})
+            elif field.name == "loss_options" and not value:
+                continue  # written only when set, so configs from before it existed read back equal
             elif field.name == "mesh" and value is not None and not isinstance(value, (str, dict)):
                 value = {str(axis): int(size) for axis, size in dict(value.shape).items()}
             out[field.name] = _json(value)

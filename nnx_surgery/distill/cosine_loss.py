@@ -21,6 +21,6 @@ def cosine_distance(inputs: TermInputs) -> jax.Array:
 
 
 COSINE = LossTerm(name="cosine", compute=cosine_distance, captures=("residual",), uses_layer_map=True,
-                  uses_projections=True)
+                  uses_projections=True, flag="cosine loss (1 - cos) on mapped layer outputs (0: off)")
 
 __all__ = ["COSINE", "cosine_distance"]

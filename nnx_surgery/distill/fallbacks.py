@@ -2,9 +2,10 @@
 
 Selected and combined with `GuardConfig.policies`:
 
-* `switch_to_mse`: after a divergence (once the guard has rolled back), the auxiliary MSE loss between student and
-  teacher logits (or mapped features, `mse_on`) is added with weight `mse_weight` for `mse_steps` optimizer
-  steps, then the stage's configured losses are back. A further divergence meanwhile restarts the window.
+* `switch_to_mse`: after a divergence (once the guard has rolled back), the weights of the terms that name this
+  policy in their `fallbacks` (the auxiliary MSE term of mse_loss.py, on logits or mapped features as its `on`
+  option says) are raised by `mse_weight` for `mse_steps` optimizer steps, then the stage's configured losses are
+  back. A further divergence meanwhile restarts the window.
 * `sft_then_mix`: when the held-out student cross-entropy is worse than at the start of the stage for
   `sft_patience` evaluations in a row, the run trains on pure cross-entropy for `sft_steps`, then ramps the
   distillation weight back linearly over `sft_ramp_steps` to `sft_alpha`, where it stays until the stage ends:
@@ -12,13 +13,16 @@ Selected and combined with `GuardConfig.policies`:
   (kl / reverse_kl / jsd) scaled to sum to 1. It acts at most once per stage; the next stage starts with its own
   configured weights.
 
-Both change only traced loss weights (the step is compiled with the MSE term and the CE kind in place when the
-policies ask for them), so no switch recompiles. Every switch is an event with its reason; the state is part of
-every checkpoint's `meta`, so a run interrupted during a fallback resumes inside it.
+Both change only traced loss weights (the step compiles in the weights each policy moves, as the terms declare
+in `LossTerm.fallbacks`: the MSE term, the logit term's CE kind), so no switch recompiles. Every switch is an
+event with its reason; the state is part of every checkpoint's `meta`, so a run interrupted during a fallback
+resumes inside it.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+from . import terms
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 Event = tuple[str, dict[str, Any]]  # (message, fields)
@@ -57,6 +61,17 @@ class Fallbacks:
     def uses(self, policy: str) -> bool:
         return policy in self.policies
 
+    @property
+    def moved_weights(self) -> tuple[str, ...]:
+        """The weights a step record reports while a fallback is on: the cross-entropy mix of sft_then_mix and
+        the weights switch_to_mse raises."""
+        return ("kl", "ce", *terms.fallback_weights(("switch_to_mse",)))
+
+    @property
+    def active(self) -> bool:
+        """Whether a fallback may be setting the weights (the loop then asks `weights`)."""
+        return self.mse_until is not None or self.sft is not None
+
     # ---- the weights of a step ----------------------------------------------------------------------
     def distill_weight(self, step: int) -> float | None:
         """sft_then_mix's d at global step index `step` (None: not active)."""
@@ -76,7 +91,8 @@ class Fallbacks:
         if distill is not None:
             out, active = mixed_weights(weights, distill), ["sft_then_mix"]
         if self.mse_until is not None and step < self.mse_until:
-            out["mse"] = out.get("mse", 0.0) + self.settings.mse_weight
+            for name in terms.fallback_weights(("switch_to_mse",)):
+                out[name] = out.get(name, 0.0) + self.settings.mse_weight
             active.append("switch_to_mse")
         return out, active
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .interface import Correspondence
-from .loss_term import LossTerm, TermInputs, captured_pair
+from .loss_term import LossTerm, TermInputs, TermOption, captured_pair
 
 FEATURE_KINDS = ("mse", "nmse", "cosine", "pooled")
 _TINY = 1e-12
@@ -166,15 +166,20 @@ def _attention_term(inputs: TermInputs) -> jax.Array:
 
 def _feature_term(inputs: TermInputs) -> jax.Array:
     teacher, student = captured_pair(inputs, "residual")
-    return feature_loss(teacher, student, inputs.correspondence, inputs.query_weights, inputs.settings.feature_kind,
+    return feature_loss(teacher, student, inputs.correspondence, inputs.query_weights, inputs.options["kind"],
                         inputs.projections)
 
 
-# Loss terms (distill.terms registers them): attention-map transfer, and layer-output matching of the kind
-# `DistillConfig.feature_kind` ("nmse" by default).
-ATTENTION = LossTerm(name="attention", compute=_attention_term, captures=("attention_probs",), uses_layer_map=True)
+# Loss terms (distill.terms registers them): attention-map transfer, and layer-output matching of the kind its
+# option `kind` says ("nmse" by default; also `DistillConfig.feature_kind`).
+ATTENTION = LossTerm(name="attention", compute=_attention_term, captures=("attention_probs",), uses_layer_map=True,
+                     flag="attention-map transfer on mapped layers and kept heads (0: off)")
 FEATURE = LossTerm(name="feature", compute=_feature_term, captures=("residual",), uses_layer_map=True,
-                   uses_projections=True)
+                   uses_projections=True,
+                   options=(TermOption("kind", "nmse", choices=FEATURE_KINDS, setting="feature_kind",
+                                       flag="how features compare: nmse (scale-free), mse, cosine, pooled (teacher "
+                                            "width averaged down to the student's)"),),
+                   flag="feature loss on mapped layer outputs (0: off); guides a depth-cut student layer by layer")
 
 __all__ = ["attention_transfer_loss", "feature_loss", "feature_distance", "group_heads", "match_heads",
            "pool_features", "pooling_windows",

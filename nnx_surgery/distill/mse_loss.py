@@ -1,25 +1,29 @@
-"""Auxiliary MSE loss between student and teacher: the `switch_to_mse` fallback's loss (weight key "mse").
+"""Auxiliary MSE loss between student and teacher (weight key "mse"): the loss the `switch_to_mse` fallback turns
+on after a divergence, an ordinary term otherwise (a stage may weight it like any other).
 
-On logits (default) it is the mean over supervised positions of the mean over the vocabulary of the squared
-difference of the two models' logits, each centred on its mean over the vocabulary first: a softmax does not see a
-constant shift, so only the shape of the logits is matched. Logits are made in row chunks (rematerialised in the
-backward pass), so no (B, T, V) array exists. On features (`GuardConfig.mse_on="features"`) it is the plain MSE
-between mapped layer outputs (`losses.feature_loss` with kind "mse": the layer map, kept channels and learned
-projections apply as for the feature loss).
+Its options (`loss_options={"mse": {...}}`): `on`, what it compares (default "logits"; also
+`GuardConfig.mse_on`), and `chunk`, the rows per logits block. On logits it is the mean over supervised
+positions of the mean over the vocabulary of the squared difference of the two models' logits, each centred on
+its mean over the vocabulary first: a softmax does not see a constant shift, so only the shape of the logits is
+matched. Logits are made in row chunks (rematerialised in the backward pass), so no (B, T, V) array exists. On
+features it is the plain MSE between mapped layer outputs (`losses.feature_loss` with kind "mse": the layer map,
+kept channels and learned projections apply as for the feature loss); only then does it ask the models for their
+layer outputs.
 
-Its weight is 0 unless the fallback turns it on. A run whose guard lists `switch_to_mse` compiles the term into
-every step (`StepRunner.step_settings`) and the term computes only when its traced weight is non-zero
-(`lax.cond`), so switching it on and off never recompiles and costs nothing while it is off. Its metric
-`loss/mse` is 0 while it is off.
+Its fallback role is declared on the term (`fallbacks`): a run whose guard lists `switch_to_mse` compiles the
+term into every step and the fallback moves its traced weight, so switching it on and off never recompiles; the
+term computes only while that weight is non-zero (`LossTerm.contribution`), and its metric `loss/mse` is 0 while
+it is off.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from .loss_term import LossTerm, TermInputs, captured_pair
+from .loss_term import LossTerm, TermInputs, TermOption, captured_pair
 from .logit_loss import row_blocks
 from .losses import feature_loss
 
@@ -61,28 +65,25 @@ def feature_mse(inputs: TermInputs) -> jax.Array:
 
 
 def mse_value(inputs: TermInputs) -> jax.Array:
-    """The MSE on logits or features, as the step's settings say (`mse_on`, default "logits")."""
-    on = getattr(inputs.settings, "mse_on", "logits")
-    if on not in MSE_ON:
-        raise ValueError(f"mse_on={on!r}: use one of {MSE_ON}.")
-    return feature_mse(inputs) if on == "features" else logit_mse(inputs)
+    """The MSE on logits or features, as the term's options say (`on`, default "logits"; `chunk`)."""
+    if inputs.options.get("on", "logits") == "features":
+        return feature_mse(inputs)
+    return logit_mse(inputs, inputs.options.get("chunk", ROW_CHUNK))
 
 
 @dataclasses.dataclass(frozen=True)
 class MseTerm(LossTerm):
-    """The MSE term: computed only while its traced weight is non-zero (no recompile to switch it)."""
+    """The MSE term: on features it needs the layer outputs, the layer map and the projections (`resolved`)."""
 
-    name: str = "mse"
-
-    def contribution(self, inputs: TermInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
-        weight = inputs.hyper[self.name]
-        value = jax.lax.cond(weight != 0, lambda: mse_value(inputs).astype(jnp.float32),
-                             lambda: jnp.zeros((), jnp.float32))
-        return weight * value, {f"loss/{self.name}": value}
+    def resolved(self, options: Mapping[str, Any]) -> LossTerm:
+        if options.get("on") != "features":
+            return self
+        return dataclasses.replace(self, captures=("residual",), uses_layer_map=True, uses_projections=True)
 
 
-# Its captures are added by the step settings when mse_on="features" (StepRunner.step_settings), so a logits MSE
-# asks the models for nothing more.
-MSE = MseTerm(compute=mse_value, uses_layer_map=False, uses_projections=False)
+MSE = MseTerm(name="mse", compute=mse_value,
+              options=(TermOption("on", "logits", choices=MSE_ON, setting="guard.mse_on"),
+                       TermOption("chunk", ROW_CHUNK)),
+              fallbacks={"switch_to_mse": ("mse",)})
 
-__all__ = ["MSE", "MseTerm", "MSE_ON", "logit_mse", "feature_mse", "mse_value"]
+__all__ = ["MSE", "MseTerm", "MSE_ON", "ROW_CHUNK", "logit_mse", "feature_mse", "mse_value"]

@@ -135,12 +135,27 @@ def _json_value(value: Any) -> Any:
 
 
 class MemoryRetries:
-    """TrainingLoop's side of the OOM handling: dispatch with retries, decisions as events (and in the run
-    folder's config.json / oom_decisions.json), resume."""
+    """Dispatching the train step with retries on out-of-memory, collaborator of the training loop.
 
-    def _write_config(self) -> None:
+    State: `plan` (the MemoryPlan in force: remat, micro-batch split, decisions), `data_rows` (this process's rows
+    of a data batch, for config.json). The loop hands it the runner, `report(kind, message, **fields)` for its
+    events and `restore()` to put back the last good state when a failed step consumed the training state."""
+
+    def __init__(self, config: Any, runner: Any, mesh: Any, data_rows: int | None,
+                 report: Callable[..., None], restore: Callable[[], int]):
+        self.config, self.runner, self.mesh = config, runner, mesh
+        self.retry, self.sequence = config.oom.retry, config.oom.sequence  # validated by OOMConfig
+        self.plan = MemoryPlan(runner.remat)
+        self.data_rows = data_rows
+        self.report, self.restore_last_good = report, restore
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        return self.plan.decisions
+
+    def write_config(self) -> None:
         """run_dir/config.json: the configuration in force (after OOM decisions), and oom_decisions.json."""
-        config, plan = self.config, self.memory
+        config, plan = self.config, self.plan
         if not config.run_dir or jax.process_index() != 0:
             return
         os.makedirs(config.run_dir, exist_ok=True)
@@ -157,51 +172,54 @@ class MemoryRetries:
         with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=1, default=_json_value)
 
-    def _dispatch(self, batch, hyper):
-        """Dispatch the step, retrying with less memory on RESOURCE_EXHAUSTED: (batch as run, metrics on the
-        device, whether the step may include compilation), or None when a failed run consumed the state (then
-        restored to the last good one)."""
+    def dispatch(self, batch, hyper, step: int):
+        """Dispatch the step after global step `step`, retrying with less memory on RESOURCE_EXHAUSTED: (batch
+        as run, metrics on the device, whether the step may include compilation), or None when a failed run
+        consumed the state (then restored to the last good one)."""
         retried = False
         while True:
             try:
                 pending, first = self.runner.train_step(batch, hyper)
                 return batch, pending, first or retried
             except Exception as error:  # noqa: BLE001 - only out-of-memory errors are handled
-                if not (self.oom_retry and is_out_of_memory(error)):
+                if not (self.retry and is_out_of_memory(error)):
                     raise
-                batch, retried = self._after_oom(error, batch), True
+                batch, retried = self._after_oom(error, batch, step), True
                 if batch is None:
                     return None
 
-    def _after_oom(self, error: BaseException, batch):
+    def _after_oom(self, error: BaseException, batch, step: int):
         """The next memory decision, applied; the batch re-split for it (None when the state had to be restored)."""
         accum, rows = batch["input_ids"].shape[:2]
         split = data_split(self.mesh)[1] if self.mesh else 1
-        action = self.memory.next_action(self.oom_sequence, int(rows), split)
+        action = self.plan.next_action(self.sequence, int(rows), split)
         if action is None:
-            raise OutOfMemoryError(exhausted_message(self.memory, error, int(rows))) from error
-        decision = self.memory.apply(action, self.step + 1, first_line(error), int(rows), int(accum))
+            raise OutOfMemoryError(exhausted_message(self.plan, error, int(rows))) from error
+        decision = self.plan.apply(action, step + 1, first_line(error), int(rows), int(accum))
         if action in ("dots", "full"):
-            self.runner.set_remat(self.memory.remat)
+            self.runner.set_remat(self.plan.remat)
         lost = self.runner.state_lost()
-        restored = self._restore_last_good() if lost else None
-        after = decision["after"]
-        self._event("oom", f"OUT OF MEMORY at step {self.step + 1} ({decision['reason']}): retrying with remat="
+        restored = self.restore_last_good() if lost else None
+        after, at = decision["after"], (step if restored is None else restored) + 1
+        self.report("oom", f"OUT OF MEMORY at step {at} ({decision['reason']}): retrying with remat="
                            f"{after['remat']!r}, micro-batches of {after['micro_batch']} rows x {after['grad_accum']}"
                            + (f"; the failed step consumed the training state, restored step {restored}" if lost
                               else ""), failed_step=decision["step"],
                     **{key: value for key, value in decision.items() if key != "step"})
-        self._write_config()
+        self.write_config()
         if lost:
             return None
         host = {key: local_rows(value, axis=1) for key, value in batch.items()}  # this process's rows
         return put_batch(split_micro_batches(host, 2), self.mesh, leading=1) if action == "halve_batch" else batch
 
-    def _restore_memory_plan(self, state: dict[str, Any] | None) -> None:
+    def state(self) -> dict[str, Any]:
+        return self.plan.state()
+
+    def restore(self, state: dict[str, Any] | None) -> None:
         """A resumed run starts with the memory decisions of the run it continues."""
         if state and state.get("decisions"):
-            self.memory.restore(state)
-            self.runner.set_remat(self.memory.remat)
+            self.plan.restore(state)
+            self.runner.set_remat(self.plan.remat)
 
 
 __all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks",

@@ -1,13 +1,13 @@
-"""The step loop of `distill.run`: stages, logging, the divergence guard and its fallbacks, monitoring targets,
-out-of-memory retries, checkpoints, resume and evaluation.
+"""The step loop of `distill.run`: stages, schedule values, logging and evaluation, composed with collaborators
+that each hold their own state and that the loop calls: the divergence guard (guard.py), the fallbacks
+(fallbacks.py), the checkpoints (checkpointing.RunCheckpoints), the out-of-memory retries (oom.MemoryRetries)
+and the target monitor (targets.TargetMonitor).
 
-Divergence guard: a step whose loss or gradient norm is not finite (the step itself then leaves the parameters
-unchanged) or whose loss exceeds `spike_factor` x the running median of recent good steps triggers a rollback to
-the last good state (the latest checkpoint, or an in-memory copy taken at the same cadence when no checkpoint
-directory is set) and multiplies the learning rate by `lr_backoff`. The data stream is not rewound: the batches
-around the divergence are skipped. After `max_rollbacks` the run stops with DivergenceError; with the guard
-disabled a non-finite loss stops the run at once. It never continues on NaNs. The in-memory copy holds the student
-and its Adam state on the host (about 3x the trainable size in float32): set a checkpoint directory for big models.
+Divergence guard: a divergent step (guard.py) triggers a rollback to the last good state (the latest checkpoint,
+or an in-memory copy taken at the same cadence when no checkpoint directory is set) and a learning-rate backoff.
+The data stream is not rewound: the batches around the divergence are skipped. The in-memory copy holds the
+student and its Adam state on the host (about 3x the trainable size in float32): set a checkpoint directory for
+big models.
 `GuardConfig.policies` adds fallbacks (fallbacks.py: `switch_to_mse` after a divergence, `sft_then_mix` when the
 held-out cross-entropy gets worse than at the stage's start); they change traced loss weights only.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from typing import Any
 
@@ -35,36 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import freeze, targets, terms
-from .checkpointing import Checkpointer, LoopCheckpoints
+from .checkpointing import RunCheckpoints, by_step
 from .config import DistillConfig
 from .fallbacks import DivergenceError, Fallbacks
-from .targets import TargetActions
-from .interface import FORWARD_KEYS
-from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message, remove_unfinished_saves
+from .guard import DivergenceGuard
+from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message
+from .feed import BatchFeed, processes
+from .feed import stack_batches as _stack  # noqa: F401 - tests import it from here
 from .mesh import put_batch
 from .metrics import device_peak_flops, make_logger, step_flops
 from .on_policy import OnPolicy
-from .oom import MemoryPlan, MemoryRetries, split_micro_batches
+from .oom import MemoryRetries
 from .step import hyper_values
-
-
-def _stack(batches: list[dict[str, Any]], config: DistillConfig, processes: int = 1) -> dict[str, np.ndarray]:
-    """The step's micro-batches stacked (grad_accum, rows, T). `config.batch_size` is global: on a multi-host mesh
-    each process holds `batch_size / processes` rows of it."""
-    keys = set(batches[0])
-    if "input_ids" not in keys:
-        raise KeyError(f"a batch needs 'input_ids' (B, T) int32; it has {sorted(keys)}.")
-    stacked = {key: np.stack([np.asarray(b[key]) for b in batches])
-               for key in ("input_ids", "loss_mask", *FORWARD_KEYS) if key in keys}
-    shape = stacked["input_ids"].shape[1:]
-    expected = (config.batch_size // processes if config.batch_size else shape[0], config.seq_len or shape[1])
-    if shape != expected or any(v.shape[1:] != shape for v in stacked.values()):
-        raise ValueError(f"batch arrays have shapes { {k: v.shape[1:] for k, v in stacked.items()} }; the config "
-                         f"expects (batch_size, seq_len) = {expected} for every key.")
-    for key in ("input_ids", "positions", "segment_ids"):
-        if key in stacked:
-            stacked[key] = stacked[key].astype(np.int32)
-    return stacked
 
 
 def _ready(values: dict[str, Any]) -> bool:
@@ -76,16 +57,16 @@ def _host(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
-    """Drives a run: which stage and step come next, their schedule values, logging, the divergence guard and its
-    fallbacks, targets, OOM retries, checkpoints, resume and evaluations. The student's training state lives in
-    `runner` (a StepRunner); the loop owns the run's bookkeeping (step, history, learning-rate scale, rollbacks,
-    data position, fallback and memory state)."""
+class TrainingLoop:
+    """Drives a run: which stage and step come next, their schedule values, logging and evaluations. The student's
+    training state lives in `runner` (a StepRunner); the loop owns the run's position and records (step, data
+    position, history, evaluations, events) and calls its collaborators, each with its own state: `guard`
+    (DivergenceGuard), `fallbacks` (Fallbacks), `checkpoints` (RunCheckpoints), `memory` (MemoryRetries) and
+    `monitor` (TargetMonitor)."""
 
     def __init__(self, runner, data, config: DistillConfig, mesh, eval_data, teacher, student, sampler=None):
         self.runner, self.data, self.config, self.mesh = runner, data, config, mesh
-        self.step, self.lr_scale, self.rollbacks = 0, 1.0, 0
-        self.good_losses: list[float] = []
+        self.step = 0
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -93,11 +74,6 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self.resumed_evals: list[dict[str, Any]] = []
         self.resumed_events: list[dict[str, Any]] = []
         self.stop = StopSignals()
-        self.skipped_checkpoints: list[str] = []
-        ckpt = config.checkpoint
-        self.stale_saves = remove_unfinished_saves(ckpt.directory) if ckpt.directory else []
-        self.checkpointer = Checkpointer(ckpt.directory, ckpt.keep) if ckpt.directory else None
-        self.snapshot: dict[str, Any] | None = None
         self.eval_batches = [put_batch({k: np.asarray(v) for k, v in b.items()}, mesh)
                              for b in data.eval_batches(eval_data, config.eval_batches)]
         self.teacher, self.student = teacher, student
@@ -107,20 +83,19 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         self.logger = None
         self._last_eval_step = -1
         self.data_state = data.state()  # position after the last completed step
+        self.guard = DivergenceGuard(config.guard)
         self.fallbacks = Fallbacks(config.guard, teacher is not None)
         if self.fallbacks.uses("sft_then_mix") and not (self.eval_batches and config.eval_every):
             raise ValueError("GuardConfig.policies 'sft_then_mix' acts on held-out evaluations: pass eval_data (or "
                              "data with eval_batches()) and set eval_every.")
-        self.targets = config.targets
-        self.target_report: dict[str, dict[str, Any]] = {}
-        self.times, self.window = targets.StepTimes(), targets.StepTimes()  # whole run; since the last evaluation
+        self.checkpoints = RunCheckpoints(config, runner)
+        # rows of this process's data batch (micro-batches may be split): config.json after OOM decisions
+        rows = config.batch_size and config.batch_size // processes(mesh)
+        self.memory = MemoryRetries(config, runner, mesh, rows, self._event, self._restore_last_good)
+        self.monitor = targets.TargetMonitor(config.targets)
         self.stopped_early = False
-        self._warned_utilisation = False
-        self.oom_retry, self.oom_sequence = config.oom.retry, config.oom.sequence  # validated by OOMConfig
-        self.memory = MemoryPlan(runner.remat)
-        # rows of this process's data batch (micro-batches may be split)
-        self.data_rows: int | None = config.batch_size and config.batch_size // self._processes()
         self.on_policy = OnPolicy(config.on_policy, sampler, config.seed) if config.on_policy.fraction else None
+        self.feed = BatchFeed(data, config, mesh, self.memory, self.on_policy)
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -141,7 +116,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         if config.run_dir and jax.process_index() == 0:
             drop_torn_line(os.path.join(config.run_dir, "metrics.jsonl"))
         self.logger = make_logger(config, config.run_dir, start_step=self.step)  # JSONL, TensorBoard, bar, W&B
-        self._write_config()
+        self.memory.write_config()
 
     def _start(self) -> bool:
         """Resume or enter the first stage, open the logs, report what happened before; the evaluation of the
@@ -150,14 +125,15 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         if not resumed:
             self._enter(self.config.stage_at(0)[0], carry=False)
         self._open_logs()
-        if self.stale_saves:
-            self._event("cleanup", f"removed {len(self.stale_saves)} unfinished checkpoint write(s) of an earlier "
-                                   f"run: {', '.join(self.stale_saves)}")
-        for note in self.skipped_checkpoints:
+        stale = self.checkpoints.stale_saves
+        if stale:
+            self._event("cleanup", f"removed {len(stale)} unfinished checkpoint write(s) of an earlier run: "
+                                   f"{', '.join(stale)}")
+        for note in self.checkpoints.skipped:
             self._event("checkpoint_unreadable", note)
         if resumed:
             self._event("resume", f"resumed from step {self.step} (stage {self.runner.stage_index}) in "
-                                  f"{self.checkpointer.directory}")
+                                  f"{self.checkpoints.directory}")
             return self._eval_due() and self._evaluate()  # stopped between this checkpoint and its evaluation
         self._event("stage", self._stage_line(self.runner.stage_index, 0), stage=self.runner.stage_index,
                     carried=0)
@@ -178,32 +154,34 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             if index != self.runner.stage_index and self._switch_stage(index):
                 return self._stop_early()
             fetch_start = time.perf_counter()
-            batch, self.data_state, host = prefetched or self._next_batch()
+            batch, self.data_state, host = prefetched or self.feed.next()
             fetch_s = time.perf_counter() - fetch_start
-            batch, policy = self._policy_batch(batch, host)  # host time: sampling waits on the previous step
+            # host time: sampling waits on the previous step
+            batch, policy = self.feed.for_step(batch, host, self.step, self.runner.current_student)
             hyper, active = self._hyper(index, in_stage)
             started = time.perf_counter()
-            dispatched = self._dispatch(batch, hyper)
+            dispatched = self.memory.dispatch(batch, hyper, self.step)
             if dispatched is None:  # out of memory after the step consumed its state: restored, batch skipped
                 prefetched, self._clock = None, time.perf_counter()
                 continue
             batch, pending, warmup = dispatched
             prefetch_start = time.perf_counter()
-            prefetched = self._next_batch() if self.step + 1 < last_step else None  # host work overlaps the step
+            prefetched = self.feed.next() if self.step + 1 < last_step else None  # host work overlaps the step
             wait_start, busy = time.perf_counter(), not _ready(pending)
             values = _host(pending)
             done = time.perf_counter()
-            reason = self._divergence(values)
+            reason = self.guard.divergence(values, self.step)
             if reason:
                 self._rollback(reason, values)
                 self._clock = time.perf_counter()
                 continue
             self.step += 1
-            self.good_losses = (self.good_losses + [values["loss"]])[-config.guard.window:]
+            self.guard.record(values["loss"])
             record = self._log_step(values, hyper, done - started, index, batch, warmup, active, policy)
             step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, busy, fetch_s)
             if not warmup:
-                self._time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s, record.get("mfu"))
+                self.monitor.time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s,
+                                  record.get("mfu"))
             self._fallback(self.fallbacks.on_step(self.step))
             outcome = self._after_step()
             if outcome == "halt":
@@ -230,10 +208,9 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
 
     def close(self) -> None:
         if self.logger is not None:
-            self.logger.summary(self.summary())  # the run summary (W&B): targets met, utilisation
+            self.logger.summary(self.monitor.summary(self.step, self.stopped_early))  # W&B: targets, utilisation
             self.logger.close()  # also draws the curves
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        self.checkpoints.close()
 
     # ------------------------------------------------------------------------------------------ pieces
     def _enter(self, index: int, *, carry: bool) -> int:
@@ -243,7 +220,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         """Enter stage `index` (carrying matching optimizer state); True when an evaluation there meets the
         targets (sft_then_mix evaluates at each stage's start: its baseline)."""
         carried = self._enter(index, carry=True)
-        self.good_losses = []  # the loss scale changes with the weights
+        self.guard.restart_history()  # the loss scale changes with the weights
         self._event("stage", self._stage_line(index, carried), stage=index, carried=carried)
         evals = self.resumed_evals + self.evals
         self._fallback(self.fallbacks.on_stage(index, evals[-1] if evals and evals[-1]["step"] == self.step
@@ -268,43 +245,17 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         """Report the fallbacks' switches; each changes the loss weights, so the guard's loss history restarts."""
         for message, fields in events:
             self._event("fallback", message, **fields)
-            self.good_losses = []
+            self.guard.restart_history()
 
     def _hyper(self, index: int, in_stage: int) -> tuple[dict[str, Any], list[str]]:
         """The step's traced hyperparameters, with the loss weights the active fallbacks set."""
         stage = self.config.stages[index]
-        hyper = hyper_values(stage, in_stage, self.config.optimizer.weight_decay, self.lr_scale)
-        if not (self.fallbacks.mse_until is not None or self.fallbacks.sft is not None):
+        hyper = hyper_values(stage, in_stage, self.config.optimizer.weight_decay, self.guard.lr_scale)
+        if not self.fallbacks.active:
             return hyper, []
         weights, active = self.fallbacks.weights(stage.weights_at(in_stage), self.step)  # host values, no sync
         hyper.update({name: jnp.asarray(weights[name], jnp.float32) for name in terms.weight_names()})
         return hyper, active
-
-    def _processes(self) -> int:
-        """Processes sharing each global batch: all of them on a mesh, each its own rows; one without a mesh."""
-        return jax.process_count() if self.mesh is not None else 1
-
-    def _next_batch(self) -> tuple[dict[str, Any], Any, dict[str, np.ndarray]]:
-        """The next step's micro-batches on the mesh (split further after an OOM decision), the data position
-        just after them (what a checkpoint taken after that step records, even when a further batch has been
-        prefetched), and the same batch on the host (A, B, T), before any split."""
-        batches = [self.data.next() for _ in range(self.config.grad_accum)]
-        stacked = _stack(batches, self.config, self._processes())
-        if self.on_policy is not None:
-            stacked = self.on_policy.with_loss_mask(stacked)
-        self.data_rows = self.data_rows or int(stacked["input_ids"].shape[1])
-        return self._device_batch(stacked), self.data.state(), stacked
-
-    def _device_batch(self, stacked: dict[str, np.ndarray]) -> dict[str, Any]:
-        return put_batch(split_micro_batches(stacked, self.memory.split), self.mesh, leading=1)
-
-    def _policy_batch(self, batch, host) -> tuple[dict[str, Any], dict[str, float]]:
-        """The step's batch, or the student's samples in its place when this step's on-policy draw says so
-        (on_policy.py), and the fields the step record gets for it."""
-        if self.on_policy is None:
-            return batch, {}
-        sampled, fields = self.on_policy.batch_for(host, self.step, self.runner.current_student)
-        return (batch if sampled is None else self._device_batch(sampled)), fields
 
     def _log_step(self, values, hyper, elapsed: float, index: int, batch, warmup: bool, active: list[str],
                   policy: dict[str, float]):
@@ -321,7 +272,7 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
         if active:  # a fallback sets the loss weights
             record["fallback"] = ",".join(active)
-            record.update({f"weight/{name}": float(hyper[name]) for name in ("kl", "ce", "mse")})
+            record.update({f"weight/{name}": float(hyper[name]) for name in self.fallbacks.moved_weights})
         self.history.append(record)
         self.logger.step(record)
         return record
@@ -347,53 +298,77 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
                 totals[key] = totals.get(key, 0.0) + value * tokens
         record = {"step": self.step, "eval": True, **{k: v / count for k, v in totals.items()}}
         record["perplexity"] = math.exp(min(record["student_ce"], 80))
-        record.update(self.window.fractions() or {})
-        self.window = targets.StepTimes()
-        self.target_report = targets.check_targets(self.targets, record)
-        record.update(targets.record_fields(self.target_report))
+        self.monitor.evaluate(record)
         self.evals.append(record)
         self.logger.evaluation(record)
         self._last_eval_step = self.step
-        if self.target_report:
-            self.logger.message(targets.report_line(self.step, self.target_report))
+        if self.monitor.report:
+            self.logger.message(targets.report_line(self.step, self.monitor.report))
         self._fallback(self.fallbacks.on_evaluation(self.step, self.runner.stage_index, record))
-        self._check_utilisation()
-        return self._targets_met()
+        warning = self.monitor.utilisation_warning()
+        if warning:
+            self._event("low_utilisation", warning[0], **warning[1])
+        met, announcement = self.monitor.met(self.step)
+        if announcement:
+            self._event("targets_met", announcement[0], **announcement[1])
+        return met and bool(self.config.targets.stop_when_met)
 
-    # ------------------------------------------------------------------------------------------ guard
-    def _divergence(self, values: dict[str, float]) -> str | None:
-        guard, loss = self.config.guard, values["loss"]
-        finite = math.isfinite(loss) and values.get("finite", 1.0) == 1.0
-        if not guard.enabled:
-            if not finite:
-                raise DivergenceError(f"step {self.step + 1}: non-finite loss {loss} (the guard is disabled; "
-                                      "parameters were left at their last finite values).")
-            return None
-        if not finite:
-            return f"non-finite loss or gradient (loss {loss}, grad norm {values.get('grad_norm')})"
-        if len(self.good_losses) >= guard.min_history:
-            median = statistics.median(self.good_losses)
-            if median > 0 and loss > guard.spike_factor * median:
-                return f"loss {loss:.4g} exceeds {guard.spike_factor:g} x the running median {median:.4g}"
-        return None
-
+    # ------------------------------------------------------------------------------------------ guard, checkpoints
     def _rollback(self, reason: str, values: dict[str, float]) -> None:
         guard = self.config.guard
-        self.rollbacks += 1
-        if self.rollbacks > guard.max_rollbacks:
-            raise DivergenceError(f"step {self.step + 1}: {reason}; giving up after {guard.max_rollbacks} rollbacks "
-                                  f"(learning rate already scaled by {self.lr_scale:g}). Lower the learning rate, "
-                                  "raise warmup, or check the data for corrupt batches.")
         failed_step = self.step + 1
+        self.guard.count_rollback(failed_step, reason)
         restored = self._restore_last_good()
-        self.lr_scale *= guard.lr_backoff
+        self.guard.back_off()
         if self.logger is not None:
             self.logger.rewind(self.step)
+        lr_scale, rollbacks = self.guard.lr_scale, self.guard.rollbacks
         self._event("rollback", f"DIVERGENCE at step {failed_step}: {reason}. Rolled back to step {restored} and "
-                                f"scaled the learning rate by {guard.lr_backoff:g} (now x{self.lr_scale:g}); "
-                                f"rollback {self.rollbacks} of {guard.max_rollbacks}.",
-                    failed_step=failed_step, restored_step=restored, lr_scale=self.lr_scale, reason=reason)
+                                f"scaled the learning rate by {guard.lr_backoff:g} (now x{lr_scale:g}); "
+                                f"rollback {rollbacks} of {guard.max_rollbacks}.",
+                    failed_step=failed_step, restored_step=restored, lr_scale=lr_scale, reason=reason)
         self._fallback(self.fallbacks.on_divergence(restored, reason))
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records besides the model state: the run's position, the collaborators' state and
+        the records so far."""
+        return {"step": self.step, "stage": self.runner.stage_index, "data_state": self.data_state,
+                **self.guard.state(), "seed": self.config.seed, "total_steps": self.config.total_steps,
+                "fallbacks": self.fallbacks.state(), "oom": self.memory.state(),
+                "history": by_step(self.resumed_history + self.history, self.step),
+                "evals": by_step(self.resumed_evals + self.evals, self.step),
+                "events": [e for e in self.resumed_events + self.events if e["step"] <= self.step]}
+
+    def _mark_good(self) -> None:
+        self.checkpoints.mark_good(self.step, self._meta)
+
+    def _restore_last_good(self) -> int:
+        self.step = self.checkpoints.restore_last_good()
+        return self.step
+
+    def _resume(self) -> bool:
+        """Continue from the newest readable checkpoint: the model state, then the run's position, records and
+        the collaborators' state from its `meta`."""
+        meta = self.checkpoints.resume()
+        if meta is None:
+            return False
+        self.step = int(meta["step"])
+        self.data.restore(meta["data_state"])
+        self.data_state = meta["data_state"]
+        self.guard.restore(meta)
+        self.fallbacks.restore(meta.get("fallbacks"))
+        self.resumed_history, self.resumed_evals = list(meta.get("history", [])), list(meta.get("evals", []))
+        self.resumed_events = list(meta.get("events", []))
+        self._last_eval_step = max((r["step"] for r in self.resumed_evals), default=-1)
+        self.memory.restore(meta.get("oom"))
+        return True
+
+    def _stop_early(self) -> None:
+        """End the run here (stop_when_met): checkpoint and report."""
+        self.stopped_early = True
+        self._mark_good()
+        self._event("stop", f"stopped at step {self.step} of {self.config.total_steps}: every set quality target "
+                            "is met (stop_when_met)", reason="targets met")
 
     # ------------------------------------------------------------------------------------------ interruption
     def _stop_if_asked(self) -> None:
@@ -401,13 +376,14 @@ class TrainingLoop(LoopCheckpoints, MemoryRetries, TargetActions):
         RunInterrupted. A second signal during that write abandons it (orbax never finalises it)."""
         if self.stop.received is None:
             return
-        if self.checkpointer is not None:
+        saved = self.checkpoints.directory is not None
+        if saved:
             self._mark_good()
-        raise self._interrupted(self.stop.received, saved=self.checkpointer is not None)
+        raise self._interrupted(self.stop.received, saved=saved)
 
     def _interrupted(self, cause: str, *, saved: bool) -> RunInterrupted:
-        where = self.checkpointer.directory if self.checkpointer is not None else None
-        latest = None if where is None else self.step if saved else self._latest_complete_step()
+        where = self.checkpoints.directory
+        latest = None if where is None else self.step if saved else self.checkpoints.latest_complete_step()
         message = interruption_message(cause, self.step, self.config.total_steps, saved=saved, directory=where,
                                        checkpoint_step=latest)
         if self.logger is not None:

@@ -13,10 +13,10 @@ arrays, so a call costs no Python graph traversal of the modules. Arguments:
              no recompile when they change)
 
 The loss is the sum of the active loss terms (`distill.terms`; the logit term is always computed for its
-metrics). Losses are normalised by the supervised-token count of the whole step (all micro-batches), so
-accumulating A micro-batches gives the same update as one batch A times larger. A non-finite loss or gradient
-leaves params and optimizer state unchanged inside the step (`finite` = 0 in the metrics); the trainer then rolls
-back.
+metrics), each given its own options (`TermInputs.options`). Losses are normalised by the supervised-token count
+of the whole step (all micro-batches), so accumulating A micro-batches gives the same update as one batch A times
+larger. A non-finite loss or gradient leaves params and optimizer state unchanged inside the step (`finite` = 0 in
+the metrics); the trainer then rolls back.
 
 Memory: every (V, D) float32 array is 0.6 GiB for a 262k vocabulary, so the step avoids holding two of them where
 one does. A tied, trainable input embedding is looked up outside the differentiated function (the student runs on
@@ -50,12 +50,14 @@ class StepSettings:
     """Everything static about a stage's step (a change means a new compilation).
 
     `logit`: the logit term's kinds and chunking (that term is always computed); `terms`: the other loss terms
-    the step computes, by registered name (`distill.terms`), usually those with a non-zero weight."""
+    the step computes, by registered name (`distill.terms`), usually those with a non-zero weight; `options`:
+    term name -> {option: value} for the terms' `TermOption`s (a mapping, kept as sorted pairs so the settings
+    stay hashable; options not given take their defaults)."""
 
     logit: LogitLossSettings
     terms: tuple[str, ...] = ()
     correspondence: Correspondence = Correspondence()
-    feature_kind: str = "nmse"
+    options: Any = ()
     logit_impl: str = "fused"
     compute_dtype: Any = jnp.float32
     remat: str | None = None
@@ -70,20 +72,26 @@ class StepSettings:
                 raise ValueError("StepSettings.terms: the logit term is always computed; its kinds are set by "
                                  "`logit` (LogitLossSettings), not listed in `terms`.")
             terms.term(name)  # a clear error for an unregistered name
+        options = dict(self.options)
+        for name, values in options.items():
+            terms.term(name).option_values(values)  # unknown options and values outside their choices
+        object.__setattr__(self, "options", tuple(sorted((name, tuple(sorted(dict(values).items())))
+                                                         for name, values in options.items())))
+
+    def options_of(self, term: LossTerm) -> dict[str, Any]:
+        """The values of `term`'s options in this step (defaults where not given)."""
+        return term.option_values(dict(dict(self.options).get(term.name, ())))
 
     @property
     def loss_terms(self) -> tuple[LossTerm, ...]:
-        """The terms the step computes, in the order it adds them: the logit term, then `terms`."""
-        return (LOGIT, *(terms.term(name) for name in self.terms))
+        """The terms the step computes, in the order it adds them: the logit term, then `terms`, each as its
+        options make it (`LossTerm.resolved`)."""
+        return tuple(term.resolved(self.options_of(term)) for term in (LOGIT, *map(terms.term, self.terms)))
 
     @property
     def captures(self) -> tuple[str, ...]:
         """The model intermediates the terms read, each requested once."""
         return tuple(dict.fromkeys(name for term in self.loss_terms for name in term.captures))
-
-    @property
-    def logit_terms(self) -> bool:
-        return any(getattr(self.logit, kind) for kind in LOGIT.weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +173,8 @@ def make_loss_fn(student_graph, teacher_graph, settings: StepSettings) -> Callab
                             settings=settings)
         total, metrics = jnp.zeros((), jnp.float32), {}
         for term in settings.loss_terms:
-            contribution, term_metrics = term.contribution(inputs)
+            contribution, term_metrics = term.contribution(dataclasses.replace(inputs,
+                                                                               options=settings.options_of(term)))
             total = total + contribution
             metrics.update(term_metrics)
         return total, {name: jax.lax.stop_gradient(value) for name, value in metrics.items()}

@@ -12,7 +12,6 @@ stops with an error.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 from typing import Any
 
@@ -24,53 +23,11 @@ from jax.sharding import NamedSharding
 
 from . import freeze, terms
 from .config import DistillConfig
-from .logit_loss import LogitLossSettings
-from .logit_term import LOGIT
+from .logit_term import LOGIT, logit_chunk
+from .logit_term import accelerator_logit_chunk, logit_block, logit_vocab_slice  # noqa: F401 - importable here too
 from .mesh import replicated
-from .mse_loss import MSE
 from .oom import CompileRequest, run_compile_hooks
 from .step import AdamSettings, StepSettings, build_eval_step, build_train_step
-
-DEFAULT_LOGIT_BLOCK = 256  # rows: teacher logits and head-gradient matmuls at least this tall (faster on CPU)
-CPU_LOGIT_CHUNK = 128  # rows: the fastest measured on CPU at 256-row blocks with the closed-form gradient
-ACCELERATOR_LOGIT_CHUNK = 2048  # rows: larger chunks gained nothing measurable; small ones read the head per chunk
-
-
-def logit_chunk(config: DistillConfig, device: jax.Device | None = None) -> int:
-    """Rows per chunk of the fused loss: `config.logit_chunk` when set; else 128 on CPU, and on an accelerator
-    2048 rows, halved (down to 256) until one (rows, 262144) float32 block (a Gemma 3 vocabulary) takes at most
-    1/32 of the device's memory: 2048 on 80-141 GB GPUs, 512 on a 16 GB TPU v5e. Small chunks on a GPU make the
-    student's logits matmul read the whole (V, D) head for a few rows at a time."""
-    if config.logit_chunk:
-        return config.logit_chunk
-    device = device or jax.devices()[0]
-    if device.platform == "cpu":
-        return CPU_LOGIT_CHUNK
-    stats = device.memory_stats() or {}
-    return accelerator_logit_chunk(stats.get("bytes_limit"))
-
-
-def accelerator_logit_chunk(device_bytes: int | None, vocab: int = 262144) -> int:
-    rows = ACCELERATOR_LOGIT_CHUNK
-    while device_bytes and rows > DEFAULT_LOGIT_BLOCK and rows * vocab * 4 > device_bytes / 32:
-        rows //= 2
-    return rows
-
-
-def logit_block(config: DistillConfig) -> int:
-    """Rows per teacher-logits / head-gradient block of the fused loss: `config.logit_block` when set, else
-    max(chunk, 256). Costs one (block, V) float32 buffer; when the block covers the whole batch it also saves
-    the (V, D) accumulator."""
-    return max(logit_chunk(config), config.logit_block or DEFAULT_LOGIT_BLOCK)
-
-
-def logit_vocab_slice(config: DistillConfig) -> int | None:
-    """Vocabulary rows per head-gradient matmul of the fused loss: `config.logit_vocab_slice` when set, else
-    32768 on CPU (XLA:CPU copies the (block, V) gradient transposed for that matmul; slices bound the copy at no
-    measured cost) and None elsewhere (one matmul: GPU and TPU matmuls read either layout)."""
-    if config.logit_vocab_slice:
-        return config.logit_vocab_slice
-    return 32768 if jax.default_backend() == "cpu" else None
 
 
 def release_free_heap() -> None:
@@ -99,19 +56,6 @@ def _put_like(values: Any, template: Any) -> Any:
             value = np.asarray(value, dtype=like.dtype)
         return jax.device_put(value, like.sharding)
     return jax.tree.map(put, values, template)
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyStepSettings(StepSettings):
-    """StepSettings of a run whose guard policies need more in the step: `mse_on` says what the MSE term of
-    `switch_to_mse` compares ("features" asks both models for their layer outputs)."""
-
-    mse_on: str = "logits"
-
-    @property
-    def captures(self) -> tuple[str, ...]:
-        extra = ("residual",) if self.mse_on == "features" and MSE.name in self.terms else ()
-        return tuple(dict.fromkeys((*super().captures, *extra)))
 
 
 def _donatable(tree: Any, stepped: set[int]) -> Any:
@@ -148,26 +92,19 @@ class StepRunner:
         self.policies = config.guard.policies if config.guard.enabled else ()
 
     def step_settings(self, index: int) -> StepSettings:
-        """The static settings of stage `index`'s step: the terms its weights turn on, the logit loss's kinds and
-        chunking, numerics."""
-        config, weights = self.config, self.config.stages[index].weights
+        """The static settings of stage `index`'s step: the terms its weights turn on (and those the run's
+        fallbacks may switch on), each term's options, the logit loss's kinds and chunking, numerics."""
+        config = self.config
         policies = self.policies if self.teacher_graph is not None else ()
-        kinds = LOGIT.kinds(weights)
-        if "sft_then_mix" in policies:  # its cross-entropy weight is traced: keep the CE kind compiled in
-            kinds["ce"] = True
-        logit = LogitLossSettings(**kinds, jsd_beta=config.jsd_beta, top_k=config.top_k,
-                                  chunk=logit_chunk(config), block=logit_block(config),
-                                  vocab_slice=logit_vocab_slice(config), unit_temperature=config.unit_temperature,
-                                  teacher=self.teacher_graph is not None, diagnostics=config.train_diagnostics)
-        others = [term.name for term in terms.active_terms(weights) if term is not LOGIT]
-        if "switch_to_mse" in policies and MSE.name not in others:  # computed only while its weight is not 0
-            others.append(MSE.name)
-        return PolicyStepSettings(logit=logit, terms=tuple(others), correspondence=self.correspondence,
-                                  feature_kind=config.feature_kind, logit_impl=config.logit_impl,
-                                  compute_dtype=jnp.dtype(config.compute_dtype), remat=self.remat,
-                                  clip_norm=config.optimizer.clip_norm,
-                                  decay_matrices_only=config.optimizer.decay_matrices_only,
-                                  mse_on=config.guard.mse_on)
+        weights = terms.compiled_weights(config.stages[index].weights, policies)
+        computed = [term for term in terms.active_terms(weights) if term is not LOGIT]
+        return StepSettings(logit=LOGIT.loss_settings(config, weights, self.teacher_graph is not None),
+                            terms=tuple(term.name for term in computed), correspondence=self.correspondence,
+                            options={term.name: terms.option_values(term, config) for term in computed
+                                     if term.options},
+                            logit_impl=config.logit_impl, compute_dtype=jnp.dtype(config.compute_dtype),
+                            remat=self.remat, clip_norm=config.optimizer.clip_norm,
+                            decay_matrices_only=config.optimizer.decay_matrices_only)
 
     def current_student(self) -> nnx.Module:
         """The student as it is now: a module merged from the stage's trainable values and the frozen rest,
@@ -269,5 +206,5 @@ class StepRunner:
 
 
 
-__all__ = ["StepRunner", "PolicyStepSettings", "logit_chunk", "accelerator_logit_chunk", "logit_block",
+__all__ = ["StepRunner", "logit_chunk", "accelerator_logit_chunk", "logit_block",
            "logit_vocab_slice", "release_free_heap"]

@@ -132,49 +132,59 @@ def low_utilisation_cause(fractions: Mapping[str, float]) -> str:
             "turn off per-step extras (progress=False, train_diagnostics=False).")
 
 
-class TargetActions:
-    """TrainingLoop's side of the targets: step timing, the low-utilisation warning, stopping when met."""
+class TargetMonitor:
+    """The targets' collaborator of the training loop: the step timing (the whole run, and the window since the
+    last evaluation), each evaluation's report, the low-utilisation warning (given once) and the first
+    announcement that the quality targets are met. State: `times`, `window`, `report` (the last evaluation's),
+    `warned`, `announced`."""
 
-    def _time(self, step_s: float, data_s: float, host_s: float, mfu: float | None) -> None:
+    def __init__(self, targets: Any):
+        self.targets = targets
+        self.report: dict[str, dict[str, Any]] = {}
+        self.times, self.window = StepTimes(), StepTimes()
+        self.warned = False
+        self.announced = False
+
+    def time(self, step_s: float, data_s: float, host_s: float, mfu: float | None) -> None:
         for times in (self.times, self.window):
             times.add(step_s, data_s, host_s, mfu)
 
-    def _check_utilisation(self) -> None:
-        """Warn once, with the likely cause, when the run's utilisation so far is under its target."""
+    def evaluate(self, record: dict[str, Any]) -> None:
+        """Add the window's utilisation and the targets' fields to an evaluation record (the window restarts)."""
+        record.update(self.window.fractions() or {})
+        self.window = StepTimes()
+        self.report = check_targets(self.targets, record)
+        record.update(record_fields(self.report))
+
+    def utilisation_warning(self) -> tuple[str, dict[str, Any]] | None:
+        """(message, fields) once, when the run's utilisation so far is under its target; else None."""
         target, fractions = getattr(self.targets, "utilisation_above", None), self.times.fractions()
-        if (target is None or not self.targets.warn_low_utilisation or self._warned_utilisation or not fractions
+        if (target is None or not self.targets.warn_low_utilisation or self.warned or not fractions
                 or self.times.steps < MIN_STEPS_TO_WARN or fractions["utilisation"] >= target):
-            return
-        self._warned_utilisation = True
+            return None
+        self.warned = True
         cause = low_utilisation_cause(fractions)
-        self._event("low_utilisation", f"LOW UTILISATION: {fractions['utilisation']:.0%} of the loop's time is in "
-                                       f"the train step (target {target:.0%}); likely {cause}",
-                    reason=cause.split(":")[0], utilisation=fractions["utilisation"],
-                    data_fraction=fractions["data_fraction"], host_fraction=fractions["host_fraction"])
+        return (f"LOW UTILISATION: {fractions['utilisation']:.0%} of the loop's time is in the train step (target "
+                f"{target:.0%}); likely {cause}",
+                dict(reason=cause.split(":")[0], utilisation=fractions["utilisation"],
+                     data_fraction=fractions["data_fraction"], host_fraction=fractions["host_fraction"]))
 
-    def _targets_met(self) -> bool:
-        """Every set quality target met: an event the first time; True (stop) with `stop_when_met`."""
-        if not quality_met(self.target_report):
-            return False
-        met = [name for name in QUALITY_TARGETS if name in self.target_report]
-        if not any(e["event"] == "targets_met" for e in self.events):
-            self._event("targets_met", f"targets met at step {self.step}: {', '.join(met)}", reason="targets met",
-                        targets=met)
-        return bool(self.targets.stop_when_met)
+    def met(self, step: int) -> tuple[bool, tuple[str, dict[str, Any]] | None]:
+        """(every set quality target met, the (message, fields) announcing it the first time)."""
+        if not quality_met(self.report):
+            return False, None
+        if self.announced:
+            return True, None
+        self.announced = True
+        met = [name for name in QUALITY_TARGETS if name in self.report]
+        return True, (f"targets met at step {step}: {', '.join(met)}", dict(reason="targets met", targets=met))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, step: int, stopped_early: bool) -> dict[str, Any]:
         """The run's summary: steps, whether the targets ended it, the last targets met / missed, utilisation."""
-        fields = record_fields(self.target_report)
-        return {"steps": self.step, "stopped_early": self.stopped_early, "targets_met": fields["targets_met"],
+        fields = record_fields(self.report)
+        return {"steps": step, "stopped_early": stopped_early, "targets_met": fields["targets_met"],
                 "targets_missed": fields["targets_missed"], **(self.times.fractions() or {})}
 
-    def _stop_early(self) -> None:
-        """End the run here (stop_when_met): checkpoint and report."""
-        self.stopped_early = True
-        self._mark_good()
-        self._event("stop", f"stopped at step {self.step} of {self.config.total_steps}: every set quality target "
-                            "is met (stop_when_met)", reason="targets met")
 
-
-__all__ = ["TargetActions", "TARGETS", "QUALITY_TARGETS", "check_targets", "quality_met", "record_fields",
+__all__ = ["TargetMonitor", "TARGETS", "QUALITY_TARGETS", "check_targets", "quality_met", "record_fields",
            "report_line", "StepTimes", "split_step", "low_utilisation_cause"]

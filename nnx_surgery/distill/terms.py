@@ -1,17 +1,19 @@
 """The registry of loss terms: which losses a `LossWeights` can weight and the step can compute.
 
-Each registered `LossTerm` (loss_term.py) brings its weight names; from the registry follow the keywords
-`LossWeights` accepts, the step's traced hyperparameters (`hyper_keys`), the step's static switches (which terms
-a stage computes, `StepSettings.terms`) and what a run must prepare (a layer map, learned projections, a
-teacher). The built-in terms are registered at the end of this module, in the order the step adds them; the
-logit term (logit_term.py) comes first and owns the weights kl / reverse_kl / jsd / ce.
+Each registered `LossTerm` (loss_term.py) brings its weight names, its options and its fallback role; from the
+registry follow the keywords `LossWeights` accepts, the step's traced hyperparameters (`hyper_keys`), the step's
+static switches (which terms a stage computes, `StepSettings.terms`, and their options), the options a
+`DistillConfig.loss_options` may set, what a run must prepare (a layer map, learned projections, a teacher), the
+weights a guard fallback moves, and the recipe's weight flags. The built-in terms are registered at the end of
+this module, in the order the step adds them; the logit term (logit_term.py) comes first and owns the weights
+kl / reverse_kl / jsd / ce.
 
 A new loss is one module defining its `LossTerm` and one `register` call: below for a built-in term, or
 `distill.terms.register(MY_TERM)` from user code before the config is built.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from .cosine_loss import COSINE
 from .logit_term import LOGIT
@@ -60,9 +62,64 @@ def hyper_keys() -> tuple[str, ...]:
     return STEP_HYPERPARAMETERS + weight_names()
 
 
-def active_terms(weights: Mapping[str, float]) -> tuple[LossTerm, ...]:
-    """The registered terms that `weights` turns on."""
-    return tuple(t for t in _REGISTRY.values() if t.active(weights))
+def active_terms(weights: Mapping[str, float], standby: Iterable[str] = ()) -> tuple[LossTerm, ...]:
+    """The registered terms that `weights` turns on, or that own a weight in `standby` (a fallback moves it)."""
+    standby = set(standby)
+    return tuple(t for t in _REGISTRY.values() if t.active(weights) or standby & set(t.weights))
+
+
+def fallback_weights(policies: Iterable[str]) -> tuple[str, ...]:
+    """The weights the guard fallbacks `policies` move (`LossTerm.fallbacks`): the step compiles them in."""
+    policies = tuple(policies)
+    return tuple(name for t in _REGISTRY.values() for policy in policies for name in t.fallbacks.get(policy, ()))
+
+
+def compiled_weights(weights: Mapping[str, float], policies: Iterable[str]) -> dict[str, float]:
+    """`weights` with those the fallbacks `policies` move counted as on (1.0 where the stage gives 0): what
+    decides a stage's static switches, so a fallback changes traced values only."""
+    standby = set(fallback_weights(policies))
+    return {name: weights[name] or float(name in standby) for name in weight_names()}
+
+
+def option_values(loss_term: LossTerm, config: Any) -> dict[str, Any]:
+    """The term's option values in a run: `config.loss_options[name]`, else the option's DistillConfig field
+    (`TermOption.setting`), else its default."""
+    given = dict(getattr(config, "loss_options", {}).get(loss_term.name, {}))
+    for option in loss_term.options:
+        if option.name not in given and option.setting:
+            value = config
+            for key in option.setting.split("."):
+                value = getattr(value, key)
+            given[option.name] = value
+    return loss_term.option_values(given)
+
+
+def checked_options(config: Any) -> dict[str, dict[str, Any]]:
+    """`config.loss_options` as plain dicts, after checking every registered term's options in `config` (those
+    held by older DistillConfig fields included): ValueError naming an unknown term, an unknown option or a value
+    outside its choices."""
+    loss_options = dict(config.loss_options)
+    for name, given in loss_options.items():
+        if not isinstance(given, Mapping):
+            raise ValueError(f"loss_options[{name!r}] must map option names to values, got {given!r}.")
+        term(name).option_values(given)
+    for registered_term in _REGISTRY.values():
+        option_values(registered_term, config)
+    return {name: dict(given) for name, given in loss_options.items()}
+
+
+def run_needs(config: Any, attribute: str) -> bool:
+    """Whether a stage of `config` computes a term with `attribute` set ("uses_layer_map", "uses_projections"),
+    counting the terms its guard fallbacks may switch on and each term as its options make it."""
+    policies = config.guard.policies if config.guard.enabled else ()
+    standby = fallback_weights(policies)
+    return any(getattr(t.resolved(option_values(t, config)), attribute)
+               for stage in config.stages for t in active_terms(stage.weights, standby))
+
+
+def flagged() -> tuple[LossTerm, ...]:
+    """The registered terms with a recipe weight flag (`LossTerm.flag`)."""
+    return tuple(t for t in _REGISTRY.values() if t.flag)
 
 
 def needing_teacher(weights: Mapping[str, float]) -> list[str]:
@@ -71,15 +128,11 @@ def needing_teacher(weights: Mapping[str, float]) -> list[str]:
     return [name for name in weight_names() if weights[name] != 0 and name not in free]
 
 
-def any_term(stage_weights: Iterable[Mapping[str, float]], attribute: str) -> bool:
-    """Whether some stage turns on a term with `attribute` set (e.g. "uses_layer_map", "uses_projections")."""
-    return any(getattr(t, attribute) for weights in stage_weights for t in active_terms(weights))
-
-
 for _builtin in (LOGIT, ATTENTION, FEATURE):
     register(_builtin)
 register(COSINE)
 register(MSE)
 
 __all__ = ["register", "registered", "term", "weight_names", "hyper_keys", "active_terms", "needing_teacher",
-           "any_term", "LossTerm", "STEP_HYPERPARAMETERS"]
+           "fallback_weights", "compiled_weights", "option_values", "checked_options", "run_needs",
+           "flagged", "LossTerm", "STEP_HYPERPARAMETERS"]

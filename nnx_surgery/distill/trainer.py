@@ -2,7 +2,8 @@
 
 The pieces, in order of ownership: `run` (here) checks the models against each other and the config, places
 them on the mesh and resolves the layer correspondence; `TrainingLoop` (run_loop.py) drives the steps: stages,
-schedules, logging, the divergence guard, checkpoints, resume and evaluation; `StepRunner` (step_runner.py) holds
+schedules, logging and evaluation, calling its collaborators (divergence guard, fallbacks, checkpoints and
+resume, OOM retries, targets); `StepRunner` (step_runner.py) holds
 the student's training state for the current stage and runs the compiled steps (step.py). Stages switch by
 re-splitting the student with the new trainable set; Adam moments of parameters that stay trainable (and the step
 counter) carry over (freeze.carry_matching).
@@ -198,16 +199,9 @@ def _place(teacher: Any, student: Any, config: DistillConfig):
     return mesh
 
 
-def _mse_on_features(config: DistillConfig) -> bool:
-    """The switch_to_mse fallback compares mapped layer outputs (it needs the layer map and projections)."""
-    guard = config.guard
-    return guard.enabled and "switch_to_mse" in guard.policies and guard.mse_on == "features"
-
-
 def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, student: Any, mesh) -> dict:
     """Learned (D_s, D_t) projections, when `feature_projection` is set and a stage uses a term that takes them."""
-    uses = terms.any_term([s.weights for s in config.stages], "uses_projections") or _mse_on_features(config)
-    if not config.feature_projection or not uses:
+    if not config.feature_projection or not terms.run_needs(config, "uses_projections"):
         return {}
     d_t, d_s = teacher.head_matrix().shape[1], student.head_matrix().shape[1]
     projections = init_projections(corr, d_s, d_t, config.seed)
@@ -238,7 +232,7 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     _check_models(teacher, student, config)
     _check_on_policy(config, teacher, sampler)
     mesh = _place(teacher, student, config)
-    needs_map = terms.any_term([s.weights for s in config.stages], "uses_layer_map") or _mse_on_features(config)
+    needs_map = terms.run_needs(config, "uses_layer_map")
     corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
     projections = _projections(config, corr, teacher, student, mesh)
     runner = StepRunner(teacher, student, config, mesh, corr, projections)
@@ -254,8 +248,8 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
                          projections=runner.params["proj"] if runner.params else projections,
                          steps=loop.step, run_dir=config.run_dir, resumed_history=loop.resumed_history,
                          resumed_evals=loop.resumed_evals, data_state=loop.data_state,
-                         resumed_events=loop.resumed_events, targets=loop.target_report,
-                         stopped_early=loop.stopped_early, utilisation=loop.times.fractions() or {},
+                         resumed_events=loop.resumed_events, targets=loop.monitor.report,
+                         stopped_early=loop.stopped_early, utilisation=loop.monitor.times.fractions() or {},
                          oom_decisions=list(loop.memory.decisions))
 
 

