@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -46,6 +47,19 @@ Flags = dataclasses.make_dataclass(
     "Flags", [(name, Any) for name in dict.fromkeys((*RUN_ONLY, *DEFAULTS, *FLAG_DERIVED))], frozen=True,
     namespace={"__module__": __name__, "__doc__": "Every recipe setting after layering, frozen: one field per flag of knobs.py (the fields "
                "are made from its tables, so a flag is declared once) and FLAG_DERIVED."})
+
+
+FLAG_FIELDS = frozenset(field.name for field in dataclasses.fields(Flags))
+
+
+@functools.lru_cache(maxsize=None)
+def flags_type(extra: tuple[str, ...]) -> type:
+    """Flags, or a subclass with `extra` fields: the weight flags of loss terms registered after this module was
+    imported (knobs.term_flags), so that a new term's flag works without a second declaration."""
+    if not extra:
+        return Flags
+    return dataclasses.make_dataclass("Flags", [(name, Any) for name in extra], bases=(Flags,), frozen=True,
+                                      namespace={"__module__": __name__})
 
 
 def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
@@ -82,7 +96,8 @@ def resolve(argv: list[str] | None = None, description: str = "", prog: str = "g
     values = {**{key: given.get(key) for key in RUN_ONLY}, **settings, "distill": section}
     values["cache_dir"] = values["cache_dir"] or os.environ.get("NNX_SURGERY_CACHE",
                                                                 os.path.expanduser("~/.cache/nnx-surgery"))
-    flags = Flags(**freeze(_derive(values)))
+    values = _derive(values)
+    flags = flags_type(tuple(key for key in values if key not in FLAG_FIELDS))(**freeze(values))
     check(flags)
     return flags
 
