@@ -81,6 +81,20 @@ def _plain(value):
     return str(value)
 
 
+def median_seconds(fn, *args, repeats: int = 5) -> float:
+    """Median wall time of `fn(*args)` (a jax computation, waited for) over `repeats` calls after one untimed
+    call that compiles and warms up."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def median(values: Iterable[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None

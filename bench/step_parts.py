@@ -27,23 +27,10 @@ import functools
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from flops import _config, attention_flops_per_token, trunk_parameters  # noqa: E402
-
-
-def _median_seconds(fn, *args, repeats: int = 5) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str, chunk: int,
@@ -75,7 +62,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
         model = nnx.merge(t_graph, state)
         return model(ids, return_logits=False).final_hidden, model.head_matrix()
 
-    seconds = _median_seconds(teacher_forward, t_state, ids, repeats=repeats)
+    seconds = common.median_seconds(teacher_forward, t_state, ids, repeats=repeats)
     results["teacher_forward"] = (seconds, tokens * (2 * trunk_parameters(t_cfg)
                                                      + attention_flops_per_token(t_cfg, seq)))
     t_hidden, t_head = teacher_forward(t_state, ids)
@@ -86,7 +73,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
 
     trunk = jax.jit(jax.value_and_grad(trunk_loss))
     r = jnp.ones((batch, seq, s_cfg["hidden_size"]), jnp.float32) / tokens
-    seconds = _median_seconds(trunk, s_state, ids, r, repeats=repeats)
+    seconds = common.median_seconds(trunk, s_state, ids, r, repeats=repeats)
     results["student_trunk"] = (seconds, tokens * (6 * trunk_parameters(s_cfg)
                                                    + 3 * attention_flops_per_token(s_cfg, seq)))
 
@@ -105,7 +92,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
         return loss
 
     logit = jax.jit(jax.value_and_grad(logit_objective, argnums=(0, 1)))
-    seconds = _median_seconds(logit, s_hidden, s_head, repeats=repeats)
+    seconds = common.median_seconds(logit, s_hidden, s_head, repeats=repeats)
     vocab = t_cfg["vocab_size"]
     results["logit_loss"] = (seconds, tokens * vocab * (2 * t_cfg["hidden_size"] + 6 * s_cfg["hidden_size"]))
 
@@ -119,7 +106,7 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
         updates, opt = adamw.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt
 
-    results["adamw"] = (_median_seconds(update, params, opt, grads, repeats=repeats), 0)
+    results["adamw"] = (common.median_seconds(update, params, opt, grads, repeats=repeats), 0)
 
     # The fused loss's two head-gradient matmuls for one chunk, on compute-dtype operands (what the step does) and
     # on float32 operands (what it did before 2026-11-30: a float32 loss gradient meeting bf16 weights upcasts both)
@@ -134,11 +121,11 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     grad_flops = 4 * rows * vocab * s_cfg["hidden_size"] * -(-tokens // rows)  # per step: every chunk
     for name, operand in (("head_gradients", compute), ("head_gradients_f32_operands", jnp.float32)):
         fn = jax.jit(functools.partial(head_gradients, operand=operand))
-        seconds = _median_seconds(fn, dz, hidden_rows, s_head, repeats=repeats) * -(-tokens // rows)
+        seconds = common.median_seconds(fn, dz, hidden_rows, s_head, repeats=repeats) * -(-tokens // rows)
         results[name] = (seconds, grad_flops)
 
     a = jnp.asarray(np.random.default_rng(2).standard_normal((matmul, matmul)), compute)
-    seconds = _median_seconds(jax.jit(lambda a: a @ a), a, repeats=repeats)
+    seconds = common.median_seconds(jax.jit(lambda a: a @ a), a, repeats=repeats)
     results["matmul_peak"] = (seconds, 2 * matmul ** 3)
     return {name: {"seconds": s, "tflop": f / 1e12, "tflop_per_s": f / s / 1e12 if f else None}
             for name, (s, f) in results.items()}

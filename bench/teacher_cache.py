@@ -31,17 +31,6 @@ import common  # noqa: E402
 sys.path.insert(0, common.ROOT)
 
 
-def timed(function, repeats: int) -> list[float]:
-    """Wall times of `function()` (which blocks until its result is ready), after one untimed call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def teacher_forward_times(teacher, batch, repeats: int) -> dict:
     import jax
     from flax import nnx
@@ -56,9 +45,8 @@ def teacher_forward_times(teacher, batch, repeats: int) -> dict:
     def body_only(state, ids):
         return nnx.merge(graphdef, state)(ids, return_logits=False).final_hidden
 
-    full = timed(lambda: jax.block_until_ready(with_head(state, batch)), repeats)
-    body = timed(lambda: jax.block_until_ready(body_only(state, batch)), repeats)
-    return {"teacher_forward_s": statistics.median(full), "teacher_body_s": statistics.median(body)}
+    return {"teacher_forward_s": common.median_seconds(with_head, state, batch, repeats=repeats),
+            "teacher_body_s": common.median_seconds(body_only, state, batch, repeats=repeats)}
 
 
 def logits_file_times(shape: tuple[int, ...], repeats: int) -> dict:
