@@ -8,26 +8,19 @@ make each once and never read the other's half-written file (the package's `asse
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
 
+from recipe_env import file_lock
+
 CACHE = os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
 
 
-@contextlib.contextmanager
 def machine_lock(name: str = "real-gemma"):
     """An exclusive lock shared by every process of this machine (a lock file under CACHE), held while a cached
     file of the real model is made or first read."""
-    os.makedirs(CACHE, exist_ok=True)
-    with open(os.path.join(CACHE, f".{name}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return file_lock(os.path.join(CACHE, f".{name}.lock"))
 
 
 def gguf_path() -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from fake_hub import FakeHub
 from hf_reference import make_hf_model, save_hf
-from recipe_env import recipe_env
+from recipe_env import recipe_env, shared_basetemp
 from tiny_tokenizers import TRAIN_FILES, save_gemma_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ def assert_one_line_refusal(code, err: str, culprit: str) -> None:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
     """CPU, offline, and the session's JAX compilation cache (tests/recipe_env.py)."""
-    return recipe_env(tmp_path_factory.getbasetemp())
+    return recipe_env(shared_basetemp(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from nnx_surgery import distill  # noqa: E402
 from nnx_surgery.distill.config import Ramp  # noqa: E402
 from nnx_surgery.recipes import knobs, phases, settings  # noqa: E402
 from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
-from recipe_env import recipe_env  # noqa: E402
+from recipe_env import TINY_TEACHER, recipe_env  # noqa: E402
 
 
 def resolve(*flags):
@@ -215,16 +215,15 @@ def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output
 
 
 # ------------------------------------------------------------------------- the examples, end to end at tiny scale
-TINY = ["--preset", "tiny", "--student", "scaled", "--teacher-steps", "40", "--corpus-bytes", "150000",
-        "--batch-size", "4", "--seq-len", "32", "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0",
+TINY = [*TINY_TEACHER, "--student", "scaled", "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0",
         "--control", "none", "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1",
         "--eval-every", "3", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 
 
 @pytest.fixture(scope="module")
-def example_runs(tmp_path_factory):
+def example_runs(tmp_path_factory, tiny_teacher_cache):
     """Each example config with the tiny overrides (flags win over the file), sharing one cached tiny teacher."""
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"  # test_recipe.py trains the same teacher here
+    cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
     runs = {}
     for example in EXAMPLES:
         out = tmp_path_factory.mktemp(example.split(".")[0])

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 
 from hf_reference import assert_clean_loading, hf_logits, load_with_info
-from recipe_env import recipe_env
+from recipe_env import TINY_TEACHER, recipe_env
 
 pytestmark = pytest.mark.slow  # recipe runs end to end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
-SMALL = ["--preset", "tiny", "--teacher-steps", "40", "--steps", "24", "--batch-size", "4", "--seq-len", "32",
-         "--corpus-bytes", "150000", "--calibration-samples", "8", "--checkpoint-every", "4",
+SMALL = [*TINY_TEACHER, "--steps", "24", "--calibration-samples", "8", "--checkpoint-every", "4",
          # the suite's generations and multiple choice still run, for fewer prompts and items than the preset's
          # (8 x 48 tokens, 32 items, for each of four models); fewer held-out batches during training
          "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4", "--eval-batches", "4"]
@@ -37,9 +36,9 @@ def run_recipe(output, cache, *extra, check=True):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("recipe")
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"  # the tiny teacher, shared with test_config_surface
+    cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
     full = run_recipe(base / "full", cache)
     halted = run_recipe(base / "resumed", cache, "--halt-after", "stage_b:5", check=False)
     resumed = run_recipe(base / "resumed", cache, "--resume")

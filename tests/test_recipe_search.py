@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from recipe_env import recipe_env
+from recipe_env import TINY_TEACHER, recipe_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
@@ -23,8 +23,7 @@ from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
 from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG  # noqa: E402
 
 # the tiny teacher of test_recipe.py / test_config_surface.py (same teacher settings: one cached teacher)
-TINY = ["--preset", "tiny", "--teacher-steps", "40", "--corpus-bytes", "150000", "--batch-size", "4", "--seq-len",
-        "32", "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0", "--control", "none",
+TINY = [*TINY_TEACHER, "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0", "--control", "none",
         "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1", "--eval-every", "3", "--eval-tokens",
         "1024", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 SEARCH = ["--student", "params=0.5", "--search-candidates", "2", "--search-steps", "2"]
@@ -38,10 +37,10 @@ def run_recipe(cache, *flags):
 
 
 @pytest.fixture(scope="module")
-def searched(tmp_path_factory):
+def searched(tmp_path_factory, tiny_teacher_cache):
     """A search run stopped in stage B (after the search and stage A), its finished candidates' result.json
     modification times, then the same run resumed to the end."""
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+    cache = tiny_teacher_cache
     out = tmp_path_factory.mktemp("search-run") / "run"
     halted = run_recipe(cache, *SEARCH, "--output", str(out), "--halt-after", "stage_b:1")
     assert halted.returncode == 3, f"{halted.stdout[-3000:]}\n{halted.stderr[-3000:]}"
@@ -112,8 +111,8 @@ def test_a_resumed_run_reads_finished_candidates_back(searched):
 
 
 @pytest.mark.slow
-def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path_factory, tiny_teacher_cache):
+    cache = tiny_teacher_cache
     out = tmp_path_factory.mktemp("search-dry") / "run"
     proc = run_recipe(cache, "--student", "params=0.5", "--search-candidates", "3", "--search-steps", "4",
                       "--dry-run", "--output", str(out))
@@ -180,8 +179,8 @@ def test_bad_budgets_are_refused_against_the_teacher_config(student, error, culp
     (["--student", "params=0.5", "--search-candidates", "0"], "RecipeError: --search-candidates 0"),
     (["--student", "params=0.5", "--search-steps", "0"], "RecipeError: --search-steps 0"),
 ])
-def test_bad_search_input_is_one_line_and_exit_2(tmp_path_factory, flags, culprit):
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
+def test_bad_search_input_is_one_line_and_exit_2(tmp_path_factory, tiny_teacher_cache, flags, culprit):
+    cache = tiny_teacher_cache
     proc = run_recipe(cache, *flags, "--output", str(tmp_path_factory.mktemp("bad") / "run"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: {culprit}") and len(proc.stderr.strip().splitlines()) == 2

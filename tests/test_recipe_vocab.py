@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hf_reference import assert_clean_loading, hf_logits, load_with_info, make_hf_model, save_hf
-from recipe_env import recipe_env
+from recipe_env import recipe_env, shared_basetemp
 from tiny_tokenizers import SAVERS
 
 pytestmark = pytest.mark.slow  # recipe runs end to end
@@ -43,7 +43,7 @@ def teacher(tmp_path_factory):
     data.mkdir()
     for name in DATA_FILES:
         shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
-    return folder, str(data), size, tmp_path_factory.getbasetemp()
+    return folder, str(data), size, shared_basetemp(tmp_path_factory)
 
 
 def run_recipe(teacher, output, *extra, check=True):

@@ -8,7 +8,6 @@ the data position is in memory only. A failure names the kill points, so the run
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -21,16 +20,14 @@ import time
 import numpy as np
 import pytest
 
-from recipe_env import compile_cache_env
+from recipe_env import TINY_TEACHER, compile_cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
-# The teacher settings of test_recipe.py / test_config_surface.py / test_recipe_search.py (teacher steps, batch, seq,
-# corpus): the session's cached tiny teacher when one of them ran first in this process. The evaluation compared at
+# The session's tiny teacher (TINY_TEACHER, trained once by tests/conftest.py). The evaluation compared at
 # the end is smaller than the preset's (no generations or multiple choice, 1,024 held-out tokens per set); XLA:CPU
 # without backend optimisation (the same for every run).
-TINY = ["--preset", "tiny", "--teacher-steps", "40", "--steps", "12", "--batch-size", "4", "--seq-len", "32",
-        "--corpus-bytes", "150000", "--calibration-samples", "4", "--eval-prompts", "0", "--choice-items", "0",
+TINY = [*TINY_TEACHER, "--steps", "12", "--calibration-samples", "4", "--eval-prompts", "0", "--choice-items", "0",
         "--eval-tokens", "1024", "--control", "none", "--checkpoint-every", "1",
         "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 KILLS = 5
@@ -148,19 +145,16 @@ def _soak(output, cache, compile_cache, seed: int) -> str:
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path, tmp_path_factory):
-    # the session's tiny teacher cache and compilation cache (tests/recipe_env.py)
-    cache = tmp_path_factory.getbasetemp() / "recipe-cache"
-    compile_cache = tmp_path_factory.getbasetemp() / "jax-compile-cache"
+def test_killed_and_resumed_tiny_recipe_ends_bit_identical(tmp_path, tiny_teacher_cache):
+    # the session's tiny teacher and compilation cache (tests/recipe_env.py)
+    cache = tiny_teacher_cache
+    compile_cache = cache.parent / "jax-compile-cache"
     started = time.monotonic()
-    # The uninterrupted run trains and caches the tiny teacher; the soaked runs start once it is cached and run
-    # beside the rest of it (two processes: most of a tiny run's time is single-threaded tracing).
+    # The uninterrupted run and the soaked runs go side by side (two processes: most of a tiny run's time is
+    # single-threaded tracing); the teacher is cached already.
     reference = _start(tmp_path / "full", cache, compile_cache)
     reference_out = Output(reference)
     try:
-        while reference.poll() is None and not glob.glob(str(cache / "tiny-teacher-*" / "training.json")):
-            time.sleep(0.05)
-        assert reference.poll() in (None, 0), f"the uninterrupted run failed:\n{reference_out.tail(40)}"
         report = _soak(tmp_path / "soaked", cache, compile_cache, int(os.environ.get("SOAK_SEED", "12")))
         code = reference.wait(timeout=900)
     finally:
