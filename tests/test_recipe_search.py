@@ -144,6 +144,26 @@ def test_candidates_spread_over_the_list_after_the_guess():
     assert shape_search.eval_points(2) == (1, 2) and shape_search.eval_points(24) == (8, 16, 24)
 
 
+def test_search_shapes_are_tried_after_the_guess_in_their_order_and_must_fit_the_budget():
+    fitting = surgery.candidate_specs(TEACHER, params=0.5)
+    guess = surgery.uniform_spec(TEACHER, params=0.5)
+    others = [c.text for c in fitting if c.text != guess.text]
+    given = f" {others[-1]} ;{others[0]};{guess.text};{others[-1]};"  # spaces, the guess and a repeat dropped
+    args = settings.resolve([*TINY, "--student", "params=0.5", "--search-shapes", given])
+    choice = shape_search.student_choice(args, TEACHER, tokenizer=None)
+    assert [c.text for c in choice.candidates] == [guess.text, others[-1], others[0]]
+    assert choice.candidates[1] == next(c for c in fitting if c.text == others[-1])  # with its parameter counts
+    assert choice.guess.text == guess.text and choice.fitting == len(fitting)
+    outside = "layers=2,hidden=8,mlp=16,heads=1,kv_heads=1"
+    assert outside not in {c.text for c in fitting}
+    with pytest.raises(RecipeError, match="not within params=0.5 \\+-5%"):
+        shape_search.student_choice(settings.resolve([*TINY, "--student", "params=0.5", "--search-shapes",
+                                                      f"{others[0]};{outside}"]), TEACHER, tokenizer=None)
+    with pytest.raises(RecipeError, match="give --student params="):  # no budget, no search
+        shape_search.student_choice(settings.resolve([*TINY, "--student", "layers=0.5", "--search-shapes",
+                                                      others[0]]), TEACHER, tokenizer=None)
+
+
 def test_the_search_distils_with_the_recipes_settings():
     args = settings.resolve([*TINY, "--student", "params=0.5", "--search-steps", "5", "--alpha", "0.75",
                              "--temperature", "2", "--frozen", "embed_tokens", "--stop-when-met"])

@@ -47,7 +47,7 @@ DEFAULTS = dict(
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
     choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
     teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0,
-    gguf=None, search_candidates=6, search_steps=None, search_tolerance=0.05)
+    gguf=None, search_candidates=6, search_shapes=None, search_steps=None, search_tolerance=0.05)
 
 
 def term_weight_defaults() -> dict[str, float]:
@@ -160,6 +160,9 @@ FLAGS = [
          "plus N-1 of the shapes within the budget (surgery.candidate_specs, largest non-embedding count first), "
          "the middle one of each of N-1 equal slices of that list (deterministic, and spread over the whole list, "
          "not its largest few, so different mixes of depth and width are tried); all of them when fewer fit"),
+        (("--search-shapes",), dict(metavar="'SHAPE;SHAPE'"), "the shapes to try instead of --search-candidates' "
+         "spread, separated by ';' (e.g. the top of a shorter search, trained longer to see whether its ranking "
+         "holds); each must be within the budget; the uniform guess is always tried first"),
         (("--search-steps",), dict(type=int, metavar="S"), "distillation steps per candidate (the recipe's loss "
          "weights, learning rate, batch and sequence, on identical batches), each scored on the held-out sets at "
          "a third, two thirds and the end. Right after pruning the ranking does not predict the trained one "

@@ -9,7 +9,9 @@ the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run d
   ratio, what one would pick by hand), so the search shows whether it beats the guess, and N-1 of the shapes within
   `--search-tolerance` of the budget (`surgery.candidate_specs`, largest non-embedding count first): the middle one
   of each of N-1 equal slices of that list (deterministic, and spread over the whole list, not its largest few,
-  so different mixes of depth and width are tried).
+  so different mixes of depth and width are tried). Or the shapes of `--search-shapes 'A;B'` after the guess
+  (each within the budget): Minitron's second step, the top few of a short search trained longer to see whether
+  their order holds.
 * Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses (plans cached
   in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
   stage's settings (loss weights, learning rate, warm-up scaled to the search's length, temperature, trainable and
@@ -96,6 +98,9 @@ def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = N
     `tokenizer` folder) before any model loads: an explicit shape (`cli.student_spec`), or the budget and the shapes
     the search will try."""
     budget = parse_budget_text(args.student)
+    if budget is None and args.search_shapes:
+        raise cli.RecipeError(f"--search-shapes is for a shape search: give --student params=... (a budget) "
+                              f"with it, not --student {args.student!r}.")
     if budget is None:
         return StudentChoice(cli.student_spec(args.student, teacher, tokenizer=tokenizer))
     try:
@@ -106,7 +111,8 @@ def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = N
         guess.spec.check_against(teacher)
     except surgery.SpecError as error:
         raise surgery.SpecError(f"--student {budget.text!r}: {error}") from None
-    chosen = spread(fitting, guess, args.search_candidates)
+    chosen = (given_shapes(args.search_shapes, fitting, guess, teacher, budget, args.search_tolerance)
+              if args.search_shapes else spread(fitting, guess, args.search_candidates))
     return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target)
 
 
@@ -116,6 +122,30 @@ def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: in
     others = [c for c in fitting if c.text != guess.text]
     slots = min(count - 1, len(others))
     return [guess] + [others[(2 * i + 1) * len(others) // (2 * slots)] for i in range(slots)]
+
+
+def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Candidate, teacher: surgery.ModelConfig,
+                 budget: Budget, tolerance: float) -> list[surgery.Candidate]:
+    """The uniform guess, then each shape of `--search-shapes` ('SHAPE;SHAPE', in the order given, the guess and
+    repeats dropped). A shape outside the budget is refused: the search compares shapes of one size."""
+    within = {c.text: c for c in fitting}
+    chosen = [guess]
+    for shape in (part.strip() for part in text.split(";")):
+        if not shape:
+            continue
+        try:
+            spec = cli.student_spec(shape, teacher)
+        except surgery.SpecError as error:
+            raise surgery.SpecError(f"--search-shapes {shape!r}: {error}") from None
+        candidate = surgery.Candidate(spec, *surgery.parameter_counts(teacher, spec))
+        if candidate.text not in within and candidate.text != guess.text:
+            counted = (candidate.non_embedding if budget.counting == "non_embedding" else candidate.parameters)
+            raise cli.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "
+                                  f"parameters, not within {budget.text} +-{tolerance:.0%} on the teacher's grid; "
+                                  "the search compares shapes of one budget (--dry-run lists them).")
+        if candidate.text not in {c.text for c in chosen}:
+            chosen.append(within.get(candidate.text, candidate))
+    return chosen
 
 
 def eval_points(steps: int) -> tuple[int, ...]:
