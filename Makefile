@@ -23,9 +23,10 @@ demo: $(STAMP)
 # Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one), then the
 # `serial` tests alone (multi-process JAX with time bounds, peak-memory measurements); both passes always run and
 # either failing fails. `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs (exit 5:
-# nothing selected). (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.)
+# nothing selected). (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.) Modules go to the
+# workers in collection order, the slowest first (tests/conftest.py), not by their number of tests.
 PYTEST := $(PY) -m pytest -q
-PARALLEL := -n 2 --dist loadfile
+PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not serial" tests bench/test_bench.py; a=$$?; \
