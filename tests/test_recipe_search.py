@@ -118,7 +118,9 @@ def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path
                       "--dry-run", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     guess = surgery.uniform_spec(TEACHER, params=0.5)
-    chosen = shape_search.spread(surgery.candidate_specs(TEACHER, params=0.5), guess, 3)
+    fitting = surgery.candidate_specs(TEACHER, params=0.5)
+    budget = shape_search.Budget("params=0.5", "0.5")
+    chosen = shape_search.spread(fitting, guess, 3, near=shape_search.heads_kept_shape(TEACHER, budget, fitting))
     lines = proc.stdout.splitlines()
     for candidate in chosen:
         line = next(line for line in lines if line.strip().startswith(candidate.text + " "))
@@ -142,6 +144,38 @@ def test_candidates_spread_over_the_list_after_the_guess():
     assert len({c.text for c in shape_search.spread(fitting, guess, 100)}) == n + 1  # every shape, once
     assert shape_search.spread(fitting, guess, 1) == [guess]
     assert shape_search.eval_points(2) == (1, 2) and shape_search.eval_points(24) == (8, 16, 24)
+
+
+# The real Gemma 3 270M's sizes (its config.json without the fields that do not change a count): 18 layers, hidden
+# 640, MLP 2048, 4 heads, 1 KV head of 256; 262k vocabulary, tied.
+GEMMA3_270M = surgery.ModelConfig.from_hf_dict({
+    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3})
+
+
+def test_from_three_candidates_the_shape_nearest_the_heads_kept_cut_comes_second():
+    budget = shape_search.Budget("params=0.5", "0.5")
+    fitting = surgery.candidate_specs(GEMMA3_270M, params=0.5)
+    guess = surgery.uniform_spec(GEMMA3_270M, params=0.5)
+    assert guess.spec.num_attention_heads == 3  # the uniform guess cuts heads too
+    near = shape_search.heads_kept_shape(GEMMA3_270M, budget, fitting)
+    # the uniform cut of depth, hidden and MLP alone is layers=14,hidden=492,mlp=1573 (off the grid): the
+    # nearest shape within the budget with all 4 heads
+    assert near.text == "layers=14,hidden=512,mlp=1536,heads=4,kv_heads=1" and near in fitting
+    kept = surgery.uniform_spec(GEMMA3_270M, params=0.5, axes=("depth", "hidden", "mlp"))
+    assert (kept.spec.num_layers, kept.spec.num_attention_heads) == (14, 4)
+    chosen = shape_search.spread(fitting, guess, 4, near=near)
+    others = [c for c in fitting if c.text not in {guess.text, near.text}]
+    assert [c.text for c in chosen] == [guess.text, near.text, others[len(others) // 4].text,
+                                        others[3 * len(others) // 4].text]
+    assert shape_search.spread(fitting, guess, 2, near=near) == shape_search.spread(fitting, guess, 2)
+    assert shape_search.spread(fitting, guess, 3, near=guess) == shape_search.spread(fitting, guess, 3)
+    # what the recipe tries for --student params=0.5 --search-candidates 3 on this teacher
+    flags = settings.resolve(["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candidates", "3"])
+    assert [c.text for c in shape_search.student_choice(flags, GEMMA3_270M).candidates][:2] == [guess.text,
+                                                                                                 near.text]
 
 
 def test_search_shapes_are_tried_after_the_guess_in_their_order_and_must_fit_the_budget():

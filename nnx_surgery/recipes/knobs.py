@@ -157,9 +157,10 @@ FLAGS = [
     ("Shape search (--student params=...)", [
         (("--search-candidates",), dict(type=int, metavar="N"), "shapes the search trains: always the uniform "
          "guess (every axis cut by the same ratio, the shape one would pick by hand: does the search beat it?), "
-         "plus N-1 of the shapes within the budget (surgery.candidate_specs, largest non-embedding count first), "
-         "the middle one of each of N-1 equal slices of that list (deterministic, and spread over the whole list, "
-         "not its largest few, so different mixes of depth and width are tried); all of them when fewer fit"),
+         "from N=3 on the shape nearest the same uniform cut of depth, hidden and MLP with every head kept, and "
+         "the rest from the shapes within the budget (surgery.candidate_specs, largest non-embedding count first): "
+         "the middle one of each of that many equal slices of the list (deterministic, and spread over the whole "
+         "list, not its largest few, so different mixes of depth and width are tried); all of them when fewer fit"),
         (("--search-shapes",), dict(metavar="'SHAPE;SHAPE'"), "the shapes to try instead of --search-candidates' "
          "spread, separated by ';' (e.g. the top of a shorter search, trained longer to see whether its ranking "
          "holds); each must be within the budget; the uniform guess is always tried first"),

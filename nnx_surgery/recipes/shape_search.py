@@ -6,10 +6,11 @@ the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run d
     spec, summary = choose_student(run, teacher, data, calibration)   # the winner; results["search"]
 
 * The shapes tried (`--search-candidates N`): the uniform guess (`surgery.uniform_spec`: every axis cut by the same
-  ratio, what one would pick by hand), so the search shows whether it beats the guess, and N-1 of the shapes within
-  `--search-tolerance` of the budget (`surgery.candidate_specs`, largest non-embedding count first): the middle one
-  of each of N-1 equal slices of that list (deterministic, and spread over the whole list, not its largest few,
-  so different mixes of depth and width are tried). Or the shapes of `--search-shapes 'A;B'` after the guess
+  ratio, what one would pick by hand), so the search shows whether it beats the guess; from N = 3 on, the shape
+  within the budget nearest the same uniform cut of depth, hidden and MLP with every head kept (`heads_kept_shape`);
+  and the rest of the N from the shapes within `--search-tolerance` of the budget (`surgery.candidate_specs`,
+  largest non-embedding count first): the middle one of each of that many equal slices of the list (deterministic,
+  and spread over the whole list, not its largest few, so different mixes of depth and width are tried). Or the shapes of `--search-shapes 'A;B'` after the guess
   (each within the budget): Minitron's second step, the top few of a short search trained longer to see whether
   their order holds.
 * Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses (plans cached
@@ -31,6 +32,7 @@ the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run d
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from nnx_surgery import distill
@@ -112,16 +114,41 @@ def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = N
     except surgery.SpecError as error:
         raise surgery.SpecError(f"--student {budget.text!r}: {error}") from None
     chosen = (given_shapes(args.search_shapes, fitting, guess, teacher, budget, args.search_tolerance)
-              if args.search_shapes else spread(fitting, guess, args.search_candidates))
+              if args.search_shapes else spread(fitting, guess, args.search_candidates,
+                                                near=heads_kept_shape(teacher, budget, fitting)))
     return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target)
 
 
-def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: int) -> list[surgery.Candidate]:
-    """The uniform guess, then the middle shape of each of `count` - 1 equal slices of `fitting` (all of them when
-    fewer fit)."""
-    others = [c for c in fitting if c.text != guess.text]
-    slots = min(count - 1, len(others))
-    return [guess] + [others[(2 * i + 1) * len(others) // (2 * slots)] for i in range(slots)]
+def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: int,
+           near: surgery.Candidate | None = None) -> list[surgery.Candidate]:
+    """The uniform guess; from 3 candidates on, `near` second (when given and not the guess); then the middle shape
+    of each of the remaining slots' equal slices of `fitting` (all of them when fewer fit)."""
+    first = [guess] + ([near] if near is not None and count >= 3 and near.text != guess.text else [])
+    others = [c for c in fitting if c.text not in {f.text for f in first}]
+    slots = min(count - len(first), len(others))
+    return first + [others[(2 * i + 1) * len(others) // (2 * slots)] for i in range(slots)]
+
+
+def _sizes(spec: surgery.StudentSpec) -> tuple[int, ...]:
+    return (spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
+            spec.num_key_value_heads)
+
+
+def heads_kept_shape(teacher: surgery.ModelConfig, budget: Budget,
+                     fitting: list[surgery.Candidate]) -> surgery.Candidate | None:
+    """The shape of `fitting` nearest (summed |log ratio| over the axes) to the uniform cut of depth, hidden and MLP
+    that keeps every attention and KV head: on the real Gemma 3 270M at half its non-embedding parameters that
+    shape beat the uniform guess, which also cuts heads, on both held-out sets (BENCHMARKS.md). None when no such
+    cut fits the budget."""
+    try:
+        kept = surgery.uniform_spec(teacher, params=budget.params, counting=budget.counting,
+                                    axes=("depth", "hidden", "mlp"))
+    except surgery.SpecError:
+        return None
+    same_heads = [c for c in fitting if _sizes(c.spec)[3:] == _sizes(kept.spec)[3:]]
+    if not same_heads:
+        return None
+    return min(same_heads, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(_sizes(c.spec), _sizes(kept.spec))))
 
 
 def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Candidate, teacher: surgery.ModelConfig,
