@@ -118,14 +118,13 @@ def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path
                       "--dry-run", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     guess = surgery.uniform_spec(TEACHER, params=0.5)
-    fitting = surgery.candidate_specs(TEACHER, params=0.5)
-    budget = shape_search.Budget("params=0.5", "0.5")
-    chosen = shape_search.spread(fitting, guess, 3, near=shape_search.heads_kept_shape(TEACHER, budget, fitting))
+    chosen = shape_search.student_choice(settings.resolve([*TINY, "--student", "params=0.5", "--search-candidates",
+                                                           "3"]), TEACHER).candidates
     lines = proc.stdout.splitlines()
     for candidate in chosen:
         line = next(line for line in lines if line.strip().startswith(candidate.text + " "))
         assert f"{candidate.parameters / 1e6:.2f}M" in line and f"{candidate.non_embedding / 1e6:.2f}M" in line
-        assert ("uniform guess" in line) == (candidate is guess)
+        assert ("uniform guess" in line) == (candidate.text == guess.text)
     # 3 candidates x 4 steps x (4 x 32) tokens, against the main run's 3 steps
     assert "3 candidates x 4 steps x 128 tokens per step = 12 steps, 1,536 tokens: 4.00x the main " \
            "distillation's 3 steps (384 tokens)" in proc.stdout

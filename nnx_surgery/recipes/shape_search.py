@@ -10,9 +10,9 @@ the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run d
   within the budget nearest the same uniform cut of depth, hidden and MLP with every head kept (`heads_kept_shape`);
   and the rest of the N from the shapes within `--search-tolerance` of the budget (`surgery.candidate_specs`,
   largest non-embedding count first): the middle one of each of that many equal slices of the list (deterministic,
-  and spread over the whole list, not its largest few, so different mixes of depth and width are tried). Or the shapes of `--search-shapes 'A;B'` after the guess
-  (each within the budget): Minitron's second step, the top few of a short search trained longer to see whether
-  their order holds.
+  and spread over the whole list, not its largest few, so different mixes of depth and width are tried). Or the
+  shapes of `--search-shapes 'A;B'` after the guess (each within the budget): Minitron's second step, the top few
+  of a short search trained longer to see whether their order holds.
 * Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses (plans cached
   in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
   stage's settings (loss weights, learning rate, warm-up scaled to the search's length, temperature, trainable and
@@ -124,7 +124,8 @@ def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: in
     """The uniform guess; from 3 candidates on, `near` second (when given and not the guess); then the middle shape
     of each of the remaining slots' equal slices of `fitting` (all of them when fewer fit)."""
     first = [guess] + ([near] if near is not None and count >= 3 and near.text != guess.text else [])
-    others = [c for c in fitting if c.text not in {f.text for f in first}]
+    taken = {c.text for c in first}
+    others = [c for c in fitting if c.text not in taken]
     slots = min(count - len(first), len(others))
     return first + [others[(2 * i + 1) * len(others) // (2 * slots)] for i in range(slots)]
 
@@ -148,7 +149,8 @@ def heads_kept_shape(teacher: surgery.ModelConfig, budget: Budget,
     same_heads = [c for c in fitting if _sizes(c.spec)[3:] == _sizes(kept.spec)[3:]]
     if not same_heads:
         return None
-    return min(same_heads, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(_sizes(c.spec), _sizes(kept.spec))))
+    target = _sizes(kept.spec)
+    return min(same_heads, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(_sizes(c.spec), target)))
 
 
 def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Candidate, teacher: surgery.ModelConfig,
