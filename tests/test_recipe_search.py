@@ -173,8 +173,13 @@ def test_from_three_candidates_the_shape_nearest_the_heads_kept_cut_comes_second
     assert shape_search.spread(fitting, guess, 3, near=guess) == shape_search.spread(fitting, guess, 3)
     # what the recipe tries for --student params=0.5 --search-candidates 3 on this teacher
     flags = settings.resolve(["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candidates", "3"])
-    assert [c.text for c in shape_search.student_choice(flags, GEMMA3_270M).candidates][:2] == [guess.text,
-                                                                                                 near.text]
+    choice = shape_search.student_choice(flags, GEMMA3_270M)
+    assert [c.text for c in choice.candidates][:2] == [guess.text, near.text]
+    # search.md and the dry run say why the first two are tried; a spread shape has no note
+    assert [choice.note(c) for c in choice.candidates] == [shape_search.GUESS, shape_search.HEADS_KEPT, None]
+    two = shape_search.student_choice(settings.resolve(["--preset", "gemma3-270m", "--student", "params=0.5",
+                                                        "--search-candidates", "2"]), GEMMA3_270M)
+    assert two.heads_kept is None and [two.note(c) for c in two.candidates] == [shape_search.GUESS, None]
 
 
 def test_search_shapes_are_tried_after_the_guess_in_their_order_and_must_fit_the_budget():

@@ -10,7 +10,7 @@ import jax
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
 from nnx_surgery.recipes.settings import CONTROL_NAMES
-from nnx_surgery.recipes.shape_search import eval_points
+from nnx_surgery.recipes.shape_search import GUESS, eval_points
 
 BYTES = {"bf16": 2, "fp32": 4}
 
@@ -78,14 +78,15 @@ def dry_run_report(run) -> str:
 
 def search_plan(args, search) -> list[str]:
     """The dry run's account of a shape search: each candidate's shape and parameter counts (the uniform guess
-    marked), and its cost in steps and tokens against the main distillation's."""
+    and the heads-kept shape marked), and its cost in steps and tokens against the main distillation's."""
     budget = search.budget
     width = max(len(c.text) for c in search.candidates)
     lines = [f"shape search ({budget.text}: {search.target:,} {budget.counting.replace('_', '-')} parameters "
              f"+-{args.search_tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
              f"  {'candidate'.ljust(width)}  {'parameters':>10}  {'non-embedding':>13}"]
-    for number, candidate in enumerate(search.candidates):
-        mark = "  uniform guess (every axis cut by the same ratio)" if number == 0 else ""
+    for candidate in search.candidates:
+        note = search.note(candidate)
+        mark = {None: "", GUESS: "  uniform guess (every axis cut by the same ratio)"}.get(note, f"  {note}")
         lines.append(f"  {candidate.text.ljust(width)}  {_count(candidate.parameters):>10}  "
                      f"{_count(candidate.non_embedding):>13}{mark}")
     steps = len(search.candidates) * args.search_steps

@@ -42,6 +42,7 @@ from nnx_surgery.surgery.search_space import COUNTINGS, budget_target
 
 FOLDER = "search"
 GUESS = "uniform guess"
+HEADS_KEPT = "every head kept, the other axes cut alike"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +58,25 @@ class Budget:
 class StudentChoice:
     """An explicit student (`budget` None), or a search: the budget, the shapes to try (the uniform guess first),
     how many shapes fit it, and its target count. `spec` is the explicit student, or the uniform guess (what a dry
-    run shows) until the search picks the winner."""
+    run shows) until the search picks the winner. `heads_kept`: the heads-kept shape's text when the search tries
+    it (`heads_kept_shape`)."""
 
     spec: surgery.StudentSpec
     budget: Budget | None = None
     candidates: tuple[surgery.Candidate, ...] = ()
     fitting: int = 0
     target: int = 0
+    heads_kept: str | None = None
 
     @property
     def guess(self) -> surgery.Candidate:
         return self.candidates[0]
+
+    def note(self, candidate: surgery.Candidate) -> str | None:
+        """What search.md and the dry run say beside `candidate`'s name: why the search tries it, if not spread."""
+        if candidate.text == self.guess.text:
+            return GUESS
+        return HEADS_KEPT if candidate.text == self.heads_kept else None
 
 
 def parse_budget_text(text: str | None) -> Budget | None:
@@ -113,10 +122,12 @@ def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = N
         guess.spec.check_against(teacher)
     except surgery.SpecError as error:
         raise surgery.SpecError(f"--student {budget.text!r}: {error}") from None
+    near = heads_kept_shape(teacher, budget, fitting)
     chosen = (given_shapes(args.search_shapes, fitting, guess, teacher, budget, args.search_tolerance)
-              if args.search_shapes else spread(fitting, guess, args.search_candidates,
-                                                near=heads_kept_shape(teacher, budget, fitting)))
-    return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target)
+              if args.search_shapes else spread(fitting, guess, args.search_candidates, near=near))
+    heads_kept = near.text if near is not None and near.text in {c.text for c in chosen[1:]} else None
+    return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target,
+                         heads_kept)
 
 
 def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: int,
@@ -213,7 +224,7 @@ def search_candidates(run, choice: StudentChoice, teacher, calibration, director
         found.append(distill.SearchCandidate(
             candidate.text, build=lambda plan=plan: surgery.apply_plan(teacher, plan), plan=plan,
             parameters=candidate.parameters, non_embedding=candidate.non_embedding,
-            note=GUESS if candidate is choice.guess else None))
+            note=choice.note(candidate)))
     return found
 
 
@@ -258,4 +269,4 @@ def summary(args, choice: StudentChoice, result: distill.SearchResult) -> dict:
 
 
 __all__ = ["Budget", "StudentChoice", "parse_budget_text", "student_choice", "spread", "eval_points",
-           "search_config", "choose_student", "summary", "FOLDER", "GUESS"]
+           "search_config", "choose_student", "summary", "FOLDER", "GUESS", "HEADS_KEPT"]
