@@ -162,6 +162,7 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
     from fake_hub import FakeHub
 
     base = runs[0]
+    rows_before = json.loads((base / "full" / "results.json").read_text())["rows"]
     token = "hf_recipeTestToken0123456789abcdef"
     with FakeHub({token: ("alice", [])}, lifetime_s=600) as hub:
         env = recipe_env(runs[4].parent, {k: v for k, v in os.environ.items()
@@ -173,6 +174,9 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
                               capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert token not in proc.stdout + proc.stderr
+        # every model was finished, so the evaluation is read back (phases/evaluation.json), not spent again
+        assert "[eval] finished in an earlier run" in proc.stdout and "models on the held-out sets" not in proc.stdout
+        assert json.loads((base / "full" / "results.json").read_text())["rows"] == rows_before
         repo = hub.repos["alice/tiny-2b-student"]
         assert repo.private
         tree = repo.commits[repo.branches["main"]]

@@ -56,6 +56,7 @@ import time
 import jax
 
 from nnx_surgery import surgery
+from nnx_surgery.surgery.atomic import write_json
 from nnx_surgery.recipes import cli, evaluation, phases, run_phases, run_settings, settings, vocabulary
 from nnx_surgery.recipes.frozen import thaw
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
@@ -138,7 +139,22 @@ def record_settings(run: run_settings.RunSettings) -> None:
 
 
 def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
-    """Every model on the held-out sets, then generations and multiple choice (evaluation.py)."""
+    """Every model on the held-out sets, then generations and multiple choice (evaluation.py); kept in
+    OUT/phases/evaluation.json, so a resumed run whose models are all finished (say to add --push-to-hub, or
+    killed while writing the student) reads the scores back instead of spending the evaluation again."""
+    done = os.path.join(run.folder, "phases", "evaluation.json")
+    if os.path.exists(done):
+        print(f"[eval] finished in an earlier run: {done}", flush=True)
+        with open(done) as f:
+            return json.load(f)
+    results = evaluate_models(run, loaded, teacher, cut, distilled, control)
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(done), exist_ok=True)
+        write_json(done, results)
+    return results
+
+
+def evaluate_models(run, loaded, teacher, cut, distilled, control) -> dict:
     tokens = distilled.steps * run.flags.tokens_per_step
     rows = [("teacher", teacher, 0)]
     if run.flags.teacher_correction:  # the teacher as it was, beside the corrected one that taught
