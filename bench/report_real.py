@@ -188,14 +188,16 @@ def _sets_table(group: list[dict]) -> list[str]:
     teacher = next(r for r in group if r.get("event") == "teacher")
     pruned = next(r for r in group if r.get("event") == "pruned")
     lines = ["| arm | step | in-domain CE | closed | general CE | closed | general KL | general top-1 | "
-             "in-domain vs CE arm | general vs CE arm |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "in-domain vs CE arm at its rate | general vs CE arm at its rate |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, record in (("teacher", teacher), ("pruned", pruned)):
         lines.append(f"| {name} | 0 | {record['in-domain']['ce']:.4f} | - | {record['general']['ce']:.4f} | - | "
                      f"{abs(record['general']['kl']):.3f} | {record['general']['top1']:.1%} | - | - |")
-    ce_arms = {r["step"]: r for r in group if str(r.get("run", "")).startswith("ce")}
+    # each arm against the CE arm of the same step and learning rate (the `@LR` of its name)
+    ce_arms = {(r["step"], str(r["run"]).partition("@")[2]): r for r in group
+               if str(r.get("run", "")).startswith("ce")}
 
     def versus(record, part):
-        base = ce_arms.get(record["step"])
+        base = ce_arms.get((record["step"], str(record["run"]).partition("@")[2]))
         if base is None or base is record:
             return "-"
         mine, theirs = record[part], base[part]
