@@ -1,7 +1,7 @@
 """Recovery on the real Gemma 3 270M: one pruned student, several training recipes, the same batches, judged on an
 in-domain and a general-domain held-out set.
 
-    python bench/real_recovery.py --teacher FOLDER --student layers=18,mlp=512 --run kl_noemb --run ce_noemb \
+    python bench/real_recovery.py --student layers=18,mlp=512 --run kl_noemb --run ce_noemb \
         --steps 24 --eval-at 12,24 --out bench/results/recovery.jsonl
     python bench/real_recovery.py ... --general-mix 0.25 --teacher-correction 12   # corpus mix, teacher correction
 
@@ -11,8 +11,10 @@ two `distill.HeldoutSet`s: held-out stdlib modules (in-domain) and the held-out 
 prose no training corpus contains), each `--eval-tokens` tokens: CE per token and per byte, KL(teacher ||
 student), top-1 agreement, and the per-passage NLL sums, so any two runs can be compared with a paired bootstrap
 (`distill.paired_interval`). `--general-mix F` makes about F of the training text general prose (the pydoc
-topics' `train` part, repeated; disjoint from the held-out half, never held out itself); `--teacher-correction N` fine-tunes the teacher with plain CE on the
-corpus for N steps before it is pruned and teaches. One JSON line per record goes to stdout (and `--out`).
+topics' `train` part, repeated; disjoint from the held-out half, never held out itself); `--teacher-correction N`
+fine-tunes the teacher with plain CE on the corpus for N steps before it is pruned and teaches. One JSON line per
+record goes to stdout (and `--out`); each record carries its setup, from which `command_line` rebuilds the command
+(BENCHMARKS.md prints it under each table).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import distill  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
+from nnx_surgery.recipes.cli import teacher_folder  # noqa: E402
 
 # name -> loss weights, temperature, learning-rate multiplier, frozen patterns
 RECIPES = {
@@ -58,7 +61,9 @@ def parse_shape(text: str, teacher) -> surgery.StudentSpec:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--teacher", required=True, help="HF folder of the teacher")
+    p.add_argument("--teacher", default="gguf:gemma3-270m",
+                   help="the teacher: gguf:gemma3-270m (the real model, from its package; default), a .gguf file or "
+                        "an HF folder")
     p.add_argument("--student", default="layers=18,mlp=512")
     p.add_argument("--run", action="append", default=[], help="RECIPE[@LR], RECIPE from RECIPES")
     p.add_argument("--steps", type=int, default=24)
@@ -79,13 +84,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def setup_of(args: argparse.Namespace) -> dict:
+    """What every record of one invocation shares: the flags that decide the pruned student, the batches, the
+    teacher and the held-out sets (the arms and `--eval-at` aside)."""
+    return {"student": args.student, "steps": args.steps, "batch": f"{args.batch_size}x{args.seq_len}",
+            "lr": args.lr, "warmup": args.warmup, "corpus_bytes": args.corpus_bytes,
+            "general_mix": args.general_mix, "restart_rows": not args.no_restart,
+            "teacher_correction": args.teacher_correction, "teacher_correction_lr": args.teacher_correction_lr,
+            "seed": args.seed, "eval_tokens": args.eval_tokens, "tag": args.tag}
+
+
+def command_line(setup: dict, runs: list[str], eval_at: list[int] = ()) -> str:
+    """The command that makes `runs` of `setup` again (a record's setup: keys missing from older records take
+    today's defaults)."""
+    setup = {**setup_of(parse_args([])), **setup}  # the tag, a label, is left out
+    batch_size, seq_len = setup["batch"].split("x")
+    words = ["python bench/real_recovery.py", f"--student {setup['student']}",
+             f"--steps {setup['steps']}", f"--batch-size {batch_size}", f"--seq-len {seq_len}",
+             f"--lr {setup['lr']:g}", f"--warmup {setup['warmup']}", f"--corpus-bytes {setup['corpus_bytes']}",
+             f"--general-mix {setup['general_mix']:g}", f"--seed {setup['seed']}",
+             f"--eval-tokens {setup['eval_tokens']}"]
+    if setup["teacher_correction"]:
+        words += [f"--teacher-correction {setup['teacher_correction']}",
+                  f"--teacher-correction-lr {setup['teacher_correction_lr']:g}"]
+    if not setup["restart_rows"]:
+        words.append("--no-restart")
+    if eval_at:
+        words.append(f"--eval-at {','.join(str(step) for step in eval_at)}")
+    return " ".join(words + [f"--run {run}" for run in runs])
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.teacher = teacher_folder(args.teacher, None)  # the real model's GGUF: imported once, cached
     out = open(args.out, "a") if args.out else None
-    setup = {"student": args.student, "steps": args.steps, "batch": f"{args.batch_size}x{args.seq_len}",
-             "general_mix": args.general_mix, "restart_rows": not args.no_restart,
-             "teacher_correction": args.teacher_correction, "seed": args.seed,
-             "eval_tokens": args.eval_tokens, "tag": args.tag}
+    setup = setup_of(args)
 
     def emit(record):
         line = json.dumps({"bench": "recovery2", **setup, **record})

@@ -153,19 +153,32 @@ def section_recovery(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
-SETUP_KEYS = ("student", "steps", "batch", "general_mix", "restart_rows", "teacher_correction", "seed", "eval_tokens")
+SETUP_KEYS = ("student", "steps", "batch", "lr", "warmup", "corpus_bytes", "general_mix", "restart_rows",
+              "teacher_correction", "teacher_correction_lr", "seed", "eval_tokens")
+
+
+def _setup(record: dict) -> tuple:
+    """The record's setup (SETUP_KEYS); keys older records lack take bench/real_recovery.py's defaults."""
+    import real_recovery
+
+    defaults = real_recovery.setup_of(real_recovery.parse_args([]))
+    if not record.get("teacher_correction"):
+        record = {**record, "teacher_correction_lr": defaults["teacher_correction_lr"]}  # unused without it
+    return tuple(record.get(key, defaults[key]) for key in SETUP_KEYS)
 
 
 def section_recovery_sets(records: list[dict]) -> list[str]:
     """bench/real_recovery.py's records judged on both held-out sets: one table per setup (corpus mix, restart
     rows, teacher correction), each arm at each scored step, the share of the pruned-to-teacher gap closed, and
     each arm against the CE arm of its setup at the same step (95% interval, paired bootstrap over documents)."""
+    import real_recovery
+
     found = [r for r in records if r.get("bench") == "recovery2"]
     if not found:
         return []
     setups: dict[tuple, list[dict]] = {}
     for record in found:
-        setups.setdefault(tuple(record.get(k) for k in SETUP_KEYS), []).append(record)
+        setups.setdefault(_setup(record), []).append(record)
     lines = ["### Recovery on both held-out sets: in-domain (held-out stdlib modules) and general (held-out pydoc "
              "topics, English prose)", "",
              "`bench/real_recovery.py`: the same pruned student and the same batches for every arm of a setup; "
@@ -175,10 +188,19 @@ def section_recovery_sets(records: list[dict]) -> list[str]:
         setup = dict(zip(SETUP_KEYS, key))
         lines += [f"Setup: student {setup['student']}, {setup['steps']} steps of {setup['batch']}, general prose "
                   f"{setup['general_mix']:.0%} of the corpus, rows restarted with BOS: {setup['restart_rows']}, "
-                  f"teacher correction: {setup['teacher_correction']} steps, seed {setup['seed']}, "
+                  f"teacher correction: {_correction(setup)}, seed {setup['seed']}, "
                   f"{setup['eval_tokens']:,} tokens per held-out set.", ""]
         lines += _sets_table(group)
+        runs = list(dict.fromkeys(r["run"] for r in group if "run" in r))
+        steps = sorted({r["step"] for r in group if "run" in r} - {setup["steps"]})
+        lines += ["Reproduce:", "",
+                  f"    {real_recovery.command_line(setup, runs, steps)}", ""]
     return lines
+
+
+def _correction(setup: dict) -> str:
+    steps = setup["teacher_correction"]
+    return f"{steps} steps at lr {setup['teacher_correction_lr']:g}" if steps else "none"
 
 
 def _sets_table(group: list[dict]) -> list[str]:

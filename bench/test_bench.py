@@ -213,3 +213,40 @@ def test_gguf_export_bench_runs_at_tiny_shape(tmp_path):
     assert os.listdir(tmp_path / "work") == []  # the GGUF files and prompt removed
     text = "\n".join(report_real.section_gguf_export(records))
     assert "### GGUF export and llama.cpp" in text and "| teacher | f32 |" in text and "all equal" in text
+
+
+def test_recovery_records_rebuild_the_command_that_made_them():
+    """bench/real_recovery.py's setup (every record carries it) gives back the command that made the records,
+    and BENCHMARKS.md's table of a setup prints it; a record from before a flag existed takes its default."""
+    import shlex
+
+    import real_recovery
+    import report_real
+
+    given = ["--student", "layers=9,hidden=512", "--steps", "96", "--batch-size", "2", "--seq-len", "128", "--lr",
+             "1e-4", "--warmup", "5", "--corpus-bytes", "100000", "--general-mix", "0.25", "--teacher-correction",
+             "12", "--teacher-correction-lr", "1e-4", "--no-restart", "--seed", "3", "--eval-tokens", "32768",
+             "--eval-at", "24,48", "--run", "kl_noemb", "--run", "ce_noemb@1e-4"]
+    args = real_recovery.parse_args(given)
+    setup = real_recovery.setup_of(args)
+    words = shlex.split(real_recovery.command_line(setup, args.run, [24, 48]))
+    assert words[:2] == ["python", "bench/real_recovery.py"]
+    again = real_recovery.parse_args(words[2:])
+    assert {**real_recovery.setup_of(again), "tag": ""} == {**setup, "tag": ""}
+    assert (again.run, again.eval_at, again.teacher) == (args.run, "24,48", "gguf:gemma3-270m")
+
+    older = {key: setup[key] for key in ("student", "steps", "batch", "general_mix", "restart_rows", "seed",
+                                         "eval_tokens")}
+    rebuilt = real_recovery.parse_args(shlex.split(real_recovery.command_line({**older, "teacher_correction": 0},
+                                                                              ["kl"]))[2:])
+    assert (rebuilt.lr, rebuilt.warmup, rebuilt.teacher_correction, rebuilt.steps) == (3e-4, 2, 0, 96)
+
+    scored = {"ce": 3.0, "ce_per_byte": 0.8, "kl": 0.5, "top1": 0.5, "passage_nll": [6.0, 3.0],
+              "passage_kl": [1.0, 0.5], "passage_tokens": [2, 1], "passage_documents": [0, 1]}
+    records = [{"bench": "recovery2", **setup, "event": event, "in-domain": {**scored, "ce": ce},
+                "general": {**scored, "ce": ce}} for event, ce in (("teacher", 2.0), ("pruned", 4.0))]
+    records += [{"bench": "recovery2", **setup, "run": run, "step": step, "in-domain": scored, "general": scored}
+                for run in args.run for step in (24, 48, 96)]
+    text = "\n".join(report_real.section_recovery_sets(records))
+    assert "teacher correction: 12 steps at lr 0.0001" in text
+    assert f"    {real_recovery.command_line(setup, args.run, [24, 48])}" in text
