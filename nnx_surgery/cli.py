@@ -115,6 +115,9 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-prompts", type=POSITIVE, default=8, help="held-out prompts continued greedily")
     p.add_argument("--new-tokens", type=POSITIVE, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--choice-items", type=POSITIVE, default=32, help="next-line multiple-choice items (default 32)")
+    p.add_argument("--compare", action="append", default=[], metavar="A:B",
+                   help="also the differences A - B of two FOLDERs (named as in the table) with 95%% intervals, "
+                        "e.g. distilled:control; repeatable (every FOLDER is compared with the teacher anyway)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
     _data_flags(p, 256)
 

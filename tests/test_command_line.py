@@ -214,7 +214,7 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     out = str(workspace["base"] / "eval")
     printed = ok("eval", "--teacher", workspace["teacher"], workspace["student"], distilled[0], "--data",
                  workspace["data"], *DATA, "--eval-tokens", "256", "--eval-prompts", "2", "--new-tokens", "8",
-                 "--choice-items", "4", "--output", out)
+                 "--choice-items", "4", "--compare", "distilled:student", "--output", out)
     with open(os.path.join(out, "suite.md")) as f:
         suite = f.read()
     with open(os.path.join(out, "results.json")) as f:
@@ -227,6 +227,19 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     assert "### general" in suite and "## Sample generations" in suite
     assert [row["vocab_size"] for row in results["rows"]] == [results["rows"][0]["vocab_size"], 600, 600]
     assert all(row["general_loss_per_byte"] > 0 for row in results["rows"])
+    # --compare: the paired difference of two students (same tokens, same passages) is the difference of their
+    # rows' per-byte CE, with an interval around it, in results.json and printed
+    rows = {row["model"]: row for row in results["rows"]}
+    assert results["sets"]["general"]["documents"] > 1  # so an interval is checked
+    for part, key in (("in-domain", "loss_per_byte"), ("general", "general_loss_per_byte")):
+        (pair,) = [c for c in results["sets"][part]["comparisons"] if (c["a"], c["b"]) == ("distilled", "student")]
+        difference = pair["ce_per_byte"]
+        assert difference["difference"] == pytest.approx(rows["distilled"][key] - rows["student"][key], abs=1e-6)
+        if results["sets"][part]["documents"] > 1:
+            assert difference["low"] <= difference["difference"] <= difference["high"]
+        else:  # one document: no bootstrap interval
+            assert difference["low"] is difference["high"] is None
+        assert f"[{part}] distilled - student: ce {pair['ce']['difference']:+.4f}" in printed
 
 
 # ------------------------------------------------------------------------------------------------ the Hub
@@ -281,6 +294,7 @@ def bad_inputs(w: dict) -> list[tuple[list[str], str]]:
         (["distill", w["teacher"], w["student"], "-o", missing, "--steps", "0"], "--steps"),
         (["eval", w["student"], "-o", missing], "--teacher"),
         (["eval", "--teacher", w["teacher"], missing, "-o", missing], "FOLDER"),
+        (["eval", "--teacher", w["teacher"], w["student"], "-o", missing, "--compare", "student:nobody"], "--compare"),
         (["generate", missing, "--prompt", "x"], "FOLDER"),
         (["generate", w["data"], "--prompt", "x"], "config.json"),
         (["generate", w["student"], "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),

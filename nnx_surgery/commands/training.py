@@ -97,6 +97,31 @@ def _names(folders: list[str], given: list[str]) -> list[str]:
     return [base if bases.count(base) == 1 and base != "teacher" else path for base, path in zip(bases, given)]
 
 
+def compared_lines(sets: dict, pairs: list[tuple[str, str]]) -> list[str]:
+    """One line per --compare pair and held-out set: the differences a - b with their 95% intervals."""
+    lines = []
+    for name, report in sets.items():
+        for entry in (c for c in report["comparisons"] if (c["a"], c["b"]) in pairs):
+            cells = [f"{label} {d['difference']:+.4f}" + ("" if d["low"] is None else  # one document: no interval
+                                                           f" [{d['low']:+.4f}, {d['high']:+.4f}]")
+                     for label, d in ((m, entry.get(m)) for m in ("ce", "ce_per_byte", "kl")) if d is not None]
+            lines.append(f"[{name}] {entry['a']} - {entry['b']}: " + ", ".join(cells))
+    return lines
+
+
+def _compared(given: list[str], names: list[str]) -> list[tuple[str, str]]:
+    """--compare A:B as (A, B) pairs of table names (or "teacher"), checked before any model loads."""
+    pairs = []
+    for text in given:
+        a, sep, b = text.partition(":")
+        unknown = [name for name in (a, b) if name not in (*names, "teacher")]
+        if not sep or unknown or a == b:
+            raise cli.RecipeError(f"--compare {text!r}: give A:B, two different models of the table "
+                                  f"({', '.join(['teacher', *names])}).")
+        pairs.append((a, b))
+    return pairs
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
     --no-general-eval, general prose), with generations and multiple choice; write suite.md/json and results.json."""
@@ -106,6 +131,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     if len(set(names)) != len(names):
         raise cli.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
                               "folder once.")
+    pairs = [(name, "teacher") for name in names] + _compared(args.compare, names)
     out = empty_folder(args.output, "--output", args.overwrite)
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
@@ -119,13 +145,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     vocabularies = {name: distill.Vocabulary(folder, kept[name]) for name, folder in zip(names, folders)
                     if kept[name] is not None}
     os.makedirs(out, exist_ok=True)
-    results = evaluation.evaluate(settings, rows, data, out, pairs=[(name, "teacher") for name in names],
-                                  vocabularies=vocabularies)
+    results = evaluation.evaluate(settings, rows, data, out, pairs=pairs, vocabularies=vocabularies)
     for row in results["rows"]:
         row.pop("tokens")  # the recipe's training tokens: not known here
     results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=2)
     print(summary(results["rows"]))
+    for line in compared_lines(results["sets"], pairs[len(names):]):
+        print(line)
     print(f"written: {os.path.join(out, 'suite.md')} (every held-out set, samples), suite.json, results.json")
     return results
