@@ -69,6 +69,15 @@ def test_scores_match_full_logits_and_per_byte_divides_by_the_text(folder):
     np.testing.assert_allclose(scores["teacher"]["kl"], 0.0, atol=1e-3)
     np.testing.assert_allclose(scores["teacher"]["agree"], scores["teacher"]["tokens"])
     np.testing.assert_allclose(scores["teacher"]["nll"], scores["student"]["ref_nll"], rtol=1e-6)
+    # the reference alone (every other model of a report has its own vocabulary): its scores from its own hidden
+    # states, the same as beside a student, with a line of its own
+    alone_lines = []
+    alone = score_heldout({"teacher": teacher}, held, reference="teacher", batch_size=4, vocab_chunk=96,
+                          log=alone_lines.append)["teacher"]
+    np.testing.assert_allclose(alone["nll"], expect["ref_nll"], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(alone["kl"], 0.0, atol=1e-3)
+    np.testing.assert_allclose(alone["agree"], alone["tokens"])
+    assert len(alone_lines) == 2 and alone_lines[-1].startswith("[eval code] teacher: CE ")
     summary = summarise(scores["student"], held)
     assert summary["ce"] == pytest.approx(expect["nll"].sum() / expect["tokens"].sum(), rel=1e-5)
     assert summary["ce_per_byte"] == pytest.approx(expect["nll"].sum() / sum(len(d.encode()) for d in DOCUMENTS),

@@ -164,11 +164,14 @@ def _fit(line: str, tok: TextTokenizer, limit: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ scoring
-def _row_scores(model, reference, batch, ref_hidden, vocab_chunk: int, row_chunk: int) -> dict[str, jax.Array]:
+def _row_scores(model, reference, batch, ref_hidden, vocab_chunk: int, row_chunk: int,
+                hidden: jax.Array | None = None) -> dict[str, jax.Array]:
     """Per row of a (B, T) batch: summed NLL under the model and the reference, summed KL(reference || model),
-    top-1 agreements and scored tokens."""
+    top-1 agreements and scored tokens. `hidden`: the model's final hidden states when known (the reference
+    scored alone: its own), else computed here."""
     labels, weights, _ = next_token_targets(batch)
-    hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
+    if hidden is None:
+        hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
     flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
     blocks = (row_blocks(flat[0], row_chunk), row_blocks(flat[1], row_chunk), row_blocks(labels.reshape(-1), row_chunk))
     per = jax.lax.map(lambda b: _online_compare(model, reference, b[0], b[1], vocab_chunk, targets=b[2]), blocks)
@@ -210,6 +213,7 @@ def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: 
         ref_hidden = [_ref_forward(ref_graph, ref_state, batch) for batch in batches]
         if reference_cache is not None:
             reference_cache[key] = ref_hidden
+    jax.block_until_ready(ref_hidden)  # the time below is the forward's, not its dispatch's
     log(f"[eval {heldout.name}] {reference}: hidden states of {heldout.tokens:,} tokens in "
         f"{time.perf_counter() - started:.0f} s")
     results = {}
@@ -227,16 +231,24 @@ def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: 
         first = results[others[0]]
         results[reference] = {"nll": first["ref_nll"], "ref_nll": first["ref_nll"], "kl": np.zeros_like(first["kl"]),
                               "agree": first["tokens"].copy(), "tokens": first["tokens"]}
-    else:
-        results[reference] = _model_scores(ref_graph, ref_graph, ref_state, ref_state, batches, ref_hidden,
-                                           len(heldout.rows), vocab_chunk, row_chunk)
+    else:  # the reference alone (every other model has a vocabulary of its own): its CE from its hidden states
+        started = time.perf_counter()
+        parts = [_self_score(ref_graph, ref_state, batch, h, vocab_chunk, row_chunk)
+                 for batch, h in zip(batches, ref_hidden)]
+        results[reference] = _gathered(parts, len(heldout.rows))
+        ce = results[reference]["nll"].sum() / max(results[reference]["tokens"].sum(), 1)
+        log(f"[eval {heldout.name}] {reference}: CE {ce:.4f} ({time.perf_counter() - started:.0f} s)")
     return {name: results[name] for name in models}
 
 
 def _model_scores(graph, ref_graph, state, ref_state, batches, hidden, n, vocab_chunk, row_chunk):
     """Per-passage scores of one model (graph, state) against the reference, over every batch."""
-    parts = [_score(graph, ref_graph, state, ref_state, batch, h, vocab_chunk, row_chunk)
-             for batch, h in zip(batches, hidden)]
+    return _gathered([_score(graph, ref_graph, state, ref_state, batch, h, vocab_chunk, row_chunk)
+                      for batch, h in zip(batches, hidden)], n)
+
+
+def _gathered(parts: list[dict], n: int) -> dict[str, np.ndarray]:
+    """Per-batch scores as per-passage float64 arrays on the host (the padding rows dropped)."""
     return {key: np.concatenate([to_host(p[key]) for p in parts])[:n].astype(np.float64) for key in SCORE_KEYS}
 
 
@@ -250,6 +262,12 @@ def _ref_forward(ref_graph, ref_state, batch):
 def _score(graph, ref_graph, state, ref_state, batch, hidden, vocab_chunk, row_chunk):
     return _row_scores(nnx.merge(graph, state), nnx.merge(ref_graph, ref_state), batch, hidden, vocab_chunk,
                        row_chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _self_score(graph, state, batch, hidden, vocab_chunk, row_chunk):
+    model = nnx.merge(graph, state)
+    return _row_scores(model, model, batch, hidden, vocab_chunk, row_chunk, hidden=hidden)
 
 
 def _print(line: str) -> None:
