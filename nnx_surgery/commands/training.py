@@ -8,6 +8,7 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.commands import empty_folder, model_folder, shape_line, teacher_source, text_batches
+from nnx_surgery.distill.heldout import interval_text
 from nnx_surgery.recipes import cli, evaluation
 
 PLAN_FILE = "plan.json"
@@ -102,9 +103,8 @@ def compared_lines(sets: dict, pairs: list[tuple[str, str]]) -> list[str]:
     lines = []
     for name, report in sets.items():
         for entry in (c for c in report["comparisons"] if (c["a"], c["b"]) in pairs):
-            cells = [f"{label} {d['difference']:+.4f}" + ("" if d["low"] is None else  # one document: no interval
-                                                           f" [{d['low']:+.4f}, {d['high']:+.4f}]")
-                     for label, d in ((m, entry.get(m)) for m in ("ce", "ce_per_byte", "kl")) if d is not None]
+            cells = [f"{metric} {interval_text(entry[metric])}" for metric in ("ce", "ce_per_byte", "kl")
+                     if entry.get(metric) is not None]
             lines.append(f"[{name}] {entry['a']} - {entry['b']}: " + ", ".join(cells))
     return lines
 

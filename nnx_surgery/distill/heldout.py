@@ -353,11 +353,18 @@ def report_markdown(report: dict, reference: str) -> str:
         lines += ["", "Paired differences (a - b) with 95% intervals (bootstrap over documents):", "",
                   "| a | b | CE | CE per byte | KL |", "|---|---|---:|---:|---:|"]
         for c in report["comparisons"]:
-            cells = ["n/a (tokenizers differ)" if c[m] is None else f"{c[m]['difference']:+.4f} " + (
-                f"[{c[m]['low']:+.4f}, {c[m]['high']:+.4f}]" if c[m]["low"] is not None else "(one document)")
-                for m in ("ce", "ce_per_byte", "kl")]
+            cells = ["n/a (tokenizers differ)" if c[m] is None else interval_text(c[m])
+                     for m in ("ce", "ce_per_byte", "kl")]
             lines.append(f"| {c['a']} | {c['b']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def interval_text(difference: dict) -> str:
+    """A comparison's metric (`difference`, `low`, `high`) as "+0.0123 [-0.0010, +0.0250]"; a set of one document
+    has no interval: "+0.0123 (one document)"."""
+    if difference["low"] is None:
+        return f"{difference['difference']:+.4f} (one document)"
+    return f"{difference['difference']:+.4f} [{difference['low']:+.4f}, {difference['high']:+.4f}]"
 
 
 __all__ = ["HeldoutSet", "score_heldout", "summarise", "paired_interval", "heldout_report", "report_markdown"]
