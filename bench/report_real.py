@@ -157,11 +157,8 @@ SETUP_KEYS = ("student", "steps", "batch", "lr", "warmup", "corpus_bytes", "gene
               "teacher_correction", "teacher_correction_lr", "seed", "eval_tokens")
 
 
-def _setup(record: dict) -> tuple:
-    """The record's setup (SETUP_KEYS); keys older records lack take bench/real_recovery.py's defaults."""
-    import real_recovery
-
-    defaults = real_recovery.setup_of(real_recovery.parse_args([]))
+def _setup(record: dict, defaults: dict) -> tuple:
+    """The record's setup (SETUP_KEYS); keys older records lack take `defaults` (bench/real_recovery.py's)."""
     if not record.get("teacher_correction"):
         record = {**record, "teacher_correction_lr": defaults["teacher_correction_lr"]}  # unused without it
     return tuple(record.get(key, defaults[key]) for key in SETUP_KEYS)
@@ -176,9 +173,10 @@ def section_recovery_sets(records: list[dict]) -> list[str]:
     found = [r for r in records if r.get("bench") == "recovery2"]
     if not found:
         return []
+    defaults = real_recovery.setup_of(real_recovery.parse_args([]))
     setups: dict[tuple, list[dict]] = {}
     for record in found:
-        setups.setdefault(_setup(record), []).append(record)
+        setups.setdefault(_setup(record, defaults), []).append(record)
     lines = ["### Recovery on both held-out sets: in-domain (held-out stdlib modules) and general (held-out pydoc "
              "topics, English prose)", "",
              "`bench/real_recovery.py`: the same pruned student and the same batches for every arm of a setup; "
