@@ -145,7 +145,8 @@ def main(argv=None) -> None:
         emit({"event": "teacher_correction", "seconds": round(time.perf_counter() - started, 1)})
     plan = surgery.plan_student(teacher, parse_shape(args.student, teacher.config),
                                 calibration=data.calibration_ids(64, seed=args.seed), seed=args.seed)
-    first = scores({"teacher": teacher, "s": surgery.apply_plan(teacher, plan)}, sets)
+    teacher_hidden: dict = {}  # the teacher no longer changes: its hidden states on each set are computed once
+    first = scores({"teacher": teacher, "s": surgery.apply_plan(teacher, plan)}, sets, teacher_hidden)
     emit({"event": "teacher", **first["teacher"]})
     emit({"event": "pruned", **first["s"]})
     eval_at = sorted({int(s) for s in args.eval_at.split(",") if s} | {args.steps})
@@ -162,7 +163,7 @@ def main(argv=None) -> None:
                                 lr, frozen, args.steps, plan, halt_after=stop, checkpoints=checkpoints)
                 done, seconds = stop, round(time.perf_counter() - started, 1)
                 emit({"run": name, "step": done, "train_s": seconds, "tokens": done * args.batch_size * args.seq_len,
-                      **scores({"teacher": teacher, "s": student}, sets)["s"]})
+                      **scores({"teacher": teacher, "s": student}, sets, teacher_hidden)["s"]})
 
 
 def train(teacher, student, data, args, weights, temperature, lr, frozen, steps, plan, *, halt_after=None,
@@ -182,11 +183,13 @@ def train(teacher, student, data, args, weights, temperature, lr, frozen, steps,
     return result.student
 
 
-def scores(models: dict, sets) -> dict:
-    """Per model: each set's CE, CE per byte, KL, top-1 agreement and per-passage NLL sums (for paired tests)."""
+def scores(models: dict, sets, teacher_hidden: dict | None = None) -> dict:
+    """Per model: each set's CE, CE per byte, KL, top-1 agreement and per-passage NLL sums (for paired tests).
+    `teacher_hidden`: `score_heldout`'s reference cache, kept across calls while the teacher is unchanged."""
     found: dict = {name: {} for name in models}
     for held in sets:
-        per = distill.score_heldout(models, held, reference="teacher", log=lambda line: None)
+        per = distill.score_heldout(models, held, reference="teacher", log=lambda line: None,
+                                    reference_cache=teacher_hidden)
         for name in models:
             summary = distill.summarise(per[name], held)
             found[name][held.name] = {"ce": round(summary["ce"], 4), "ce_per_byte": round(summary["ce_per_byte"], 4),
