@@ -25,17 +25,22 @@ demo: $(STAMP)
 # either failing fails. `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs (exit 5:
 # nothing selected). (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.) Modules go to the
 # workers in collection order, the slowest first (tests/conftest.py), not by their number of tests.
-PYTEST := $(PY) -m pytest -q
+# The suite starts well over a hundred Python processes (recipe runs, workers): bytecode is cached for them
+# (__pycache__ is git-ignored) even where the environment asks Python not to write it, which would recompile the
+# package and the tests in every process. The serial pass collects only the modules that mark tests `serial`.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+TESTS := tests bench/test_bench.py
+SERIAL_MODULES = $(or $(shell grep -l "pytest.mark.serial" tests/*.py bench/test_bench.py),tests)
 
 test: $(STAMP)
-	$(PYTEST) $(PARALLEL) -m "not serial" tests bench/test_bench.py; a=$$?; \
-	$(PYTEST) -m serial tests bench/test_bench.py; b=$$?; \
+	$(PYTEST) $(PARALLEL) -m "not serial" $(TESTS); a=$$?; \
+	$(PYTEST) -m serial $(SERIAL_MODULES); b=$$?; \
 	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
 
 test-fast: $(STAMP)
-	$(PYTEST) $(PARALLEL) -m "not slow and not serial" tests bench/test_bench.py; a=$$?; \
-	$(PYTEST) -m "serial and not slow" tests bench/test_bench.py; b=$$?; \
+	$(PYTEST) $(PARALLEL) -m "not slow and not serial" $(TESTS); a=$$?; \
+	$(PYTEST) -m "serial and not slow" $(SERIAL_MODULES); b=$$?; \
 	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
 
 # llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our

@@ -153,6 +153,8 @@ def test_the_recipe_compresses_a_llama_teacher(checkpoints, tmp_path):
                            "layers=2,mlp=0.5,heads=2,kv_heads=1", "--data", str(corpus), "--output", str(out),
                            "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--calibration-samples", "4",
                            "--eval-prompts", "2", "--new-tokens", "4", "--choice-items", "4", "--control", "none",
+                           # one prune and one distillation (staged compression is family-independent: test_recipe)
+                           "--compression", "oneshot",
                            # held-out sets of 1,024 tokens and 2 batches per in-training evaluation (the default
                            # preset's are 16,384 and 64 at this batch of 2 x 16 tokens)
                            "--eval-tokens", "1024", "--eval-batches", "2"],
