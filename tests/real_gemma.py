@@ -8,6 +8,7 @@ make each once and never read the other's half-written file (the package's `asse
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -58,8 +59,9 @@ def _make_reference_folder(folder: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = _assemble()
     directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with _one_header_parse():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     # A GGUF-loaded model refuses save_pretrained while it reports a quantization config.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -75,6 +77,29 @@ def _make_reference_folder(folder: str) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+@contextlib.contextmanager
+def _one_header_parse():
+    """transformers' GGUF loading builds a `gguf.GGUFReader` of the file for the config, the weights and the
+    tokenizer, and each one parses the 262k-entry vocabulary's header anew (about 25 s each, most of the
+    conversion). Inside this block every reader of one file is the first one: the same parsed, read-only view, so
+    the conversion is still transformers' own, with the header parsed once."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 if __name__ == "__main__":
