@@ -24,9 +24,9 @@ SMALL = [*TINY_TEACHER, "--steps", "24", "--calibration-samples", "8",
          # the suite's generations and multiple choice still run, for fewer prompts and items than the preset's
          # (8 x 48 tokens, 32 items, for each of four models); fewer held-out batches during training
          "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4", "--eval-batches", "4"]
-# The interrupted-and-resumed run compares its losses with the full run's: its final evaluation without the
-# generations and multiple choice (they do not change a loss), and checkpoints only where the halt puts one
-# (a save costs about a second of CPU; resuming from the halt's checkpoint is what is under test).
+# No --checkpoint-every: every run checkpoints at each phase's start and end and where --halt-after stops it (a
+# save costs about a second of CPU; resuming from the halt's checkpoint is what is under test). The
+# interrupted-and-resumed run compares losses with the full run's: no generations or multiple choice there.
 QUIET = ["--eval-prompts", "0", "--choice-items", "0"]
 
 
