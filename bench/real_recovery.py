@@ -173,8 +173,9 @@ def train(teacher, student, data, args, weights, temperature, lr, frozen, steps,
     stage = distill.Stage(steps=steps, learning_rate=lr, warmup_steps=min(args.warmup, steps - 1),
                           weights=distill.LossWeights(**weights), temperature=temperature, frozen=frozen)
     folder = checkpoints or tempfile.mkdtemp()
+    # the bar (stderr; stdout carries the records) shows the minutes a real-model arm spends training
     config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len, plan=plan,
-                                   progress=False, plots=False, eval_every=10**9, eval_batches=1,
+                                   progress=True, plots=False, eval_every=10**9, eval_batches=1,
                                    halt_after=halt_after, seed=args.seed,
                                    checkpoint=distill.CheckpointConfig(directory=folder, every=steps))
     result = distill.run(teacher, student, data, config)
@@ -183,13 +184,17 @@ def train(teacher, student, data, args, weights, temperature, lr, frozen, steps,
     return result.student
 
 
+def progress(line: str) -> None:
+    """A progress line on stderr (stdout carries the records)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def scores(models: dict, sets, teacher_hidden: dict | None = None) -> dict:
     """Per model: each set's CE, CE per byte, KL, top-1 agreement and per-passage NLL sums (for paired tests).
     `teacher_hidden`: `score_heldout`'s reference cache, kept across calls while the teacher is unchanged."""
     found: dict = {name: {} for name in models}
     for held in sets:
-        per = distill.score_heldout(models, held, reference="teacher", log=lambda line: None,
-                                    reference_cache=teacher_hidden)
+        per = distill.score_heldout(models, held, reference="teacher", log=progress, reference_cache=teacher_hidden)
         for name in models:
             summary = distill.summarise(per[name], held)
             found[name][held.name] = {"ce": round(summary["ce"], 4), "ce_per_byte": round(summary["ce_per_byte"], 4),
