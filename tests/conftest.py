@@ -1,6 +1,7 @@
 """Fixtures shared by the whole test session (and by both workers of `pytest -n 2`)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,16 @@ from pathlib import Path
 import pytest
 
 from recipe_env import TINY_TEACHER, file_lock, recipe_env, shared_basetemp
+
+# Under `pytest -n 2` the two workers share the two cores, so PyTorch's OpenMP threads (two per process by default)
+# wait on a core the other worker holds: the real 270M's greedy generation in transformers, the reference of
+# test_generate, ran 4x slower per token beside a busy process with two threads than with one (bench/NOTES.md). One
+# thread per worker, set before torch is imported (its subprocesses inherit it); JAX's thread pool gained nothing
+# from the same treatment, so it keeps its own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 # The modules that take longest (per-module wall time of a quiet 2-core run, bench/NOTES.md), slowest first. `make
 # test` hands modules to its two workers in collection order (--no-loadscope-reorder), so these start first and
