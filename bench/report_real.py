@@ -8,6 +8,8 @@ summaries from bench/gguf_export.py): `gguf_import` and `generate` summaries (fr
 bench/gguf_import.py and bench/generate.py), `demo` records (the rows, sets, step_stats, recovery_curves,
 multiple_choice, phase_times_s and wall_time_s of a `make demo` results.json, with `bench: "demo"`, a description
 and a verdict, appended as one JSON line; the newest is rendered) and `recovery` records (bench/real_recovery.py's lines).
+`recipe_run` records (the rows, sets and curves of other recipe runs' results.json, quoted in bench/NOTES.md) are
+kept for reference and not rendered.
 """
 from __future__ import annotations
 
