@@ -17,8 +17,6 @@ from recipe_env import TINY_TEACHER, file_lock, recipe_env, shared_basetemp
 # from the same treatment, so it keeps its own.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
 
 # The modules that take longest (per-module wall time of a quiet 2-core run, bench/NOTES.md), slowest first. `make
 # test` hands modules to its two workers in collection order (--no-loadscope-reorder), so these start first and
