@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Any, Mapping, Protocol, Sequence
 
 import jax
@@ -68,13 +69,31 @@ def device_peak_flops(configured: float | None = None) -> float | None:
 
 def _tensorboard_writer(folder: str):
     try:
-        from tensorboardX import SummaryWriter  # type: ignore
+        SummaryWriter = _tensorboardx_writer_class()
     except ImportError:
         try:
             from torch.utils.tensorboard import SummaryWriter  # type: ignore  # needs the tensorboard package
         except ImportError:
             return None
     return SummaryWriter(folder)
+
+
+def _tensorboardx_writer_class():
+    """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX imports torch whenever it is installed,
+    only to accept torch tensors; we log Python floats. Importing torch costs a training process about 2 s of CPU
+    and a few hundred MB (bench/NOTES.md), so while tensorboardX loads, `import torch` fails as if torch were
+    absent (which tensorboardX handles) unless the process has imported torch already; afterwards torch imports
+    normally."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter  # type: ignore
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter  # type: ignore
+    finally:
+        if sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def scalars(record: Mapping[str, Any], prefix: str, skip: Sequence[str] = ("step", "eval")) -> dict[str, float]:
