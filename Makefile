@@ -24,7 +24,8 @@ demo: $(STAMP)
 	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume
 
 # Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one), then the
-# `serial` tests alone (multi-process JAX with time bounds); both passes always run and either failing fails.
+# `serial` tests alone (a multi-host test whose assertion is a time bound); both passes always run and either
+# failing fails.
 # `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs (exit 5: nothing selected).
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.) Modules go to the workers in
 # collection order, the slowest first (tests/conftest.py), not by their number of tests.

@@ -25,9 +25,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # own order.
 SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_recipe_search.py", "tests/test_soak.py",
                  "tests/test_config_surface.py", "tests/test_llama.py", "tests/test_recipe_vocab.py",
-                 "tests/test_distill_mesh.py", "bench/test_bench.py", "tests/test_distill_then_dpo.py",
-                 "tests/test_search.py", "tests/test_interrupt.py", "tests/test_tunix.py", "tests/test_gguf.py",
-                 "tests/test_distill_train.py", "tests/test_suite.py"]
+                 "tests/test_multihost.py", "tests/test_distill_mesh.py", "tests/test_multihost_eval.py",
+                 "bench/test_bench.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
+                 "tests/test_interrupt.py", "tests/test_tunix.py", "tests/test_gguf.py", "tests/test_distill_train.py",
+                 "tests/test_suite.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

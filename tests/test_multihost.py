@@ -17,7 +17,8 @@ from multihost_launch import free_port
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
-TIMEOUT_S = 300  # per run: a run that hangs fails the test instead of blocking it
+TIMEOUT_S = 600  # per run: a run that hangs fails the test instead of blocking it (a guard, not a time bound:
+# the runs beside the other test worker take 2-3x their time alone)
 
 
 def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
@@ -46,7 +47,6 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
 def test_two_processes_give_the_losses_and_student_of_one(runs):
     one, (first, second) = runs["one"], runs["two"]
     assert (first["process_count"], first["devices"], one["devices"]) == (2, 8, 8)
@@ -71,7 +71,6 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
 def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
     """The 2-process run's step-2 checkpoint resumes in 1 process on 4 devices (fsdp=2,tp=2) with a student of
     other weights: step 3 and the final student equal the uninterrupted run's."""
@@ -88,7 +87,7 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # multi-process JAX, a time bound: alone (the Makefile's second pass)
+@pytest.mark.serial  # timed (how soon the survivor stops): alone, in the Makefile's second pass
 def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
     """Two runs at once. In each, one process is SIGKILLed inside the loop (fetching batch 2 while step 1 runs)
     and the other waits in the step's collectives. Process 1 killed: JAX's coordination service (in process 0)
