@@ -1,6 +1,7 @@
 """Fixtures shared by the whole test session (and by both workers of `pytest -n 2`)."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -35,6 +36,23 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The slowest modules first (SLOWEST_FIRST); a stable sort, so tests keep their order within a module."""
     rank = {module: index for index, module in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+# Each full collection of Python's cyclic garbage collector walks every tracked object, and a test worker's heap
+# holds all that earlier modules imported, built and cached. The trainer collects before handing freed memory back
+# to the OS (nnx_surgery/distill/step_runner.py `release_free_heap`), so in three trainer modules those collections
+# were 14% of the time (bench/NOTES.md). Each module therefore starts with one full collection, and what survives
+# it is frozen (`gc.freeze`: left out of later collections; reference counting still frees it), so the
+# collections inside a module walk only what that module made.
+_COLLECTED_BEFORE: list[str] = []
+
+
+def pytest_runtest_setup(item) -> None:
+    module = item.nodeid.split("::")[0]
+    if _COLLECTED_BEFORE[-1:] != [module]:
+        _COLLECTED_BEFORE[:] = [module]
+        gc.collect()
+        gc.freeze()
 
 
 _PREPARE = ("import sys\nfrom nnx_surgery.recipes import compress, tiny_teacher\n"
