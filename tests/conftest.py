@@ -35,7 +35,12 @@ SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_r
 def pytest_collection_modifyitems(config, items) -> None:
     """The slowest modules first (SLOWEST_FIRST); a stable sort, so tests keep their order within a module."""
     rank = {module: index for index, module in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    items.sort(key=lambda item: rank.get(_module_of(item), len(rank)))
+
+
+def _module_of(item) -> str:
+    """The test's module as SLOWEST_FIRST names it (its node id's path)."""
+    return item.nodeid.split("::")[0]
 
 
 # Each full collection of Python's cyclic garbage collector walks every tracked object, and a test worker's heap
@@ -44,13 +49,13 @@ def pytest_collection_modifyitems(config, items) -> None:
 # were 14% of the time (bench/NOTES.md). Each module therefore starts with one full collection, and what survives
 # it is frozen (`gc.freeze`: left out of later collections; reference counting still frees it), so the
 # collections inside a module walk only what that module made.
-_COLLECTED_BEFORE: list[str] = []
+_module_running: str | None = None
 
 
 def pytest_runtest_setup(item) -> None:
-    module = item.nodeid.split("::")[0]
-    if _COLLECTED_BEFORE[-1:] != [module]:
-        _COLLECTED_BEFORE[:] = [module]
+    global _module_running
+    if _module_of(item) != _module_running:
+        _module_running = _module_of(item)
         gc.collect()
         gc.freeze()
 

@@ -84,14 +84,13 @@ def _tensorboardx_writer_class():
     and a few hundred MB (bench/NOTES.md), so while tensorboardX loads, `import torch` fails as if torch were
     absent (which tensorboardX handles) unless the process has imported torch already; afterwards torch imports
     normally."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter  # type: ignore
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
     try:
         from tensorboardX import SummaryWriter  # type: ignore
     finally:
-        if sys.modules.get("torch", False) is None:
+        if hidden and sys.modules.get("torch", False) is None:
             del sys.modules["torch"]
     return SummaryWriter
 
