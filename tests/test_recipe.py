@@ -1,7 +1,9 @@
 """The 7B -> 2B recipe end to end at test scale (tiny preset, small step counts), offline.
 
-One uninterrupted run, and one interrupted in stage B then resumed: the resumed run must give the same student.
-The student folder must load cleanly in transformers with the NNX student's logits.
+One uninterrupted run; the student folder must load cleanly in transformers with the NNX student's logits. The same
+run again in another folder, stopped as asked (--halt-after), then SIGKILLed at seeded random points of its
+distillation and resumed each time (the soak, tests/soak.py), must end with the uninterrupted run's student bit for
+bit (CPU): every tensor of model.safetensors and every loss of the rows both runs have.
 """
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+import soak
 from hf_reference import assert_clean_loading, hf_logits, load_with_info
 from recipe_env import TINY_TEACHER, recipe_env
 
@@ -25,15 +29,22 @@ SMALL = [*TINY_TEACHER, "--steps", "24", "--calibration-samples", "8",
          # (8 x 48 tokens, 32 items, for each of four models); fewer held-out batches during training
          "--eval-prompts", "2", "--new-tokens", "8", "--choice-items", "4", "--eval-batches", "4"]
 # No --checkpoint-every: every run checkpoints at each phase's start and end and where --halt-after stops it (a
-# save costs about a second of CPU; resuming from the halt's checkpoint is what is under test). The
-# interrupted-and-resumed run compares losses with the full run's: no generations or multiple choice there.
+# save costs about a second of CPU). Runs that compare losses with the full run's: no generations or multiple choice.
 QUIET = ["--eval-prompts", "0", "--choice-items", "0"]
+# The soaked run: checkpoints every other step (the marks its kills wait on), no control (the rows compared are the
+# ones both runs have). Its programs are the full run's, so it loads them from the session's compilation cache.
+SOAK = [*QUIET, "--control", "none", "--checkpoint-every", "2"]
+STAGE_A_STEPS, STAGE_B_STEPS = 7, 17  # --steps 24 at the default --stage-a-fraction 0.3
+
+
+def recipe_command(output, cache, *extra) -> list[str]:
+    return [sys.executable, RECIPE, *SMALL, "--output", str(output), "--cache-dir", str(cache), *extra]
 
 
 def run_recipe(output, cache, *extra, check=True):
     """The recipe at test scale; `cache` (the tiny teacher's) lies in the session's base temporary folder."""
-    proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(output), "--cache-dir", str(cache),
-                           *extra], capture_output=True, text=True, env=recipe_env(cache.parent), timeout=900)
+    proc = subprocess.run(recipe_command(output, cache, *extra), capture_output=True, text=True,
+                          env=recipe_env(cache.parent), timeout=900)
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -43,10 +54,7 @@ def run_recipe(output, cache, *extra, check=True):
 def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("recipe")
     cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
-    full = run_recipe(base / "full", cache)
-    halted = run_recipe(base / "resumed", cache, *QUIET, "--halt-after", "stage_b:5", check=False)
-    resumed = run_recipe(base / "resumed", cache, *QUIET, "--resume")
-    return base, full, halted, resumed, cache
+    return base, run_recipe(base / "full", cache), cache
 
 
 def test_student_folder_is_complete_and_loads_in_transformers(runs):
@@ -109,22 +117,41 @@ def test_results_table_compares_all_four_models(runs):
         assert (base / "full" / png).stat().st_size > 1000
 
 
-def test_interrupted_run_resumes_to_the_same_student(runs):
-    base, _, halted, resumed, _ = runs
+def test_halted_then_killed_and_resumed_run_ends_with_the_full_runs_student(runs, tmp_path):
+    base, _, cache = runs
+    soaked = tmp_path / "soaked"
+    started = time.monotonic()
+    halted = run_recipe(soaked, cache, *SOAK, "--halt-after", "stage_a:1", check=False)
     assert halted.returncode == 3, halted.stderr[-2000:]
     assert "--resume" in halted.stderr
-    assert "finished in an earlier run" in resumed.stdout  # stage A was not redone
-    a = json.loads((base / "full" / "results.json").read_text())["rows"]
-    b = json.loads((base / "resumed" / "results.json").read_text())["rows"]
-    for row_a, row_b in zip(a, b):
-        assert row_a["model"] == row_b["model"]
-        assert abs(row_a["loss"] - row_b["loss"]) <= 1e-5, (row_a, row_b)
+    env = recipe_env(cache.parent, PYTHONUNBUFFERED="1")
+
+    def resume() -> subprocess.Popen:
+        return subprocess.Popen(recipe_command(soaked, cache, *SOAK, "--resume"), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+
+    run_marks, gap = soak.marks(STAGE_A_STEPS, STAGE_B_STEPS, every=2)
+    report, last = soak.soak(resume, soaked, run_marks, gap, int(os.environ.get("SOAK_SEED", "12")))
+    print(f"soak: {time.monotonic() - started:.0f} s in all", flush=True)
+    assert "finished in an earlier run" in last, report  # stage A was not redone
+
+    from safetensors.numpy import load_file
+
+    want, got = (load_file(str(folder / "student" / "model.safetensors")) for folder in (base / "full", soaked))
+    assert sorted(got) == sorted(want), report
+    differing = [name for name in want if not np.array_equal(want[name], got[name])]
+    assert not differing, f"tensors differ after the kills: {differing[:6]}\n{report}"
+    full_results, soaked_results = (json.loads((folder / "results.json").read_text()) for folder in (base / "full", soaked))
+    assert soaked_results["final_losses"] == full_results["final_losses"], report
+    losses = [(r["model"], r["loss"], r["perplexity"], r["general_loss"]) for r in full_results["rows"]]
+    assert [(r["model"], r["loss"], r["perplexity"], r["general_loss"]) for r in soaked_results["rows"]] == \
+        [row for row in losses if row[0] != "scratch student (same shape)"], report
 
 
 def test_teacher_correction_trains_the_teacher_alone_resumes_and_is_reported(runs):
     """--teacher-correction: the teacher fine-tuned with CE first (halted inside it, then resumed), then pruned
     and teaching; the results show the corrected teacher and the teacher as it was."""
-    base, cache = runs[0], runs[4]
+    base, cache = runs[0], runs[2]
     # one-shot compression: nothing here is about stage A
     fast = ["--steps", "6", "--control", "none", *QUIET, "--eval-tokens", "1024", "--compression", "oneshot",
             "--teacher-correction", "4", "--teacher-correction-lr", "1e-3"]
@@ -148,14 +175,14 @@ def test_teacher_correction_trains_the_teacher_alone_resumes_and_is_reported(run
 
 def test_refuses_to_overwrite_an_earlier_run_without_resume(runs, tmp_path):
     base = runs[0]
-    proc = run_recipe(base / "full", runs[4], "--no-scratch", check=False)
+    proc = run_recipe(base / "full", runs[2], "--no-scratch", check=False)
     assert proc.returncode != 0
     assert "--resume" in proc.stderr and "--overwrite" in proc.stderr
 
 
 def test_dry_run_prints_shapes_memory_and_plan(runs):
     base = runs[0]
-    proc = run_recipe(base / "dry", runs[4], "--dry-run", "--mesh", "fsdp=1,tp=1")
+    proc = run_recipe(base / "dry", runs[2], "--dry-run", "--mesh", "fsdp=1,tp=1")
     out = proc.stdout
     assert "layers" in out and "KV heads" in out and "memory per device" in out
     assert "plan:" in out and "block" in out.lower()  # the cached teacher gives a data-free plan table
@@ -170,12 +197,12 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
     rows_before = json.loads((base / "full" / "results.json").read_text())["rows"]
     token = "hf_recipeTestToken0123456789abcdef"
     with FakeHub({token: ("alice", [])}, lifetime_s=600) as hub:
-        env = recipe_env(runs[4].parent, {k: v for k, v in os.environ.items()
+        env = recipe_env(runs[2].parent, {k: v for k, v in os.environ.items()
                                           if not k.startswith(("HF_", "HUGGING_FACE_"))},
                          HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
                          HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
         proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(base / "full"), "--cache-dir",
-                               str(runs[4]), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
+                               str(runs[2]), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
                               capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert token not in proc.stdout + proc.stderr
