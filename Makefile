@@ -23,29 +23,22 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume
 
-# Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one), then the
-# `serial` tests alone (a multi-host test whose assertion is a time bound); both passes always run and either
-# failing fails.
-# `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs (exit 5: nothing selected).
+# Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one).
+# `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs.
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8's groups are silently ignored.) Modules go to the workers in
 # collection order, the slowest first (tests/conftest.py), not by their number of tests.
 # The suite starts well over a hundred Python processes (recipe runs, workers): bytecode is cached for them
 # (__pycache__ is git-ignored) even where the environment asks Python not to write it, which would recompile the
-# package and the tests in every process. The serial pass collects only the modules that mark tests `serial`.
+# package and the tests in every process.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 TESTS := tests bench/test_bench.py
-SERIAL_MODULES = $(or $(shell grep -l "pytest.mark.serial" tests/*.py bench/test_bench.py),tests)
 
 test: $(STAMP)
-	$(PYTEST) $(PARALLEL) -m "not serial" $(TESTS); a=$$?; \
-	$(PYTEST) -m serial $(SERIAL_MODULES); b=$$?; \
-	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
+	$(PYTEST) $(PARALLEL) $(TESTS)
 
 test-fast: $(STAMP)
-	$(PYTEST) $(PARALLEL) -m "not slow and not serial" $(TESTS); a=$$?; \
-	$(PYTEST) -m "serial and not slow" $(SERIAL_MODULES); b=$$?; \
-	[ $$a -eq 0 ] && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
+	$(PYTEST) $(PARALLEL) -m "not slow" $(TESTS)
 
 # llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our
 # GGUF exports with llama.cpp itself; `make test` skips them without it. The version the exports were checked with.

@@ -87,31 +87,36 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # timed (how soon the survivor stops): alone, in the Makefile's second pass
 def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
     """Two runs at once. In each, one process is SIGKILLed inside the loop (fetching batch 2 while step 1 runs)
     and the other waits in the step's collectives. Process 1 killed: JAX's coordination service (in process 0)
     misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1. Process 0 killed: the
-    service goes with it and process 1 is stopped at once."""
+    service goes with it and process 1 is stopped at once. Each survivor's end is noted as it happens (both runs
+    are watched together), so the bounds hold beside the other test worker too: they are the service's detection
+    time plus the survivor's exit, not CPU time."""
     heartbeat = 10
     runs = {killed: launch(2, 4, "fsdp=4,tp=2", str(tmp_path / f"kill{killed}"), kill_at_batch=2,
                            kill_process=killed, heartbeat_timeout_s=heartbeat, guard=False, evaluate=False)
             for killed in (1, 0)}
+    ended, deadline = {}, time.monotonic() + TIMEOUT_S
+    while len(ended) < len(runs) and time.monotonic() < deadline:
+        for killed, procs in runs.items():
+            if killed not in ended and procs[1 - killed].poll() is not None:
+                ended[killed] = time.time()
+        time.sleep(0.05)
+    if len(ended) < len(runs):
+        for proc in [p for pair in runs.values() for p in pair]:
+            proc.kill()
+        pytest.fail(f"the survivors of runs {sorted(set(runs) - set(ended))} hung after their partner was killed")
     logs, waited = {}, {}
     for killed, procs in runs.items():
         out, survivor = str(tmp_path / f"kill{killed}"), procs[1 - killed]
-        try:
-            survivor.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for proc in [p for pair in runs.values() for p in pair]:
-                proc.kill()
-            pytest.fail(f"process {1 - killed} hung after process {killed} was killed")
-        ended = time.time()
         procs[killed].wait(timeout=30)
         logs[killed] = open(os.path.join(out, f"log{1 - killed}.txt")).read()
         assert procs[killed].returncode == -9, open(os.path.join(out, f"log{killed}.txt")).read()[-3000:]
         assert survivor.returncode != 0, logs[killed][-3000:]
-        waited[killed] = ended - float(open(os.path.join(out, "killed_at")).read())
+        waited[killed] = ended[killed] - float(open(os.path.join(out, "killed_at")).read())
+    print(f"survivors ended {waited} s after the kill (by killed process)", flush=True)
     for killed, log in logs.items():
         assert "JAX distributed service detected fatal errors" in log and "another task died" in log, log[-3000:]
         assert f"multi-host process {1 - killed} of 2" in log  # what a lost process looks like, said at the start
