@@ -220,18 +220,33 @@ TINY = [*TINY_TEACHER, "--student", "scaled", "--calibration-samples", "8", "--s
         "--eval-every", "3", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 
 
+# One example also trains the teacher first (--teacher-correction), stopped inside that phase as asked and resumed.
+CORRECTION = {"quick_kd.json": ["--teacher-correction", "4", "--teacher-correction-lr", "1e-3"]}
+
+
+def run_example(example, out, cache, *flags):
+    return subprocess.run([sys.executable, RECIPE, "--config", os.path.join(CONFIGS, example), *TINY,
+                           *CORRECTION.get(example, []), "--output", str(out), "--cache-dir", str(cache), *flags],
+                          capture_output=True, text=True, timeout=600, env=recipe_env(cache.parent))
+
+
 @pytest.fixture(scope="module")
 def example_runs(tmp_path_factory, tiny_teacher_cache):
-    """Each example config with the tiny overrides (flags win over the file), sharing one cached tiny teacher."""
+    """Each example config with the tiny overrides (flags win over the file), sharing one cached tiny teacher:
+    {example: (its run folder, the finished run's process)}, and for the teacher-correction example also the
+    halted run's process and whether the phase was saved when it stopped, under "halted"."""
     cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
     runs = {}
     for example in EXAMPLES:
         out = tmp_path_factory.mktemp(example.split(".")[0])
-        proc = subprocess.run([sys.executable, RECIPE, "--config", os.path.join(CONFIGS, example), *TINY,
-                               "--output", str(out), "--cache-dir", str(cache), "--overwrite"],
-                              capture_output=True, text=True, timeout=600, env=recipe_env(cache.parent))
+        if example in CORRECTION:
+            halted = run_example(example, out, cache, "--overwrite", "--halt-after", "teacher_correction:2")
+            runs["halted"] = halted, (out / "phases" / "teacher_correction").exists()
+            proc = run_example(example, out, cache, "--resume")
+        else:
+            proc = run_example(example, out, cache, "--overwrite")
         assert proc.returncode == 0, f"{example}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        runs[example] = out
+        runs[example] = out, proc
     return runs
 
 
@@ -247,7 +262,7 @@ def _records(out):
     ("attention_feature.yaml", 2, {"term/ce", "loss/attention", "loss/feature"}),
 ])
 def test_each_example_config_runs_at_tiny_scale(example_runs, example, stage_count, terms):
-    out = example_runs[example]
+    out = example_runs[example][0]
     records = _records(out)
     assert sum(1 for r in records if r.get("event") == "stage") == stage_count
     steps = [r for r in records if "event" not in r and not r.get("eval") and "loss" in r]
@@ -255,6 +270,28 @@ def test_each_example_config_runs_at_tiny_scale(example_runs, example, stage_cou
     results = json.load(open(out / "results.json"))
     assert {row["model"] for row in results["rows"]} >= {"teacher", "distilled student"}
     saved = json.load(open(out / "resolved_config.json"))
-    assert saved == settings.resolved_config(settings.resolve(["--config", os.path.join(CONFIGS, example), *TINY]))
+    assert saved == settings.resolved_config(settings.resolve(["--config", os.path.join(CONFIGS, example), *TINY,
+                                                               *CORRECTION.get(example, [])]))
     assert settings.resolved_config(settings.resolve(["--config", str(out / "resolved_config.json")])) == saved
     assert saved["steps"] == 3 and saved["distill"]["eval_every"] == 3  # the flags over the file
+
+
+@pytest.mark.slow
+def test_teacher_correction_trains_the_teacher_alone_resumes_and_is_reported(example_runs):
+    """--teacher-correction (the quick_kd example's run): the teacher fine-tuned with CE first (halted inside it,
+    then resumed), then pruned and teaching; the results show the corrected teacher and the teacher as it was."""
+    (halted, phase_saved), (out, resumed) = example_runs["halted"], example_runs["quick_kd.json"]
+    assert halted.returncode == 3, halted.stderr[-2000:]
+    assert "--resume" in halted.stderr and not phase_saved
+    assert "[teacher correction] 4 steps" in resumed.stdout
+    history = json.loads((out / "phases" / "teacher_correction" / "history.json").read_text())
+    assert len(history["train"]) == 4 and all("kl" not in r or r["kl"] == 0 for r in history["train"])
+    results = json.loads((out / "results.json").read_text())
+    by = {row["model"]: row for row in results["rows"]}
+    assert list(by) == ["teacher", "teacher before correction", "pruned (before distillation)", "distilled student"]
+    assert by["teacher"]["parameters"] == by["teacher before correction"]["parameters"]
+    assert abs(by["teacher"]["loss"] - by["teacher before correction"]["loss"]) > 1e-4  # the teacher trained
+    corrected = json.loads((out / "phases" / "teacher_correction" / "config.json").read_text())
+    assert corrected["num_hidden_layers"] == 14  # the whole teacher, not a student
+    assert by["teacher before correction"]["kl_to_teacher"] > 0  # another model than the one that taught
+    assert "teacher correction" in results["phase_times_s"] and results["teacher_correction"] == 4
