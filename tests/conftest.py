@@ -46,11 +46,11 @@ _start_jax_without_backend_optimisation()
 # the short ones fill in at the end, instead of a long module starting last and running alone. The second is one
 # that does not wait for the session's tiny teacher, which the first trains. Modules not listed follow, in their
 # own order.
-SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_recipe_search.py",
-                 "tests/test_config_surface.py", "tests/test_llama.py", "tests/test_recipe_vocab.py",
-                 "tests/test_multihost.py", "tests/test_distill_mesh.py", "tests/test_multihost_eval.py",
-                 "bench/test_bench.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
-                 "tests/test_interrupt.py", "tests/test_tunix.py", "tests/test_gguf.py", "tests/test_distill_train.py",
+SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_multihost.py", "tests/test_recipe_vocab.py",
+                 "tests/test_config_surface.py", "tests/test_generate.py", "tests/test_recipe_search.py",
+                 "bench/test_bench.py", "tests/test_llama.py", "tests/test_interrupt.py", "tests/test_tunix.py",
+                 "tests/test_gguf.py", "tests/test_command_line.py", "tests/test_distill_train.py",
+                 "tests/test_distill_mesh.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
                  "tests/test_suite.py"]
 
 

@@ -1,8 +1,10 @@
 """One process of the multi-host tests (tests/test_multihost.py), run as `python tests/multihost_worker.py ARGS`
 (ARGS: JSON). A tiny distillation (test_distill_train's teacher and depth-pruned student) over one global mesh:
 with `num_processes` > 1 it starts JAX's multi-controller runtime (distill.initialize_distributed), and each
-process feeds its rows of every global batch (TokenBatches with process_index / process_count). It writes `result{process}.json` (losses, evaluations, events) and
-the final student as an HF folder (`save_pretrained`: gathered tensor by tensor, written by process 0)."""
+process feeds its rows of every global batch (TokenBatches with process_index / process_count). It writes
+`result{process}.json` (losses, evaluations, events) and the final student as an HF folder (`save_pretrained`:
+gathered tensor by tensor, written by process 0); with `suite` in ARGS it then runs the multi-host evaluation
+(tests/multihost_eval_checks.py) under `evaluation/`, its results under "evaluation"."""
 import json
 import os
 import signal
@@ -115,6 +117,9 @@ def main():
     want, got = nnx.state(student, nnx.Param), nnx.state(loaded, nnx.Param)
     out["reload_equal"] = all(a.sharding == b.sharding and bool(np.array_equal(to_host(a), to_host(b)))
                               for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+    if ARGS.get("suite"):  # the multi-host evaluation on this runtime too (tests/multihost_eval_checks.py)
+        from multihost_eval_checks import evaluate
+        out["evaluation"] = evaluate(os.path.join(ARGS["out"], "evaluation"), ARGS["mesh"])
     with open(os.path.join(ARGS["out"], f"result{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
 

@@ -2,7 +2,13 @@
 2 processes x 4 CPU devices give the losses and the final student of 1 process x 8 devices; a checkpoint the
 2 processes wrote resumes in 1 process on another mesh with the uninterrupted run's losses; a killed process ends
 the other with JAX's error naming it, within the heartbeat timeout. The recipe's multi-host flags become
-`jax.distributed.initialize` arguments."""
+`jax.distributed.initialize` arguments.
+
+The same processes then evaluate (tests/multihost_eval_checks.py): each holding only its rows of the held-out
+batches, the 2 processes give the held-out CE, agreement, KL, the suite's metrics and its greedy samples of the
+1 process, the same on every process, on a mesh whose data axes keep each process's rows on its own devices, on
+one that interleaves the processes and with models on no mesh; only process 0 writes the suite's files and the
+student `prune_checkpoint` cuts from disk."""
 import json
 import os
 import shutil
@@ -11,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import multihost_launch
 from multihost_launch import free_port
@@ -19,11 +26,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
 TIMEOUT_S = 600  # per run: a run that hangs fails the test instead of blocking it (a guard, not a time bound:
 # the runs beside the other test worker take 2-3x their time alone)
+# XLA:CPU without backend optimisation: these tiny programs compile in half the time (the same for every run)
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
     """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`."""
-    return multihost_launch.launch(WORKER, processes, devices, out, mesh=mesh, **options)
+    return multihost_launch.launch(WORKER, processes, devices, out, env=ENV, mesh=mesh, **options)
 
 
 def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) -> list[dict]:
@@ -32,17 +41,16 @@ def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) 
 
 
 def student_tensors(folder: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
     return load_file(os.path.join(folder, "student", "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 2 x 4 run (checkpointing every step) and the 1 x 8 reference, started together."""
+    """The 2 x 4 run (checkpointing every step) and the 1 x 8 reference, started together; each then evaluates."""
     root = tmp_path_factory.mktemp("multihost")
     two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), checkpoint=str(root / "two_ckpt"),
-                 run_dir=str(root / "two_run"))
-    one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"))
+                 run_dir=str(root / "two_run"), suite=True)
+    one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"), suite=True)
     return {"root": root, "two": finish(two, str(root / "two")), "one": finish(one, str(root / "one"))[0]}
 
 
@@ -84,6 +92,57 @@ def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
     two, resumed = student_tensors(root / "two"), student_tensors(root / "resumed")
     for name, value in two.items():
         np.testing.assert_allclose(resumed[name], value, rtol=0, atol=1e-4, err_msg=name)
+
+
+def close(got, want, path=""):
+    """Every number of `got` within 1e-5 of `want` (relative for perplexity, which is exp of the loss); every
+    string, count and None equal."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), path
+        for key in want:
+            close(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want)):
+            close(a, b, f"{path}[{i}]")
+    elif isinstance(want, float):
+        tolerance = 1e-5 * max(1.0, abs(want)) if path.endswith("perplexity") else 1e-5
+        assert abs(got - want) <= tolerance, (path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_the_global_batches_of_one(runs):
+    one, (first, second) = runs["one"]["evaluation"], (r["evaluation"] for r in runs["two"])
+    assert (first["local_rows"], one["local_rows"], first["batches"]) == (4, 8, 2)  # each holds half the rows
+    assert first["sharded_over_processes"] and not one["sharded_over_processes"]
+    assert first["global_ids"] == second["global_ids"] == one["global_ids"]  # batch_arrays: the global batch
+    for key in ("suite", "layouts"):
+        assert first[key] == second[key], key  # every process computes the same numbers ...
+        close(first[key], one[key], key)  # ... the one-process numbers (measured within 6e-7)
+    rows = one["suite"]["models"]
+    assert rows["student"]["eval_tokens"] == rows["teacher"]["eval_tokens"] == one["layouts"]["unplaced"]["tokens"]
+    assert rows["student"]["eval_tokens"] > 300  # all held-out tokens, not one process's share
+    assert first["suite"]["samples"] == one["suite"]["samples"]  # greedy continuations token for token
+    assert len(one["suite"]["samples"]) == 3 and 0 < rows["student"]["kl"] and rows["student"]["mc_accuracy"] >= 0
+
+
+@pytest.mark.slow
+def test_only_process_0_writes(runs):
+    (first, second), one = (r["evaluation"] for r in runs["two"]), runs["one"]["evaluation"]
+    two_out, one_out = runs["root"] / "two" / "evaluation", runs["root"] / "one" / "evaluation"
+    assert sorted(os.listdir(two_out / "suite0")) == ["suite.json", "suite.md"]
+    assert not os.path.exists(two_out / "suite1")  # process 1's out_path: nothing, not even the folder
+    written = json.load(open(two_out / "suite0" / "suite.json"))
+    assert written["models"] == first["suite"]["models"]
+    # prune_checkpoint: process 0 writes the shared folder, and it is complete when process 1 returns
+    assert (first["pruned_writes"], second["pruned_writes"], one["pruned_writes"]) == (1, 0, 1)
+    assert second["pruned_files"] == first["pruned_files"] and "model.safetensors" in first["pruned_files"]
+    two, single = (load_file(str(folder / "pruned" / "model.safetensors")) for folder in (two_out, one_out))
+    assert sorted(two) == sorted(single) and len(single) > 5
+    for name, value in single.items():
+        np.testing.assert_array_equal(two[name], value, err_msg=name)  # same teacher, same plan, same bytes
 
 
 @pytest.mark.slow
