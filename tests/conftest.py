@@ -20,35 +20,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _start_jax_without_backend_optimisation() -> None:
-    """The test processes' own XLA:CPU programs are compiled without LLVM's optimisation passes: the suite compiles
-    thousands of small programs and runs each a few times, so compiling is most of an in-process test's time
-    (four in-process modules: 22% less CPU; the real 270M's generation runs slower: bench/NOTES.md). The CPU client
-    reads XLA_FLAGS once, when it starts, so it is started here and the variable put back: the processes tests
-    start (recipe runs, multi-host workers) compile as users' runs do."""
-    before = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{before or ''} --xla_backend_optimization_level=0".strip()
-    try:
-        import jax
-
-        jax.devices()
-    finally:
-        if before is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = before
-
-
-_start_jax_without_backend_optimisation()
+# XLA:CPU without LLVM's optimisation passes, for the test processes and every process they start (recipe runs,
+# multi-host workers; a test that sets XLA_FLAGS itself keeps its own): the suite compiles thousands of small
+# programs and runs each a few times, so compiling is most of its time. Measured in alternating runs
+# (bench/NOTES.md): in-process modules 15-20% faster, a tiny recipe run with a cold compilation cache 20% less CPU;
+# the real 270M's greedy generation runs slower (48 s -> 66 s), which the rest outweighs. Set before anything
+# starts JAX's CPU client, which reads the variable once.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # The modules that take longest (per-module wall time of a quiet 2-core run, bench/NOTES.md), slowest first. `make
 # test` hands modules to its two workers in collection order (--no-loadscope-reorder), so these start first and
 # the short ones fill in at the end, instead of a long module starting last and running alone. The second is one
 # that does not wait for the session's tiny teacher, which the first trains. Modules not listed follow, in their
 # own order.
-SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_multihost.py", "tests/test_recipe_vocab.py",
-                 "tests/test_config_surface.py", "tests/test_generate.py", "tests/test_recipe_search.py",
-                 "bench/test_bench.py", "tests/test_llama.py", "tests/test_interrupt.py", "tests/test_tunix.py",
+SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_recipe_vocab.py",
+                 "tests/test_config_surface.py", "tests/test_recipe_search.py", "tests/test_multihost.py",
+                 "tests/test_llama.py", "tests/test_interrupt.py", "bench/test_bench.py", "tests/test_tunix.py",
                  "tests/test_gguf.py", "tests/test_command_line.py", "tests/test_distill_train.py",
                  "tests/test_distill_mesh.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
                  "tests/test_suite.py"]
