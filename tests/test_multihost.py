@@ -26,13 +26,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
 TIMEOUT_S = 600  # per run: a run that hangs fails the test instead of blocking it (a guard, not a time bound:
 # the runs beside the other test worker take 2-3x their time alone)
-# XLA:CPU without backend optimisation: these tiny programs compile in half the time (the same for every run)
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
-    """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`."""
-    return multihost_launch.launch(WORKER, processes, devices, out, env=ENV, mesh=mesh, **options)
+    """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`
+    (XLA:CPU without backend optimisation, like every process the tests start: tests/conftest.py)."""
+    return multihost_launch.launch(WORKER, processes, devices, out, mesh=mesh, **options)
 
 
 def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) -> list[dict]:

@@ -33,7 +33,8 @@ SMALL = [*TINY_TEACHER, "--steps", "24", "--calibration-samples", "8",
 QUIET = ["--eval-prompts", "0", "--choice-items", "0"]
 # The soaked run: checkpoints every other step (the marks its kills wait on), no control (the rows compared are the
 # ones both runs have). Its programs are the full run's, so it loads them from the session's compilation cache.
-SOAK = [*QUIET, "--control", "none", "--checkpoint-every", "2"]
+SOAK_CHECKPOINT_EVERY = 2
+SOAK = [*QUIET, "--control", "none", "--checkpoint-every", str(SOAK_CHECKPOINT_EVERY)]
 STAGE_A_STEPS, STAGE_B_STEPS = 7, 17  # --steps 24 at the default --stage-a-fraction 0.3
 
 
@@ -130,7 +131,7 @@ def test_halted_then_killed_and_resumed_run_ends_with_the_full_runs_student(runs
         return subprocess.Popen(recipe_command(soaked, cache, *SOAK, "--resume"), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
 
-    run_marks, gap = soak.marks(STAGE_A_STEPS, STAGE_B_STEPS, every=2)
+    run_marks, gap = soak.marks(STAGE_A_STEPS, STAGE_B_STEPS, every=SOAK_CHECKPOINT_EVERY)
     report, last = soak.soak(resume, soaked, run_marks, gap, int(os.environ.get("SOAK_SEED", "12")))
     print(f"soak: {time.monotonic() - started:.0f} s in all", flush=True)
     assert "finished in an earlier run" in last, report  # stage A was not redone
