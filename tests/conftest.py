@@ -21,10 +21,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 # XLA:CPU without LLVM's optimisation passes, for the test processes and every process they start (recipe runs,
-# multi-host workers; a test that sets XLA_FLAGS itself keeps its own): the suite compiles thousands of small
-# programs and runs each a few times, so compiling is most of its time. Measured in alternating runs
-# (bench/NOTES.md): in-process modules 15-20% faster, a tiny recipe run with a cold compilation cache 20% less CPU;
-# the real 270M's greedy generation runs slower (48 s -> 66 s), which the rest outweighs. Set before anything
+# multi-host workers, the mesh tests' subprocesses through recipe_env.with_host_devices): the suite compiles
+# thousands of small programs and runs each a few times, so compiling is most of its time. Measured in alternating
+# runs (bench/NOTES.md): in-process modules 15-20% faster, a tiny recipe run with a cold compilation cache 20% less
+# CPU; the real 270M's greedy generation runs slower (48 s -> 66 s), which the rest outweighs. Set before anything
 # starts JAX's CPU client, which reads the variable once.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 

@@ -24,6 +24,12 @@ TINY_TEACHER = ["--preset", "tiny", "--teacher-steps", "40", "--corpus-bytes", "
 COMPILE_CACHE_LIMIT = 8 << 30  # far above what a session writes; a limit is what turns JAX's cache lock on
 
 
+def with_host_devices(count: int) -> str:
+    """XLA_FLAGS for a subprocess with `count` CPU devices, keeping the flags the session already set (conftest's
+    compilation without LLVM's optimisation)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+
+
 def shared_basetemp(tmp_path_factory) -> Path:
     """The base temporary folder of the whole test session: under pytest-xdist each worker's own base folder lies
     in the session's, so caches made here are made once per session instead of once per worker."""

@@ -14,6 +14,7 @@ from hf_reference import make_hf_model, max_abs_diff, sample_ids
 from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, load_pretrained
 from nnx_surgery.surgery.checkpoint import _check_tied_head, canonical_names
 from nnx_surgery.surgery.safetensors_io import INDEX_FILE, checkpoint_weight_map
+from recipe_env import with_host_devices
 
 NORM = "model.layers.1.post_attention_layernorm.weight"
 
@@ -762,7 +763,7 @@ def mesh_results():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": root}
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=300, cwd=root)

@@ -9,6 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from recipe_env import with_host_devices
+
 SCRIPT = textwrap.dedent("""
     import json, sys, tempfile
     import numpy as np
@@ -50,7 +52,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_mesh_losses_and_updates_equal_one_device_and_resume_across_meshes():
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], capture_output=True, text=True,
                           env=env, cwd=os.path.dirname(tests), timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 
 from hf_reference import hf_forward, make_hf_model, rewrite_unaligned, sample_ids
+from recipe_env import with_host_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +69,7 @@ def test_load_onto_fsdp_tp_mesh(tmp_path):
     assert all(start % 64 for start in rewrite_unaligned(folder))
     ids = sample_ids(2, 13)
     np.savez(tmp_path / "data.npz", ids=ids, hf=hf_forward(hf_model, ids)["logits"])
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=with_host_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(tmp_path / "resaved"),
                              str(tmp_path / "data.npz")], env=env, cwd=REPO, capture_output=True, text=True,

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 
 import multihost_launch
 from multihost_launch import free_port
+from recipe_env import compile_cache_env
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
@@ -28,10 +29,10 @@ TIMEOUT_S = 600  # per run: a run that hangs fails the test instead of blocking 
 # the runs beside the other test worker take 2-3x their time alone)
 
 
-def launch(processes: int, devices: int, mesh: str, out: str, **options) -> list[subprocess.Popen]:
+def launch(processes: int, devices: int, mesh: str, out: str, env: dict, **options) -> list[subprocess.Popen]:
     """`processes` workers, each with `devices` CPU devices, over one global mesh; output in files under `out`
     (XLA:CPU without backend optimisation, like every process the tests start: tests/conftest.py)."""
-    return multihost_launch.launch(WORKER, processes, devices, out, mesh=mesh, **options)
+    return multihost_launch.launch(WORKER, processes, devices, out, env=env, mesh=mesh, **options)
 
 
 def finish(procs: list[subprocess.Popen], out: str, timeout: float = TIMEOUT_S) -> list[dict]:
@@ -44,12 +45,21 @@ def student_tensors(folder: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def worker_env(tmp_path_factory) -> dict:
+    """The workers' environment: this module's own persistent compilation cache, so the killed-process runs (the
+    2 x 4 run's programs) and the resumed run load what the first runs compiled (the module 92 s -> 77 s alone).
+    Not the session's shared cache: a process killed by a test could leave an entry half-written."""
+    cache = tmp_path_factory.mktemp("multihost-compile-cache")
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **compile_cache_env(cache)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, worker_env):
     """The 2 x 4 run (checkpointing every step) and the 1 x 8 reference, started together; each then evaluates."""
     root = tmp_path_factory.mktemp("multihost")
-    two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), checkpoint=str(root / "two_ckpt"),
+    two = launch(2, 4, "fsdp=4,tp=2", str(root / "two"), worker_env, checkpoint=str(root / "two_ckpt"),
                  run_dir=str(root / "two_run"), suite=True)
-    one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"), suite=True)
+    one = launch(1, 8, "fsdp=4,tp=2", str(root / "one"), worker_env, suite=True)
     return {"root": root, "two": finish(two, str(root / "two")), "one": finish(one, str(root / "one"))[0]}
 
 
@@ -78,13 +88,13 @@ def test_two_processes_give_the_losses_and_student_of_one(runs):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs):
+def test_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs, worker_env):
     """The 2-process run's step-2 checkpoint resumes in 1 process on 4 devices (fsdp=2,tp=2) with a student of
     other weights: step 3 and the final student equal the uninterrupted run's."""
     root = runs["root"]
     resume_dir = root / "resume_ckpt"
     shutil.copytree(root / "two_ckpt" / "2", resume_dir / "2")  # as if the run had stopped after step 2
-    result = finish(launch(1, 4, "fsdp=2,tp=2", str(root / "resumed"), checkpoint=str(resume_dir),
+    result = finish(launch(1, 4, "fsdp=2,tp=2", str(root / "resumed"), worker_env, checkpoint=str(resume_dir),
                            student_seed=5), str(root / "resumed"))[0]
     assert result["events"][0] == "resume" and result["steps"] == 3
     np.testing.assert_allclose(result["losses"], runs["two"][0]["losses"], rtol=0, atol=1e-5)
@@ -145,7 +155,7 @@ def test_only_process_0_writes(runs):
 
 
 @pytest.mark.slow
-def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path):
+def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_path, worker_env):
     """Two runs at once. In each, one process is SIGKILLed inside the loop (fetching batch 2 while step 1 runs)
     and the other waits in the step's collectives. Process 1 killed: JAX's coordination service (in process 0)
     misses its heartbeats and stops process 0 within `heartbeat_timeout_s`, naming task 1. Process 0 killed: the
@@ -153,7 +163,7 @@ def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_
     are watched together), so the bounds hold beside the other test worker too: they are the service's detection
     time plus the survivor's exit, not CPU time."""
     heartbeat = 10
-    runs = {killed: launch(2, 4, "fsdp=4,tp=2", str(tmp_path / f"kill{killed}"), kill_at_batch=2,
+    runs = {killed: launch(2, 4, "fsdp=4,tp=2", str(tmp_path / f"kill{killed}"), worker_env, kill_at_batch=2,
                            kill_process=killed, heartbeat_timeout_s=heartbeat, guard=False, evaluate=False)
             for killed in (1, 0)}
     ended, deadline = {}, time.monotonic() + TIMEOUT_S

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+from recipe_env import with_host_devices
+
 SCRIPT = textwrap.dedent("""
     import json
     import jax, numpy as np
@@ -49,7 +51,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_teacher_gives_sharded_student():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
