@@ -20,10 +20,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(worker: str, processes: int, devices: int, out: str, env: dict | None = None,
-           **options) -> list[subprocess.Popen]:
-    """`processes` runs of `worker`, each with `devices` CPU devices and the JSON of its arguments; with more
-    than one, they form one jax.distributed run. Process i logs to `out`/log{i}.txt."""
+def launch(worker: str, processes: int, devices: int, out: str, env: dict, **options) -> list[subprocess.Popen]:
+    """`processes` runs of `worker` in the environment `env`, each with `devices` CPU devices and the JSON of its
+    arguments; with more than one, they form one jax.distributed run. Process i logs to `out`/log{i}.txt."""
     os.makedirs(out, exist_ok=True)
     port, procs = free_port(), []
     for index in range(processes):
@@ -33,7 +32,7 @@ def launch(worker: str, processes: int, devices: int, out: str, env: dict | None
         with open(os.path.join(out, f"log{index}.txt"), "w") as log:
             procs.append(subprocess.Popen([sys.executable, worker, json.dumps(args)], stdout=log,
                                           stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS),
-                                          env=env or {**os.environ, "PYTHONUNBUFFERED": "1"}))
+                                          env=env))
     return procs
 
 
