@@ -36,6 +36,7 @@ from .sources import general_mix, general_prose
 from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
 from .search import SearchCandidate, SearchResult, rank_curves, search
 from .interruption import RunInterrupted
+from .fingerprints import batch_digest, compare_sequences, sequence_digest, weights_digest
 from .vocab_map import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
 from .heldout_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
 
@@ -51,4 +52,5 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
-__all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across"]
+__all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across", "batch_digest",
+            "compare_sequences", "sequence_digest", "weights_digest"]

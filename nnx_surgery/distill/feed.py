@@ -1,5 +1,9 @@
 """The training loop's batches: `grad_accum` data batches stacked into one step's micro-batches (A, B, T), the
 on-policy loss masks and samples, split into the micro-batches the memory plan says (oom.py) and put on the mesh.
+
+Each step's data batch is fingerprinted (`fingerprints.batch_digest`, logged as the step record's
+`batch_digest`), so two phases that should read the same batches in the same order (a distillation and its
+control) can be checked to have done so.
 """
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import jax
 import numpy as np
 
 from .config import DistillConfig
+from .fingerprints import batch_digest
 from .interface import FORWARD_KEYS
 from .mesh import put_batch
 from .oom import split_micro_batches
@@ -45,16 +50,17 @@ class BatchFeed:
     def __init__(self, data: Any, config: DistillConfig, mesh: Any, memory: Any, on_policy: Any):
         self.data, self.config, self.mesh, self.memory, self.on_policy = data, config, mesh, memory, on_policy
 
-    def next(self) -> tuple[dict[str, Any], Any, dict[str, np.ndarray]]:
+    def next(self) -> tuple[dict[str, Any], Any, dict[str, np.ndarray], str]:
         """The next step's micro-batches on the mesh (split further after an OOM decision), the data position
         just after them (what a checkpoint taken after that step records, even when a further batch has been
-        prefetched), and the same batch on the host (A, B, T), before any split."""
+        prefetched), the same batch on the host (A, B, T), before any split, and its `batch_digest`."""
         batches = [self.data.next() for _ in range(self.config.grad_accum)]
         stacked = stack_batches(batches, self.config, processes(self.mesh))
+        digest = batch_digest(stacked)
         if self.on_policy is not None:
             stacked = self.on_policy.with_loss_mask(stacked)
         self.memory.data_rows = self.memory.data_rows or int(stacked["input_ids"].shape[1])
-        return self.on_device(stacked), self.data.state(), stacked
+        return self.on_device(stacked), self.data.state(), stacked, digest
 
     def on_device(self, stacked: dict[str, np.ndarray]) -> dict[str, Any]:
         return put_batch(split_micro_batches(stacked, self.memory.plan.split), self.mesh, leading=1)

@@ -154,7 +154,7 @@ class TrainingLoop:
             if index != self.runner.stage_index and self._switch_stage(index):
                 return self._stop_early()
             fetch_start = time.perf_counter()
-            batch, self.data_state, host = prefetched or self.feed.next()
+            batch, self.data_state, host, digest = prefetched or self.feed.next()
             fetch_s = time.perf_counter() - fetch_start
             # host time: sampling waits on the previous step
             batch, policy = self.feed.for_step(batch, host, self.step, self.runner.current_student)
@@ -177,7 +177,8 @@ class TrainingLoop:
                 continue
             self.step += 1
             self.guard.record(values["loss"])
-            record = self._log_step(values, hyper, done - started, index, batch, warmup, active, policy)
+            record = self._log_step(values, hyper, done - started, index, batch, warmup, active,
+                                   dict(policy, batch_digest=digest))
             step_s, data_s = targets.split_step(done - started, wait_start - prefetch_start, busy, fetch_s)
             if not warmup:
                 self.monitor.time(step_s, data_s, time.perf_counter() - self._clock - step_s - data_s,

@@ -102,12 +102,13 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     clock.lap("surgery")
     distilled = run_phases.distil(run, loaded, teacher, first, cut)
     clock.lap("distillation")
-    control = run_phases.train_control(run, loaded, teacher, first, cut, distilled.steps)  # at equal tokens
+    control = run_phases.train_control(run, loaded, teacher, first, cut, distilled)  # same batches and steps
     if control is not None:
         clock.lap("control")
     results = evaluate(run, loaded, teacher, cut, distilled, control)
     clock.lap("evaluation")
     results = summarise(run, results, clock, chosen.search, distilled, control)
+    results["pairing"] = run_phases.pairing(run, first, cut, distilled, control)
     final = write_student(run, results, first, cut, distilled, control)
     publish(run, final)
     return results

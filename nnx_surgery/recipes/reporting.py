@@ -135,7 +135,7 @@ def results_table(results: dict) -> str:
                      + " | ".join(cells) + " |")
     if results.get("trimmed_vocabulary"):
         lines += ["", results["trimmed_vocabulary"]]
-    lines += ["", *verdicts(results), *search_summary(results.get("search"))]
+    lines += ["", *verdicts(results), *pairing_lines(results), *search_summary(results.get("search"))]
     times = results.get("phase_times_s") or {}
     if times:
         lines.append("Wall time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
@@ -209,6 +209,32 @@ def verdicts(results: dict) -> list[str]:
                          f"[{ce['low']:+.4f}, {ce['high']:+.4f}], KL to the teacher {kl['difference']:+.3f} "
                          f"[{kl['low']:+.3f}, {kl['high']:+.3f}] (distilled - control, 95% interval).")
     return lines
+
+
+def pairing_lines(results: dict) -> list[str]:
+    """Whether the control trained paired with the distillation (run_phases.pairing's record): "same batches, same
+    order" only when every step's batch digest agrees, and whether both started from the same weights."""
+    pairing, rows = results.get("pairing") or {}, {r["model"] for r in results["rows"]}
+    control = next((name for name in CONTROL_ROWS if name in rows), "control")
+    if "control" not in pairing:
+        return []
+    batches, steps = pairing["batches"], pairing["batches"]["steps"]
+    if batches["same"]:
+        phases = " + ".join(pairing["distillation"]["phases"])
+        line = (f"Training: the distilled student ({phases}) and the {control} read the same batches, same order "
+                f"({steps[0]} steps, batch sequence {pairing['control']['batch_sequence']})")
+    else:
+        line = (f"Training is NOT paired: the {control}'s batches agree with the distillation's for "
+                f"{batches['agreeing_steps']} of {steps[0]} steps (the control ran {steps[1]})"
+                + (f": {batches['why']}" if batches.get("why") else ""))
+    same_start = pairing.get("same_start")
+    if same_start is True:
+        line += f", from bit-identical starting weights ({pairing['control']['start_weights']})."
+    elif same_start is False:
+        line += ", but NOT from the same starting weights."
+    else:
+        line += " (the two start from other weights by design: a scratch control, or staged compression)."
+    return [line]
 
 
 def _comparison(results: dict, set_name: str, a: str, b: str | None) -> dict | None:

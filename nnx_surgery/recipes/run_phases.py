@@ -7,9 +7,15 @@
     stage_a(run, loaded, teacher)                       -> StageA(plan, student, history, steps)
     final_cut(run, loaded, teacher, first)              -> Cut(plan, student, pruned, data, lineage, tokenizer)
     distil(run, loaded, teacher, first, cut)            -> Trained(model, history, evals, steps)
-    train_control(run, loaded, teacher, first, cut, n)  -> Trained, or None with --control none
+    train_control(run, loaded, teacher, first, cut, distilled) -> Trained, or None with --control none
+    pairing(run, first, cut, distilled, control)        -> how the control pairs with the distillation
 
 A phase an earlier run finished (its folder in OUT/phases/) is read back instead of trained (`train`).
+
+The control is paired with the distillation: it reads the same batches in the same order (the data position is
+reset to the distillation's recorded start, so a resumed run pairs too) and, when it retrains the pruned student of
+a one-shot cut, starts from bit-identical weights (checked). Each phase's history.json keeps its start (data
+position, weights digest) and each step's batch digest; `pairing` compares them for results.json.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes import corpus, phases, shape_search, vocabulary
+from nnx_surgery.recipes.cli import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
 
 
@@ -49,6 +56,7 @@ class StageA:
     student: Any  # the distilled stage-A student, or the teacher itself
     history: list
     steps: int
+    data_start: dict | None = None  # the data position stage A started from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,8 @@ class Trained:
     history: list
     evals: list
     steps: int
+    data_start: dict | None = None  # the data position the phase started from (None: an older run's phase)
+    start_weights: str | None = None  # distill.weights_digest of the model it started from
 
 
 def load_teacher_and_data(run: RunSettings) -> Loaded:
@@ -113,7 +123,7 @@ def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
     print(surgery.format_report(plan))
     config = run.phase_config("stage_a", [run.stages.stage_a], plan, loaded.data)
     trained = train(run, "stage_a", teacher, student, loaded.data, config, loaded.mesh)
-    return StageA(plan, trained.model, trained.history, config.total_steps)
+    return StageA(plan, trained.model, trained.history, config.total_steps, trained.data_start)
 
 
 def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
@@ -145,23 +155,87 @@ def distil(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut) -
     return dataclasses.replace(trained, steps=first.steps + config.total_steps)
 
 
-def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, steps: int) -> Trained | None:
-    """The control on `steps` (the distillation's): the same pruned student retrained with plain CE, or the
-    shape from scratch."""
+def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, distilled: Trained
+                  ) -> Trained | None:
+    """The control on the distillation's steps (stage A's included) and batches: the same pruned student
+    retrained with plain CE, or the shape from scratch. A one-shot cut's pruned-CE control is made as the
+    distilled student was and must start from its very weights (RecipeError otherwise, before it trains)."""
     flags = run.flags
     if flags.control == "none":
         return None
-    control = (pruned_student(teacher, first.plan, cut.plan) if flags.control == "pruned-ce"
-               else surgery.create_model(cut.pruned.config, seed=flags.seed + 1, mesh=loaded.mesh))
-    config = run.phase_config("control", [phases.control_stage(flags, steps)])
+    same_start = starts_alike(run, first)
+    if same_start:
+        control = make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)
+    elif flags.control == "pruned-ce":
+        control = pruned_student(teacher, first.plan, cut.plan)
+    else:
+        control = surgery.create_model(cut.pruned.config, seed=flags.seed + 1, mesh=loaded.mesh)
+    start_weights = distill.weights_digest(control)
+    if same_start and distilled.start_weights not in (None, start_weights):
+        raise RecipeError(f"the control would start from weights {start_weights} but the distilled student "
+                          f"started from {distilled.start_weights}: they must be the same pruned student. Rerun "
+                          "without --resume (or with --overwrite) so both are cut again.")
+    start = paired_start(first, cut, distilled)
+    if start is None:
+        print("[control] the distillation's start position is not recorded (a run folder from an older version):"
+              " the control continues the data stream where it stopped", flush=True)
+    else:
+        cut.data.restore(start)  # the distillation's batches, in its order
+    config = run.phase_config("control", [phases.control_stage(flags, distilled.steps)])
     return train(run, "control", None, control, cut.data, config, loaded.mesh,
-                 source=cut.tokenizer or run.teacher.folder)
+                 source=cut.tokenizer or run.teacher.folder, start_weights=start_weights)
+
+
+def starts_alike(run: RunSettings, first: StageA) -> bool:
+    """Whether the control must start from the distilled student's very weights: a pruned-CE control of a one-shot
+    cut (after staged compression the distillation starts from stage A's cut of the teacher, and a scratch
+    control from new weights)."""
+    return run.flags.control == "pruned-ce" and first.plan is None
+
+
+def continues_stage_a(first: StageA, cut: Cut) -> bool:
+    """Whether stage B read on in stage A's data stream (no trimmed vocabulary: the same teacher-token rows), so
+    the distillation's batches are stage A's then stage B's."""
+    return first.plan is not None and first.data_start is not None and \
+        first.data_start.get("fingerprint") == cut.data.fingerprint
+
+
+def paired_start(first: StageA, cut: Cut, distilled: Trained) -> dict | None:
+    """The data position the control starts from: where the distillation started reading `cut.data` (stage A's
+    start when stage B continued its stream, else stage B's)."""
+    return first.data_start if continues_stage_a(first, cut) else distilled.data_start
+
+
+def pairing(run: RunSettings, first: StageA, cut: Cut, distilled: Trained, control: Trained | None) -> dict:
+    """results.json's record of how the control pairs with the distillation: each phase's batch digests (one per
+    step) and start weights, whether the control read the distillation's batches in the same order (stage A's
+    included when stage B continued its stream; with a trimmed vocabulary stage A read the teacher's tokens) and
+    whether both started from the same weights (`same_start`; None where they differ by design, `starts_alike`)."""
+    staged_stream = continues_stage_a(first, cut)
+    distilled_batches = ([r.get("batch_digest") for r in first.history] if staged_stream else []) + \
+        [r.get("batch_digest") for r in distilled.history]
+    record = {"distillation": {"phases": ["stage_a", "stage_b"] if staged_stream else ["stage_b"],
+                               "start_weights": distilled.start_weights, "batch_digests": distilled_batches,
+                               "batch_sequence": distill.sequence_digest([str(d) for d in distilled_batches])}}
+    if control is None:
+        return record
+    control_batches = [r.get("batch_digest") for r in control.history]
+    record["control"] = {"start_weights": control.start_weights, "batch_digests": control_batches,
+                         "batch_sequence": distill.sequence_digest([str(d) for d in control_batches])}
+    complete = None not in distilled_batches + control_batches
+    record["batches"] = distill.compare_sequences(distilled_batches, control_batches) if complete else \
+        {"same": False, "agreeing_steps": 0, "steps": [len(distilled_batches), len(control_batches)],
+         "why": "a phase's steps have no batch digest (trained by an older version)"}
+    record["same_start"] = (control.start_weights is not None and control.start_weights == distilled.start_weights
+                            ) if starts_alike(run, first) else None
+    return record
 
 
 def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dtype: str = "float32",
-          source: str | None = None) -> Trained:
+          source: str | None = None, start_weights: str | None = None) -> Trained:
     """Distil one phase and save it in OUT/phases/PHASE (with the tokenizer files of `source`, default the
-    teacher's), or reload it when an earlier run finished it (in `dtype`). `steps` is the phase's own."""
+    teacher's), or reload it when an earlier run finished it (in `dtype`). `steps` is the phase's own; the
+    phase's start (data position, `start_weights` = the student's weights digest) is saved with it."""
     done = os.path.join(run.folder, "phases", phase)
     if os.path.exists(os.path.join(done, "history.json")):
         print(f"[{phase}] finished in an earlier run: loading {done}")
@@ -171,7 +245,9 @@ def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dt
         if isinstance(logged, dict) and logged.get("data_state") is not None:
             data.restore(logged["data_state"])  # the next phase continues where this one stopped
         model = surgery.load_pretrained(done, dtype=dtype, mesh=mesh)
-        return Trained(model, history, evals, config.total_steps)
+        start = logged.get("start", {}) if isinstance(logged, dict) else {}
+        return Trained(model, history, evals, config.total_steps, start.get("data"), start.get("weights"))
+    start = {"data": data.state(), "weights": start_weights or distill.weights_digest(student)}
     # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
     sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
     result = distill.run(teacher, student, data, config, sampler=sampler)
@@ -180,9 +256,9 @@ def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dt
                           "rerun with --resume to continue.")
     history, evals = result.full_history, result.full_evals  # across resumes
     surgery.save_pretrained(result.student, done, source=source or run.teacher.folder, overwrite=True,
-                            extra_files={"history.json": {"train": history, "eval": evals,
+                            extra_files={"history.json": {"train": history, "eval": evals, "start": start,
                                                           "data_state": result.data_state}})
-    return Trained(result.student, history, evals, config.total_steps)
+    return Trained(result.student, history, evals, config.total_steps, start["data"], start["weights"])
 
 
 def pruned_student(teacher, plan_a, plan):
@@ -216,4 +292,5 @@ def composed_map(plan_a, plan_b) -> dict:
 
 __all__ = ["Interrupted", "Loaded", "Chosen", "StageA", "Cut", "Trained", "load_teacher_and_data",
            "correct_teacher", "choose_student", "stage_a", "final_cut", "distil", "train_control", "train",
+           "paired_start", "pairing",
            "pruned_student", "make_student", "composed_map"]
