@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from typing import Callable
 
@@ -42,7 +43,9 @@ def _number(kind: type, low: float, high: float | None = None, *, above: bool = 
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if value != value or value < low or (above and value == low) or (high is not None and value > high):
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if value < low or (above and value == low) or (high is not None and value > high):
             need = (f"above {low:g}" if above else f"at least {low:g}") if high is None else \
                 f"in {'(' if above else '['}{low:g}, {high:g}]"
             raise argparse.ArgumentTypeError(f"{text} must be {need}")
@@ -108,8 +111,8 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folders", metavar="FOLDER", nargs="+", help="model folders to judge against the teacher")
     p.add_argument("--teacher", required=True, help="the reference: a folder, a .gguf file or gguf:gemma3-270m")
     p.add_argument("-o", "--output", required=True, help="where suite.md, suite.json and results.json go")
-    p.add_argument("--eval-tokens", type=POSITIVE, default=4096, help="scored tokens of each held-out set "
-                   "(default %(default)s)")
+    p.add_argument("--eval-tokens", type=_number(int, 64), default=4096, help="scored tokens of each held-out "
+                   "set, at least 64 as for compress (default %(default)s)")
     p.add_argument("--general-eval", action=argparse.BooleanOptionalAction, default=True,
                    help="also judge on English prose no training corpus contains (default: yes)")
     p.add_argument("--eval-prompts", type=POSITIVE, default=8, help="held-out prompts continued greedily")
@@ -125,7 +128,10 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a model folder with its tokenizer.json")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens (default 64)")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens (default 64; the "
+                   "prompt and these must fit in the model's positions)")
+    p.add_argument("--truncate-prompt", action="store_true", help="keep only the prompt's last tokens when it is "
+                   "longer than the model's positions leave room for (said on stderr); default: refuse")
     p.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 (default): greedy; else sample")
     p.add_argument("--top-k", type=POSITIVE, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling")
@@ -139,6 +145,8 @@ def _import_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", metavar="OUTPUT", help="the Hugging Face folder to write (must not hold files)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="the folder's weights (default bfloat16; float32 keeps quantised values exact)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT (swapped out only once the "
+                   "new folder is complete)")
 
 
 def _export_flags(p: argparse.ArgumentParser) -> None:
@@ -196,8 +204,8 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                     ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --dtype f16"],
                     _export_flags),
     "push": ("nnx_surgery.commands.models:push", "upload a model folder to the Hugging Face Hub (private by default)",
-             ["push student/ me/tiny-student", "HUB_WRITE=... nnx-surgery push student/ acme/student "
-              "--token-env HUB_WRITE --public"], _push_flags),
+             ["push student/ me/tiny-student", "push student/ acme/student --token-env HUB_WRITE --public   "
+              "(the variable HUB_WRITE holds a write token)"], _push_flags),
 }
 
 
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nnx_surgery.recipes.cli import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
-    guarded(lambda _: run(args), argv)
+    guarded(lambda _: run(args), argv, resumable=False)
     return 0
 
 

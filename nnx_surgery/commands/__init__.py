@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 from typing import Callable
 
 from nnx_surgery.recipes.cli import RecipeError
@@ -41,8 +42,52 @@ def teacher_source(text: str, name: str, revision: str | None = None) -> str:
         raise RecipeError(str(error).replace("--teacher", name, 1)) from None
 
 
-def empty_folder(path: str, name: str, overwrite: bool) -> str:
-    """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file."""
+def input_paths(*given: str | None) -> list[str]:
+    """The local paths among a command's inputs (a Hub id, hf:NAME or gguf:NAME is none; a glob gives its
+    matches), for `guard_output`."""
+    import glob
+
+    paths = []
+    for text in given:
+        if isinstance(text, (list, tuple)):
+            paths += input_paths(*text)
+            continue
+        if not isinstance(text, str) or not text or text.startswith(("hf:", "gguf:")):
+            continue
+        path = os.path.expanduser(text)
+        paths += [path] if os.path.lexists(path) else glob.glob(path)
+    return paths
+
+
+def guard_output(path: str, name: str, inputs: list[str], *, folder: bool) -> str:
+    """Refuse an output that is, contains or lies inside one of `inputs` (symlinks resolved), or that exists and
+    is not a regular file (`folder` False) or a folder: --overwrite replaces what it is given, so it must never be
+    given an input or a device. Returns the output's absolute path."""
+    real = os.path.realpath(path)
+    for given in inputs:
+        source = os.path.realpath(given)
+        if real == source:
+            how = "is"
+        elif os.path.commonpath([real, source]) == source:
+            how = "lies inside"
+        elif os.path.commonpath([real, source]) == real:
+            how = "contains"
+        else:
+            continue
+        raise RecipeError(f"{name} {path}: {how} the input {given}, which this command reads; choose an output "
+                          "path outside every input.")
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise RecipeError(f"{name} {path}: is not a regular file or folder (a device, pipe or socket); give "
+                              "the path of a file or folder to write.")
+    return os.path.abspath(path)
+
+
+def empty_folder(path: str, name: str, overwrite: bool, inputs: list[str] = ()) -> str:
+    """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file, an input
+    of the command or a folder holding one (`guard_output`)."""
+    guard_output(path, name, list(inputs), folder=True)
     if os.path.exists(path) and not os.path.isdir(path):
         raise RecipeError(f"{name} {path}: exists and is not a folder; choose another path.")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
@@ -51,16 +96,19 @@ def empty_folder(path: str, name: str, overwrite: bool) -> str:
     return os.path.abspath(path)
 
 
-def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None) -> str:
-    """A file to write (a folder gets `inside` appended): refused when it exists unless `overwrite`; its folder is
-    created."""
+def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None, inputs: list[str] = ()) -> str:
+    """A file to write (a folder gets `inside` appended): refused when it exists unless `overwrite`, and when
+    `guard_output` refuses it. Its folder is not created here: the writer makes it once everything is checked."""
     if inside is not None and os.path.isdir(path):
         path = os.path.join(path, inside)
+    guard_output(path, name, list(inputs), folder=False)
     if os.path.isdir(path):
         raise RecipeError(f"{name} {path}: is a folder; give a file path.")
     if os.path.exists(path) and not overwrite:
         raise RecipeError(f"{name} {path}: exists; pass --overwrite to replace it, or choose another path.")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise RecipeError(f"{name} {path}: {parent} is a file, not a folder; choose another path.")
     return os.path.abspath(path)
 
 
@@ -94,4 +142,5 @@ def shape_line(config) -> str:
             f"{config.num_parameters() / 1e6:,.2f}M parameters")
 
 
-__all__ = ["teacher_source", "model_folder", "empty_folder", "new_file", "checked", "text_batches", "shape_line"]
+__all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "empty_folder", "new_file", "checked",
+           "text_batches", "shape_line"]

@@ -5,7 +5,7 @@ import argparse
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import empty_folder, new_file, shape_line, teacher_source, text_batches
+from nnx_surgery.commands import empty_folder, input_paths, new_file, shape_line, teacher_source, text_batches
 from nnx_surgery.recipes import cli
 
 
@@ -15,7 +15,8 @@ def plan(args: argparse.Namespace) -> str:
     teacher = teacher_source(args.teacher, "TEACHER", args.revision)
     config = surgery.ModelConfig.from_file(teacher)
     spec = cli.student_spec(args.student, config, tokenizer=teacher)
-    out = new_file(args.output, "--output", args.overwrite, inside="plan.json")
+    out = new_file(args.output, "--output", args.overwrite, inside="plan.json",
+                   inputs=input_paths(args.teacher, teacher, args.data))
     calibration = None
     if args.calibration_samples:
         distill.data.check_vocabulary(teacher, config.vocab_size)
@@ -26,6 +27,7 @@ def plan(args: argparse.Namespace) -> str:
         raise cli.RecipeError(f"--calibration-samples 0 with --student {args.student!r}: a trimmed vocabulary's "
                               "pieces are chosen by their counts in calibration data; give --calibration-samples.")
     made = surgery.plan_student(teacher, spec, calibration=calibration, seed=args.seed, tokenizer=teacher)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     path = made.save(out)
     print(f"teacher: {shape_line(made.teacher_config)}")
     print(f"student: {shape_line(made.student)} "
@@ -42,8 +44,8 @@ def prune(args: argparse.Namespace) -> str:
     teacher = teacher_source(args.teacher, "TEACHER")
     if not os.path.exists(args.plan):
         raise cli.RecipeError(f"PLAN.json {args.plan}: no such file; make one with `nnx-surgery plan`.")
+    out = empty_folder(args.output, "OUTPUT", args.overwrite, inputs=input_paths(args.teacher, teacher, args.plan))
     chosen = surgery.Plan.load(args.plan)
-    out = empty_folder(args.output, "OUTPUT", args.overwrite)
     folder = surgery.prune_checkpoint(teacher, chosen, out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"student: {shape_line(chosen.student)}")
     print(f"written: {folder}  (loads in transformers; next: nnx-surgery distill {args.teacher} {folder} "

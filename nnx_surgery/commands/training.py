@@ -7,7 +7,7 @@ import json
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import empty_folder, model_folder, shape_line, teacher_source, text_batches
+from nnx_surgery.commands import empty_folder, input_paths, model_folder, shape_line, teacher_source, text_batches
 from nnx_surgery.distill.heldout import interval_text
 from nnx_surgery.recipes import cli, evaluation
 
@@ -40,9 +40,13 @@ def _tokenizer_source(student: str, teacher: str) -> str:
 def distill_student(args: argparse.Namespace) -> str:
     """Distil STUDENT from TEACHER on the data (one stage: alpha * KL + (1 - alpha) * CE) and save it to --output,
     with the student's plan.json when it has one."""
+    if args.warmup_steps is not None and args.warmup_steps > args.steps:
+        raise cli.RecipeError(f"--warmup-steps {args.warmup_steps} is longer than --steps {args.steps}: the learning "
+                              "rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
-    out = empty_folder(args.output, "--output", args.overwrite)
+    out = empty_folder(args.output, "--output", args.overwrite,
+                       inputs=input_paths(args.teacher, teacher_folder, args.student, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = _kept_vocab(student_folder, "STUDENT", teacher_config)
     tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
@@ -132,7 +136,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise cli.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
                               "folder once.")
     pairs = [(name, "teacher") for name in names] + _compared(args.compare, names)
-    out = empty_folder(args.output, "--output", args.overwrite)
+    out = empty_folder(args.output, "--output", args.overwrite,
+                       inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)

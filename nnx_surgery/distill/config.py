@@ -51,8 +51,9 @@ class Stage:
             raise ValueError(f"{self.label}: steps={self.steps} must be a whole number, at least 1.")
         if self.epochs is not None and not (isinstance(self.epochs, numbers.Real) and 0 < self.epochs < math.inf):
             raise ValueError(f"{self.label}: epochs={self.epochs} must be a positive number.")
-        if self.learning_rate < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"{self.label}: learning_rate must be >= 0 and min_lr_ratio in [0, 1].")
+        if not 0 <= self.learning_rate < math.inf or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{self.label}: learning_rate={self.learning_rate} must be a finite number >= 0 and "
+                             f"min_lr_ratio={self.min_lr_ratio} in [0, 1].")
         if not isinstance(self.weights, LossWeights):
             object.__setattr__(self, "weights", LossWeights(self.weights))
         if not self.weights.active():
@@ -61,8 +62,8 @@ class Stage:
         for key in ("trainable", "frozen"):  # lists of patterns as tuples: hashable, equal after a JSON trip
             if isinstance(getattr(self, key), list):
                 object.__setattr__(self, key, tuple(getattr(self, key)))
-        if min(self.temperature.start, self.temperature.end) <= 0:
-            raise ValueError(f"{self.label}: temperature must stay positive.")
+        if not all(0 < value < math.inf for value in (self.temperature.start, self.temperature.end)):
+            raise ValueError(f"{self.label}: temperature must stay positive and finite.")
 
     def learning_rate_schedule(self) -> optax.Schedule:
         """Linear warm-up reaching `learning_rate` at step `warmup_steps - 1` (step s of the warm-up gets

@@ -11,9 +11,14 @@ line instead of a traceback when the toolkit refuses something.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
+import re
+import signal
 import sys
+import threading
 import traceback
 from typing import Callable
 
@@ -105,30 +110,92 @@ def real_gguf_path() -> str:
     return str(assemble())
 
 
-def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run a script's `main`: the toolkit's errors become one line on stderr and exit code 2 (`--debug` keeps
-    the traceback); Ctrl-C exits with 130 after saying how to resume."""
+def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None = None, *,
+            resumable: bool = True) -> None:
+    """Run a script's `main`: the toolkit's errors, and a full disk, become one line on stderr and exit code 2
+    (`--debug` keeps the traceback), with any secret the command was given (--token-env's value, a token in the
+    environment) masked; Ctrl-C exits with 130 after saying how to resume (`resumable`: the command has
+    --resume), SIGTERM like Ctrl-C with 143 (temporaries are removed on the way out, as on any error)."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        main([a for a in args if a != "--debug"])
-    except USER_ERRORS as error:
+        with _terminated_as_interrupt():
+            main([a for a in args if a != "--debug"])
+    except USER_ERRORS + (OSError,) as error:
+        if isinstance(error, OSError) and not isinstance(error, USER_ERRORS) and error.errno not in FULL_DISK:
+            raise
         if debug:
             traceback.print_exc()
-        print(f"error: {_one_line(error)}", file=sys.stderr)
+        print(f"error: {redact(_one_line(error), args)}", file=sys.stderr)
         if not debug:
             print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
-        print(str(stop) or "interrupted; rerun the same command with --resume to continue from the last "
-              "checkpoint.", file=sys.stderr)
-        sys.exit(130)
+        text = str(stop) if resumable else ""
+        print(redact(text, args) or ("interrupted; rerun the same command with --resume to continue from the last "
+                                     "checkpoint." if resumable else "interrupted; nothing was written (temporary "
+                                     "files are removed); run the same command again to start over."),
+              file=sys.stderr)
+        sys.exit(143 if isinstance(stop, Terminated) else 130)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+SECRET_VARIABLES = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY", re.IGNORECASE)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that `finally` blocks and temporaries' cleanup run."""
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated("terminated (SIGTERM); nothing was written (temporary files are removed).")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def redact(text: str, argv: list[str]) -> str:
+    """`text` with every secret it could echo masked: --token-env's value and the values of variables whose
+    name says they hold a secret (HF_TOKEN, ...)."""
+    secrets = [value for name, value in os.environ.items() if SECRET_VARIABLES.search(name) and len(value) >= 8]
+    for index, arg in enumerate(argv):
+        given = argv[index + 1] if arg == "--token-env" and index + 1 < len(argv) else \
+            arg.partition("=")[2] if arg.startswith("--token-env=") else None
+        if given and (looks_like_token(given) or not VARIABLE_NAME.fullmatch(given)):
+            secrets.append(given)
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        text = text.replace(secret, "<secret>")
+    return text
+
+
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def looks_like_token(text: str) -> bool:
+    """A Hub token (hf_..., api_org_...) or anything long and random enough to be a secret, not a name."""
+    if text.startswith(("hf_", "api_")):
+        return True
+    kinds = sum(any(test(c) for c in text) for test in (str.islower, str.isupper, str.isdigit))
+    return len(text) >= 24 and kinds == 3
 
 
 def _one_line(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, FileNotFoundError) and error.filename:
         text = f"no such file or folder: {error.filename}"
+    elif isinstance(error, OSError) and error.errno in FULL_DISK:
+        where = f" writing {error.filename}" if error.filename else ""
+        text = (f"the disk is full or a file size limit was reached{where} ({error.strerror}); nothing was "
+                "replaced and the temporary files are removed: free space, or choose another output.")
     name = type(error).__name__
     return " ".join(f"{name}: {text}".split())
 

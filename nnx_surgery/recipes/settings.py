@@ -20,7 +20,9 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
+import sys
 from typing import Any
 
 import jax
@@ -62,8 +64,17 @@ def flags_type(extra: tuple[str, ...]) -> type:
                                       namespace={"__module__": __name__})
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusals are the toolkit's: one line naming the flag and pointing to --help, exit code 2 (not
+    the whole usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description=description or "Compress a causal LM: plan, prune, distil, save.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=distill_epilog(),
         argument_default=argparse.SUPPRESS)
@@ -219,8 +230,9 @@ def parse_ramp(value: Any, flag: str) -> float | list:
         numbers = [float(p) for p in parts[:2]]
     except (TypeError, ValueError):
         raise RecipeError(f"{flag} {value!r}: give a number (2.0) or a ramp START:END (3:1).") from None
-    if len(parts) > 3 or min(numbers) <= 0 or (len(parts) == 3 and parts[2] not in ("linear", "cosine")):
-        raise RecipeError(f"{flag} {value!r}: values must be positive, as N or START:END[:linear|cosine].")
+    if len(parts) > 3 or not all(0 < n < math.inf for n in numbers) or \
+            (len(parts) == 3 and parts[2] not in ("linear", "cosine")):
+        raise RecipeError(f"{flag} {value!r}: values must be positive and finite, as N or START:END[:linear|cosine].")
     if len(numbers) == 1 or numbers[0] == numbers[1]:
         return numbers[0]
     return numbers + ([parts[2]] if len(parts) == 3 and parts[2] != "linear" else [])
@@ -228,8 +240,20 @@ def parse_ramp(value: Any, flag: str) -> float | list:
 
 def check(args: Flags) -> None:
     """Refuse impossible combinations now, before any model is loaded."""
-    if not 0.0 <= args.alpha <= 1.0 or args.steps < 1:
-        raise RecipeError(f"--alpha {args.alpha} must lie in [0, 1] and --steps {args.steps} be at least 1.")
+    if args.steps < 1:
+        raise RecipeError(f"--steps {args.steps}: give at least 1 optimizer step.")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise RecipeError(f"--alpha {args.alpha}: give a weight in [0, 1] (1: forward KL alone, 0: cross-entropy "
+                          "alone).")
+    for flag, value in (("--learning-rate", args.learning_rate), ("--scratch-learning-rate",
+                        args.scratch_learning_rate), ("--teacher-correction-lr", args.teacher_correction_lr)):
+        if value is not None and not 0 < value < math.inf:
+            raise RecipeError(f"{flag} {value}: give a finite learning rate above 0, e.g. 3e-4.")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
+        raise RecipeError(f"--warmup-steps {args.warmup_steps}: give from 0 to --steps {args.steps} warm-up steps "
+                          "(a longer warm-up never reaches the peak learning rate).")
+    _check_budget(args.student)
+    _check_output(args)
     if args.eval_tokens < 64:
         raise RecipeError(f"--eval-tokens {args.eval_tokens}: a held-out set needs at least 64 scored tokens "
                           "(thousands to decide between students).")
@@ -263,6 +287,29 @@ def check(args: Flags) -> None:
         raise
     except (ValueError, TypeError) as error:
         raise RecipeError(f"distill settings: {error}") from None
+
+
+def _check_budget(student: str | None) -> None:
+    """A `--student params=` budget readable now (a fraction up to 1, or a count), before anything is written."""
+    for item in (student or "").split(","):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key == "params":
+            try:
+                surgery.search_space.parse_budget(value)
+            except surgery.SpecError as error:
+                raise RecipeError(f"--student {student!r}: {error}") from None
+
+
+def _check_output(args: Flags) -> None:
+    """--output never an input of the run (--teacher, --data, --config) nor inside one or holding one: --overwrite
+    deletes it; and --push-to-hub's token and Hub checked now, not after the run."""
+    from nnx_surgery.commands import guard_output, input_paths
+
+    if args.output:
+        guard_output(args.output, "--output", input_paths(args.teacher, args.data, args.config), folder=True)
+    if args.push_to_hub and not args.print_config:
+        from nnx_surgery.surgery.hub import check_push_access
+        check_push_access(args.push_to_hub)
 
 
 def resolved_config(args: Flags) -> dict:

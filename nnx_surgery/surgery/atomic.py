@@ -76,7 +76,7 @@ def _owner() -> str:
 
 
 def _clean_leftovers(parent: str, base: str) -> None:
-    """Remove `.base.partial-*` of this host's dead writers; restore a `.base.old-*` a dead writer left when the
+    """Remove `.base.partial-*` (folders, or files of `atomic_file`) of this host's dead writers; restore a `.base.old-*` a dead writer left when the
     folder itself is missing."""
     host = socket.gethostname()
     for kind in ("old", "partial"):
@@ -88,8 +88,40 @@ def _clean_leftovers(parent: str, base: str) -> None:
             path, out_dir = os.path.join(parent, name), os.path.join(parent, base)
             if kind == "old" and not os.path.exists(out_dir):
                 os.replace(path, out_dir)
-            else:
+            elif os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
+            else:  # a file's temporary (atomic_file)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+    """A temporary file beside `path` (`.name.partial-<host>-<pid>-*`), renamed onto it (fsynced first) when the
+    block succeeds, removed when not; temporaries of this host's writers that died (SIGKILL, a power cut) are
+    removed by the next write to the same path."""
+    parent, base = os.path.split(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder; give the path of the file to write.")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _clean_leftovers(parent, base)
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.partial-{_owner()}-", dir=parent)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot write in {parent} ({err.strerror}); choose a path in a writable "
+                              "folder.") from None
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a published file should not be
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync(parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def _alive(pid: int) -> bool:

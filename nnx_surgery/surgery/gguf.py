@@ -23,6 +23,7 @@ sizes, tensor names, shapes, quantisation types, the file's length) before anyth
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -171,29 +172,92 @@ def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str)
         raise CheckpointError(f"{where}: architecture {arch!r} is not supported; expected one of "
                               f"{sorted(BY_GGUF_ARCHITECTURE)}" + (f" ({others})." if others else "."))
     family, model_type = BY_GGUF_ARCHITECTURE[arch]
-    key = GGUFKeys(metadata, arch, where)
-    heads = int(key("attention.head_count"))
+    key = _CheckedKeys(metadata, arch, where)
+    size = _Sizes(key, where)
+    heads, hidden = size("attention.head_count"), size("embedding_length")
     tokens = metadata.get("tokenizer.ggml.tokens") or ()
-    vocab = key("vocab_size", None) or len(tokens)
-    if not vocab:
-        raise CheckpointError(f"{where}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary "
-                              "size.")
+    vocab = size("vocab_size", len(tokens) or None)
     config = dict(
-        architectures=[ARCHITECTURES[model_type]], model_type=model_type, vocab_size=int(vocab),
-        hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", int(key("embedding_length")) // heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(key("context_length")),
+        architectures=[ARCHITECTURES[model_type]], model_type=model_type, vocab_size=vocab,
+        hidden_size=hidden, intermediate_size=size("feed_forward_length"),
+        num_hidden_layers=size("block_count", limit=len(tensor_names)), num_attention_heads=heads,
+        num_key_value_heads=size("attention.head_count_kv", heads),
+        head_dim=size("attention.key_length", max(1, hidden // heads)),
+        rms_norm_eps=size.epsilon("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=size("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
     )
     for name, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("unk_token_id", "unknown_token_id"), ("pad_token_id", "padding_token_id")):
-        if metadata.get(f"tokenizer.ggml.{gguf_key}") is not None:
-            config[name] = int(metadata[f"tokenizer.ggml.{gguf_key}"])
-    config.update(family.gguf.read(model_type, key, config))
+        value = metadata.get(f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+                raise CheckpointError(f"{where}: tokenizer.ggml.{gguf_key} = {value!r} is not a token id below the "
+                                      f"vocabulary size {vocab}; the file's metadata is corrupt.")
+            config[name] = value
+    try:
+        config.update(family.gguf.read(model_type, key, config))
+    except (ArithmeticError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{where}: the {arch} metadata makes no sense ({type(err).__name__}: {err}); the "
+                              "file's header is corrupt: convert or download it again.") from None
+    _check_positive(config, where, arch)
     return config
+
+
+def _check_positive(values: dict[str, Any], where: str, arch: str) -> None:
+    """Every number of the config (RoPE bases, soft-caps, the sliding window...) finite and above 0, token ids
+    aside: a zero, negative or infinite one is a corrupt header, not a model."""
+    for name, value in values.items():
+        if isinstance(value, dict):
+            _check_positive(value, where, arch)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not name.endswith("_token_id") \
+                and not (0 < value < math.inf):
+            raise CheckpointError(f"{where}: the {arch} metadata gives {name} = {value!r}, which must be a finite "
+                                  "number above 0; the file's header is corrupt: convert or download it again.")
+
+
+MAX_SIZE = 1 << 24  # a size in a GGUF header above this (16M) is corrupt, not a model
+
+
+class _CheckedKeys(GGUFKeys):
+    """GGUFKeys whose numbers (what a family reads: RoPE bases, soft-caps, windows, periods) are refused, naming
+    the key, unless finite and above 0 (a whole number up to MAX_SIZE for an integer)."""
+
+    def __call__(self, name: str, default: Any = KeyError) -> Any:
+        value = super().__call__(name, default)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and value is not default
+        if number and not (0 < value < math.inf and (isinstance(value, float) or value <= MAX_SIZE)):
+            raise CheckpointError(f"{self.where}: {self.arch}.{name} = {value!r} must be a finite number above 0"
+                                  f"{'' if isinstance(value, float) else f' and at most {MAX_SIZE:,}'}; the file's "
+                                  "header is corrupt: convert or download it again.")
+        return value
+
+
+class _Sizes:
+    """The header's sizes, each a whole number in [1, MAX_SIZE] (or `limit`), else a CheckpointError naming the
+    key: a zero, negative, huge or non-finite size would divide by zero or allocate without bound later."""
+
+    def __init__(self, key: GGUFKeys, where: str):
+        self.key, self.where = key, where
+
+    def __call__(self, name: str, default: Any = KeyError, limit: int = MAX_SIZE) -> int:
+        value = self.key(name, default)
+        if value is None:
+            raise CheckpointError(f"{self.where}: neither {self.key.arch}.{name} nor tokenizer.ggml.tokens gives "
+                                  "it; the file is incomplete.")
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole or not 1 <= value <= limit:
+            raise CheckpointError(f"{self.where}: {self.key.arch}.{name} = {value!r} is not a size (a whole number "
+                                  f"from 1 to {limit:,}); the file's header is corrupt: convert or download it "
+                                  "again.")
+        return int(value)
+
+    def epsilon(self, name: str) -> float:
+        value = self.key(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise CheckpointError(f"{self.where}: {self.key.arch}.{name} = {value!r} is not an epsilon in (0, 1); "
+                                  "the file's header is corrupt: convert or download it again.")
+        return float(value)
 
 
 def tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
@@ -260,11 +324,13 @@ def resolve_gguf_dtype(dtype) -> np.dtype:
     return resolved
 
 
-def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype="bfloat16") -> str:
+def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype="bfloat16",
+                overwrite: bool = False) -> str:
     """Write the GGUF model at `gguf_path` as an HF folder (config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json, special_tokens_map.json, generation_config.json) at `out_dir`; returns its absolute
     path. Raises CheckpointError (naming the file, and the tensor or key) for a truncated or foreign file, an
-    unsupported architecture or tensor type, or missing tensors, before anything is written."""
+    unsupported architecture or tensor type, or missing tensors, before anything is written. A non-empty `out_dir`
+    is refused unless `overwrite=True` (then replaced once the new folder is complete)."""
     path, out_dir = os.path.abspath(os.fspath(gguf_path)), os.fspath(out_dir)
     out_dtype = resolve_gguf_dtype(dtype)
     file = GGUFFile(path)
@@ -282,8 +348,9 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     tokenizer_config, special_map = tokenizer_configs(metadata, list(metadata["tokenizer.ggml.tokens"]), path)
     generation = {"_from_model_config": True, **{k: config_dict[k] for k in
                                                   ("bos_token_id", "eos_token_id", "pad_token_id") if k in config_dict}}
-    with atomic_folder(out_dir) as tmp:
-        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    with atomic_folder(out_dir, overwrite=overwrite) as tmp:
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as handle:
+            handle.write(tokenizer.to_str(pretty=True))  # Python's write: a full disk is an OSError (ENOSPC)
         del tokenizer  # its vocabulary and merges are not kept alongside the largest tensor
         write_model_files(tmp, [pending_tensor(p, file, out_dtype) for p in plans], "5GB")
         write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=torch_dtype_name(out_dtype)))

@@ -30,11 +30,10 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
-from typing import Iterator
 
 import numpy as np
 
+from .atomic import atomic_file
 from .config import FULL, ModelConfig
 from .families import BY_GGUF_ARCHITECTURE, without_gguf
 from .gguf_export_tokenizer import Vocabulary, add_to_writer, read_vocabulary
@@ -171,37 +170,6 @@ def stored_shapes(folder: str, weight_map: dict[str, str]) -> dict[str, tuple[in
                                           "expected F32, BF16, F16 or F64.")
                 shapes[name] = tuple(stored.get_shape())
     return shapes
-
-
-@contextlib.contextmanager
-def atomic_file(path: str) -> Iterator[str]:
-    """A temporary file beside `path`, renamed onto it (fsynced first) when the block succeeds, removed when not."""
-    parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a folder; give the path of the .gguf file to write.")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", dir=parent)
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot write in {parent} ({err.strerror}); choose a path in a writable "
-                              "folder.") from None
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a published model file should not be
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_gguf(tmp: str, folder: str, config: ModelConfig, arch: str, vocab: Vocabulary,

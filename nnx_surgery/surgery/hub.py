@@ -96,33 +96,16 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
     """
     folder = os.path.abspath(os.fspath(folder))
     check_model_folder(folder)
-    from huggingface_hub import HfApi, constants, get_token
+    from huggingface_hub import HfApi, constants
 
     if constants.is_offline_mode():
         raise HubError("cannot push: offline mode is on (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1). Unset it "
                        f"and push again; the folder {folder} is complete and can be uploaded later.")
-    token = token or get_token()
-    if not token:
-        raise HubError("cannot push: no Hugging Face token. Set HF_TOKEN, run `hf auth login`, or pass token=... "
-                       "(a token with write access, from https://huggingface.co/settings/tokens).")
+    token = _token(token)
     api = HfApi(endpoint=endpoint, token=token)
     where = endpoint or constants.ENDPOINT
     with _translated_errors(token, where, repo_id):
-        identity = _retrying(api.whoami, "whoami")
-        user = identity.get("name")
-        orgs = [org.get("name") for org in identity.get("orgs", [])]
-        if "/" not in repo_id:
-            repo_id = f"{user}/{repo_id}"
-        namespace = repo_id.split("/")[0]
-        if namespace not in {user, *orgs}:
-            raise HubError(f"cannot push to {repo_id}: the token belongs to user {user!r} (orgs: "
-                           f"{', '.join(orgs) or 'none'}), who cannot write to namespace {namespace!r}. Use "
-                           f"'{user}/{repo_id.split('/', 1)[1]}' or a token of a member of {namespace!r}.",
-                           status_code=403)
-        role = identity.get("auth", {}).get("accessToken", {}).get("role")
-        if role == "read":
-            raise HubError(f"cannot push to {repo_id}: the token is read-only; create a token with write access.",
-                           status_code=403)
+        repo_id = _writable_repo(api, repo_id)
         _retrying(lambda: api.create_repo(repo_id, private=private, exist_ok=True), "create_repo")
         if private and _retrying(lambda: api.model_info(repo_id), "model_info").private is False:
             # create_repo ignores `private` for a repo that already exists
@@ -141,6 +124,52 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True
                                    delete_patterns=list(STALE_WEIGHT_PATTERNS))
     logger.info("pushed %s to %s", folder, commit)
     return commit
+
+
+def check_push_access(repo_id: str, *, token: str | None = None, endpoint: str | None = None) -> str:
+    """What `push_to_hub` checks before uploading, without a folder and without creating anything: not offline,
+    a token, the Hub reachable and the token allowed to write to `repo_id`'s namespace. Returns the full repo id;
+    a HubError (the token never in it) otherwise. For a run that pushes at its end, to refuse at its start."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.is_offline_mode():
+        raise HubError(f"cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1); "
+                       "unset it, or publish the folder later with `nnx-surgery push`.")
+    token = _token(token)
+    where = endpoint or constants.ENDPOINT
+    with _translated_errors(token, where, repo_id):
+        return _writable_repo(HfApi(endpoint=endpoint, token=token), repo_id)
+
+
+def _token(token: str | None) -> str:
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise HubError("cannot push: no Hugging Face token. Set HF_TOKEN, run `hf auth login`, or name the variable "
+                       "holding one (`nnx-surgery push --token-env VAR`; in Python, push_to_hub(token=...)); it needs "
+                       "write access (https://huggingface.co/settings/tokens).")
+    return token
+
+
+def _writable_repo(api, repo_id: str) -> str:
+    """`repo_id` with the token's user as namespace when it has none, refused when the token cannot write there."""
+    identity = _retrying(api.whoami, "whoami")
+    user = identity.get("name")
+    orgs = [org.get("name") for org in identity.get("orgs", [])]
+    if "/" not in repo_id:
+        repo_id = f"{user}/{repo_id}"
+    namespace = repo_id.split("/")[0]
+    if namespace not in {user, *orgs}:
+        raise HubError(f"cannot push to {repo_id}: the token belongs to user {user!r} (orgs: "
+                       f"{', '.join(orgs) or 'none'}), who cannot write to namespace {namespace!r}. Use "
+                       f"'{user}/{repo_id.split('/', 1)[1]}' or a token of a member of {namespace!r}.",
+                       status_code=403)
+    role = identity.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        raise HubError(f"cannot push to {repo_id}: the token is read-only; create a token with write access.",
+                       status_code=403)
+    return repo_id
 
 
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's own http_backoff retries

@@ -158,10 +158,10 @@ class Plan:
             path = os.path.join(path, PLAN_FILE)
         if jax.distributed.is_initialized() and jax.process_index() != 0:
             return path
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        from .atomic import atomic_file
+
+        with atomic_file(path) as tmp, open(tmp, "w") as f:
             f.write(self.to_json())
-        os.replace(tmp, path)
         return path
 
     @classmethod

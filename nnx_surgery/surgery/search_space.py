@@ -84,7 +84,12 @@ def parse_budget(text: str | int | float) -> int | float:
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit:
         return int(number * {"k": 1e3, "m": 1e6, "b": 1e9}[unit])
-    return number if number <= 1 else int(number)
+    if "." in match.group(1) or number < 1:  # a fraction of the teacher's count
+        if number > 1:
+            raise SpecError(f"parameter budget {text!r}: a fraction of the teacher's count is at most 1; for a "
+                            f"count give it with a unit (e.g. {number:g}M) or as a whole number.")
+        return number
+    return int(number) if number > 1 else number
 
 
 def budget_target(teacher: ModelConfig, params: int | float | str, counting: str) -> int:

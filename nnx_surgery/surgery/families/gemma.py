@@ -215,6 +215,10 @@ def _gguf_layer_types(keys: GGUFKeys, num_layers: int, default_pattern: int) -> 
     pattern = keys("attention.sliding_window_pattern", default_pattern)
     if isinstance(pattern, list):
         return [SLIDING if flag else FULL for flag in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise CheckpointError(f"{keys.where}: {keys.arch}.attention.sliding_window_pattern = {pattern!r} is not a "
+                              "period of layers (a whole number from 1) or one flag per layer; the file's header is "
+                              "corrupt.")
     return [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
 
 

@@ -1,0 +1,489 @@
+"""The command line under bad input (issue 43): every case refuses with exit 2 and one error line (no traceback
+without --debug), writes nothing anywhere in the workspace, leaves every input byte-identical (sha256 of every
+file before and after) and prints no secret; a documented reading (--truncate-prompt, --overwrite onto an output
+that is no input) exits 0 and says what it did.
+
+The classes: --overwrite onto an input, into one, around one or onto a device; values a flag cannot take (infinite,
+NaN, out of range, not UTF-8); GGUF headers with zero, negative, huge or non-finite sizes (a table, and
+hypothesis-made headers); requests larger than the model's positions; a full disk (RLIMIT_FSIZE, in a
+subprocess); a token given where a variable's name belongs; signals during a write; settings accepted before
+though wrong; compress's parser; --push-to-hub checked before training. Commands run in this process (`cli.main`)
+unless the process itself is what is checked (a resource limit, a signal, the Hub's environment)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fake_hub import FakeHub
+from hf_reference import make_hf_model, save_hf
+from tiny_tokenizers import save_gemma_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nnx_surgery import cli  # noqa: E402
+
+TOKEN = "hf_refusalCanaryQ7zX9wV3tT5rR1pP8nN2"
+SPEC = "layers=2,mlp=24"
+DATA = ["--seq-len", "32"]
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    """`nnx-surgery ARGS` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def tree(root) -> dict[str, str]:
+    """Every entry under `root`: a file's sha256, a link's target, a folder's name (so a new empty one shows)."""
+    found = {}
+    for base, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(base, name)
+            key = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[key] = "-> " + os.readlink(path)
+            elif os.path.isdir(path):
+                found[key] = "folder"
+            else:
+                with open(path, "rb") as handle:
+                    found[key] = hashlib.sha256(handle.read()).hexdigest()
+    return found
+
+
+def assert_refused(code, out: str, err: str, culprit: str = "", *, expected: int = 2) -> None:
+    assert code == expected, f"exit {code}, not {expected}:\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in err and "Traceback" not in out, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert len(err.strip().splitlines()) <= 2, err  # the error, and the pointer to --debug
+    assert culprit in errors[0], f"{culprit!r} not in {errors[0]!r}"
+    assert TOKEN not in out + err
+
+
+def refused(w: dict, argv: list[str], culprit: str = "", *, expected: int = 2) -> str:
+    """Run `argv` in this process; check the refusal and that nothing in the workspace changed."""
+    before = tree(w["base"])
+    code, out, err = run(*argv)
+    assert_refused(code, out, err, culprit, expected=expected)
+    assert tree(w["base"]) == before, "the workspace changed"
+    assert not os.path.exists(w["cache"]) or not [n for n in os.listdir(w["cache"]) if n.startswith(".")]
+    return err
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    """The tiny teacher with a tokenizer (128 positions), a data folder, a data-free plan, its student, the
+    teacher as GGUF, a link to the teacher and an empty file; the GGUF cache outside the workspace."""
+    base = tmp_path_factory.mktemp("refusals")
+    teacher, data = str(base / "teacher"), base / "data"
+    size = save_gemma_tokenizer(teacher)
+    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size, query_pre_attn_scalar=12,
+                          num_hidden_layers=2), teacher)
+    data.mkdir()
+    for name in ("textwrap.py", "string.py", "bisect.py"):
+        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
+    cache = tmp_path_factory.mktemp("gguf-cache")
+    os.environ["NNX_SURGERY_CACHE"] = str(cache)
+    w = dict(base=base, teacher=teacher, data=str(data), plan=str(base / "plan.json"), student=str(base / "student"),
+             gguf=str(base / "teacher.gguf"), link=str(base / "link"), empty=str(base / "empty.txt"),
+             cache=str(cache / "gguf"), new=str(base / "new"))
+    assert run("plan", teacher, "--student", SPEC, "--calibration-samples", "0", "-o", w["plan"])[0] == 0
+    assert run("prune", teacher, w["plan"], w["student"])[0] == 0
+    assert run("export-gguf", teacher, w["gguf"], "--dtype", "f32")[0] == 0
+    os.symlink(teacher, w["link"])
+    open(w["empty"], "w").close()
+    yield w
+    os.environ.pop("NNX_SURGERY_CACHE", None)
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def overwrite_cases(w: dict) -> list[tuple[list[str], str]]:
+    """--overwrite onto an input, into one, around one (through a link too), or onto a device."""
+    t, s, g, p, base = w["teacher"], w["student"], w["gguf"], w["plan"], str(w["base"])
+    weights, linked = os.path.join(t, "model.safetensors"), os.path.join(w["link"], "model.safetensors")
+    o = "--overwrite"
+    return [
+        (["export-gguf", t, weights, o], "lies inside the input"),
+        (["export-gguf", t, os.path.join(t, "config.json"), o], "lies inside the input"),
+        (["export-gguf", t, linked, o], "lies inside the input"),
+        (["export-gguf", w["link"], weights, o], "lies inside the input"),
+        (["export-gguf", t, os.path.join(t, "new.gguf")], "lies inside the input"),
+        (["export-gguf", t, os.devnull, o], "not a regular file"),
+        (["export-gguf", t, base, o], "contains the input"),
+        (["import-gguf", g, base, o], "contains the input"),
+        (["import-gguf", g, g, o], "is the input"),
+        (["import-gguf", g, os.devnull, o], "not a regular file"),
+        (["prune", t, p, t, o], "is the input"),
+        (["prune", t, p, w["link"], o], "is the input"),
+        (["prune", t, p, os.path.join(t, "sub"), o], "lies inside the input"),
+        (["prune", t, p, base, o], "contains the input"),
+        (["prune", t, p, p, o], "is the input"),
+        (["prune", t, p, os.devnull, o], "not a regular file"),
+        (["plan", t, "--student", SPEC, "--calibration-samples", "0", "-o", os.path.join(t, "plan.json")],
+         "lies inside the input"),
+        (["plan", t, "--student", SPEC, "--calibration-samples", "0", "-o", os.path.join(t, "config.json"), o],
+         "lies inside the input"),
+        (["plan", t, "--student", SPEC, "--data", w["data"], "-o", os.path.join(w["data"], "bisect.py"), o],
+         "lies inside the input"),
+        (["plan", t, "--student", SPEC, "--calibration-samples", "0", "-o", os.devnull, o], "not a regular file"),
+        (["distill", t, s, "-o", t, o], "is the input"),
+        (["distill", t, s, "-o", s, o], "is the input"),
+        (["distill", t, s, "-o", os.path.join(s, "out"), o], "lies inside the input"),
+        (["distill", t, s, "-o", base, o], "contains the input"),
+        (["distill", t, s, "-o", w["data"], "--data", w["data"], o], "is the input"),
+        (["distill", t, s, "-o", w["link"], o], "is the input"),
+        (["distill", t, s, "-o", os.devnull, o], "not a regular file"),
+        (["eval", "--teacher", t, s, "-o", s, o], "is the input"),
+        (["eval", "--teacher", t, s, "-o", os.path.join(t, "eval"), o], "lies inside the input"),
+        (["eval", "--teacher", t, s, "-o", base, o], "contains the input"),
+        (["eval", "--teacher", g, s, "-o", g, o], "is the input"),
+        (["compress", "--teacher", t, "--output", t, o, "--dry-run"], "is the input"),
+        (["compress", "--teacher", t, "--output", base, o], "contains the input"),
+        (["compress", "--teacher", t, "--output", os.path.join(t, "run"), o], "lies inside the input"),
+        (["compress", "--teacher", t, "--data", w["data"], "--output", w["data"], o], "is the input"),
+    ]
+
+
+def value_cases(w: dict) -> list[tuple[list[str], str]]:
+    """Values a flag cannot take: infinite, NaN, out of range, not UTF-8, more than the model's positions."""
+    t, s, new = w["teacher"], w["student"], w["new"]
+    distill = ["distill", t, s, "-o", new]
+    cases = []
+    for value in ("inf", "-inf", "nan", "1e999", "Infinity"):
+        cases += [(["generate", s, "--prompt", "x", "--temperature", value], "--temperature"),
+                  ([*distill, "--temperature", value], "--temperature"),
+                  ([*distill, "--learning-rate", value], "--learning-rate"),
+                  (["compress", "--teacher", t, "--output", new, "--learning-rate", value], "--learning-rate"),
+                  (["compress", "--teacher", t, "--output", new, "--temperature", value], "--temperature")]
+    cases += [
+        ([*distill, "--alpha", "nan"], "--alpha"),
+        (["generate", s, "--prompt", "x", "--top-p", "nan"], "--top-p"),
+        (["compress", "--teacher", t, "--output", new, "--temperature", "3:inf"], "--temperature"),
+        (["compress", "--teacher", t, "--output", new, "--temperature", "nan:1"], "--temperature"),
+        (["generate", s, "--prompt", "caf\udce9 \udcff"], "UTF-8"),
+        (["generate", s, "--prompt", "\udc80"], "UTF-8"),
+        (["generate", s, "--prompt", "x", "--max-new-tokens", "1000000000"], "--max-new-tokens"),
+        (["generate", s, "--prompt", "x", "--max-new-tokens", "128"], "--max-new-tokens"),
+        (["generate", s, "--prompt", "x", "--max-new-tokens", str(10 ** 30)], "--max-new-tokens"),
+        (["generate", s, "--prompt", "def f(x): return x\n" * 60], "--truncate-prompt"),
+        (["generate", s, "--prompt", "word " * 200, "--max-new-tokens", "100"], "--truncate-prompt"),
+    ]
+    return cases
+
+
+def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
+    """Settings once accepted (or blamed on another flag), refused now, before anything is written."""
+    t, s, new = w["teacher"], w["student"], w["new"]
+    compress = ["compress", "--teacher", t, "--output", new]
+    return [
+        (["eval", "--teacher", t, s, "-o", new, "--eval-tokens", "10"], "--eval-tokens"),
+        (["eval", "--teacher", t, s, "-o", new, "--eval-tokens", "63"], "--eval-tokens"),
+        ([*compress, "--eval-tokens", "10"], "--eval-tokens"),
+        (["distill", t, s, "-o", new, "--warmup-steps", "1000", "--steps", "2"], "--warmup-steps"),
+        (["distill", t, s, "-o", new, "--warmup-steps", "3", "--steps", "2"], "--warmup-steps"),
+        ([*compress, "--warmup-steps", "1000", "--steps", "2"], "--warmup-steps"),
+        ([*compress, "--steps", "0"], "--steps 0"),
+        ([*compress, "--steps", "-3", "--alpha", "0.5"], "--steps -3"),
+        ([*compress, "--alpha", "1.5"], "--alpha"),
+        ([*compress, "--student", "params=2.0"], "at most 1"),
+        ([*compress, "--student", "params=1.5"], "at most 1"),
+        ([*compress, "--student", "params=12.5"], "at most 1"),
+        ([*compress, "--student", "params=lots"], "params"),
+        (["compress", "--teacher", t, "--output", new, "--no-such-flag"], "--no-such-flag"),
+        (["compress", "--teacher", t, "--output", new, "--steps", "many"], "--steps"),
+        (["compress", "--output", new, "--preset", "tiny", "--halt-after", "x"], "--halt-after"),
+    ]
+
+
+def written_on_refusal_cases(w: dict) -> list[tuple[list[str], str]]:
+    """A refusal after the output's path was read must not have made its folders."""
+    t, new = w["teacher"], w["new"]
+    nested = os.path.join(new, "sub", "x")
+    return [
+        (["export-gguf", str(w["base"] / "missing"), nested + ".gguf"], "FOLDER"),
+        (["export-gguf", w["data"], nested + ".gguf"], "config.json"),
+        (["export-gguf", t, nested + ".gguf", "--dtype", "q4_k_m"], "--dtype"),
+        (["import-gguf", w["empty"], nested], "not a GGUF file"),
+        (["import-gguf", os.path.join(t, "config.json"), nested], "not a GGUF file"),
+        (["plan", t, "--student", "layers=99", "-o", nested + ".json"], "--student"),
+        (["plan", t, "--student", "params=0.5", "-o", nested + ".json"], "params="),
+        (["prune", t, str(w["base"] / "missing.json"), nested], "PLAN.json"),
+        (["prune", t, w["empty"], nested], "empty.txt"),
+        (["distill", t, w["student"], "-o", nested, "--data", w["empty"], *DATA], "empty.txt"),
+        (["eval", "--teacher", t, w["student"], "-o", nested, "--compare", "a:b"], "--compare"),
+        (["import-gguf", w["gguf"], w["student"]], "--overwrite"),
+    ]
+
+
+def secret_cases(w: dict) -> list[tuple[list[str], str]]:
+    """A token given where the name of its variable belongs is never shown."""
+    s = w["student"]
+    return [
+        (["push", s, "alice/x", "--token-env", TOKEN], "looks like a token"),
+        (["push", s, "alice/x", f"--token-env={TOKEN}"], "looks like a token"),
+        (["push", s, "alice/x", "--token-env", "Bearer " + TOKEN], "looks like a token"),
+        (["push", s, "alice/x", "--token-env", TOKEN[3:]], "looks like a token"),
+        (["push", s, "alice/x", "--token-env", "api_org_" + TOKEN[3:]], "looks like a token"),
+        (["push", str(w["base"] / TOKEN), "alice/x", "--token-env", TOKEN], "looks like a token"),
+    ]
+
+
+TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
+          "written": written_on_refusal_cases, "secret": secret_cases}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 16, "written": 12, "secret": 6}
+
+
+@pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
+def test_refusal(w, table, index):
+    cases = TABLES[table](w)
+    assert len(cases) == COUNTS[table], f"COUNTS[{table!r}] is {COUNTS[table]}, the table has {len(cases)}"
+    argv, culprit = cases[index]
+    refused(w, argv, culprit)
+    assert not os.path.lexists(w["new"])
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)  # the device is still a device
+
+
+def test_debug_keeps_the_traceback(w):
+    code, _, err = run("export-gguf", w["teacher"], os.path.join(w["teacher"], "x.gguf"), "--debug")
+    assert code == 2 and "Traceback" in err and "lies inside the input" in err
+
+
+def test_secret_variables_are_masked_in_any_message(w, monkeypatch):
+    """A secret-bearing variable's value never appears, even where the message would echo a path equal to it."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    err = refused(w, ["push", str(w["base"] / TOKEN), "alice/x"])
+    assert "<secret>" in err
+    err = refused(w, ["generate", str(w["base"] / TOKEN), "--prompt", "x"], "FOLDER")
+    assert "<secret>" in err
+
+
+# ------------------------------------------------------------------------------------------------ readings
+def test_truncate_prompt_keeps_the_last_tokens_and_says_so(w):
+    code, out, err = run("generate", w["student"], "--prompt", "word " * 200, "--max-new-tokens", "4",
+                         "--truncate-prompt")
+    assert code == 0, err
+    assert "--truncate-prompt kept the prompt's last" in err and "Traceback" not in err and out.strip() != ""
+
+
+def test_import_gguf_overwrite_replaces_an_output_that_is_no_input(w, tmp_path):
+    out = tmp_path / "imported"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    before = tree(w["base"])
+    code, _, err = run("import-gguf", w["gguf"], str(out), "--dtype", "float32", "--overwrite")
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == sorted(["config.json", "model.safetensors", "tokenizer.json",
+                                              "tokenizer_config.json", "special_tokens_map.json",
+                                              "generation_config.json"])
+    assert tree(w["base"]) == before
+
+
+def test_the_push_example_names_the_command_once():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main(["push", "--help"])
+    examples = out.getvalue().split("examples:")[1].strip().splitlines()
+    assert examples and all(line.count("nnx-surgery") == 1 for line in examples), examples
+
+
+# ------------------------------------------------------------------------------------------------ interruptions
+def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch):
+    """Ctrl-C inside export-gguf's and import-gguf's writes, and inside distill's training and its final save:
+    exit 130, no temporary left, and no --resume (these commands have none) nor Python-API advice."""
+    from nnx_surgery import distill
+    from nnx_surgery.distill.interruption import RunInterrupted, interruption_message
+    from nnx_surgery.surgery import gguf as gguf_import, gguf_export
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def stop_run(*args, **kwargs):
+        raise RunInterrupted(interruption_message("SIGINT", 1, 2, saved=False, directory=None, checkpoint_step=None),
+                             step=1, checkpoint_step=None, directory=None)
+
+    new = w["new"]
+    for module, name, argv in ((gguf_export, "write_gguf", ["export-gguf", w["teacher"], new + ".gguf"]),
+                               (gguf_import, "write_model_files", ["import-gguf", w["gguf"], new]),
+                               (distill, "run", ["distill", w["teacher"], w["student"], "-o", new, *DATA])):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, stop_run if name == "run" else stop)
+            before = tree(w["base"])
+            code, _, err = run(*argv)
+        assert code == 130, err
+        assert "--resume" not in err and "checkpoint.directory" not in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and "run the same command again" in err
+        assert tree(w["base"]) == before, name
+
+
+SIGNALLED = """
+import os, signal, sys
+from nnx_surgery import cli
+from nnx_surgery.surgery import gguf_export
+def write(tmp, *args):
+    with open(tmp, "wb") as handle:
+        handle.write(b"GGUF partial")
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+gguf_export.write_gguf = write
+sys.exit(cli.main(["export-gguf", *sys.argv[2:]]))
+"""
+
+
+def test_sigterm_and_sigkill_during_export_leave_no_temporary_behind(w, tmp_path):
+    """SIGTERM: the temporary is removed on the way out (exit 143, one line). SIGKILL cannot be caught: its
+    temporary is named after the dead writer, and the next export to the same path removes it."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    out = tmp_path / "x.gguf"
+    term = subprocess.run([sys.executable, "-c", SIGNALLED, "SIGTERM", w["teacher"], str(out)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=ROOT)
+    assert term.returncode == 143, term.stderr
+    assert "Traceback" not in term.stderr and len(term.stderr.strip().splitlines()) == 1, term.stderr
+    assert os.listdir(tmp_path) == []
+    kill = subprocess.run([sys.executable, "-c", SIGNALLED, "SIGKILL", w["teacher"], str(out)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=ROOT)
+    assert kill.returncode == -signal.SIGKILL
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith(".x.gguf.partial-")
+    code, _, err = run("export-gguf", w["teacher"], str(out), "--dtype", "f16")
+    assert code == 0, err
+    assert os.listdir(tmp_path) == ["x.gguf"]
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+FULL_DISK = """
+import contextlib, io, json, resource, sys
+from nnx_surgery import cli
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(w, tmp_path):
+    """Every write past the file size limit (RLIMIT_FSIZE 0, as `ulimit -f 0`) fails with EFBIG, as a full disk
+    fails with ENOSPC: export-gguf, import-gguf, prune and plan each refuse in one line and leave no file."""
+    out = tmp_path / "out"
+    commands = [["export-gguf", w["teacher"], str(out / "x.gguf")], ["import-gguf", w["gguf"], str(out / "hf")],
+                ["prune", w["teacher"], w["plan"], str(out / "student")],
+                ["plan", w["teacher"], "--student", SPEC, "--calibration-samples", "0", "-o", str(out / "p.json")]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PYTHONDONTWRITEBYTECODE": "1"}
+    before = tree(w["base"])
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for argv, (code, err) in zip(commands, json.loads(proc.stdout.strip().splitlines()[-1])):
+        assert_refused(code, "", err, "")
+        assert "full" in err or "File too large" in err, (argv, err)
+    leftovers = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names]
+    assert leftovers == [], leftovers
+    assert tree(w["base"]) == before
+
+
+# ------------------------------------------------------------------------------------------------ GGUF headers
+ARCH = "gemma3"
+GOOD_HEADER = {"context_length": 128, "embedding_length": 32, "block_count": 2, "feed_forward_length": 48,
+               "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 12,
+               "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6, "attention.sliding_window": 5}
+BAD_VALUES = (0, -1, -(2 ** 31), 2 ** 40, float("inf"), float("-inf"), float("nan"), 0.5)
+
+
+def header_gguf(path, **changes) -> str:
+    """A GGUF holding only a header: the tiny teacher's keys with `changes` (integers as int64/uint64, others as
+    float64). With no change it is refused for its missing tensors, so a refusal naming the key is the header's."""
+    writer = gguf.GGUFWriter(str(path), ARCH)
+    for key, value in {**GOOD_HEADER, **changes}.items():
+        name = f"{ARCH}.{key}"
+        if isinstance(value, float):
+            writer.add_float64(name, value)
+        elif value < 0:
+            writer.add_int64(name, value)
+        else:
+            writer.add_uint64(name, value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<t{i}>" for i in range(40)])
+    for index in range(8):  # a file's tensors bound its block count; these are no model's
+        writer.add_tensor(f"unused.{index}", np.zeros(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_sound_header_gets_as_far_as_the_tensors(w, tmp_path):
+    refused(w, ["import-gguf", header_gguf(tmp_path / "sound.gguf"), str(w["base"] / "out")], "is missing")
+
+
+@pytest.mark.parametrize("key", sorted(GOOD_HEADER))
+@pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
+def test_a_header_that_makes_no_sense_is_refused_by_import_and_plan(w, tmp_path, key, value):
+    if key in ("attention.layer_norm_rms_epsilon", "rope.freq_base") and value == 0.5:
+        value = 2.0 if key.endswith("epsilon") else -0.5  # 0.5 is a (large) epsilon and a (small) RoPE base
+    path = header_gguf(tmp_path / "bad.gguf", **{key: value})
+    refused(w, ["import-gguf", path, str(w["base"] / "out")], key.split(".")[-1])
+    if value in (0, float("nan")) or key in ("attention.head_count", "context_length"):
+        refused(w, ["plan", path, "--student", SPEC, "--calibration-samples", "0", "-o", str(w["base"] / "p.json")],
+                key.split(".")[-1])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(sorted(GOOD_HEADER)), st.one_of(
+    st.integers(-(2 ** 62), 0), st.integers(2 ** 25, 2 ** 62), st.sampled_from([float("inf"), float("nan")]),
+    st.floats(-1e30, 0.0)), min_size=1, max_size=4))
+def test_generated_headers_are_refused_in_one_line_naming_a_key(w, tmp_path_factory, changes):
+    path = header_gguf(tmp_path_factory.mktemp("generated") / "g.gguf", **changes)
+    err = refused(w, ["import-gguf", path, str(w["base"] / "out")])
+    assert any(key.split(".")[-1] in err for key in changes), (changes, err)
+
+
+# ------------------------------------------------------------------------------------------------ --push-to-hub
+def compress_push(env: dict, output: str, repo: str = "alice/run") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nnx_surgery", "compress", "--preset", "tiny", "--output", output,
+                           "--push-to-hub", repo], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def test_push_to_hub_is_checked_before_the_run(w, tmp_path):
+    """compress --push-to-hub refuses at once, writing nothing, when offline, without a token, with a token that
+    cannot write to the namespace, or with the Hub unreachable."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_", "TRANSFORMERS_OFF"))}
+    base.update(JAX_PLATFORMS="cpu", HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_XET="1",
+                NNX_SURGERY_CACHE=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    out = str(tmp_path / "run")
+    with FakeHub({TOKEN: ("alice", [])}, lifetime_s=240) as hub:
+        cases = [({"HF_HUB_OFFLINE": "1", "HF_TOKEN": TOKEN}, "alice/run", "offline"),
+                 ({"HF_ENDPOINT": hub.url}, "alice/run", "no Hugging Face token"),
+                 ({"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}, "bob/run", "cannot write to namespace 'bob'")]
+        for extra, repo, culprit in cases:
+            proc = compress_push({**base, **extra}, out, repo)
+            assert_refused(proc.returncode, proc.stdout, proc.stderr, culprit)
+            assert not os.path.exists(out) and not os.path.exists(tmp_path / "cache")
+        assert "alice/run" not in hub.repos  # nothing created on the Hub either
