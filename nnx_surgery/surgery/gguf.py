@@ -180,7 +180,7 @@ def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str)
     config = dict(
         architectures=[ARCHITECTURES[model_type]], model_type=model_type, vocab_size=vocab,
         hidden_size=hidden, intermediate_size=size("feed_forward_length"),
-        num_hidden_layers=size("block_count", limit=len(tensor_names)), num_attention_heads=heads,
+        num_hidden_layers=size("block_count"), num_attention_heads=heads,
         num_key_value_heads=size("attention.head_count_kv", heads),
         head_dim=size("attention.key_length", max(1, hidden // heads)),
         rms_norm_eps=size.epsilon("attention.layer_norm_rms_epsilon"),
@@ -234,21 +234,21 @@ class _CheckedKeys(GGUFKeys):
 
 
 class _Sizes:
-    """The header's sizes, each a whole number in [1, MAX_SIZE] (or `limit`), else a CheckpointError naming the
+    """The header's sizes, each a whole number in [1, MAX_SIZE], else a CheckpointError naming the
     key: a zero, negative, huge or non-finite size would divide by zero or allocate without bound later."""
 
     def __init__(self, key: GGUFKeys, where: str):
         self.key, self.where = key, where
 
-    def __call__(self, name: str, default: Any = KeyError, limit: int = MAX_SIZE) -> int:
+    def __call__(self, name: str, default: Any = KeyError) -> int:
         value = self.key(name, default)
         if value is None:
             raise CheckpointError(f"{self.where}: neither {self.key.arch}.{name} nor tokenizer.ggml.tokens gives "
                                   "it; the file is incomplete.")
         whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not whole or not 1 <= value <= limit:
+        if isinstance(value, bool) or not whole or not 1 <= value <= MAX_SIZE:
             raise CheckpointError(f"{self.where}: {self.key.arch}.{name} = {value!r} is not a size (a whole number "
-                                  f"from 1 to {limit:,}); the file's header is corrupt: convert or download it "
+                                  f"from 1 to {MAX_SIZE:,}); the file's header is corrupt: convert or download it "
                                   "again.")
         return int(value)
 
@@ -338,6 +338,10 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     if int(metadata.get("split.count", 1)) > 1:
         raise CheckpointError(f"{path}: part of a split GGUF ({metadata['split.count']} files); merge the parts "
                               "first (llama.cpp's `llama-gguf-split --merge`).")
+    blocks = metadata.get(f"{metadata.get('general.architecture')}.block_count")
+    if isinstance(blocks, int) and blocks > len(file.tensors):  # before a list of that many layers is made
+        raise CheckpointError(f"{path}: block_count = {blocks} but the file holds {len(file.tensors)} tensors; the "
+                              "file's header is corrupt: convert or download it again.")
     config_dict = hf_config_dict(metadata, set(file.tensors), path)
     try:
         config = ModelConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")
