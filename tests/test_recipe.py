@@ -118,6 +118,24 @@ def test_results_table_compares_all_four_models(runs):
         assert (base / "full" / png).stat().st_size > 1000
 
 
+def test_the_scratch_control_reads_stage_a_and_stage_b_batches_in_their_order(runs):
+    """Staged compression: stage B reads on in stage A's stream, and the control reads that whole sequence; it
+    starts from new weights by design, which results.md says instead of claiming a same start."""
+    base, full = runs[0], runs[1]
+    pairing = json.loads((base / "full" / "results.json").read_text())["pairing"]
+    logged = {phase: json.loads((base / "full" / "phases" / phase / "history.json").read_text())
+              for phase in ("stage_a", "stage_b", "control")}
+    sequence = [r["batch_digest"] for phase in ("stage_a", "stage_b") for r in logged[phase]["train"]]
+    assert len(sequence) == STAGE_A_STEPS + STAGE_B_STEPS
+    assert [r["batch_digest"] for r in logged["control"]["train"]] == sequence
+    assert pairing["distillation"]["phases"] == ["stage_a", "stage_b"]
+    assert pairing["batches"]["same"] and pairing["same_start"] is None
+    assert logged["control"]["start"]["data"] == logged["stage_a"]["start"]["data"]
+    assert logged["stage_b"]["start"]["data"] == logged["stage_a"]["data_state"]  # B continued A's stream
+    assert logged["control"]["start"]["weights"] != logged["stage_b"]["start"]["weights"]
+    assert "same batches, same order" in full.stdout and "other weights by design" in full.stdout
+
+
 def test_halted_then_killed_and_resumed_run_ends_with_the_full_runs_student(runs, tmp_path):
     base, _, cache = runs
     soaked = tmp_path / "soaked"

@@ -41,8 +41,8 @@ Why the defaults:
 * `--student params=0.5` (or params=120M) first searches the shapes within that parameter budget, Minitron's way,
   and distils the winner (nnx_surgery/recipes/shape_search.py).
 * The control (`--control`): `pruned-ce` retrains the same pruned student with plain cross-entropy on the same
-  tokens (Minitron's baseline: what distillation must beat); `scratch` trains the student's shape from random
-  initialisation.
+  batches in the same order (Minitron's baseline: what distillation must beat); `scratch` trains the student's
+  shape from random initialisation on them. The pairing is checked and reported (run_phases.pairing).
 """
 from __future__ import annotations
 
