@@ -10,9 +10,12 @@ missing or unusable path into one line naming the argument, and the recipe's dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import stat
-from typing import Callable
+import tempfile
+from typing import Callable, Iterator
 
 from nnx_surgery.recipes.cli import RecipeError
 
@@ -112,6 +115,29 @@ def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None
     return os.path.abspath(path)
 
 
+@contextlib.contextmanager
+def staged_files(out: str) -> Iterator[str]:
+    """A temporary folder for the files a command writes into the folder `out`, beside it: moved into `out` (made
+    only then) one rename each when the block succeeds, removed when not, so that a failure (a full disk, Ctrl-C)
+    leaves `out` and its parents as they were. Files already in `out` that the command does not write are kept."""
+    out = os.path.abspath(out)
+    ancestor = os.path.dirname(out)
+    while not os.path.isdir(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    from nnx_surgery.surgery.atomic import _clean_leftovers, _owner
+
+    if ancestor == os.path.dirname(out):  # a killed run's staging folder is its writer's, named as atomic_folder's
+        _clean_leftovers(ancestor, os.path.basename(out))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-{_owner()}-", dir=ancestor)
+    try:
+        yield tmp
+        os.makedirs(out, exist_ok=True)
+        for name in sorted(os.listdir(tmp)):
+            os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def checked(flag: str, value, resolve: Callable):
     """`resolve(value)`, its ValueError turned into a RecipeError naming the flag."""
     try:
@@ -142,5 +168,6 @@ def shape_line(config) -> str:
             f"{config.num_parameters() / 1e6:,.2f}M parameters")
 
 
-__all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "empty_folder", "new_file", "checked",
+__all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "empty_folder", "new_file", "staged_files",
+           "checked",
            "text_batches", "shape_line"]

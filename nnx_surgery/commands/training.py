@@ -7,7 +7,8 @@ import json
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import empty_folder, input_paths, model_folder, shape_line, teacher_source, text_batches
+from nnx_surgery.commands import (empty_folder, input_paths, model_folder, shape_line, staged_files, teacher_source,
+                                  text_batches)
 from nnx_surgery.distill.heldout import interval_text
 from nnx_surgery.recipes import cli, evaluation
 
@@ -149,13 +150,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         rows.append((name, model, 0))
     vocabularies = {name: distill.Vocabulary(folder, kept[name]) for name, folder in zip(names, folders)
                     if kept[name] is not None}
-    os.makedirs(out, exist_ok=True)
-    results = evaluation.evaluate(settings, rows, data, out, pairs=pairs, vocabularies=vocabularies)
-    for row in results["rows"]:
-        row.pop("tokens")  # the recipe's training tokens: not known here
-    results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
-    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as handle:
-        json.dump(results, handle, indent=2)
+    with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
+        results = evaluation.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
+        for row in results["rows"]:
+            row.pop("tokens")  # the recipe's training tokens: not known here
+        results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
+        with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
     print(summary(results["rows"]))
     for line in compared_lines(results["sets"], pairs[len(names):]):
         print(line)

@@ -192,7 +192,8 @@ def _one_line(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, FileNotFoundError) and error.filename:
         text = f"no such file or folder: {error.filename}"
-    elif isinstance(error, OSError) and error.errno in FULL_DISK:
+    elif isinstance(error, OSError) and (error.errno in FULL_DISK or "No usable temporary directory" in text):
+        # the second: tempfile could write no probe file anywhere (what a full disk does to it)
         where = f" writing {error.filename}" if error.filename else ""
         text = (f"the disk is full or a file size limit was reached{where} ({error.strerror}); nothing was "
                 "replaced and the temporary files are removed: free space, or choose another output.")
