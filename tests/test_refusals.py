@@ -217,6 +217,8 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         (["compress", "--teacher", t, "--output", new, "--no-such-flag"], "--no-such-flag"),
         (["compress", "--teacher", t, "--output", new, "--steps", "many"], "--steps"),
         (["compress", "--output", new, "--preset", "tiny", "--halt-after", "x"], "--halt-after"),
+        (["distill", t, s, "-o", new, "--data", w["data"]], "lower --seq-len to at most 128"),
+        (["plan", t, "--student", SPEC, "--data", w["data"], "--seq-len", "4096", "-o", new], "--seq-len"),
     ]
 
 
@@ -255,7 +257,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 16, "written": 12, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 18, "written": 12, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
