@@ -1,0 +1,346 @@
+"""An lm-evaluation-harness backend for our NNX models: `lm_eval.simple_evaluate(model="nnx-surgery", ...)`.
+
+    import lm_eval, nnx_surgery.lm_eval_backend          # importing this module registers "nnx-surgery"
+    lm_eval.simple_evaluate(model="nnx-surgery", model_args="pretrained=runs/x/student,dtype=float32",
+                            tasks=["hellaswag"], batch_size=16)
+
+`pretrained` is anything the recipe's `--teacher` reads: a model folder (a trimmed-vocabulary student with its own
+tokenizer.json included), a `.gguf` file, `gguf:gemma3-270m` or a Hub id. Other model_args: `dtype` (default: the
+checkpoint's), `mesh` (e.g. `fsdp=4`; write `fsdp=4+tp=2` for several axes, since lm-eval splits model_args on
+commas), `max_length` (default: config.json's max_position_embeddings, as lm-eval's `hf` backend reads it),
+`batch_size` (lm-eval's own flag; "auto" is 16 here).
+
+It follows lm-eval's `hf` backend request by request, so the two agree on the same folder (tests/test_lm_eval_backend.py):
+the same tokenization (lm-eval's `TemplateLM` splits context and continuation; BOS as transformers adds it), the
+same left truncation to `max_length`, the same rolling windows (lm-eval's own `get_rolling_token_windows`), and
+greedy generation with stop strings cut as lm-eval cuts them. What differs is the engine: requests of similar length
+are batched and padded to a few bucket shapes, so each (batch, bucket) compiles once, and one jitted function scores a
+batch (log-probabilities and greedy flags on the device, never the (B, T, V) logits on the host).
+
+lm-eval is an optional dependency (`pip install 'nnx-surgery[lm-eval]'`); nothing else in the package imports it.
+lm-eval's command line has no way to load a model class from another package (its `--include_path` adds tasks only),
+so `python -m nnx_surgery.lm_eval_backend ARGS` runs lm-eval's own command line with this backend registered:
+
+    python -m nnx_surgery.lm_eval_backend run --model nnx-surgery --model_args pretrained=student/ --tasks arc_easy
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any, Sequence
+
+try:
+    import lm_eval.models  # noqa: F401  (registers lm-eval's own backends first: its registry fills itself only when empty)
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as error:  # noqa: F841
+    raise ImportError("nnx_surgery.lm_eval_backend needs lm-evaluation-harness, which is not installed; "
+                      "pip install 'nnx-surgery[lm-eval]'") from None
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DEFAULT_BATCH = 16
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config.json nor the tokenizer states a length
+SMALLEST_BUCKET = 16
+TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
+
+
+class LMEvalBackendError(ValueError):
+    """A model_args value or model folder the backend cannot use; the message says which and why."""
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+class FolderTokenizer:
+    """The folder's tokenizer.json through `tokenizers`, encoding as transformers' fast tokenizer does for lm-eval
+    (`add_special_tokens` adds BOS where the folder's tokenizer config says so) and decoding without special
+    tokens. No transformers needed: lm-eval's base install does not bring it."""
+
+    def __init__(self, folder: str):
+        from nnx_surgery.surgery.generate import _TextCodec
+
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            raise LMEvalBackendError(f"pretrained={folder}: no tokenizer.json there; lm-eval feeds text, so the model "
+                                     "folder needs its tokenizer (folders from prune, distill, compress and "
+                                     "import-gguf have one).")
+        self.codec = _TextCodec.of(folder)
+        self.tokenizer = self.codec.tokenizer
+        self.bos_id, self.eos_id, self.pad_id = self.codec.bos_id, self.codec.eos_id, self.codec.pad_id
+        self.model_max_length = _json(os.path.join(folder, "tokenizer_config.json")).get("model_max_length")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens:
+            return self.codec.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [int(ids)] if isinstance(ids, (int, np.integer)) else [int(i) for i in ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score(graphdef, state, ids, targets, weights):
+    """Per row: the summed log-probability of `targets` where `weights` is 1, and whether each of those targets is
+    the argmax. Right padding needs no mask: a causal model's earlier positions never see it."""
+    model = nnx.merge(graphdef, state)
+    logits = model(ids).logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
+    greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
+    return jnp.sum(logprobs * weights, axis=-1), jnp.all(greedy, axis=-1)
+
+
+def length_buckets(max_length: int) -> list[int]:
+    """Padded lengths a batch may take: powers of two from SMALLEST_BUCKET, and `max_length` itself."""
+    buckets, size = [], SMALLEST_BUCKET
+    while size < max_length:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_length]
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= length)
+
+
+def scoring_rows(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:
+    """The model's input (context + continuation without its last token, cut from the left to `max_length`, as
+    the hf backend cuts it) and how many of its last positions predict the continuation."""
+    tokens = (list(context) + list(continuation))[-(max_length + 1):]
+    return tokens, len(continuation)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@register_model("nnx-surgery", "nnx")
+class NNXSurgeryLM(TemplateLM):
+    """lm-eval's LM over `surgery.load_pretrained(pretrained)`; see the module's docstring."""
+
+    def __init__(self, pretrained: str, dtype: str | None = None, mesh: str | None = None,
+                 batch_size: int | str | None = None, max_length: int | None = None, max_gen_toks: int = 256,
+                 max_batch_size: int | None = None, device: str | None = None, **unused: Any):
+        super().__init__()
+        from nnx_surgery import surgery
+
+        self.folder = resolve_model_folder(str(pretrained))
+        self.tok = FolderTokenizer(self.folder)
+        self.mesh = _mesh(mesh)
+        self.model = surgery.load_pretrained(self.folder, dtype=dtype, mesh=self.mesh)
+        self.config = self.model.config
+        self._batch = _batch_size(batch_size, self.mesh)
+        self._max_length = int(max_length) if max_length else self._config_max_length()
+        self._max_gen_toks = int(max_gen_toks)
+        self.stop_ids = _eos_ids(self.folder, self.config)
+        self.graphdef, self.state = nnx.split(self.model)
+        self.buckets = length_buckets(self._max_length)
+        self.batch_sizes: dict = {}
+        self.timings = {"loglikelihood_s": 0.0, "generate_s": 0.0}
+
+    def _config_max_length(self) -> int:
+        value = self.config.raw.get("max_position_embeddings")
+        if value:
+            return int(value)
+        limit = self.tok.model_max_length
+        return int(limit) if limit and int(limit) < TOKENIZER_INFINITY else DEFAULT_MAX_LENGTH
+
+    # lm-eval's TemplateLM protocol ------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.folder.replace("/", "__")
+
+    def get_model_info(self) -> dict:
+        return {"model_name": self.folder, "model_dtype": str(self.model.dtype),
+                "model_num_parameters": int(sum(np.prod(v.shape) for v in jax.tree.leaves(self.state)))}
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
+                   **kwargs) -> list[int]:
+        """As the hf backend: special tokens unless asked otherwise, none when the text already starts with BOS."""
+        if add_special_tokens is None:
+            add_special_tokens = not string.startswith(self.tok.decode([self.prefix_token_id], False))
+        ids = self.tok.encode(string, add_special_tokens)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None,
+                              ) -> list[tuple[float, bool]]:
+        """(request, context ids, continuation ids) -> (log-probability of the continuation, is it greedy)."""
+        started = time.perf_counter()
+        rows = [scoring_rows(context, continuation, self.max_length) for _, context, continuation in requests]
+        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), rows[i][0]))
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            totals, greedy = self._score_batch([rows[i] for i in chunk])
+            for i, total, flag in zip(chunk, totals, greedy):
+                results[i] = (float(total), bool(flag))
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+        self.timings["loglikelihood_s"] += time.perf_counter() - started
+        return results
+
+    def _score_batch(self, rows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
+        """One padded (batch_size, bucket) call: inputs are tokens[:-1], targets tokens[1:], weighted 1 on the
+        continuation's positions."""
+        width = bucket_for(max(len(tokens) - 1 for tokens, _ in rows), self.buckets)
+        ids = np.zeros((self.batch_size, width), np.int32)
+        targets, weights = np.zeros_like(ids), np.zeros((self.batch_size, width), np.float32)
+        for r, (tokens, scored) in enumerate(rows):
+            n = len(tokens) - 1
+            ids[r, :n], targets[r, :n] = tokens[:-1], tokens[1:]
+            weights[r, n - scored:n] = 1.0
+        arrays = [self._place(a) for a in (ids, targets, weights)]
+        totals, greedy = _score(self.graphdef, self.state, *arrays)
+        return np.asarray(totals)[:len(rows)], np.asarray(greedy)[:len(rows)]
+
+    def _place(self, array: np.ndarray):
+        if self.mesh is None:
+            return jnp.asarray(array)
+        from jax.sharding import NamedSharding, PartitionSpec
+        from nnx_surgery.distill.mesh import data_split
+        axes, _ = data_split(self.mesh)
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec(tuple(axes) or None)))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's log-probability over windows of the model's context, lm-eval's own windows (the first
+        conditioned on the prefix token, each later one on as much earlier text as fits)."""
+        windows, owners = [], []
+        for index, (string,) in enumerate(req.args for req in requests):
+            for context, predicted in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, predicted))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[owner] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations (our KV-cached `surgery.generate`), batched among requests with the same
+        generation settings, longest prompts first, cut at the first stop string as lm-eval cuts them."""
+        started = time.perf_counter()
+        groups: dict[str, list[int]] = {}
+        for index, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(index)
+        results: list[str | None] = [None] * len(requests)
+        for indices in groups.values():
+            settings = requests[indices[0]].args[1]
+            prompts = {i: self._prompt(requests[i].args[0], settings) for i in indices}
+            indices = sorted(indices, key=lambda i: -len(prompts[i]))
+            for start in range(0, len(indices), self.batch_size):
+                chunk = indices[start:start + self.batch_size]
+                for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], settings)):
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        self.timings["generate_s"] += time.perf_counter() - started
+        return results
+
+    def _prompt(self, context: str, settings: dict) -> list[int]:
+        budget = self.max_length - self._gen_settings(settings)[1]
+        if budget <= 0:
+            raise LMEvalBackendError(f"max_gen_toks={self._gen_settings(settings)[1]} leaves no room for the prompt "
+                                     f"in the model's {self.max_length} positions.")
+        return self.tok_encode(context)[-budget:]
+
+    def _gen_settings(self, settings: dict) -> tuple[list[str], int]:
+        kwargs = normalize_gen_kwargs(dict(settings), self.max_gen_toks)
+        if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0:
+            raise LMEvalBackendError(f"generation settings {settings}: only greedy decoding is supported "
+                                     "(do_sample=false, temperature=0), as lm-eval's generative tasks use.")
+        until = handle_stop_sequences(kwargs.get("until"), eos=self.tok.decode([self.eot_token_id], False))
+        return until, int(kwargs["max_gen_toks"])
+
+    def _generate(self, prompts: list[list[int]], settings: dict) -> list[str]:
+        from nnx_surgery.surgery import generate
+
+        until, max_gen_toks = self._gen_settings(settings)
+        strings = [s for s in until if s and s != self.tok.decode([self.eot_token_id], False)]
+        out = generate(self.model, prompts, max_new_tokens=max_gen_toks, stop=[*self.stop_ids, *strings],
+                       tokenizer=self.tok.tokenizer)
+        return [postprocess_generated_text(self.tok.decode(tokens), until, None) for tokens in out.tokens]
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+def resolve_model_folder(pretrained: str) -> str:
+    """A local HF folder for `pretrained` (what the recipe's --teacher reads), or an LMEvalBackendError."""
+    from nnx_surgery.commands import teacher_source
+    from nnx_surgery.recipes.cli import RecipeError
+
+    if os.path.isdir(pretrained) and not os.path.isfile(os.path.join(pretrained, "config.json")):
+        raise LMEvalBackendError(f"pretrained={pretrained}: no config.json there, so it is not a model folder; give "
+                                 "a Hugging Face model folder, a .gguf file, gguf:gemma3-270m or a Hub id.")
+    try:
+        return os.path.abspath(teacher_source(pretrained, "pretrained="))
+    except RecipeError as error:
+        raise LMEvalBackendError(str(error).replace("pretrained= ", "pretrained=", 1)) from None
+
+
+def _mesh(spec: str | None):
+    if not spec:
+        return None
+    from nnx_surgery.distill.mesh import make_mesh
+    return make_mesh(str(spec).replace("+", ",").replace(";", ","))
+
+
+def _batch_size(value, mesh) -> int:
+    """lm-eval's batch_size (an int, "auto" or "auto:N"; auto is DEFAULT_BATCH here), rounded up to a multiple of
+    the mesh's data split so every device gets rows."""
+    text = str(value) if value is not None else "auto"
+    size = DEFAULT_BATCH if text.startswith("auto") else int(text)
+    if size < 1:
+        raise LMEvalBackendError(f"batch_size={value}: give a positive number of rows (or auto).")
+    if mesh is not None:
+        from nnx_surgery.distill.mesh import data_split
+        split = data_split(mesh)[1]
+        size = -(-size // split) * split
+    return size
+
+
+def _eos_ids(folder: str, config) -> list[int]:
+    """The ids transformers' generate stops on: generation_config.json's eos_token_id, else config.json's."""
+    eos = _json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
+    if eos is None:
+        eos = config.raw.get("eos_token_id")
+    return [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+
+
+if __name__ == "__main__":
+    from lm_eval.__main__ import cli_evaluate
+    cli_evaluate()
