@@ -219,6 +219,10 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         (["compress", "--output", new, "--preset", "tiny", "--halt-after", "x"], "--halt-after"),
         (["distill", t, s, "-o", new, "--data", w["data"]], "lower --seq-len to at most 128"),
         (["plan", t, "--student", SPEC, "--data", w["data"], "--seq-len", "4096", "-o", new], "--seq-len"),
+        ([*compress, "--seq-len", "1"], "--seq-len"),
+        ([*compress, "--batch-size", "0"], "--batch-size"),
+        ([*compress, "--mesh", "fsdp=x"], "--mesh"),
+        ([*compress, "--mesh", "tp=0"], "--mesh"),
     ]
 
 
@@ -257,7 +261,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 18, "written": 12, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 22, "written": 12, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

@@ -252,6 +252,15 @@ def check(args: Flags) -> None:
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
         raise RecipeError(f"--warmup-steps {args.warmup_steps}: give from 0 to --steps {args.steps} warm-up steps "
                           "(a longer warm-up never reaches the peak learning rate).")
+    if args.seq_len < 2 or args.batch_size < 1:
+        raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
+                          "row and 1 row per batch.")
+    if args.mesh:
+        from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
+        try:
+            parse_mesh_spec(args.mesh)
+        except MeshError as error:
+            raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
     _check_budget(args.student)
     _check_output(args)
     if args.eval_tokens < 64:
