@@ -335,7 +335,8 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
     new = w["new"]
     for module, name, argv in ((gguf_export, "write_gguf", ["export-gguf", w["teacher"], new + ".gguf"]),
                                (gguf_import, "write_model_files", ["import-gguf", w["gguf"], new]),
-                               (distill, "run", ["distill", w["teacher"], w["student"], "-o", new, *DATA])):
+                               (distill, "run", ["distill", w["teacher"], w["student"], "-o", new, *DATA,
+                                                 "--data", w["data"]])):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, stop_run if name == "run" else stop)
             before = tree(w["base"])
@@ -344,6 +345,28 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
         assert "--resume" not in err and "checkpoint.directory" not in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1 and "run the same command again" in err
         assert tree(w["base"]) == before, name
+
+
+def test_ctrl_c_in_distills_final_save_offers_no_resume(w, monkeypatch):
+    """The training done (here: a run that returns at once), Ctrl-C while the student is saved."""
+    from types import SimpleNamespace
+
+    from nnx_surgery import distill, surgery
+
+    def trained(teacher, student, data, config):
+        return SimpleNamespace(student=student, full_history=[], full_evals=[], data_state={})
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "run", trained)
+    monkeypatch.setattr(surgery, "save_student", stop)
+    monkeypatch.setattr(surgery, "save_pretrained", stop)
+    before = tree(w["base"])
+    code, _, err = run("distill", w["teacher"], w["student"], "-o", w["new"], *DATA, "--data", w["data"])
+    assert code == 130 and err.strip().splitlines()[-1].startswith("interrupted; nothing was written"), err
+    assert "--resume" not in err and "Traceback" not in err
+    assert tree(w["base"]) == before
 
 
 SIGNALLED = """
@@ -368,6 +391,7 @@ def test_sigterm_and_sigkill_during_export_leave_no_temporary_behind(w, tmp_path
                           text=True, timeout=120, env=env, cwd=ROOT)
     assert term.returncode == 143, term.stderr
     assert "Traceback" not in term.stderr and len(term.stderr.strip().splitlines()) == 1, term.stderr
+    assert term.stderr.startswith("terminated (SIGTERM); nothing was written") and "--resume" not in term.stderr
     assert os.listdir(tmp_path) == []
     kill = subprocess.run([sys.executable, "-c", SIGNALLED, "SIGKILL", w["teacher"], str(out)], capture_output=True,
                           text=True, timeout=120, env=env, cwd=ROOT)

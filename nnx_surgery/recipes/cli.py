@@ -131,11 +131,13 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
             print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
-        text = str(stop) if resumable else ""
-        print(redact(text, args) or ("interrupted; rerun the same command with --resume to continue from the last "
-                                     "checkpoint." if resumable else "interrupted; nothing was written (temporary "
-                                     "files are removed); run the same command again to start over."),
-              file=sys.stderr)
+        what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        if resumable:
+            text = ("" if isinstance(stop, Terminated) else redact(str(stop), args)) or \
+                f"{what}; rerun the same command with --resume to continue from the last checkpoint."
+        else:  # the command has no --resume: it publishes its output only once complete
+            text = f"{what}; nothing was written (temporary files are removed); run the same command again."
+        print(text, file=sys.stderr)
         sys.exit(143 if isinstance(stop, Terminated) else 130)
 
 
@@ -154,7 +156,7 @@ def _terminated_as_interrupt():
         return
 
     def stop(signum, frame):
-        raise Terminated("terminated (SIGTERM); nothing was written (temporary files are removed).")
+        raise Terminated("SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
