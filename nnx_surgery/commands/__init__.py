@@ -63,10 +63,10 @@ def input_paths(*given: str | None) -> list[str]:
     return paths
 
 
-def guard_output(path: str, name: str, inputs: list[str], *, folder: bool) -> str:
+def guard_output(path: str, name: str, inputs: list[str]) -> str:
     """Refuse an output that is, contains or lies inside one of `inputs` (symlinks resolved), or that exists and
-    is not a regular file (`folder` False) or a folder: --overwrite replaces what it is given, so it must never be
-    given an input or a device. Returns the output's absolute path."""
+    is neither a regular file nor a folder: --overwrite replaces what it is given, so it must never be given an
+    input or a device. Returns the output's absolute path."""
     real = os.path.realpath(path)
     for given in inputs:
         source = os.path.realpath(given)
@@ -91,7 +91,7 @@ def guard_output(path: str, name: str, inputs: list[str], *, folder: bool) -> st
 def empty_folder(path: str, name: str, overwrite: bool, inputs: list[str] = ()) -> str:
     """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file, an input
     of the command or a folder holding one (`guard_output`)."""
-    guard_output(path, name, list(inputs), folder=True)
+    guard_output(path, name, list(inputs))
     if os.path.exists(path) and not os.path.isdir(path):
         raise RecipeError(f"{name} {path}: exists and is not a folder; choose another path.")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
@@ -105,7 +105,7 @@ def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None
     `guard_output` refuses it. Its folder is not created here: the writer makes it once everything is checked."""
     if inside is not None and os.path.isdir(path):
         path = os.path.join(path, inside)
-    guard_output(path, name, list(inputs), folder=False)
+    guard_output(path, name, list(inputs))
     if os.path.isdir(path):
         raise RecipeError(f"{name} {path}: is a folder; give a file path.")
     if os.path.exists(path) and not overwrite:
@@ -175,5 +175,4 @@ def shape_line(config) -> str:
 
 
 __all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "empty_folder", "new_file", "staged_files",
-           "checked",
-           "text_batches", "shape_line"]
+           "checked", "text_batches", "shape_line"]

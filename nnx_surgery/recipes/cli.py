@@ -125,7 +125,7 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
         if isinstance(error, OSError) and not isinstance(error, USER_ERRORS) and error.errno not in FULL_DISK:
             raise
         if debug:
-            traceback.print_exc()
+            print(redact(traceback.format_exc(), args), end="", file=sys.stderr)
         print(f"error: {redact(_one_line(error), args)}", file=sys.stderr)
         if not debug:
             print("(run again with --debug for the traceback)", file=sys.stderr)
@@ -151,6 +151,7 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _terminated_as_interrupt():
+    """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it keeps its handler)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

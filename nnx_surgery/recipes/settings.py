@@ -239,30 +239,9 @@ def parse_ramp(value: Any, flag: str) -> float | list:
 
 
 def check(args: Flags) -> None:
-    """Refuse impossible combinations now, before any model is loaded."""
-    if args.steps < 1:
-        raise RecipeError(f"--steps {args.steps}: give at least 1 optimizer step.")
-    if not 0.0 <= args.alpha <= 1.0:
-        raise RecipeError(f"--alpha {args.alpha}: give a weight in [0, 1] (1: forward KL alone, 0: cross-entropy "
-                          "alone).")
-    for flag, value in (("--learning-rate", args.learning_rate), ("--scratch-learning-rate",
-                        args.scratch_learning_rate), ("--teacher-correction-lr", args.teacher_correction_lr)):
-        if value is not None and not 0 < value < math.inf:
-            raise RecipeError(f"{flag} {value}: give a finite learning rate above 0, e.g. 3e-4.")
-    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
-        raise RecipeError(f"--warmup-steps {args.warmup_steps}: give from 0 to --steps {args.steps} warm-up steps "
-                          "(a longer warm-up never reaches the peak learning rate).")
-    if args.seq_len < 2 or args.batch_size < 1:
-        raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
-                          "row and 1 row per batch.")
-    if args.mesh:
-        from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
-        try:
-            parse_mesh_spec(args.mesh)
-        except MeshError as error:
-            raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
-    _check_budget(args.student)
-    _check_output(args)
+    """Refuse impossible combinations now, before any model is loaded or anything written (the run's lengths,
+    rates and sizes; the output against the inputs; last, --push-to-hub's token and Hub)."""
+    _check_numbers(args)
     if args.eval_tokens < 64:
         raise RecipeError(f"--eval-tokens {args.eval_tokens}: a held-out set needs at least 64 scored tokens "
                           "(thousands to decide between students).")
@@ -296,6 +275,33 @@ def check(args: Flags) -> None:
         raise
     except (ValueError, TypeError) as error:
         raise RecipeError(f"distill settings: {error}") from None
+    _check_output(args)
+
+
+def _check_numbers(args: Flags) -> None:
+    """The run's length, rates, warm-up, row sizes, mesh and parameter budget."""
+    if args.steps < 1:
+        raise RecipeError(f"--steps {args.steps}: give at least 1 optimizer step.")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise RecipeError(f"--alpha {args.alpha}: give a weight in [0, 1] (1: forward KL alone, 0: cross-entropy "
+                          "alone).")
+    for flag, value in (("--learning-rate", args.learning_rate), ("--scratch-learning-rate",
+                        args.scratch_learning_rate), ("--teacher-correction-lr", args.teacher_correction_lr)):
+        if value is not None and not 0 < value < math.inf:
+            raise RecipeError(f"{flag} {value}: give a finite learning rate above 0, e.g. 3e-4.")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
+        raise RecipeError(f"--warmup-steps {args.warmup_steps}: give from 0 to --steps {args.steps} warm-up steps "
+                          "(a longer warm-up never reaches the peak learning rate).")
+    if args.seq_len < 2 or args.batch_size < 1:
+        raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
+                          "row and 1 row per batch.")
+    if args.mesh:
+        from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
+        try:
+            parse_mesh_spec(args.mesh)
+        except MeshError as error:
+            raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
+    _check_budget(args.student)
 
 
 def _check_budget(student: str | None) -> None:
@@ -315,7 +321,7 @@ def _check_output(args: Flags) -> None:
     from nnx_surgery.commands import guard_output, input_paths
 
     if args.output:
-        guard_output(args.output, "--output", input_paths(args.teacher, args.data, args.config), folder=True)
+        guard_output(args.output, "--output", input_paths(args.teacher, args.data, args.config))
     if args.push_to_hub and not args.print_config:
         from nnx_surgery.surgery.hub import check_push_access
         check_push_access(args.push_to_hub)
