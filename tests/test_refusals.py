@@ -223,6 +223,9 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         ([*compress, "--batch-size", "0"], "--batch-size"),
         ([*compress, "--mesh", "fsdp=x"], "--mesh"),
         ([*compress, "--mesh", "tp=0"], "--mesh"),
+        ([*compress, "--mesh", "fsdp=64"], "--mesh"),
+        ([*compress, "--data", w["empty"]], "--data"),
+        ([*compress, "--data", os.path.join(w["data"], "*.none")], "--data"),
     ]
 
 
@@ -261,7 +264,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 22, "written": 12, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 25, "written": 12, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

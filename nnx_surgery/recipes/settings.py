@@ -295,13 +295,29 @@ def _check_numbers(args: Flags) -> None:
     if args.seq_len < 2 or args.batch_size < 1:
         raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
                           "row and 1 row per batch.")
-    if args.mesh:
-        from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
+    if args.mesh:  # its axes, and that they fit the devices unless a dry run sizes a mesh of another machine
+        from nnx_surgery.distill.mesh import MeshError, make_mesh, parse_mesh_spec
         try:
-            parse_mesh_spec(args.mesh)
+            parse_mesh_spec(args.mesh) if args.dry_run else make_mesh(args.mesh, devices=args.mesh_devices)
         except MeshError as error:
             raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
     _check_budget(args.student)
+    _check_data(args.data)
+
+
+def _check_data(data: Any) -> None:
+    """Local --data that names no file, or only empty ones, refused before the run folder is written (the text
+    itself is read, and checked, once the teacher's tokenizer is known)."""
+    if not isinstance(data, str) or not data or data.startswith("hf:"):
+        return
+    try:
+        files = distill.sources.expand_paths(data)
+    except distill.DataError as error:
+        raise RecipeError(f"--data: {error}") from None
+    named_empty = os.path.isfile(data) and os.path.getsize(data) < 1 << 20 and \
+        not distill.sources.read_text(data).strip()
+    if named_empty or all(os.path.getsize(path) == 0 for path in files):
+        raise RecipeError(f"--data {data}: no text there (empty); pass files with text in them.")
 
 
 def _check_budget(student: str | None) -> None:
