@@ -1,0 +1,244 @@
+"""The lm-eval backend (nnx_surgery/lm_eval_backend.py) against lm-eval's own `hf` backend (transformers) on the
+same folders and the same offline tasks (nnx_surgery/lm_eval_tasks), in float32: every request's log-likelihood
+within 1e-4, the greedy flags, the generations and the task metrics the same. Tiny random Gemma 3 checkpoints with
+a real BPE tokenizer (tests/tiny_tokenizers.py), a trimmed-vocabulary student cut from one, lm-eval's command line
+through our module (with a 2-device mesh), bad input; the real Gemma 3 270M in a `slow` test."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_reference import make_hf_model, save_hf  # noqa: E402
+from recipe_env import with_host_devices  # noqa: E402
+from tiny_tokenizers import SAVERS, stdlib_text  # noqa: E402
+
+from nnx_surgery.lm_eval_tasks import TAG, TASKS, write_tasks  # noqa: E402
+
+LIMIT = 4  # documents per task: 4 x 4 choices, 4 rolling texts (several windows each), 4 generations
+TOLERANCE = 1e-4
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def lm_eval():
+    return pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> str:
+    """A tiny random Gemma 3 (sliding and full layers, 128 positions) with a Gemma-style BPE tokenizer."""
+    folder = str(tmp_path_factory.mktemp("lm-eval-tiny"))
+    size = SAVERS["gemma"](folder)
+    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tasks_folder(tmp_path_factory) -> str:
+    return write_tasks(tmp_path_factory.mktemp("lm-eval-tasks"))
+
+
+@pytest.fixture(scope="module")
+def task_manager(lm_eval, tasks_folder):
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_path=tasks_folder, include_defaults=False)  # indexing lm-eval's own tasks takes 26 s
+
+
+def _evaluate(lm_eval, model, task_manager, tasks=(TAG,), limit=LIMIT) -> dict:
+    return lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=task_manager, limit=limit,
+                                   log_samples=True, bootstrap_iters=0)
+
+
+def _ours(folder: str, **args):
+    from nnx_surgery.lm_eval_backend import NNXSurgeryLM
+    _ours.last = NNXSurgeryLM(pretrained=folder, dtype="float32", batch_size=4, **args)
+    return _ours.last
+
+
+def _hf(folder: str):
+    from lm_eval.models.huggingface import HFLM
+    return HFLM(pretrained=folder, dtype="float32", device="cpu", batch_size=4)
+
+
+def assert_same_results(ours: dict, theirs: dict, tolerance: float = TOLERANCE) -> int:
+    """Per request: log-likelihoods within `tolerance` (a rolling text's total, a float32 sum over many tokens, within
+    `tolerance` + 2e-7 of itself), greedy flags and generations equal; per task: accuracy and exact match equal,
+    perplexities to float32 rounding of the sums. Returns the number of requests compared."""
+    compared = 0
+    assert sorted(ours["samples"]) == sorted(theirs["samples"])
+    for task, samples in ours["samples"].items():
+        other = {s["doc_id"]: s for s in theirs["samples"][task]}
+        assert len(samples) == len(other)
+        for sample in samples:
+            for mine, reference in zip(sample["resps"], other[sample["doc_id"]]["resps"], strict=True):
+                mine, reference = mine[0], reference[0]
+                if isinstance(mine, str):
+                    assert mine == reference, (task, sample["doc_id"])
+                elif isinstance(mine, tuple):
+                    assert abs(mine[0] - reference[0]) <= tolerance, (task, sample["doc_id"], mine, reference)
+                    assert mine[1] == reference[1], (task, sample["doc_id"], mine, reference)
+                else:  # a rolling text's total: a float32 sum over hundreds of tokens, rounded at ~1e-7 of itself
+                    bound = tolerance + 2e-7 * abs(reference)
+                    assert abs(mine - reference) <= bound, (task, sample["doc_id"], mine, reference)
+                compared += 1
+    for task, metrics in ours["results"].items():
+        for key, value in metrics.items():
+            if key in ("name", "alias") or "stderr" in key:
+                continue
+            if "perplexity" in key or "bits_per_byte" in key:
+                np.testing.assert_allclose(value, theirs["results"][task][key], rtol=1e-5, err_msg=key)
+            else:
+                assert value == theirs["results"][task][key], (task, key)
+    return compared
+
+
+def test_offline_tasks_match_the_hf_backend(lm_eval, tiny_folder, task_manager):
+    ours = _evaluate(lm_eval, _ours(tiny_folder), task_manager)
+    theirs = _evaluate(lm_eval, _hf(tiny_folder), task_manager)
+    assert sorted(ours["results"]) == sorted(TASKS)
+    counts = {task: len(samples) for task, samples in ours["samples"].items()}
+    assert counts == {task: LIMIT for task in TASKS}
+    assert assert_same_results(ours, theirs) == LIMIT * (4 + 1 + 1)
+    # the texts are long enough for several rolling windows of the model's 128 positions, and generation stops
+    lm = _ours.last  # each rolling text spans more than two windows of the model's 128 positions
+    assert all(len(lm.tok_encode(s["doc"]["text"])) > 2 * lm.max_length for s in ours["samples"]["nnx_pydoc_perplexity"])
+    generated = [s["resps"][0][0] for s in ours["samples"]["nnx_stdlib_complete"]]
+    assert all("\n" not in text for text in generated) and any(generated)
+
+
+def test_requests_compile_once_per_bucket(lm_eval, tiny_folder):
+    """Contexts of many lengths: one compilation per (batch, length bucket), and batches that are not full are
+    padded with rows that change nothing."""
+    from lm_eval.api.instance import Instance
+    from nnx_surgery.lm_eval_backend import _score, length_buckets
+
+    lm = _ours(tiny_folder)
+    assert length_buckets(lm.max_length) == [16, 32, 64, 128] and lm.max_length == 128
+    text = stdlib_text("bisect.py")
+    requests = [Instance("loglikelihood", {}, (text[:n], text[n:n + 9]), i) for i, n in enumerate(range(40, 400, 30))]
+    before = _score._cache_size()
+    scored = lm.loglikelihood(requests)
+    widths = {min(b for b in lm.buckets if b >= min(len(lm.tok_encode(r.args[0] + r.args[1])) - 1, 128))
+              for r in requests}
+    assert len(widths) >= 2
+    assert _score._cache_size() - before <= len(widths)
+    alone = [lm.loglikelihood([request])[0] for request in requests[:3]]
+    for (a, greedy_a), (b, greedy_b) in zip(scored[:3], alone):
+        assert abs(a - b) < 1e-5 and greedy_a == greedy_b
+
+
+@pytest.fixture(scope="module")
+def trimmed_student(tiny_folder, tmp_path_factory) -> str:
+    """A student of the tiny teacher with 3 of its 4 layers and 450 of its vocabulary's pieces, cut from disk with
+    its own trimmed tokenizer.json (as tests/test_vocab_trim.py makes them)."""
+    from tokenizers import Tokenizer
+    from nnx_surgery.surgery import StudentSpec, load_pretrained, plan_student, prune_checkpoint
+
+    tokenizer = Tokenizer.from_file(os.path.join(tiny_folder, "tokenizer.json"))
+    ids = np.concatenate([tokenizer.encode(stdlib_text(name)).ids for name in ("fnmatch.py", "glob.py")])
+    rows = ids[:len(ids) // 32 * 32].reshape(-1, 32).astype(np.int32)
+    plan = plan_student(load_pretrained(tiny_folder), StudentSpec(3, 24, 32, 2, 1, vocab_size=450),
+                        calibration=rows, num_samples=8, source=tiny_folder)
+    return str(prune_checkpoint(tiny_folder, plan, tmp_path_factory.mktemp("lm-eval-student") / "student"))
+
+
+def test_trimmed_student_matches_the_hf_backend(lm_eval, trimmed_student, task_manager):
+    ours_lm = _ours(trimmed_student)
+    assert ours_lm.config.vocab_size == 450 and ours_lm.tok.tokenizer.get_vocab_size() == 450
+    ours = _evaluate(lm_eval, ours_lm, task_manager, limit=3)
+    theirs = _evaluate(lm_eval, _hf(trimmed_student), task_manager, limit=3)
+    assert assert_same_results(ours, theirs) == 3 * (4 + 1 + 1)
+
+
+def test_lm_eval_command_line_through_our_module_on_a_mesh(lm_eval, tiny_folder, tasks_folder, task_manager,
+                                                           tmp_path):
+    """lm-eval's own command line cannot load a model class from another package; `python -m
+    nnx_surgery.lm_eval_backend` is lm-eval's command line with ours registered. Run offline on 2 CPU devices
+    (mesh=fsdp=2: the batch split over them), it gives the requests of one device."""
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(2), "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "nnx_surgery.lm_eval_backend", "run", "--model", "nnx-surgery",
+               "--model_args", f"pretrained={tiny_folder},dtype=float32,mesh=fsdp=2", "--include_path", tasks_folder,
+               "--tasks", "nnx_stdlib_next_line", "--limit", "3", "--batch_size", "4", "--log_samples",
+               "--output_path", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nnx_stdlib_next_line" in proc.stdout and "acc" in proc.stdout
+    (samples_file,) = list(out.rglob("samples_nnx_stdlib_next_line_*.jsonl"))
+    on_mesh = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    single = _evaluate(lm_eval, _ours(tiny_folder), task_manager, tasks=["nnx_stdlib_next_line"], limit=3)
+    by_doc = {s["doc_id"]: s for s in single["samples"]["nnx_stdlib_next_line"]}
+    for sample in on_mesh:
+        for mine, reference in zip(sample["resps"], by_doc[sample["doc_id"]]["resps"], strict=True):
+            assert abs(float(mine[0][0]) - reference[0][0]) <= TOLERANCE  # sums split over 2 devices round apart
+            assert (mine[0][1] in (True, "True")) == reference[0][1]
+
+
+def test_offline_tasks_are_deterministic(tmp_path):
+    first, second = write_tasks(tmp_path / "a"), write_tasks(tmp_path / "b")
+    for name in ("next_line.jsonl", "complete.jsonl", "pydoc_topics.jsonl"):
+        assert Path(first, name).read_bytes() == Path(second, name).read_bytes()
+    docs = [json.loads(line) for line in Path(first, "next_line.jsonl").read_text().splitlines()]
+    assert len(docs) == 200 and all(len(d["choices"]) == 4 and len(set(d["choices"])) == 4 for d in docs)
+    assert all(d["choices"][d["label"]].strip() for d in docs)
+    assert sorted(os.listdir(first)) == sorted([*(f"{t}.yaml" for t in TASKS), "next_line.jsonl",
+                                                "complete.jsonl", "pydoc_topics.jsonl"])
+
+
+def test_a_folder_that_is_not_a_model_is_one_clear_error(lm_eval, tmp_path, tiny_folder, task_manager):
+    from nnx_surgery.lm_eval_backend import LMEvalBackendError, NNXSurgeryLM
+
+    (tmp_path / "empty").mkdir()
+    cases = {str(tmp_path / "empty"): "no config.json there, so it is not a model folder",
+             str(tmp_path / "missing"): "no such folder"}
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in os.listdir(tiny_folder):
+        if not name.startswith("tokenizer"):
+            os.symlink(os.path.join(tiny_folder, name), no_tokenizer / name)
+    cases[str(no_tokenizer)] = "no tokenizer.json there"
+    for folder, message in cases.items():
+        with pytest.raises(LMEvalBackendError, match=message) as caught:
+            NNXSurgeryLM(pretrained=folder)
+        assert "\n" not in str(caught.value) and f"pretrained={folder}" in str(caught.value)
+    with pytest.raises(ValueError, match="no config.json"):
+        lm_eval.simple_evaluate(model="nnx-surgery", model_args=f"pretrained={tmp_path / 'empty'}",
+                                 tasks=["nnx_stdlib_next_line"], task_manager=task_manager)
+
+
+def test_without_the_extra_the_import_names_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.delitem(sys.modules, "nnx_surgery.lm_eval_backend", raising=False)
+    with pytest.raises(ImportError) as caught:
+        import nnx_surgery.lm_eval_backend  # noqa: F401
+    assert "pip install 'nnx-surgery[lm-eval]'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_nothing_else_in_the_package_imports_lm_eval():
+    package = REPO / "nnx_surgery"
+    importers = sorted(str(path.relative_to(REPO)) for path in package.rglob("*.py")
+                       if any(f"{word} lm_eval" in path.read_text() for word in ("import", "from")))
+    assert importers == ["nnx_surgery/lm_eval_backend.py"]
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_matches_the_hf_backend(lm_eval, task_manager):
+    """The real Gemma 3 270M: ours on our GGUF import, lm-eval's hf backend on transformers' own dequantisation
+    of the same file (tests/real_gemma.py); a few requests of each kind."""
+    from real_gemma import cached_import, reference_folder
+
+    ours = _evaluate(lm_eval, _ours(cached_import()), task_manager, limit=3)
+    theirs = _evaluate(lm_eval, _hf(reference_folder()), task_manager, limit=3)
+    assert assert_same_results(ours, theirs, tolerance=TOLERANCE) == 3 * (4 + 1 + 1)
