@@ -77,10 +77,20 @@ def section_generate(records: list[dict]) -> list[str]:
 
 
 def section_demo(records: list[dict]) -> list[str]:
+    """The newest `demo` record; when it names a record it `replaces` (with `replaced_because`), that one follows
+    under its own heading, so superseded figures stay beside the new ones with the reason."""
     demo = _latest(records, "demo")
     if not demo:
         return []
-    lines = ["### `make demo`: the main job", "", f"{demo.get('description', '')}.", ""]
+    lines = _demo_lines(demo, "### `make demo`: the main job")
+    old = next((r for r in records if r.get("bench") == "demo" and r.get("run") == demo.get("replaces")), None)
+    if old is not None:
+        lines += _demo_lines(old, f"#### Before: `make demo` of {old['run']} ({demo.get('replaced_because', '')})")
+    return lines
+
+
+def _demo_lines(demo: dict, heading: str) -> list[str]:
+    lines = [heading, "", f"{demo.get('description', '')}.", ""]
     if any("general_loss" in row for row in demo["rows"]):  # judged on both held-out sets
         lines += _demo_table_both_sets(demo)
     else:

@@ -67,6 +67,7 @@ def test_plain_ce_distillation_and_the_ce_control_take_the_same_steps(runs):
     assert pairing["distillation"]["batch_digests"] == [r["batch_digest"] for r in distilled]
     assert "read the same batches, same order" in (base / "whole" / "results.md").read_text()
     assert "from bit-identical starting weights" in whole.stdout
+    assert "same batches, same order" in (base / "whole" / "student" / "README.md").read_text()  # the model card
     # the same students: plain CE twice from one start on one sequence
     rows = {r["model"]: r for r in results["rows"]}
     control_name = next(name for name in rows if "control" in name)

@@ -328,7 +328,8 @@ def card_writer(run, plan, plan_a, results: dict, tokens: int):
                 r["model"]: round(r["general_loss"], 4) for r in results["rows"] if "general_loss" in r}
         surgery.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
                                  teacher_revision=args.revision, plan_summary=summary,
-                                 data_description=run.data.description, steps=args.steps,
+                                 data_description=" ".join([run.data.description, *pairing_lines(results)]),
+                                 steps=args.steps,
                                  tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,
                                  repo_id=args.push_to_hub,
                                  gguf=f"student-{args.gguf}.gguf" if args.gguf else None)
