@@ -53,7 +53,7 @@ def _number(kind: type, low: float, high: float | None = None, *, above: bool = 
     return parse
 
 
-POSITIVE, COUNT = _number(int, 1), _number(int, 0)
+POSITIVE, COUNT, SEED = _number(int, 1), _number(int, 0), _number(int, 0, 2 ** 32 - 1)
 
 
 def _data_flags(parser: argparse.ArgumentParser, seq_len: int, *, batch: bool = False) -> None:
@@ -64,7 +64,7 @@ def _data_flags(parser: argparse.ArgumentParser, seq_len: int, *, batch: bool = 
     group.add_argument("--seq-len", type=_number(int, 2), default=seq_len, help="tokens per row (default %(default)s)")
     if batch:
         group.add_argument("--batch-size", type=POSITIVE, default=8, help="rows per step (default %(default)s)")
-    group.add_argument("--seed", type=int, default=0, help="the data split, order and sampling (default 0)")
+    group.add_argument("--seed", type=SEED, default=0, help="the data split, order and sampling (default 0)")
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 (default): greedy; else sample")
     p.add_argument("--top-k", type=POSITIVE, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="the sampling seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the weights' dtype in memory (default float32)")
 

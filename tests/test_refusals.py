@@ -225,6 +225,12 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         ([*compress, "--mesh", "tp=0"], "--mesh"),
         ([*compress, "--mesh", "fsdp=64"], "--mesh"),
         ([*compress, "--data", w["empty"]], "--data"),
+        ([*compress, "--seed", "-1"], "--seed"),
+        (["distill", t, s, "-o", new, "--seed", "-5"], "--seed"),
+        (["plan", t, "--student", SPEC, "--seed", str(2 ** 70), "-o", new], "--seed"),
+        (["generate", s, "--prompt", "x", "--seed", str(2 ** 70)], "--seed"),
+        (["eval", "--teacher", t, s, "-o", new, "--new-tokens", "1000000000"], "--new-tokens"),
+        (["eval", "--teacher", t, s, "-o", new, "--new-tokens", "128"], "--new-tokens"),
         ([*compress, "--data", os.path.join(w["data"], "*.none")], "--data"),
     ]
 
@@ -264,7 +270,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 25, "written": 12, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 31, "written": 12, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

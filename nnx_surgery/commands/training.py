@@ -127,6 +127,17 @@ def _compared(given: list[str], names: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
+    """--new-tokens within every model's positions (config.json's max_position_embeddings), before anything is
+    loaded or allocated: the held-out prompts and the tokens generated after them share those positions."""
+    for folder in folders:
+        limit = cli.position_limit(folder).get("max_positions")
+        if limit is not None and args.new_tokens >= limit:
+            raise cli.RecipeError(f"--new-tokens {args.new_tokens}: {folder} has {limit} positions "
+                                  "(max_position_embeddings in its config.json), which must hold each prompt too; "
+                                  "give fewer new tokens.")
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
     --no-general-eval, general prose), with generations and multiple choice; write suite.md/json and results.json."""
@@ -137,6 +148,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise cli.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
                               "folder once.")
     pairs = [(name, "teacher") for name in names] + _compared(args.compare, names)
+    _check_generation(args, [teacher_folder, *folders])
     out = empty_folder(args.output, "--output", args.overwrite,
                        inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)

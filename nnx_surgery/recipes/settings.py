@@ -292,6 +292,8 @@ def _check_numbers(args: Flags) -> None:
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
         raise RecipeError(f"--warmup-steps {args.warmup_steps}: give from 0 to --steps {args.steps} warm-up steps "
                           "(a longer warm-up never reaches the peak learning rate).")
+    if not 0 <= args.seed < 2 ** 32:
+        raise RecipeError(f"--seed {args.seed}: give a whole number from 0 to {2 ** 32 - 1}.")
     if args.seq_len < 2 or args.batch_size < 1:
         raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
                           "row and 1 row per batch.")
