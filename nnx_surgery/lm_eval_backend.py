@@ -14,8 +14,9 @@ It follows lm-eval's `hf` backend request by request, so the two agree on the sa
 the same tokenization (lm-eval's `TemplateLM` splits context and continuation; BOS as transformers adds it), the
 same left truncation to `max_length`, the same rolling windows (lm-eval's own `get_rolling_token_windows`), and
 greedy generation with stop strings cut as lm-eval cuts them. What differs is the engine: requests of similar length
-are batched and padded to a few bucket shapes, so each (batch, bucket) compiles once, and one jitted function scores a
-batch (log-probabilities and greedy flags on the device, never the (B, T, V) logits on the host).
+are sorted by length, batched and padded to a few bucket shapes, so each (batch, bucket) compiles once, and one
+jitted function scores a batch: only the continuation's positions go through the LM head, and log-probabilities and
+greedy flags come back, never the logits.
 
 lm-eval is an optional dependency (`pip install 'nnx-surgery[lm-eval]'`); nothing else in the package imports it.
 lm-eval's command line has no way to load a model class from another package (its `--include_path` adds tasks only),
@@ -93,11 +94,15 @@ def _json(path: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ scoring
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score(graphdef, state, ids, targets, weights):
-    """Per row: the summed log-probability of `targets` where `weights` is 1, and whether each of those targets is
-    the argmax. Right padding needs no mask: a causal model's earlier positions never see it."""
+def _score(graphdef, state, ids, scored, targets, weights):
+    """Per row: the summed log-probability of `targets` at positions `scored` (B, K) where `weights` is 1, and
+    whether each of those targets is the argmax. Only the K scored positions go through the LM head: in a small
+    Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice continuation
+    is a few tokens after a long context. Right padding needs no mask: a causal model's earlier positions never
+    see it."""
     model = nnx.merge(graphdef, state)
-    logits = model(ids).logits.astype(jnp.float32)
+    hidden = model(ids, return_logits=False).final_hidden
+    logits = model.logits_from_hidden(jnp.take_along_axis(hidden, scored[..., None], axis=1))
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
     greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
@@ -105,10 +110,11 @@ def _score(graphdef, state, ids, targets, weights):
 
 
 def length_buckets(max_length: int) -> list[int]:
-    """Padded lengths a batch may take: powers of two from SMALLEST_BUCKET, and `max_length` itself."""
+    """Padded lengths a batch may take: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times them: at most a
+    third of a batch is padding), and `max_length` itself."""
     buckets, size = [], SMALLEST_BUCKET
     while size < max_length:
-        buckets.append(size)
+        buckets += [size] + ([size * 3 // 2] if size * 3 // 2 < max_length else [])
         size *= 2
     return buckets + [max_length]
 
@@ -214,16 +220,22 @@ class NNXSurgeryLM(TemplateLM):
         return results
 
     def _score_batch(self, rows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
-        """One padded (batch_size, bucket) call: inputs are tokens[:-1], targets tokens[1:], weighted 1 on the
-        continuation's positions."""
+        """One padded (batch_size, bucket) call: inputs are tokens[:-1]; the last `scored` positions of each row
+        predict tokens[1:] there (the continuation), gathered into (batch_size, K bucket) arrays."""
         width = bucket_for(max(len(tokens) - 1 for tokens, _ in rows), self.buckets)
+        k = bucket_for(min(max(scored for _, scored in rows), width), [*self.buckets, width])
+        k = min(k, width)
         ids = np.zeros((self.batch_size, width), np.int32)
-        targets, weights = np.zeros_like(ids), np.zeros((self.batch_size, width), np.float32)
+        scored_at, targets = np.zeros((self.batch_size, k), np.int32), np.zeros((self.batch_size, k), np.int32)
+        weights = np.zeros((self.batch_size, k), np.float32)
         for r, (tokens, scored) in enumerate(rows):
             n = len(tokens) - 1
-            ids[r, :n], targets[r, :n] = tokens[:-1], tokens[1:]
-            weights[r, n - scored:n] = 1.0
-        arrays = [self._place(a) for a in (ids, targets, weights)]
+            scored = min(scored, n)  # a continuation longer than the context window: its tail
+            ids[r, :n] = tokens[:-1]
+            scored_at[r, :scored] = np.arange(n - scored, n)
+            targets[r, :scored] = tokens[n - scored + 1:]
+            weights[r, :scored] = 1.0
+        arrays = [self._place(a) for a in (ids, scored_at, targets, weights)]
         totals, greedy = _score(self.graphdef, self.state, *arrays)
         return np.asarray(totals)[:len(rows)], np.asarray(greedy)[:len(rows)]
 
