@@ -252,6 +252,10 @@ def written_on_refusal_cases(w: dict) -> list[tuple[list[str], str]]:
         (["distill", t, w["student"], "-o", nested, "--data", w["empty"], *DATA], "empty.txt"),
         (["eval", "--teacher", t, w["student"], "-o", nested, "--compare", "a:b"], "--compare"),
         (["import-gguf", w["gguf"], w["student"]], "--overwrite"),
+        (["plan", t, "--student", SPEC, "--calibration-samples", "0", "-o", ""], "empty path"),
+        (["export-gguf", t, " "], "empty path"),
+        (["prune", t, w["plan"], ""], "empty path"),
+        (["export-gguf", t, os.path.join(w["plan"], "x.gguf")], "is a file, not a folder"),
     ]
 
 
@@ -270,7 +274,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 31, "written": 12, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 31, "written": 16, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
@@ -281,6 +285,23 @@ def test_refusal(w, table, index):
     refused(w, argv, culprit)
     assert not os.path.lexists(w["new"])
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)  # the device is still a device
+
+
+def test_an_output_folder_is_never_where_the_user_stands(w, tmp_path, monkeypatch):
+    """An empty --output, `.` or a folder above the current one would be the current folder (or hold it), which
+    --overwrite deletes: refused, whatever the command. Run from a folder of this test's own, with a canary."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "canary.txt").write_text("still here")
+    monkeypatch.chdir(here)
+    t, s, o = w["teacher"], w["student"], "--overwrite"
+    for argv in (["compress", "--teacher", t, "--output", "", o], ["compress", "--teacher", t, "--output", ".", o],
+                 ["compress", "--teacher", t, "--output", "..", o], ["distill", t, s, "-o", ".", o],
+                 ["distill", t, s, "-o", "..", o], ["prune", t, w["plan"], ".", o], ["import-gguf", w["gguf"], ".", o],
+                 ["eval", "--teacher", t, s, "-o", "..", o]):
+        err = refused(w, argv)
+        assert "empty path" in err or "holds the current folder" in err, err
+    assert os.listdir(here) == ["canary.txt"]
 
 
 def test_debug_keeps_the_traceback(w):

@@ -67,6 +67,9 @@ def guard_output(path: str, name: str, inputs: list[str]) -> str:
     """Refuse an output that is, contains or lies inside one of `inputs` (symlinks resolved), or that exists and
     is neither a regular file nor a folder: --overwrite replaces what it is given, so it must never be given an
     input or a device. Returns the output's absolute path."""
+    if not path.strip():
+        raise RecipeError(f"{name} {path!r}: an empty path (it would mean the current folder); give the path to "
+                          "write.")
     real = os.path.realpath(path)
     for given in inputs:
         source = os.path.realpath(given)
@@ -88,10 +91,22 @@ def guard_output(path: str, name: str, inputs: list[str]) -> str:
     return os.path.abspath(path)
 
 
+def guard_folder(path: str, name: str, inputs: list[str]) -> str:
+    """`guard_output` for an output folder, also refusing the file system's root, the home folder and any folder
+    holding the current one: what --overwrite would delete is never where the user stands."""
+    out = guard_output(path, name, inputs)
+    real = os.path.realpath(path)
+    if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))) or \
+            os.path.commonpath([real, os.path.realpath(os.getcwd())]) == real:
+        raise RecipeError(f"{name} {path}: is the root, the home folder or holds the current folder; give a "
+                          "folder of its own, e.g. runs/NAME.")
+    return out
+
+
 def empty_folder(path: str, name: str, overwrite: bool, inputs: list[str] = ()) -> str:
     """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file, an input
-    of the command or a folder holding one (`guard_output`)."""
-    guard_output(path, name, list(inputs))
+    of the command or a folder holding one, nor the current folder or one above it (`guard_folder`)."""
+    guard_folder(path, name, list(inputs))
     if os.path.exists(path) and not os.path.isdir(path):
         raise RecipeError(f"{name} {path}: exists and is not a folder; choose another path.")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
@@ -174,5 +189,5 @@ def shape_line(config) -> str:
             f"{config.num_parameters() / 1e6:,.2f}M parameters")
 
 
-__all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "empty_folder", "new_file", "staged_files",
-           "checked", "text_batches", "shape_line"]
+__all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "guard_folder", "empty_folder", "new_file",
+           "staged_files", "checked", "text_batches", "shape_line"]
