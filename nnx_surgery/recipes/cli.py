@@ -151,12 +151,18 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _terminated_as_interrupt():
-    """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it keeps its handler)."""
+    """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it keeps its handler; on a
+    multi-host run it keeps its default effect, as distill.interruption.StopSignals leaves it there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
+        from nnx_surgery.surgery.shared_writes import multi_host
+        if multi_host():  # one process of several stops as before (its default effect), for the others to see
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise Terminated("SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, stop)
