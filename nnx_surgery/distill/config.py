@@ -52,8 +52,7 @@ class Stage:
         if self.epochs is not None and not (isinstance(self.epochs, numbers.Real) and 0 < self.epochs < math.inf):
             raise ValueError(f"{self.label}: epochs={self.epochs} must be a positive number.")
         if not 0 <= self.learning_rate < math.inf or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"{self.label}: learning_rate={self.learning_rate} must be a finite number >= 0 and "
-                             f"min_lr_ratio={self.min_lr_ratio} in [0, 1].")
+            raise ValueError(f"{self.label}: learning_rate must be finite and >= 0, min_lr_ratio in [0, 1].")
         if not isinstance(self.weights, LossWeights):
             object.__setattr__(self, "weights", LossWeights(self.weights))
         if not self.weights.active():

@@ -76,8 +76,8 @@ def _owner() -> str:
 
 
 def _clean_leftovers(parent: str, base: str) -> None:
-    """Remove `.base.partial-*` (folders, or files of `atomic_file`) of this host's dead writers; restore a `.base.old-*` a dead writer left when the
-    folder itself is missing."""
+    """Remove `.base.partial-*` (folders, or files of `atomic_file`) of this host's dead writers; restore a
+    `.base.old-*` a dead writer left when the folder itself is missing."""
     host = socket.gethostname()
     for kind in ("old", "partial"):
         prefix = f".{base}.{kind}-{host}-"
