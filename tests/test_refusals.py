@@ -3,16 +3,15 @@ without --debug), writes nothing anywhere in the workspace, leaves every input b
 file before and after) and prints no secret; a documented reading (--truncate-prompt, --overwrite onto an output
 that is no input) exits 0 and says what it did.
 
-The classes: --overwrite onto an input, into one, around one or onto a device; values a flag cannot take (infinite,
-NaN, out of range, not UTF-8); GGUF headers with zero, negative, huge or non-finite sizes (a table, and
-hypothesis-made headers); requests larger than the model's positions; a full disk (RLIMIT_FSIZE, in a
-subprocess); a token given where a variable's name belongs; signals during a write; settings accepted before
-though wrong; compress's parser; --push-to-hub checked before training. Commands run in this process (`cli.main`)
-unless the process itself is what is checked (a resource limit, a signal, the Hub's environment)."""
+The classes: --overwrite onto an input, into one, around one or onto a device, or where the user stands; values a
+flag cannot take (infinite, NaN, out of range, not UTF-8); requests larger than the model's positions; a full disk
+(RLIMIT_FSIZE, in a subprocess); a token given where a variable's name belongs; signals during a write; settings
+accepted before though wrong; compress's parser; --push-to-hub checked before training (GGUF headers that make no
+sense: tests/test_refusals_gguf.py). Commands run in this process (`cli.main`) unless the process itself is what is
+checked (a resource limit, a signal)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -22,77 +21,13 @@ import stat
 import subprocess
 import sys
 import sysconfig
-import textwrap
 
-import gguf
-import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fake_hub import FakeHub
 from hf_reference import make_hf_model, save_hf
+from refusal_env import DATA, ROOT, SPEC, TOKEN, assert_refused, cli, refused, run, tree
 from tiny_tokenizers import save_gemma_tokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from nnx_surgery import cli  # noqa: E402
-
-TOKEN = "hf_refusalCanaryQ7zX9wV3tT5rR1pP8nN2"
-SPEC = "layers=2,mlp=24"
-DATA = ["--seq-len", "32"]
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    """`nnx-surgery ARGS` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(args))
-        except SystemExit as stop:
-            code = stop.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def tree(root) -> dict[str, str]:
-    """Every entry under `root`: a file's sha256, a link's target, a folder's name (so a new empty one shows)."""
-    found = {}
-    for base, folders, files in os.walk(root):
-        for name in folders + files:
-            path = os.path.join(base, name)
-            key = os.path.relpath(path, root)
-            if os.path.islink(path):
-                found[key] = "-> " + os.readlink(path)
-            elif os.path.isdir(path):
-                found[key] = "folder"
-            else:
-                with open(path, "rb") as handle:
-                    found[key] = hashlib.sha256(handle.read()).hexdigest()
-    return found
-
-
-def assert_refused(code, out: str, err: str, culprit: str = "", *, expected: int = 2, started: bool = False) -> None:
-    """Exit `expected`, one error line naming `culprit`, no traceback, no token. `started`: the command had begun
-    its work (a progress bar may precede the error), else the error and the pointer to --debug are all of stderr."""
-    assert code == expected, f"exit {code}, not {expected}:\n{out[-2000:]}\n{err[-2000:]}"
-    assert "Traceback" not in err and "Traceback" not in out, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    lines = err.strip().splitlines()
-    assert len(lines) <= 2 or (started and lines[-2] == errors[0]), err
-    assert culprit in errors[0], f"{culprit!r} not in {errors[0]!r}"
-    assert TOKEN not in out + err
-
-
-def refused(w: dict, argv: list[str], culprit: str = "", *, expected: int = 2) -> str:
-    """Run `argv` in this process; check the refusal and that nothing in the workspace changed."""
-    before = tree(w["base"])
-    code, out, err = run(*argv)
-    assert_refused(code, out, err, culprit, expected=expected)
-    assert tree(w["base"]) == before, "the workspace changed"
-    assert not os.path.exists(w["cache"]) or not [n for n in os.listdir(w["cache"]) if n.startswith(".")]
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +42,7 @@ def w(tmp_path_factory):
     data.mkdir()
     for name in ("textwrap.py", "string.py", "bisect.py"):
         shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
-    cache = tmp_path_factory.mktemp("gguf-cache")
+    cache, saved = tmp_path_factory.mktemp("gguf-cache"), os.environ.get("NNX_SURGERY_CACHE")
     os.environ["NNX_SURGERY_CACHE"] = str(cache)
     w = dict(base=base, teacher=teacher, data=str(data), plan=str(base / "plan.json"), student=str(base / "student"),
              gguf=str(base / "teacher.gguf"), link=str(base / "link"), empty=str(base / "empty.txt"),
@@ -118,7 +53,10 @@ def w(tmp_path_factory):
     os.symlink(teacher, w["link"])
     open(w["empty"], "w").close()
     yield w
-    os.environ.pop("NNX_SURGERY_CACHE", None)
+    if saved is None:
+        os.environ.pop("NNX_SURGERY_CACHE", None)
+    else:
+        os.environ["NNX_SURGERY_CACHE"] = saved
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -475,63 +413,6 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(w, tmp_path):
     leftovers = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names]
     assert leftovers == [], leftovers
     assert tree(w["base"]) == before
-
-
-# ------------------------------------------------------------------------------------------------ GGUF headers
-ARCH = "gemma3"
-GOOD_HEADER = {"context_length": 128, "embedding_length": 32, "block_count": 2, "feed_forward_length": 48,
-               "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 12,
-               "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6, "attention.sliding_window": 5}
-BAD_VALUES = (0, -1, -(2 ** 31), 2 ** 40, float("inf"), float("-inf"), float("nan"), 0.5)
-
-
-def header_gguf(path, **changes) -> str:
-    """A GGUF holding only a header: the tiny teacher's keys with `changes` (integers as int64/uint64, others as
-    float64). With no change it is refused for its missing tensors, so a refusal naming the key is the header's."""
-    writer = gguf.GGUFWriter(str(path), ARCH)
-    for key, value in {**GOOD_HEADER, **changes}.items():
-        name = f"{ARCH}.{key}"
-        if isinstance(value, float):
-            writer.add_float64(name, value)
-        elif value < 0:
-            writer.add_int64(name, value)
-        else:
-            writer.add_uint64(name, value)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"<t{i}>" for i in range(40)])
-    for index in range(8):  # a file's tensors bound its block count; these are no model's
-        writer.add_tensor(f"unused.{index}", np.zeros(4, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
-
-
-def test_a_sound_header_gets_as_far_as_the_tensors(w, tmp_path):
-    refused(w, ["import-gguf", header_gguf(tmp_path / "sound.gguf"), str(w["base"] / "out")], "is missing")
-
-
-@pytest.mark.parametrize("key", sorted(GOOD_HEADER))
-@pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
-def test_a_header_that_makes_no_sense_is_refused_by_import_and_plan(w, tmp_path, key, value):
-    if key in ("attention.layer_norm_rms_epsilon", "rope.freq_base") and value == 0.5:
-        value = 2.0 if key.endswith("epsilon") else -0.5  # 0.5 is a (large) epsilon and a (small) RoPE base
-    path = header_gguf(tmp_path / "bad.gguf", **{key: value})
-    refused(w, ["import-gguf", path, str(w["base"] / "out")], key.split(".")[-1])
-    if value in (0, float("nan")) or key in ("attention.head_count", "context_length"):
-        refused(w, ["plan", path, "--student", SPEC, "--calibration-samples", "0", "-o", str(w["base"] / "p.json")],
-                key.split(".")[-1])
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(sorted(GOOD_HEADER)), st.one_of(
-    st.integers(-(2 ** 62), 0), st.integers(2 ** 25, 2 ** 62), st.sampled_from([float("inf"), float("nan")]),
-    st.floats(-1e30, 0.0)), min_size=1, max_size=4))
-def test_generated_headers_are_refused_in_one_line_naming_a_key(w, tmp_path_factory, changes):
-    path = header_gguf(tmp_path_factory.mktemp("generated") / "g.gguf", **changes)
-    err = refused(w, ["import-gguf", path, str(w["base"] / "out")])
-    assert any(key.split(".")[-1] in err for key in changes), (changes, err)
 
 
 # ------------------------------------------------------------------------------------------------ --push-to-hub
