@@ -46,7 +46,8 @@ class Stage:
     def __post_init__(self):
         if self.steps is None and self.epochs is None:
             raise ValueError(f"{self.label}: give its length as steps=N or epochs=X.")
-        if self.steps is not None and (isinstance(self.steps, bool) or int(self.steps) != self.steps
+        if self.steps is not None and (not isinstance(self.steps, numbers.Real) or isinstance(self.steps, bool)
+                                       or not self.steps < math.inf or int(self.steps) != self.steps
                                        or self.steps < 1):
             raise ValueError(f"{self.label}: steps={self.steps} must be a whole number, at least 1.")
         if self.epochs is not None and not (isinstance(self.epochs, numbers.Real) and 0 < self.epochs < math.inf):

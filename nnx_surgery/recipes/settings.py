@@ -273,7 +273,7 @@ def check(args: Flags) -> None:
         phases.check_stage_settings(args)
     except RecipeError:
         raise
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, ArithmeticError) as error:
         raise RecipeError(f"distill settings: {error}") from None
     _check_output(args)
 

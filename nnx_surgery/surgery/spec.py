@@ -123,11 +123,15 @@ class StudentSpec:
         if "=" not in text:
             return cls.named(text)
         sizes: dict = {field: getattr(teacher, name) for field, name in TEACHER_FIELDS.items()}
+        seen: set[str] = set()
         for item in text.split(","):
             key, _, value = (part.strip() for part in item.partition("="))
             if key not in TEXT_KEYS:
                 raise SpecError(f"student shape {text!r}: unknown key {key!r}; use {', '.join(TEXT_KEYS)} "
                                 "(e.g. layers=12,mlp=1024,vocab=16384).")
+            if key in seen:
+                raise SpecError(f"student shape {text!r}: {key} is given twice; give each size once.")
+            seen.add(key)
             sizes[TEXT_KEYS[key]] = _text_size(key, value, teacher, text)
         return cls(**sizes)
 
