@@ -112,6 +112,10 @@ class OptimizerConfig:
     clip_norm: float | None = 1.0
     decay_matrices_only: bool = True  # no decay on norm scales and other vectors
 
+    def __post_init__(self):
+        _checked("OptimizerConfig", self, b1=SHARE, b2=SHARE, eps=POSITIVE, clip_norm=("a finite number > 0 or None",
+                 POSITIVE[1]), weight_decay=("a finite number >= 0", lambda v: v >= 0))
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
@@ -121,6 +125,9 @@ class CheckpointConfig:
     every: int = 100
     keep: int = 2
     resume: bool = True  # continue from the latest checkpoint in `directory` when there is one
+
+    def __post_init__(self):
+        _checked("CheckpointConfig", self, every=COUNT, keep=COUNT)
 
 
 def _names(value, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -159,15 +166,26 @@ class GuardConfig:
         object.__setattr__(self, "policies", policies)
         if self.mse_on not in MSE_ON:
             raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use one of {MSE_ON}.")
-        if not 0.0 <= self.sft_alpha <= 1.0:
-            raise ValueError(f"GuardConfig: sft_alpha={self.sft_alpha} must lie in [0, 1].")
-        if self.mse_weight < 0:
-            raise ValueError(f"GuardConfig: mse_weight={self.mse_weight} must be >= 0.")
-        for name in ("mse_steps", "sft_steps", "sft_ramp_steps", "sft_patience"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"GuardConfig: {name}={getattr(self, name)} must be >= 0.")
+        _checked("GuardConfig", self, sft_alpha=SHARE, mse_weight=("a finite number >= 0", lambda v: v >= 0),
+                 mse_steps=COUNT0, sft_steps=COUNT0, sft_ramp_steps=COUNT0, sft_patience=COUNT0, window=COUNT,
+                 min_history=COUNT0, max_rollbacks=COUNT0, spike_factor=("a finite number > 1", lambda v: v > 1),
+                 lr_backoff=("a number in (0, 1]", lambda v: 0 < v <= 1))
 
 
+def _checked(owner: str, obj, **rules: tuple[str, Any]) -> None:
+    """ValueError naming the field unless it is a finite real number (whole for a rule saying so) that the rule's
+    test accepts; a field whose rule allows None may be None."""
+    for name, (need, fine) in rules.items():
+        value = getattr(obj, name)
+        if value is None and "or None" in need:
+            continue
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or ("whole" in need and int(value) != value) or not fine(value):
+            raise ValueError(f"{owner}: {name}={value!r} must be {need}.")
+
+
+COUNT, COUNT0 = ("a whole number >= 1", lambda v: v >= 1), ("a whole number >= 0", lambda v: v >= 0)
+SHARE, POSITIVE = ("a number in [0, 1]", lambda v: 0 <= v <= 1), ("a finite number > 0", lambda v: v > 0)
 GUARD_POLICIES = ("switch_to_mse", "sft_then_mix")
 OOM_STEPS = ("dots", "full", "halve_batch")
 
@@ -258,8 +276,7 @@ class DistillConfig:
         if not stages:
             raise ValueError("DistillConfig needs at least one Stage.")
         object.__setattr__(self, "stages", stages)
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum={self.grad_accum} must be at least 1 micro-batch per step.")
+        _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0)
         for name in ("logit_chunk", "logit_block", "logit_vocab_slice"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
