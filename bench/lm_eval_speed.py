@@ -2,12 +2,12 @@
 
     python bench/lm_eval_speed.py                         # the tiny random Gemma 3 of tests/test_lm_eval_backend.py
     python bench/lm_eval_speed.py --model real            # the real Gemma 3 270M (float32 import of the GGUF)
-    python bench/lm_eval_speed.py --model real --loglikelihood 64 --generate 8 --batch 8
+    python bench/lm_eval_speed.py --model real --loglikelihood 64 --generate 16 --batch 8
 
 Requests come from the offline tasks (nnx_surgery.lm_eval_tasks): `loglikelihood` are the multiple-choice task's
 (context, choice) pairs, `generate_until` the completion task's (greedy, until "\\n", at most 24 new tokens). Both
-peers get the same requests, batch size and float32 weights; each first runs a warm-up slice of the same kind (our
-compilation, torch's first calls), then the timed requests once. Peers run one after the other in this process
+peers get the same requests, batch size and float32 weights, `--passes` times: the first pass is cold (our
+compilations, torch's first calls), the last warm; both are reported. Peers run one after the other in this process
 (never side by side), so the machine's noise shows as run-to-run spread: quote ratios from one run. One JSON line
 per (peer, kind), then a markdown table. The answers are compared too (`max_abs_diff`, `same_text`).
 """
@@ -38,18 +38,16 @@ def model_folder(kind: str, work: str) -> str:
     return folder
 
 
-def requests(folder: str, loglikelihood: int, generate: int, warm: int) -> dict[str, tuple[list, list]]:
-    """{kind: (warm-up requests, timed requests)} as lm-eval Instances."""
+def requests(folder: str, loglikelihood: int, generate: int) -> dict[str, list]:
+    """{kind: requests} as lm-eval Instances."""
     from lm_eval.api.instance import Instance
     from nnx_surgery.lm_eval_tasks import completion_docs, next_line_docs
 
     pairs = [(doc["context"], choice) for doc in next_line_docs() for choice in doc["choices"]]
     settings = {"until": ["\n"], "max_gen_toks": 24, "do_sample": False, "temperature": 0.0}
     prompts = [(doc["context"], dict(settings)) for doc in completion_docs()]
-    ll = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(pairs)]
-    gen = [Instance("generate_until", {}, args, i) for i, args in enumerate(prompts)]
-    return {"loglikelihood": (ll[-warm * 4:], ll[:loglikelihood]),
-            "generate_until": (gen[-warm:], gen[:generate])}
+    return {"loglikelihood": [Instance("loglikelihood", {}, args, i) for i, args in enumerate(pairs)][:loglikelihood],
+            "generate_until": [Instance("generate_until", {}, args, i) for i, args in enumerate(prompts)][:generate]}
 
 
 def make_peer(name: str, folder: str, batch: int):
@@ -59,17 +57,21 @@ def make_peer(name: str, folder: str, batch: int):
     return get_model(name)(**args, **({"device": "cpu"} if name == "hf" else {}))
 
 
-def run(name: str, lm, work: dict) -> dict:
+def run(name: str, lm, work: dict, passes: int) -> dict:
+    """Each kind's requests `passes` times: the first pass is cold (our compilations, torch's first calls), the
+    last one warm; requests/s of both."""
     answers, lines = {}, []
-    for kind, (warm, timed) in work.items():
+    for kind, timed in work.items():
         if not timed:
             continue
-        getattr(lm, kind)(warm)
-        started = time.perf_counter()
-        answers[kind] = getattr(lm, kind)(timed)
-        seconds = time.perf_counter() - started
-        lines.append({"peer": name, "kind": kind, "requests": len(timed), "seconds": round(seconds, 3),
-                      "requests_per_s": round(len(timed) / seconds, 3)})
+        seconds = []
+        for _ in range(passes):
+            started = time.perf_counter()
+            answers[kind] = getattr(lm, kind)(timed)
+            seconds.append(time.perf_counter() - started)
+        lines.append({"peer": name, "kind": kind, "requests": len(timed), "cold_s": round(seconds[0], 3),
+                      "warm_s": round(seconds[-1], 3), "cold_per_s": round(len(timed) / seconds[0], 3),
+                      "warm_per_s": round(len(timed) / seconds[-1], 3)})
         print(json.dumps(lines[-1]), flush=True)
     return {"lines": lines, "answers": answers}
 
@@ -79,17 +81,17 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--loglikelihood", type=int, default=256, help="timed loglikelihood requests")
     parser.add_argument("--generate", type=int, default=32, help="timed generate_until requests")
-    parser.add_argument("--warm", type=int, default=8, help="warm-up documents (x4 loglikelihood requests)")
+    parser.add_argument("--passes", type=int, default=2, help="passes over the requests; the first is cold")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--peers", default="nnx-surgery,hf")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work_dir:
         folder = model_folder(args.model, work_dir)
-        work = requests(folder, args.loglikelihood, args.generate, args.warm)
+        work = requests(folder, args.loglikelihood, args.generate)
         results = {}
         for name in args.peers.split(","):
             lm = make_peer(name, folder, args.batch)
-            results[name] = run(name, lm, work)
+            results[name] = run(name, lm, work, args.passes)
             del lm
     report(results, args)
 
@@ -97,19 +99,21 @@ def main() -> None:
 def report(results: dict, args) -> None:
     peers = list(results)
     print(f"\n{args.model} model, batch {args.batch}, float32, {os.cpu_count()} CPUs\n")
-    print("| requests | " + " | ".join(f"{p} req/s" for p in peers) + " | ratio (first / last) | agreement |")
+    print("| requests | " + " | ".join(f"{p} req/s cold / warm" for p in peers) +
+          " | ratio warm (cold) | agreement |")
     print("|---|" + "---|" * (len(peers) + 2))
     for index, line in enumerate(results[peers[0]]["lines"]):
         kind = line["kind"]
-        rates = [results[p]["lines"][index]["requests_per_s"] for p in peers]
+        rows = [results[p]["lines"][index] for p in peers]
         a, b = (results[p]["answers"][kind] for p in (peers[0], peers[-1]))
         if kind == "loglikelihood":
             agreement = f"max |dlogp| {max(abs(x[0] - y[0]) for x, y in zip(a, b)):.1e}, " \
                         f"greedy flags {'equal' if [x[1] for x in a] == [y[1] for y in b] else 'DIFFER'}"
         else:
             agreement = f"{sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal"
-        print(f"| {line['requests']} {kind} | " + " | ".join(f"{r:.2f}" for r in rates) +
-              f" | {rates[0] / rates[-1]:.2f}x | {agreement} |")
+        ratio = f"{rows[0]['warm_per_s'] / rows[-1]['warm_per_s']:.2f}x ({rows[0]['cold_per_s'] / rows[-1]['cold_per_s']:.2f}x)"
+        print(f"| {line['requests']} {kind} | " + " | ".join(f"{r['cold_per_s']:.2f} / {r['warm_per_s']:.2f}" for r in rows)
+              + f" | {ratio} | {agreement} |")
 
 
 if __name__ == "__main__":
