@@ -166,10 +166,16 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         (["plan", t, "--student", "layers=1,layers=2", "-o", new], "given twice"),
         ([*compress, "--set", 'stages=[{"steps": 1e400}]'], "steps"),
         ([*compress, "--set", 'stages=[{"steps": "nan"}]'], "steps"),
-        *[([*compress, "--set", f"{key}={value}"], key.split(".")[-1]) for key, value in (
-            ("optimizer.b1", "NaN"), ("optimizer.eps", "-1"), ("optimizer.clip_norm", "Infinity"),
-            ("checkpoint.every", "0"), ("guard.window", "Infinity"), ("guard.lr_backoff", "2"),
-            ("guard.spike_factor", "0.5"), ("grad_accum", "1e400"), ("eval_batches", "NaN"))],
+        *[([*compress, "--set", f"{key}={value}"], culprit) for key, value, culprit in (
+            ("optimizer.b1", "NaN", "b1=nan"), ("optimizer.eps", "-1", "eps=-1"),
+            ("optimizer.clip_norm", "Infinity", "--clip-norm inf"), ("checkpoint.every", "0", "--checkpoint-every 0"),
+            ("guard.window", "Infinity", "window=inf"), ("guard.lr_backoff", "2", "lr_backoff=2"),
+            ("guard.spike_factor", "0.5", "spike_factor=0.5"), ("grad_accum", "1e400", "--grad-accum inf"),
+            ("eval_batches", "NaN", "eval_batches"))],
+        *[([*compress, flag, value], flag) for flag, value in (
+            ("--kv-warmup", "nan"), ("--stage-a-fraction", "1.5"), ("--top-k", "0"), ("--eval-every", "0"),
+            ("--eval-batches", "0"), ("--feature-weight", "-1"), ("--corpus-bytes", "0"), ("--new-tokens", "0"),
+            ("--choice-items", "-1"))],
         ([*compress, "--seed", "-1"], "--seed"),
         (["distill", t, s, "-o", new, "--seed", "-5"], "--seed"),
         (["plan", t, "--student", SPEC, "--seed", str(2 ** 70), "-o", new], "--seed"),
@@ -219,7 +225,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 43, "written": 16, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 52, "written": 16, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

@@ -276,7 +276,8 @@ class DistillConfig:
         if not stages:
             raise ValueError("DistillConfig needs at least one Stage.")
         object.__setattr__(self, "stages", stages)
-        _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0)
+        _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0,
+                 top_k=("a whole number >= 1 or None", COUNT[1]), eval_every=("a whole number >= 1 or None", COUNT[1]))
         for name in ("logit_chunk", "logit_block", "logit_vocab_slice"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")

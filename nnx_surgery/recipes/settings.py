@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -35,7 +36,7 @@ from nnx_surgery.recipes import phases
 from nnx_surgery.recipes.cli import MULTI_HOST_FLAGS, RecipeError
 from nnx_surgery.recipes.frozen import freeze, thaw
 from nnx_surgery.recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS, SCHEDULE_DEFAULTS, SCHEDULES, add_arguments,
-                           distill_epilog)
+                           distill_epilog, term_weight_defaults)
 
 FORMAT = "nnx-surgery recipe config 1"
 RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_after", "dry_run", "push_to_hub",
@@ -273,8 +274,11 @@ def check(args: Flags) -> None:
         phases.check_stage_settings(args)
     except RecipeError:
         raise
-    except (ValueError, TypeError, ArithmeticError) as error:
-        raise RecipeError(f"distill settings: {error}") from None
+    except (ValueError, TypeError, ArithmeticError) as error:  # DistillConfig's fields named as the recipe's flags
+        flags = {path[-1]: flag for flag, path in DISTILL_FLAGS.items()}
+        text = re.sub(r"\b(\w+)=", lambda m: f"--{flags[m.group(1)].replace('_', '-')} " if m.group(1) in flags
+                      else m.group(0), str(error))
+        raise RecipeError(f"distill settings: {text}") from None
     _check_output(args)
 
 
@@ -303,8 +307,22 @@ def _check_numbers(args: Flags) -> None:
             parse_mesh_spec(args.mesh) if args.dry_run else make_mesh(args.mesh, devices=args.mesh_devices)
         except MeshError as error:
             raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
+    weights = {name: ("a weight >= 0", lambda v: v >= 0) for name in term_weight_defaults()}
+    for name, (need, fine) in {**RANGES, **weights}.items():
+        value = getattr(args, name, None)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or not fine(value)):
+            raise RecipeError(f"--{name.replace('_', '-')} {value}: give {need}.")
     _check_budget(args.student)
     _check_data(args.data)
+
+
+RANGES = {"corpus_bytes": ("at least 1 byte", lambda v: v >= 1), "teacher_steps": ("0 or more steps", lambda v: v >= 0),
+          "stage_a_fraction": ("a share of --steps in (0, 1)", lambda v: 0 < v < 1),
+          "kv_warmup": ("a share of --steps in [0, 1)", lambda v: 0 <= v < 1),
+          "calibration_samples": ("0 or more rows", lambda v: v >= 0), "eval_batches": ("at least 1", lambda v: v >= 1),
+          "eval_prompts": ("0 or more prompts", lambda v: v >= 0), "new_tokens": ("at least 1", lambda v: v >= 1),
+          "choice_items": ("0 or more items", lambda v: v >= 0)}  # flags with no other check (None: the default)
 
 
 def _check_data(data: Any) -> None:
