@@ -131,7 +131,14 @@ def scoring_rows(context: list[int], continuation: list[int], max_length: int) -
 
 
 # ------------------------------------------------------------------------------------------------ the model
-@register_model("nnx-surgery", "nnx")
+def _register_once(cls):
+    """`register_model("nnx-surgery")`, once: `python -m nnx_surgery.lm_eval_backend` runs this file as __main__,
+    and a later `import nnx_surgery.lm_eval_backend` would otherwise register the class again (an error in lm-eval)."""
+    from lm_eval.api.registry import model_registry
+    return cls if "nnx-surgery" in model_registry else register_model("nnx-surgery")(cls)
+
+
+@_register_once
 class NNXSurgeryLM(TemplateLM):
     """lm-eval's LM over `surgery.load_pretrained(pretrained)`; see the module's docstring."""
 
@@ -388,5 +395,8 @@ def _eos_ids(folder: str, config) -> list[int]:
 
 
 if __name__ == "__main__":
+    import importlib
+
     from lm_eval.__main__ import cli_evaluate
+    importlib.import_module("nnx_surgery.lm_eval_backend")  # what a task's own code imports finds registered
     cli_evaluate()

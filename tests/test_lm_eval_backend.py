@@ -71,10 +71,10 @@ def _hf(folder: str):
     return HFLM(pretrained=folder, dtype="float32", device="cpu", batch_size=4)
 
 
-def assert_same_results(ours: dict, theirs: dict, tolerance: float = TOLERANCE) -> int:
-    """Per request: log-likelihoods within `tolerance` (a rolling text's total, a float32 sum over many tokens, within
-    `tolerance` + 2e-7 of itself), greedy flags and generations equal; per task: accuracy and exact match equal,
-    perplexities to float32 rounding of the sums. Returns the number of requests compared."""
+def assert_same_results(ours: dict, theirs: dict, tolerance: float = TOLERANCE, relative: float = 0.0) -> int:
+    """Per request: log-likelihoods within `tolerance` + `relative` of themselves (a rolling text's total, a float32
+    sum over many tokens: at least 2e-7 of itself more), greedy flags and generations equal; per task: accuracy and
+    exact match equal, perplexities to float32 rounding of the sums. Returns the number of requests compared."""
     compared = 0
     assert sorted(ours["samples"]) == sorted(theirs["samples"])
     for task, samples in ours["samples"].items():
@@ -86,10 +86,11 @@ def assert_same_results(ours: dict, theirs: dict, tolerance: float = TOLERANCE) 
                 if isinstance(mine, str):
                     assert mine == reference, (task, sample["doc_id"])
                 elif isinstance(mine, tuple):
-                    assert abs(mine[0] - reference[0]) <= tolerance, (task, sample["doc_id"], mine, reference)
+                    bound = tolerance + relative * abs(reference[0])
+                    assert abs(mine[0] - reference[0]) <= bound, (task, sample["doc_id"], mine, reference)
                     assert mine[1] == reference[1], (task, sample["doc_id"], mine, reference)
                 else:  # a rolling text's total: a float32 sum over hundreds of tokens, rounded at ~1e-7 of itself
-                    bound = tolerance + 2e-7 * abs(reference)
+                    bound = tolerance + max(2e-7, relative) * abs(reference)
                     assert abs(mine - reference) <= bound, (task, sample["doc_id"], mine, reference)
                 compared += 1
     for task, metrics in ours["results"].items():
@@ -97,7 +98,8 @@ def assert_same_results(ours: dict, theirs: dict, tolerance: float = TOLERANCE) 
             if key in ("name", "alias") or "stderr" in key:
                 continue
             if "perplexity" in key or "bits_per_byte" in key:
-                np.testing.assert_allclose(value, theirs["results"][task][key], rtol=1e-5, err_msg=key)
+                np.testing.assert_allclose(value, theirs["results"][task][key], rtol=max(1e-5, 10 * relative),
+                                           err_msg=key)  # exp of (total / words): 10 x the totals' bound
             else:
                 assert value == theirs["results"][task][key], (task, key)
     return compared
@@ -236,11 +238,15 @@ def test_nothing_else_in_the_package_imports_lm_eval():
 
 @pytest.mark.slow
 def test_real_gemma3_270m_matches_the_hf_backend(lm_eval, task_manager):
-    """The real Gemma 3 270M (its GGUF imported once as a float32 folder, tests/real_gemma.py), both backends on
-    that same folder; a few requests of each kind."""
+    """The real Gemma 3 270M: ours given the packaged GGUF (`gguf:gemma3-270m`, imported once as a float32 folder),
+    lm-eval's hf backend on that same folder; a few requests of each kind. The bound is relative here: two float32
+    implementations of 18 layers and a 262k-piece softmax round apart by about 1e-5 of a log-likelihood (the
+    repository's logits test of this model allows 1e-4 of the largest logit)."""
     from real_gemma import cached_import
 
+    ours_lm = _ours("gguf:gemma3-270m")
     folder = cached_import("float32")
-    ours = _evaluate(lm_eval, _ours(folder), task_manager, limit=3)
+    assert ours_lm.folder == os.path.abspath(folder)
+    ours = _evaluate(lm_eval, ours_lm, task_manager, limit=3)
     theirs = _evaluate(lm_eval, _hf(folder), task_manager, limit=3)
-    assert assert_same_results(ours, theirs, tolerance=TOLERANCE) == 3 * (4 + 1 + 1)
+    assert assert_same_results(ours, theirs, tolerance=TOLERANCE, relative=5e-5) == 3 * (4 + 1 + 1)
