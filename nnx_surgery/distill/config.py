@@ -276,11 +276,10 @@ class DistillConfig:
         if not stages:
             raise ValueError("DistillConfig needs at least one Stage.")
         object.__setattr__(self, "stages", stages)
-        _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0,
-                 top_k=("a whole number >= 1 or None", COUNT[1]), eval_every=("a whole number >= 1 or None", COUNT[1]))
-        for name in ("logit_chunk", "logit_block", "logit_vocab_slice"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of rows, or None.")
+        count_or_none = ("a whole number >= 1 or None", COUNT[1])
+        _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0, top_k=count_or_none,
+                 eval_every=count_or_none, logit_chunk=count_or_none, logit_block=count_or_none,
+                 logit_vocab_slice=count_or_none, jsd_beta=SHARE)
         if self.logit_impl not in ("fused", "reference"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
         object.__setattr__(self, "loss_options", terms.checked_options(self))
@@ -293,9 +292,6 @@ class DistillConfig:
         self._check_mesh()
         if self.top_k is not None and any(s.weights.reverse_kl for s in stages):
             raise ValueError("top_k cannot be combined with a reverse_kl weight (infinite on truncated support).")
-        if not 0.0 <= self.jsd_beta <= 1.0:
-            raise ValueError(f"jsd_beta={self.jsd_beta} must lie in [0, 1] (0.5: symmetric JSD; 0: forward KL; "
-                             "1: reverse KL).")
         if self.vocab_map is not None:  # a tuple of ints: hashable, equal after a JSON round trip
             object.__setattr__(self, "vocab_map", tuple(int(i) for i in checked_vocab_map(self.vocab_map)))
         if isinstance(self.on_policy, dict):
