@@ -209,6 +209,12 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
 }
 
 
+# what an interrupted command leaves, where it is not "nothing was written" (recipes.cli.guarded)
+STOPPED = {"push": "the Hub has this push only if its commit was made; run the same command again (files already "
+                   "uploaded are not uploaded again).",
+           "generate": "nothing was written."}
+
+
 def build_parser() -> Parser:
     parser = Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
                     description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nnx_surgery.recipes.cli import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
-    guarded(lambda _: run(args), argv, resumable=False)
+    guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
+                                                          if args.command in STOPPED else {}))
     return 0
 
 

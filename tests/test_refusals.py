@@ -300,9 +300,9 @@ def test_the_push_example_names_the_command_once():
 
 # ------------------------------------------------------------------------------------------------ interruptions
 def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch):
-    """Ctrl-C inside export-gguf's and import-gguf's writes, and inside distill's training and its final save:
-    exit 130, no temporary left, and no --resume (these commands have none) nor Python-API advice."""
-    from nnx_surgery import distill
+    """Ctrl-C inside export-gguf's and import-gguf's writes, distill's training and push's upload: exit 130, no
+    temporary left, and no --resume (these commands have none) nor Python-API advice."""
+    from nnx_surgery import distill, surgery
     from nnx_surgery.distill.interruption import RunInterrupted, interruption_message
     from nnx_surgery.surgery import gguf as gguf_import, gguf_export
 
@@ -317,7 +317,8 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
     for module, name, argv in ((gguf_export, "write_gguf", ["export-gguf", w["teacher"], new + ".gguf"]),
                                (gguf_import, "write_model_files", ["import-gguf", w["gguf"], new]),
                                (distill, "run", ["distill", w["teacher"], w["student"], "-o", new, *DATA,
-                                                 "--data", w["data"]])):
+                                                 "--data", w["data"]]),
+                               (surgery, "push_to_hub", ["push", w["student"], "alice/x"])):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, stop_run if name == "run" else stop)
             before = tree(w["base"])

@@ -110,12 +110,16 @@ def real_gguf_path() -> str:
     return str(assemble())
 
 
+NOTHING_WRITTEN = "nothing was written (temporary files are removed); run the same command again."
+
+
 def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None = None, *,
-            resumable: bool = True) -> None:
+            resumable: bool = True, stopped: str = NOTHING_WRITTEN) -> None:
     """Run a script's `main`: the toolkit's errors, and a full disk, become one line on stderr and exit code 2
     (`--debug` keeps the traceback), with any secret the command was given (--token-env's value, a token in the
     environment) masked; Ctrl-C exits with 130 after saying how to resume (`resumable`: the command has
-    --resume), SIGTERM like Ctrl-C with 143 (temporaries are removed on the way out, as on any error)."""
+    --resume; else `stopped` says what is left), SIGTERM like Ctrl-C with 143 (temporaries are removed on the way
+    out, as on any error)."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
@@ -136,7 +140,7 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
             text = ("" if isinstance(stop, Terminated) else redact(str(stop), args)) or \
                 f"{what}; rerun the same command with --resume to continue from the last checkpoint."
         else:  # the command has no --resume: it publishes its output only once complete
-            text = f"{what}; nothing was written (temporary files are removed); run the same command again."
+            text = f"{what}; {stopped}"
         print(text, file=sys.stderr)
         sys.exit(143 if isinstance(stop, Terminated) else 130)
 
