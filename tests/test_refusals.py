@@ -255,6 +255,19 @@ def test_an_output_folder_is_never_where_the_user_stands(w, tmp_path, monkeypatc
     assert os.listdir(here) == ["canary.txt"]
 
 
+def test_a_run_may_read_its_settings_from_its_own_folder(w, tmp_path):
+    """`--config RUN/resolved_config.json --output RUN` (how a run is repeated or resumed) is no output onto an
+    input: the file is read whole before anything is written, so the settings resolve."""
+    run_folder = tmp_path / "run"
+    run_folder.mkdir()
+    (run_folder / "resolved_config.json").write_text(json.dumps({"steps": 3}))
+    from nnx_surgery.recipes import settings
+
+    flags = settings.resolve(["--config", str(run_folder / "resolved_config.json"), "--output", str(run_folder),
+                              "--teacher", w["teacher"], "--overwrite"])
+    assert flags.steps == 3 and flags.output == str(run_folder)
+
+
 def test_debug_keeps_the_traceback(w):
     code, _, err = run("export-gguf", w["teacher"], os.path.join(w["teacher"], "x.gguf"), "--debug")
     assert code == 2 and "Traceback" in err and "lies inside the input" in err

@@ -352,12 +352,13 @@ def _check_budget(student: str | None) -> None:
 
 
 def _check_output(args: Flags) -> None:
-    """--output never an input of the run (--teacher, --data, --config) nor inside one or holding one: --overwrite
-    deletes it; and --push-to-hub's token and Hub checked now, not after the run."""
+    """--output never an input the run reads (--teacher, --data) nor inside one or holding one: --overwrite deletes
+    it (--config is read whole before that: `--config RUN/resolved_config.json --output RUN` repeats or resumes a
+    run); and --push-to-hub's token and Hub checked now, not after the run."""
     from nnx_surgery.commands import guard_folder, input_paths
 
     if args.output is not None:
-        guard_folder(args.output, "--output", input_paths(args.teacher, args.data, args.config))
+        guard_folder(args.output, "--output", input_paths(args.teacher, args.data))
     if args.push_to_hub and not args.print_config:
         from nnx_surgery.surgery.hub import check_push_access
         check_push_access(args.push_to_hub)
