@@ -179,7 +179,8 @@ def _terminated_as_interrupt():
 def redact(text: str, argv: list[str]) -> str:
     """`text` with every secret it could echo masked: --token-env's value and the values of variables whose
     name says they hold a secret (HF_TOKEN, ...)."""
-    secrets = [value for name, value in os.environ.items() if SECRET_VARIABLES.search(name) and len(value) >= 8]
+    secrets = [value for name, value in os.environ.items()  # a path or a sentence in such a variable is no secret
+               if SECRET_VARIABLES.search(name) and len(value) >= 8 and not any(c in value for c in "/ \t")]
     for index, arg in enumerate(argv):
         given = argv[index + 1] if arg == "--token-env" and index + 1 < len(argv) else \
             arg.partition("=")[2] if arg.startswith("--token-env=") else None
