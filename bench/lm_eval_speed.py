@@ -111,9 +111,9 @@ def report(results: dict, args) -> None:
                         f"greedy flags {'equal' if [x[1] for x in a] == [y[1] for y in b] else 'DIFFER'}"
         else:
             agreement = f"{sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal"
-        ratio = f"{rows[0]['warm_per_s'] / rows[-1]['warm_per_s']:.2f}x ({rows[0]['cold_per_s'] / rows[-1]['cold_per_s']:.2f}x)"
-        print(f"| {line['requests']} {kind} | " + " | ".join(f"{r['cold_per_s']:.2f} / {r['warm_per_s']:.2f}" for r in rows)
-              + f" | {ratio} | {agreement} |")
+        warm, cold = (rows[0][key] / rows[-1][key] for key in ("warm_per_s", "cold_per_s"))
+        rates = " | ".join(f"{r['cold_per_s']:.2f} / {r['warm_per_s']:.2f}" for r in rows)
+        print(f"| {line['requests']} {kind} | {rates} | {warm:.2f}x ({cold:.2f}x) | {agreement} |")
 
 
 if __name__ == "__main__":

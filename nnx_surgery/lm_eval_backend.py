@@ -10,7 +10,8 @@ checkpoint's), `mesh` (e.g. `fsdp=4`; write `fsdp=4+tp=2` for several axes, sinc
 commas), `max_length` (default: config.json's max_position_embeddings, as lm-eval's `hf` backend reads it),
 `batch_size` (lm-eval's own flag; "auto" is 16 here).
 
-It follows lm-eval's `hf` backend request by request, so the two agree on the same folder (tests/test_lm_eval_backend.py):
+It follows lm-eval's `hf` backend request by request, so the two agree on the same folder
+(tests/test_lm_eval_backend.py):
 the same tokenization (lm-eval's `TemplateLM` splits context and continuation; BOS as transformers adds it), the
 same left truncation to `max_length`, the same rolling windows (lm-eval's own `get_rolling_token_windows`), and
 greedy generation with stop strings cut as lm-eval cuts them. What differs is the engine: requests of similar length
@@ -33,12 +34,13 @@ import time
 from typing import Any, Sequence
 
 try:
-    import lm_eval.models  # noqa: F401  (registers lm-eval's own backends first: its registry fills itself only when empty)
+    # lm-eval's own backends first: its registry fills itself only while it is empty
+    import lm_eval.models  # noqa: F401
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-except ImportError as error:  # noqa: F841
+except ImportError:
     raise ImportError("nnx_surgery.lm_eval_backend needs lm-evaluation-harness, which is not installed; "
                       "pip install 'nnx-surgery[lm-eval]'") from None
 

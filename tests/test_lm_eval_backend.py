@@ -114,7 +114,8 @@ def test_offline_tasks_match_the_hf_backend(lm_eval, tiny_folder, task_manager):
     assert assert_same_results(ours, theirs) == LIMIT * (4 + 1 + 1)
     # the texts are long enough for several rolling windows of the model's 128 positions, and generation stops
     lm = _ours.last  # each rolling text spans more than two windows of the model's 128 positions
-    assert all(len(lm.tok_encode(s["doc"]["text"])) > 2 * lm.max_length for s in ours["samples"]["nnx_pydoc_perplexity"])
+    texts = [s["doc"]["text"] for s in ours["samples"]["nnx_pydoc_perplexity"]]
+    assert all(len(lm.tok_encode(text)) > 2 * lm.max_length for text in texts)
     generated = [s["resps"][0][0] for s in ours["samples"]["nnx_stdlib_complete"]]
     assert all("\n" not in text for text in generated) and any(generated)
 
