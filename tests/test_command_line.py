@@ -5,8 +5,6 @@ refusal. Subcommands run in this process (`cli.main`, so jax and its compilation
 checked is the process itself (help, exit codes, the Hub's environment)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -20,12 +18,11 @@ import pytest
 from fake_hub import FakeHub
 from hf_reference import make_hf_model, save_hf
 from recipe_env import recipe_env, shared_basetemp
+from refusal_env import run  # `nnx-surgery ARGS` in this process
 from tiny_tokenizers import TRAIN_FILES, save_gemma_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-from nnx_surgery import cli  # noqa: E402
 
 SPEC = "layers=3,mlp=24,heads=2,kv_heads=1,vocab=600"  # depth, MLP, heads, KV heads and vocabulary all cut
 DATA = ["--seq-len", "32"]
@@ -37,18 +34,6 @@ def nnx_surgery(env: dict, *args: str) -> subprocess.CompletedProcess:
     """`python -m nnx_surgery ARGS` in a child process with the environment `env`."""
     return subprocess.run([sys.executable, "-m", "nnx_surgery", *args], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    """`nnx-surgery ARGS` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(args))
-        except SystemExit as stop:
-            code = stop.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def ok(*args: str) -> str:

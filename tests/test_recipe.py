@@ -180,7 +180,7 @@ def test_dry_run_prints_shapes_memory_and_plan(runs):
     out = proc.stdout
     assert "layers" in out and "KV heads" in out and "memory per device" in out
     assert "plan:" in out and "block" in out.lower()  # the cached teacher gives a data-free plan table
-    assert not (base / "dry" / "student").exists()
+    assert not (base / "dry").exists()  # a dry run writes nothing, not even the run folder
 
 
 def test_push_to_hub_flag_publishes_the_student_privately(runs):

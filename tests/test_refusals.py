@@ -142,6 +142,7 @@ def accepted_though_wrong_cases(w: dict) -> list[tuple[list[str], str]]:
         (["eval", "--teacher", t, s, "-o", new, "--eval-tokens", "10"], "--eval-tokens"),
         (["eval", "--teacher", t, s, "-o", new, "--eval-tokens", "63"], "--eval-tokens"),
         ([*compress, "--eval-tokens", "10"], "--eval-tokens"),
+        ([*compress, "--new-tokens", str(10 ** 6)], "--new-tokens"),
         (["distill", t, s, "-o", new, "--warmup-steps", "1000", "--steps", "2"], "--warmup-steps"),
         (["distill", t, s, "-o", new, "--warmup-steps", "3", "--steps", "2"], "--warmup-steps"),
         ([*compress, "--warmup-steps", "1000", "--steps", "2"], "--warmup-steps"),
@@ -225,7 +226,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 52, "written": 16, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 36, "accepted": 53, "written": 16, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

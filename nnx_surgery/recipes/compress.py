@@ -80,12 +80,13 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
         return {}
     clock = PhaseClock(time.time())
     run = run_settings.resolve(flags)  # the output folder, the teacher, the student, the stages
-    prepare_output(run)
-    if flags.dry_run:
+    if flags.dry_run:  # nothing written
         print(dry_run_report(run))
         return {}
-    record_settings(run)  # `--config OUT/resolved_config.json` repeats this run
+    settings.check_resumable(run.flags, run.folder)  # --resume with other settings: refused before any read
+    prepare_output(run)
     loaded = run_phases.load_teacher_and_data(run)
+    record_settings(run)  # `--config OUT/resolved_config.json` repeats this run (after the data is known good)
     clock.lap("teacher and data")
     teacher = loaded.teacher
     if flags.teacher_correction:  # Minitron: the teacher first adapts to the corpus it will teach on
@@ -118,7 +119,7 @@ def prepare_output(run: run_settings.RunSettings) -> None:
     """The run folder emptied with --overwrite and made (multi-host: process 0 prepares the shared folder)."""
     out, flags = run.folder, run.flags
     if jax.process_index() == 0:
-        if flags.overwrite and os.path.isdir(out) and os.listdir(out) and not flags.dry_run:
+        if flags.overwrite and os.path.isdir(out) and os.listdir(out):
             shutil.rmtree(out)
         os.makedirs(out, exist_ok=True)
     if jax.process_count() > 1:

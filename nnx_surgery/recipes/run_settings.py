@@ -103,15 +103,25 @@ def resolve(flags: Flags) -> RunSettings:
     stages built. Refusals are RecipeError / SpecError lines, before any weights load."""
     output = output_settings(flags)
     teacher, corpus, description = locate_teacher(flags)
+    limit = cli.position_limit(teacher.folder, teacher.config)
+    check_new_tokens(flags, teacher, limit.get("max_positions"))
     choice = shape_search.student_choice(flags, teacher.config, teacher.folder)
     if flags.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
         surgery.gguf_export.check_exportable(teacher.config, teacher.folder)
     data = DataSettings(files=flags.data, corpus=corpus, description=description, teacher_folder=teacher.folder,
                         batch_size=flags.batch_size, seq_len=flags.seq_len, seed=flags.seed,
                         restart_rows=flags.restart_rows, general_mix=flags.general_mix,
-                        position_limit=freeze(cli.position_limit(teacher.folder, teacher.config)))
+                        position_limit=freeze(limit))
     evaluation = EvalSettings.of(flags, teacher.folder, description)
     return for_student(RunSettings(flags, output, teacher, data, evaluation, None, None), choice.spec, choice)
+
+
+def check_new_tokens(flags: Flags, teacher: Teacher, positions: int | None) -> None:
+    """--new-tokens (the suite's greedy continuations) must leave room for a prompt in the teacher's positions."""
+    if flags.eval_prompts and positions and flags.new_tokens >= positions:
+        raise cli.RecipeError(f"--new-tokens {flags.new_tokens}: the teacher ({teacher.source}) has "
+                              f"{positions:,} positions, which must hold the prompt and the new tokens; give at "
+                              f"most {positions // 2:,}, or --eval-prompts 0 for no generations.")
 
 
 def output_settings(flags: Flags) -> Output:

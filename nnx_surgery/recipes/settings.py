@@ -373,8 +373,17 @@ def resolved_config(args: Flags) -> dict:
 
 
 def save_resolved(args: Flags, folder: str) -> str:
-    """Write resolved_config.json into the run folder. Resuming a run with other settings than it started with
-    is refused (the checkpoints were made under those), naming the settings that differ."""
+    """Write resolved_config.json into the run folder (`check_resumable` first)."""
+    path = check_resumable(args, folder)
+    if jax.process_index() == 0:  # multi-host: the run folder is shared, process 0 writes it
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(resolved_config(args), handle, indent=2)
+    return path
+
+
+def check_resumable(args: Flags, folder: str) -> str:
+    """The path of the run's resolved_config.json. Resuming a run with other settings than it started with is
+    refused (the checkpoints were made under those), naming the settings that differ."""
     path = os.path.join(folder, "resolved_config.json")
     if args.resume and os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
@@ -384,11 +393,9 @@ def save_resolved(args: Flags, folder: str) -> str:
         if differ:
             raise RecipeError(f"--resume: the settings {differ} differ from the run's own ({path}); resume it "
                               f"as it was with --config {path} --resume, or start over with --overwrite.")
-    if jax.process_index() == 0:  # multi-host: the run folder is shared, process 0 writes it
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(resolved_config(args), handle, indent=2)
     return path
 
 
-__all__ = ["Flags", "build_parser", "resolve", "resolved_config", "save_resolved", "load_config_file", "parse_ramp",
+__all__ = ["Flags", "build_parser", "resolve", "resolved_config", "save_resolved", "check_resumable",
+           "load_config_file", "parse_ramp",
            "CONTROL_NAMES"]
