@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -174,12 +173,7 @@ def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: st
     settings = corpus.DataSettings(files=args.data, corpus=corpus_files, description=description,
                                    teacher_folder=teacher_folder, batch_size=batch_size, seq_len=args.seq_len,
                                    seed=args.seed, position_limit=cli.position_limit(teacher_folder))
-    from nnx_surgery.distill import DataError
-    try:
-        return corpus.load_data(settings, tokenizer), description
-    except DataError as error:  # the data pipeline names its Python arguments; here they are flags
-        raise DataError(re.sub(r"\b(seq_len|batch_size)\b", lambda m: "--" + m.group(1).replace("_", "-"),
-                               str(error))) from None
+    return corpus.load_data(settings, tokenizer), description  # its refusals name the flags
 
 
 def shape_line(config) -> str:

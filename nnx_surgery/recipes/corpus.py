@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Mapping
 
 import jax
@@ -33,8 +34,15 @@ class DataSettings:
 def load_data(settings: DataSettings, tokenizer: str | None = None) -> distill.TokenBatches:
     """The run's batches: the preset's corpus files when it has one, else --data, in the tokens of `tokenizer` (a
     folder; default: the teacher's). On multi-host each process tokenises its share and keeps its rows of every
-    batch."""
-    tokenizer = tokenizer or settings.teacher_folder
+    batch. The data pipeline's refusals name its Python arguments; here they read as the flags."""
+    try:
+        return _batches(settings, tokenizer or settings.teacher_folder)
+    except distill.DataError as error:
+        raise distill.DataError(re.sub(r"\b(seq_len|batch_size)\b", lambda m: "--" + m.group(1).replace("_", "-"),
+                                       str(error))) from None
+
+
+def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
     corpus, data = (list(settings.corpus) if settings.corpus is not None else None), settings.files
     if corpus is None and not data:
         raise cli.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
