@@ -216,6 +216,7 @@ def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output
 
 # ------------------------------------------------------------------------- the examples, end to end at tiny scale
 TINY = [*TINY_TEACHER, "--student", "scaled", "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0",
+        "--warmup-steps", "1",  # the examples' warm-ups are for their own --steps (a longer one is refused)
         "--control", "none", "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1",
         "--eval-every", "3", "--set", 'compiler_options={"xla_backend_optimization_level": 0}']
 
