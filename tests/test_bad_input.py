@@ -15,6 +15,7 @@ from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, load_
 from nnx_surgery.surgery.checkpoint import _check_tied_head, canonical_names
 from nnx_surgery.surgery.safetensors_io import INDEX_FILE, checkpoint_weight_map
 from recipe_env import with_host_devices
+from refusal_env import tree  # every file's sha256 under a folder
 
 NORM = "model.layers.1.post_attention_layernorm.weight"
 
@@ -293,25 +294,6 @@ def world(good, tmp_path_factory):
     make_hf_model("gemma2", seed=4, num_hidden_layers=2, layer_types=None).save_pretrained(other)
     plan = plan_student(str(good / "single"), StudentSpec(**SPEC), depth="uniform", width="magnitude")
     return {"good": good, "teacher": load_pretrained(good / "single"), "plan": plan, "other": str(other)}
-
-
-def _tree(root) -> dict[str, tuple]:
-    """Every path under `root` with its size and content hash (links as their target)."""
-    import hashlib
-
-    found = {}
-    for base, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(base, name)
-            key = os.path.relpath(path, root)
-            if os.path.islink(path):
-                found[key] = ("link", os.readlink(path))
-            elif os.path.isfile(path):
-                with open(path, "rb") as f:
-                    found[key] = ("file", hashlib.sha1(f.read()).hexdigest())
-            else:
-                found[key] = ("dir",)
-    return found
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -690,14 +672,14 @@ CULPRITS = {  # rows whose culprit needs the broken file's name: added here to k
 def test_bad_input_table(case, world, ckpt, tmp_path):
     error, make = CASES[case]
     call, culprits = make(world, ckpt, tmp_path)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     with pytest.raises(error) as info:
         call()
     message = str(info.value)
     for culprit in tuple(culprits) + CULPRITS.get(case, ()):
         assert culprit in message, f"{case}: {culprit!r} not named in {message!r}"
     assert info.value.__cause__ is None or isinstance(info.value.__cause__, error)
-    assert _tree(tmp_path) == before, f"{case}: the failed call wrote or changed files"
+    assert tree(tmp_path) == before, f"{case}: the failed call wrote or changed files"
 
 
 def test_table_is_large_enough():
