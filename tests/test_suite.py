@@ -13,6 +13,7 @@ from flax import nnx
 
 from nnx_surgery.distill.data import DataError, TokenBatches, load_tokenizer
 from nnx_surgery.distill.evaluate import agreement_and_kl, heldout_loss, sequence_loglikelihoods
+from nnx_surgery.distill.degeneration import degeneration
 from nnx_surgery.distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
                            multiple_choice, multiple_choice_items)
 from nnx_surgery.distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
@@ -258,6 +259,9 @@ def test_suite_end_to_end_writes_markdown(models, heldout, tokenizer_folder, tmp
     new = greedy(student, [p.ids for p in prompts], 12)  # full forwards: surgery.generate's KV cache agrees
     expected = [tok.decode(ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids) for ids in new]
     assert [s["continuations"]["student"] for s in samples] == expected
+    for name in rows:  # every model's degeneration, the reference's included, from its own continuations
+        assert {k: rows[name][k] for k in ("loop_share", "distinct_2")} == {
+            k: v for k, v in degeneration([s["continuations"][name] for s in samples]).items() if k != "continuations"}
     markdown = out.read_text()
     assert markdown.startswith("| model | parameters | held-out CE (nats) |")
     assert "| teacher |" in markdown and "(reference)" in markdown and "## Sample generations" in markdown

@@ -83,7 +83,8 @@ def distill_student(args: argparse.Namespace) -> str:
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.1%}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
            ("general_kl", "general KL", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
-           ("multiple_choice", "next-line MC", "{:.1%}"))
+           ("multiple_choice", "next-line MC", "{:.1%}"), ("loop_share", "looping", "{:.0%}"),
+           ("distinct_2", "distinct-2", "{:.3f}"))
 
 
 def summary(rows: list[dict]) -> str:

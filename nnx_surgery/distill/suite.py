@@ -27,19 +27,19 @@ so every process returns the same result, and only process 0 writes the files.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .data import DataError, TextTokenizer, load_tokenizer
+from .degeneration import LoopRule, degeneration, text_units
 from .distributed import is_main_process
 from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
-from .heldout import HeldoutSet, report_markdown
-from .heldout_vocab import Vocabulary, heldout_report_across, in_own_tokens, trimmed_note
+from .heldout import HeldoutSet
+from .heldout_vocab import Vocabulary, heldout_report_across, in_own_tokens
+from .suite_report import suite_markdown, write_suite
 
 GenerateFn = Callable[[Any, list[list[int]], int], list[list[int]]]
 
@@ -215,8 +215,8 @@ def _unique_best(scores: np.ndarray) -> int:
     return best if np.sum(scores == scores[best]) == 1 else -1
 
 
-def _code_tokens(text: str) -> list[str]:
-    return re.findall(r"\w+|[^\w\s]", text)
+_code_tokens = text_units  # BLEU/ROUGE-L's tokens: words and single punctuation marks
+LOOP_RULE = LoopRule()
 
 
 class _CodeTokenizer:
@@ -312,6 +312,8 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
             row.update(heldout_loss(model, batches))
             row["eval_tokens"] = row.pop("tokens")
         row["sets"] = {set_name: report["models"][name] for set_name, report in sets.items()}
+        degenerate = degeneration(texts[name], LOOP_RULE)
+        row.update(loop_share=degenerate["loop_share"], distinct_2=degenerate["distinct_2"])
         if name == reference:
             row.update(top1_agreement=None, kl=None, bleu=None, rouge_l=None)  # 1, 0, 100, 100 by definition
         else:
@@ -327,6 +329,8 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     result = {
         "reference": reference, "models": rows, "sets": sets, "settings": dataclasses.asdict(settings),
         "vocabularies": {name: len(v.teacher_ids) for name, v in vocabularies.items()},
+        "degeneration": {"loop": LOOP_RULE.describe(), "units": "words and punctuation marks of the decoded text",
+                         "continuations": len(prompts)},
         "multiple_choice": {"items": len(items), "choices": settings.distractors + 1,
                             "chance": 1.0 / (settings.distractors + 1),
                             "scored_by": "mean log-likelihood per token of the candidate line (length-normalised)"},
@@ -338,64 +342,9 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     return result
 
 
-COLUMNS = (("parameters", "parameters", "{:,}"), ("loss", "held-out CE (nats)", "{:.4f}"),
-           ("perplexity", "perplexity", "{:.3f}"), ("top1_agreement", "top-1 agreement", "{:.2%}"),
-           ("kl", "KL(ref || model)", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
-           ("mc_accuracy", "next-line MC acc.", "{:.2%}"), ("mc_accuracy_unnormalised", "MC acc. (sum)", "{:.2%}"))
-
-
-def suite_markdown(result: dict) -> str:
-    """The suite's result as Markdown: a metrics table (one row per model) and the sample continuations."""
-    reference, mc = result["reference"], result["multiple_choice"]
-    columns = [c for c in COLUMNS if any(c[0] in row for row in result["models"].values())]
-    lines = ["| model | " + " | ".join(title for _, title, _ in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
-    for name, row in result["models"].items():
-        cells = ["(reference)" if row.get(key) is None and name == reference else
-                 "-" if row.get(key) is None else form.format(row[key]) for key, _, form in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if result.get("sets"):
-        lines += ["", "## Held-out sets", ""]
-        for report in result["sets"].values():
-            lines += [report_markdown(report, reference), ""]
-    lines += ["", f"Agreement, KL, BLEU and ROUGE-L (F1 x100) are against `{reference}` on held-out text; BLEU and "
-                  f"ROUGE-L compare greedy continuations of {len(result['samples'])} held-out prompts "
-                  f"({result['settings']['new_tokens']} new tokens). Multiple choice: {mc['items']} items, the "
-                  f"true next line among {mc['choices']} candidates, scored by {mc['scored_by']}; chance "
-                  f"{mc['chance']:.2%}.", *trimmed_note(result), "", "## Sample generations", ""]
-    for number, sample in enumerate(result["samples"], start=1):
-        where = f"held-out document {sample['document']}, continued from line {sample['line'] + 1}"
-        lines += [f"### Prompt {number} ({where})", "",
-                  _fenced(sample["prompt"]), ""]
-        for name, text in sample["continuations"].items():
-            lines += [f"**{name}**", "", _fenced(text), ""]
-    return "\n".join(lines)
-
-
 def _say(line: str) -> None:
     if is_main_process():
         print(line, flush=True)
-
-
-def _fenced(text: str) -> str:
-    fence = "```"
-    while fence in text:
-        fence += "`"
-    return f"{fence}\n{text.rstrip()}\n{fence}"
-
-
-def write_suite(result: dict, out_path: str | os.PathLike) -> str:
-    """Write `result` as Markdown at `out_path` and as JSON beside it (`.json`); returns the Markdown path.
-    Multi-host: only process 0 writes (the run folder is shared storage); the others return the path."""
-    path = os.fspath(out_path)
-    if not is_main_process():
-        return path
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(suite_markdown(result) + "\n")
-    with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    return path
 
 
 __all__ = ["SuiteSettings", "Prompt", "ChoiceItem", "GenerateFn", "evaluate_suite", "heldout_prompts",

@@ -28,7 +28,7 @@ from nnx_surgery.surgery.generate import generate
 
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
-              "mc_accuracy": "multiple_choice"}
+              "mc_accuracy": "multiple_choice", "loop_share": "loop_share", "distinct_2": "distinct_2"}
 IN_DOMAIN, GENERAL = "in-domain", "general"
 
 

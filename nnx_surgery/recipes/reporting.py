@@ -114,7 +114,8 @@ COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/b
            ("top1_agreement", "in-domain top-1", "{:.1%}"), ("kl_to_teacher", "in-domain KL", "{:.3f}"),
            ("general_loss", "general CE", "{:.4f}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
            ("general_top1_agreement", "general top-1", "{:.1%}"), ("general_kl", "general KL", "{:.3f}"),
-           ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"), ("multiple_choice", "next-line MC", "{:.1%}"))
+           ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"), ("multiple_choice", "next-line MC", "{:.1%}"),
+           ("loop_share", "looping", "{:.0%}"), ("distinct_2", "distinct-2", "{:.3f}"))
 
 
 def results_table(results: dict) -> str:
