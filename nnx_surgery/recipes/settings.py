@@ -39,8 +39,10 @@ from nnx_surgery.recipes.knobs import (DEFAULTS, DISTILL_FLAGS, MANAGED, PRESETS
                            distill_epilog, term_weight_defaults)
 
 FORMAT = "nnx-surgery recipe config 1"
+AOT_FLAGS = ("aot", "aot_tokens", "aot_mfu", "aot_search")  # --aot's: a compile of the run, not the run
+# how this invocation runs, not what it computes: never saved
 RUN_ONLY = ("config", "print_config", "output", "resume", "overwrite", "halt_after", "dry_run", "push_to_hub",
-            "public", "cache_dir", "set", "no_scratch", *MULTI_HOST_FLAGS)  # how this invocation runs, not what it computes: never saved
+            "public", "cache_dir", "set", "no_scratch", *AOT_FLAGS, *MULTI_HOST_FLAGS)
 MANAGED_CHECKPOINT = ("directory", "resume")
 CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 # what follows from the flags alone, beside them in Flags (not saved: resolved_config repeats it from the flags)
@@ -301,10 +303,13 @@ def _check_numbers(args: Flags) -> None:
     if args.seq_len < 2 or args.batch_size < 1:
         raise RecipeError(f"--seq-len {args.seq_len} / --batch-size {args.batch_size}: give at least 2 tokens per "
                           "row and 1 row per batch.")
-    if args.mesh:  # its axes, and that they fit the devices unless a dry run sizes a mesh of another machine
+    if args.mesh:  # its axes, and that they fit the devices unless a dry run or --aot sizes another machine's
         from nnx_surgery.distill.mesh import MeshError, make_mesh, parse_mesh_spec
         try:
-            parse_mesh_spec(args.mesh) if args.dry_run else make_mesh(args.mesh, devices=args.mesh_devices)
+            if args.dry_run or args.aot:
+                parse_mesh_spec(args.mesh)
+            else:
+                make_mesh(args.mesh, devices=args.mesh_devices)
         except MeshError as error:
             raise RecipeError(f"--mesh {args.mesh!r}: {error}") from None
     weights = {name: ("a weight >= 0", lambda v: v >= 0) for name in term_weight_defaults()}

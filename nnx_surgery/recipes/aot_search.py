@@ -1,0 +1,130 @@
+"""`--aot-search`: the settings that fit the target, found by compiling the fewest candidates.
+
+The candidates keep the tokens per optimizer step and vary what changes memory: the mesh's split of the chips
+(fsdp x tp), the micro-batch (with gradient accumulation making up the step), and the remat policy. They are
+ordered by an estimated cost relative to the asked settings (remat's recomputation, more micro-batches, tensor
+parallel traffic), and compiled in that order on the program that needed the most memory, until one fits with
+`aot_report.HEADROOM` free: the first that does is the fastest estimate that fits. At most `MAX_COMPILES` compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from nnx_surgery import distill
+from nnx_surgery.distill.mesh import MeshError, format_mesh_spec
+from nnx_surgery.recipes import aot_programs
+from nnx_surgery.recipes.aot_report import HEADROOM, measure
+from nnx_surgery.recipes.aot_targets import GIB, KNOWN_TOPOLOGIES, Target
+from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.frozen import freeze, thaw
+
+MAX_COMPILES = 6
+# relative step cost of each remat policy: the forward recomputed in the backward pass (none, matmuls kept, all)
+REMAT_COST = {None: 1.0, "dots": 1.1, "layers": 1.33, "full": 1.33}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mesh: dict
+    batch_size: int
+    grad_accum: int
+    remat: str | None
+
+    @property
+    def cost(self) -> float:
+        tp = self.mesh.get("tp", 1)
+        return REMAT_COST[self.remat] * (1 + 0.03 * math.log2(self.grad_accum)) * (1 + 0.1 * math.log2(tp))
+
+    def flags_text(self) -> str:
+        return (f"--mesh {format_mesh_spec(self.mesh)} --batch-size {self.batch_size} --grad-accum "
+                f"{self.grad_accum} --remat {self.remat or 'none'}")
+
+    def apply(self, flags):
+        section = {**thaw(flags.distill), "grad_accum": self.grad_accum, "remat": self.remat}
+        return dataclasses.replace(flags, mesh=format_mesh_spec(self.mesh), batch_size=self.batch_size,
+                                   distill=freeze(section))
+
+
+def remat_policies() -> list[str | None]:
+    """The remat policies the trainer accepts now (a per-layer policy, "layers", where it exists)."""
+    accepted = []
+    for policy in REMAT_COST:
+        try:
+            distill.DistillConfig(stages=[distill.Stage(steps=1)], remat=policy)
+            accepted.append(policy)
+        except ValueError:
+            continue
+    return accepted
+
+
+def candidates(flags, devices: int) -> list[Candidate]:
+    """Every split of the devices into fsdp x tp, micro-batch (a divisor of the step's rows the data axis splits)
+    and remat policy, cheapest estimate first."""
+    rows = flags.batch_size * flags.distill["grad_accum"]
+    found = []
+    for tp in (d for d in range(1, devices + 1) if devices % d == 0 and d <= 8):
+        fsdp = devices // tp
+        mesh = {"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp}
+        for micro in (b for b in range(rows, 0, -1) if rows % b == 0 and b % fsdp == 0):
+            for remat in remat_policies():
+                found.append(Candidate(mesh, micro, rows // micro, remat))
+    return sorted(found, key=lambda c: (c.cost, -c.batch_size))
+
+
+def search(flags, target: Target, program_name: str, mfu: float, asked: dict) -> dict:
+    """The first candidate (cheapest estimate first) whose `program_name` fits with HEADROOM free, or why none
+    does. `asked`: the asked settings' row of that program."""
+    tried = []
+    for candidate in candidates(flags, len(target.devices)):
+        if len(tried) >= MAX_COMPILES:
+            break
+        if _same(candidate, flags):
+            continue
+        try:
+            run = aot_programs.aot_run(candidate.apply(flags))
+            entries = {e.name: e for e in aot_programs.run_programs(run, target)}
+            row = measure(entries[program_name].build(), target, mfu)
+        except (MeshError, RecipeError, KeyError):  # a split the model's dimensions refuse
+            continue
+        row["flags"] = candidate.flags_text()
+        tried.append(row)
+        print(f"[aot search] {candidate.flags_text()}: {_verdict(row)}", flush=True)
+        if row["fits"] and row.get("headroom", 0) >= HEADROOM:
+            return {"program": program_name, "tried": tried, "best": row, "flags": candidate.flags_text()}
+    return {"program": program_name, "tried": tried, "best": None, "why": why_nothing_fits(asked, target, flags)}
+
+
+def _same(candidate: Candidate, flags) -> bool:
+    return (candidate.batch_size, candidate.grad_accum, candidate.remat) == \
+        (flags.batch_size, flags.distill["grad_accum"], flags.distill.get("remat")) and \
+        format_mesh_spec(candidate.mesh) == (flags.mesh or "")
+
+
+def _verdict(row: dict) -> str:
+    if row.get("out_of_memory"):
+        return f"does not fit ({row['out_of_memory']['message'][:90]})"
+    return f"{row['bytes']['total'] / GIB:.2f} GiB per device, {row['headroom']:.0%} free"
+
+
+def why_nothing_fits(row: dict, target: Target, flags) -> str:
+    """One line: what takes most of a device's memory in the asked settings, and what would fit."""
+    b = row["bytes"]
+    state = b["student_parameters"] + b["optimizer_state"]
+    activations = b.get("temporaries") or (row.get("out_of_memory", {}).get("needed") or 0)
+    parts = {"the student's weights and Adam state": state, "the teacher's weights": b["teacher_parameters"],
+             "the activations" + (" and attention maps captured for transfer" if getattr(
+                 flags, "attention_weight", 0) else ""): activations}
+    dominant = max(parts, key=parts.get)
+    persistent = state + b["teacher_parameters"]
+    chips = math.ceil(persistent * len(target.devices) / ((1 - HEADROOM) * target.memory_per_device) * 1.5)
+    larger = [name for name in KNOWN_TOPOLOGIES if name.startswith(target.name.partition(":")[0] + ":")
+              and math.prod(int(x) for x in name.partition(":")[2].split("x")) >= chips]
+    hint = f"a slice of {chips}+ chips ({larger[0]})" if larger and target.chip else "more devices"
+    if "attention" in dominant:
+        hint += ", or fewer layers captured for attention transfer (--attention-weight 0 drops them)"
+    return (f"nothing tried fits with {HEADROOM:.0%} free: {dominant} take most of a device "
+            f"({parts[dominant] / GIB:.2f} GiB of {target.memory_per_device / GIB:.2f}); try {hint}.")
+
+
+__all__ = ["Candidate", "candidates", "search", "remat_policies", "why_nothing_fits", "MAX_COMPILES"]
