@@ -122,6 +122,15 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
                    help="also the differences A - B of two FOLDERs (named as in the table) with 95%% intervals, "
                         "e.g. distilled:control; repeatable (every FOLDER is compared with the teacher anyway)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    p.add_argument("--tasks", metavar="NAMES", help="also score every model on lm-evaluation-harness tasks (needs "
+                   "the lm-eval extra), e.g. nnx_offline (three offline tasks from the standard library) or "
+                   "hellaswag,arc_easy (datasets lm-eval can read); their scores with standard errors join the "
+                   "results")
+    p.add_argument("--include-path", metavar="FOLDER", help="a folder of lm-eval task YAML files for --tasks")
+    p.add_argument("--tasks-limit", type=POSITIVE, metavar="N", help="at most N documents per task (lm-eval's "
+                   "--limit; default: all)")
+    p.add_argument("--tasks-batch", type=POSITIVE, default=16, metavar="ROWS", help="rows per scoring batch of "
+                   "--tasks (default 16)")
     _data_flags(p, 256)
 
 

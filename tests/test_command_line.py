@@ -199,7 +199,8 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     out = str(workspace["base"] / "eval")
     printed = ok("eval", "--teacher", workspace["teacher"], workspace["student"], distilled[0], "--data",
                  workspace["data"], *DATA, "--eval-tokens", "256", "--eval-prompts", "2", "--new-tokens", "8",
-                 "--choice-items", "4", "--compare", "distilled:student", "--output", out)
+                 "--choice-items", "4", "--compare", "distilled:student", "--tasks", "nnx_offline",
+                 "--tasks-limit", "2", "--tasks-batch", "4", "--output", out)
     with open(os.path.join(out, "suite.md")) as f:
         suite = f.read()
     with open(os.path.join(out, "results.json")) as f:
@@ -225,6 +226,18 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
         else:  # one document: no bootstrap interval
             assert difference["low"] is difference["high"] is None
         assert f"[{part}] distilled - student: ce {pair['ce']['difference']:+.4f}" in printed
+    # --tasks: every model (the trimmed-vocabulary students in their own tokens) on the three offline lm-eval tasks
+    scores = results["lm_eval"]["scores"]
+    assert list(scores) == names and results["lm_eval"]["limit"] == 2
+    for name in names:
+        assert rows[name]["lm_eval"] == scores[name]
+        assert set(scores[name]) == {"nnx_stdlib_next_line", "nnx_pydoc_perplexity", "nnx_stdlib_complete"}
+        assert 0 <= scores[name]["nnx_stdlib_next_line"]["acc"]["value"] <= 1
+        assert scores[name]["nnx_stdlib_next_line"]["acc"]["stderr"] is not None
+        assert scores[name]["nnx_pydoc_perplexity"]["bits_per_byte"]["value"] > 0
+    assert "lm-eval tasks (value ± standard error)" in printed
+    with open(os.path.join(out, "lm_eval.md")) as f:
+        assert "| distilled |" in f.read()
 
 
 # ------------------------------------------------------------------------------------------------ the Hub

@@ -124,16 +124,17 @@ def task_configs(folder: str) -> dict[str, dict]:
     }
 
 
-def write_tasks(folder: str | os.PathLike) -> str:
+def write_tasks(folder: str | os.PathLike, *, final: str | os.PathLike | None = None) -> str:
     """Write the three tasks' YAML files and JSONL data into `folder` (created); returns its absolute path, the
-    folder to give lm-eval as `--include_path` (or `TaskManager(include_path=...)`)."""
+    folder to give lm-eval as `--include_path` (or `TaskManager(include_path=...)`). `final`: where the folder
+    will be once moved (the YAML files name their data there), when `folder` is a temporary one."""
     folder = os.path.abspath(os.fspath(folder))
     os.makedirs(folder, exist_ok=True)
     for file, docs in (("next_line.jsonl", next_line_docs()), ("complete.jsonl", completion_docs()),
                        ("pydoc_topics.jsonl", topic_docs())):
         with open(os.path.join(folder, file), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n" for doc in docs)
-    for name, config in task_configs(folder).items():
+    for name, config in task_configs(os.path.abspath(os.fspath(final or folder))).items():
         with open(os.path.join(folder, f"{name}.yaml"), "w", encoding="utf-8") as f:
             # JSON is YAML: every value is written quoted and escaped as JSON writes it (the "\n" stop included).
             f.writelines(f"{key}: {json.dumps(value, ensure_ascii=False)}\n" for key, value in config.items())
