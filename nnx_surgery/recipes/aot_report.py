@@ -139,7 +139,8 @@ def format_table(rows: list[dict], target: Target, mfu: float, budget: float | N
         b = row["bytes"]
         oom = row.get("out_of_memory")
         total = b.get("total") if oom is None else oom.get("needed")
-        fits = "yes" if row["fits"] else ("no: " + oom["message"][:70] if oom else "no")
+        fits = "yes" if row["fits"] else ("no: XLA needs more than it has" if oom and "needed" in oom else
+                                          f"no: {oom['message'][:70]}" if oom else "no")
         lines.append("  " + _row([row["program"], gib(b["teacher_parameters"]), gib(b["student_parameters"]),
                                   gib(b["optimizer_state"]), gib(b["batch"]), gib(b.get("temporaries")),
                                   gib(b.get("outputs")), gib(total), gib(row["memory_per_device"]),
@@ -151,7 +152,7 @@ def format_table(rows: list[dict], target: Target, mfu: float, budget: float | N
     for row in rows:
         if "flops_per_device_xla" not in row:
             continue
-        days = days_to(budget, row) if budget else None
+        days = days_to(budget, row) if budget and row.get("train") else None
         lines.append("  " + _row([row["program"], f"{row['tokens_per_step']:,}",
                                   f"{row['flops_per_device_xla'] / 1e12:.3g}",
                                   f"{row['flops_per_device_analytic'] / 1e12:.3g}", row["flops_used"],

@@ -102,8 +102,11 @@ def _same(candidate: Candidate, flags) -> bool:
 
 
 def _verdict(row: dict) -> str:
-    if row.get("out_of_memory"):
-        return f"does not fit ({row['out_of_memory']['message'][:90]})"
+    oom = row.get("out_of_memory")
+    if oom:
+        figures = f"XLA needs {oom['needed'] / GIB:.2f} of {oom['available'] / GIB:.2f} GiB" if "needed" in oom \
+            else oom["message"][:100]
+        return f"does not fit ({figures})"
     return f"{row['bytes']['total'] / GIB:.2f} GiB per device, {row['headroom']:.0%} free"
 
 
