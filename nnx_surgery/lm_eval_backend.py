@@ -66,13 +66,13 @@ class FolderTokenizer:
     tokens. No transformers needed: lm-eval's base install does not bring it."""
 
     def __init__(self, folder: str):
-        from nnx_surgery.surgery.generate import _TextCodec
+        from nnx_surgery.surgery.generate import TextCodec
 
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             raise LMEvalBackendError(f"pretrained={folder}: no tokenizer.json there; lm-eval feeds text, so the model "
                                      "folder needs its tokenizer (folders from prune, distill, compress and "
                                      "import-gguf have one).")
-        self.codec = _TextCodec.of(folder)
+        self.codec = TextCodec.of(folder)
         self.tokenizer = self.codec.tokenizer
         self.bos_id, self.eos_id, self.pad_id = self.codec.bos_id, self.codec.eos_id, self.codec.pad_id
         self.model_max_length = _json(os.path.join(folder, "tokenizer_config.json")).get("model_max_length")
@@ -274,7 +274,7 @@ class NNXSurgeryLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations (`surgery.generate`'s KV-cached prefill and decode loop, `greedy_in_buckets`),
+        """Greedy continuations (`surgery.generate`'s KV-cached prefill and decode loop at fixed shapes),
         batched among requests with the same generation settings, longest prompts first, cut at the first stop
         string as lm-eval cuts them."""
         started = time.perf_counter()
@@ -312,44 +312,12 @@ class NNXSurgeryLM(TemplateLM):
     def _generate(self, prompts: list[list[int]], settings: dict) -> list[str]:
         until, max_gen_toks = self._gen_settings(settings)
         strings = [s for s in until if s and s != self.tok.decode([self.eot_token_id], False)]
-        kept = greedy_in_buckets(self.graphdef, self.state, prompts, max_new_tokens=max_gen_toks,
-                                 stop_ids=self.stop_ids, stop_strings=strings, codec=self.tok.codec,
-                                 batch=self.batch_size, width=bucket_for(max(map(len, prompts)), self.buckets))
+        from nnx_surgery.surgery.generate import generate
+        # fixed (batch, width bucket) shapes: the prefill and decode loop compile once per bucket
+        kept = generate(self.model, prompts, max_new_tokens=max_gen_toks, stop=[*self.stop_ids, *strings],
+                        tokenizer=self.tok.codec, pad_to=bucket_for(max(map(len, prompts)), self.buckets),
+                        batch_rows=self.batch_size).tokens
         return [postprocess_generated_text(self.tok.decode(tokens), until, None) for tokens in kept]
-
-
-def greedy_in_buckets(graphdef, state, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int],
-                      stop_strings: list[str], codec, batch: int, width: int) -> list[list[int]]:
-    """`surgery.generate`'s greedy decoding (its jitted prefill and decode loop, its stop handling) on prompts left
-    padded to `width` in a batch of `batch` rows, so that the programs compile once per (batch, width bucket)
-    instead of once per longest prompt: `generate` pads to the longest prompt it is given. Filler rows (one pad
-    token) are marked done after the prefill, so they never keep the loop running. Returns each prompt's new
-    tokens through its stop, as `generate` returns them."""
-    import dataclasses
-    import importlib
-
-    g = importlib.import_module("nnx_surgery.surgery.generate")  # the module (the package exports the function)
-
-    rows = [np.asarray(p, np.int32) for p in prompts]
-    rows += [np.asarray([codec.pad_id], np.int32)] * (batch - len(rows))
-    ids, mask = g._left_pad(rows, width, codec.pad_id)
-    max_len = -(-(width + max_new_tokens) // g.MAX_LEN_MULTIPLE) * g.MAX_LEN_MULTIPLE
-    sampling, key = g._check_sampling(max_new_tokens, 0.0, None, None), jax.random.key(0)
-    stops = jnp.asarray(stop_ids or [-1], jnp.int32)
-    carry = g._prefill(graphdef, state, ids, mask, key, stops, 0.0, 1.0, max_len=max_len,
-                       max_new_tokens=max_new_tokens, sampling=sampling)
-    carry = dataclasses.replace(carry, done=carry.done | (jnp.arange(batch) >= len(prompts)))
-    string_stopped = np.zeros(batch, bool)
-    chunk = 16 if stop_strings else max_new_tokens  # stop strings are checked on the host every 16 steps, as there
-    while int(carry.step) < max_new_tokens and not bool(np.all(np.asarray(carry.done))):
-        limit = jnp.asarray(min(int(carry.step) + chunk, max_new_tokens), jnp.int32)
-        carry = g._decode(graphdef, state, carry, limit, key, stops, 0.0, 1.0, sampling=sampling)
-        if stop_strings:
-            string_stopped |= g._hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], codec,
-                                                  stop_strings, np.asarray(carry.done))
-            carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(string_stopped))
-    tokens = np.asarray(carry.tokens)[:len(prompts), :int(carry.step)]
-    return g._finished_rows(tokens, stop_ids, stop_strings, string_stopped[:len(prompts)], codec)[0]
 
 
 # ------------------------------------------------------------------------------------------------ arguments

@@ -8,6 +8,7 @@ real Gemma 3 270M test (slow) generates 64 tokens for prose and code prompts and
 """
 from __future__ import annotations
 
+import importlib
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,24 @@ def test_the_loop_ends_when_every_row_has_stopped(tiny):
     out = generate(model, _prompts(seed=5), max_new_tokens=NEW_TOKENS, stop=list(range(96)))
     assert out.decode_steps == 0 and all(len(row) == 1 for row in out.tokens)
     assert out.finish_reasons == ["stop"] * len(PROMPT_LENGTHS)
+
+
+def test_fixed_shapes_give_the_same_tokens_and_compile_once(tiny):
+    """pad_to / batch_rows: wider padding and filler rows change nothing in the returned rows, and prompts of other
+    lengths at the same fixed shape reuse the compiled prefill."""
+    _, model, folder = tiny["gemma"]
+    prompts = _prompts(seed=7)[:2]
+    plain = generate(model, prompts, max_new_tokens=6, stop=())
+    fixed = generate(model, prompts, max_new_tokens=6, stop=(), pad_to=24, batch_rows=4)
+    assert fixed.tokens == plain.tokens and fixed.padded_length == 24 and len(fixed.tokens) == 2
+    module = importlib.import_module("nnx_surgery.surgery.generate")  # the package exports the function
+    before = module._prefill._cache_size()
+    generate(model, [p[:3] for p in prompts[:1]], max_new_tokens=6, stop=(), pad_to=24, batch_rows=4)
+    assert module._prefill._cache_size() == before
+    with pytest.raises(ValueError, match="pad_to"):
+        generate(model, prompts, max_new_tokens=6, pad_to=1)
+    with pytest.raises(ValueError, match="batch_rows"):
+        generate(model, prompts, max_new_tokens=6, batch_rows=1)
 
 
 @pytest.mark.parametrize("kwargs, argument", [

@@ -29,9 +29,9 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
     """The prompt's token ids (BOS first, as generate adds it), checked with --max-new-tokens against the
     model's positions (config.json's max_position_embeddings) before anything is allocated: a longer prompt is
     refused, or with --truncate-prompt cut from the left (BOS kept) with a line on stderr saying so."""
-    from nnx_surgery.surgery.generate import _TextCodec
+    from nnx_surgery.surgery.generate import TextCodec
 
-    codec = _TextCodec.of(folder)
+    codec = TextCodec.of(folder)
     ids = codec.encode(prompt_text(args.prompt))
     limit = position_limit(folder).get("max_positions") or UNKNOWN_POSITIONS
     where = f"max_position_embeddings {limit} in {folder}/config.json" if limit != UNKNOWN_POSITIONS else \

@@ -58,7 +58,8 @@ class Generation:
 
 def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop: Stop = None,
-             tokenizer: Any = None, max_len: int | None = None) -> Generation:
+             tokenizer: Any = None, max_len: int | None = None, pad_to: int | None = None,
+             batch_rows: int | None = None) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens with `model` (a `surgery.model.CausalLM` of any family).
 
     `prompts`: a list of strings (needs `tokenizer`: a `tokenizers.Tokenizer`, a transformers fast tokenizer, or
@@ -71,24 +72,32 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
     `top_p` (nucleus) filtering, in transformers' order; draws depend only on `seed` (and the batch).
     `stop`: token ids and/or strings that end a row; None means the model config's eos ids, `()` never stops
     early. Stop strings are checked on the host every 16 steps (ids inside the jitted loop at every step).
+
+    Fixed shapes, so that many calls share one compilation (e.g. an evaluation harness's length buckets): `pad_to`
+    left pads every prompt to that width (at least the longest prompt), `batch_rows` fills the batch up to that
+    many rows with one-token filler rows, which are marked done after the prefill and never returned.
     """
     sampling = _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    text = None if tokenizer is None else _TextCodec.of(tokenizer)
+    text = None if tokenizer is None else TextCodec.of(tokenizer)
     rows = _prompt_rows(prompts, text, model.config.vocab_size)
     stop_ids, stop_strings = _stops(stop, model.config, text)
-    width = max(len(r) for r in rows)
+    count, width = len(rows), _fixed_width(rows, pad_to)
+    pad_id = text.pad_id if text is not None else _config_id(model.config, "pad", 0)
+    rows += [np.asarray([pad_id], np.int32)] * _filler_rows(count, batch_rows)
     if max_len is None:
         max_len = -(-(width + max_new_tokens) // MAX_LEN_MULTIPLE) * MAX_LEN_MULTIPLE
     max_len = int(max_len)
     if width + max_new_tokens > max_len:
         raise ValueError(f"max_len={max_len} is too small: the longest prompt has {width} tokens and "
                          f"max_new_tokens={max_new_tokens}; raise max_len to at least {width + max_new_tokens}.")
-    ids, mask = _left_pad(rows, width, text.pad_id if text is not None else _config_id(model.config, "pad", 0))
+    ids, mask = _left_pad(rows, width, pad_id)
     graphdef, state = nnx.split(model)
     key, stops = jax.random.key(seed), jnp.asarray(stop_ids or [-1], jnp.int32)
     started = time.perf_counter()
     carry = _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p or 1.0, max_len=max_len,
                      max_new_tokens=max_new_tokens, sampling=sampling)
+    if len(rows) > count:  # filler rows never keep the decode loop running
+        carry = dataclasses.replace(carry, done=carry.done | (jnp.arange(len(rows)) >= count))
     jax.block_until_ready(carry)
     prefill_s, started = time.perf_counter() - started, time.perf_counter()
     chunk = 16 if stop_strings else max_new_tokens
@@ -100,11 +109,11 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
             string_stopped |= _hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], text, stop_strings,
                                                 np.asarray(carry.done))
             carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(string_stopped))
-    tokens, steps = np.asarray(carry.tokens), int(carry.step)
+    tokens, steps = np.asarray(carry.tokens)[:count], int(carry.step)
     decode_s = time.perf_counter() - started
-    kept, reasons = _finished_rows(tokens[:, :steps], stop_ids, stop_strings, string_stopped, text)
+    kept, reasons = _finished_rows(tokens[:, :steps], stop_ids, stop_strings, string_stopped[:count], text)
     texts = None if text is None else [text.decode(row) for row in kept]
-    return Generation(tokens=kept, texts=texts, finish_reasons=reasons, prompt_lengths=[len(r) for r in rows],
+    return Generation(tokens=kept, texts=texts, finish_reasons=reasons, prompt_lengths=[len(r) for r in rows[:count]],
                       padded_length=width, decode_steps=steps - 1, prefill_s=prefill_s, decode_s=decode_s)
 
 
@@ -227,7 +236,20 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> _Sampling:
     return _Sampling(greedy=temperature == 0, top_k=None if top_k is None else int(top_k), nucleus=nucleus)
 
 
-class _TextCodec:
+def _fixed_width(rows: list[np.ndarray], pad_to: int | None) -> int:
+    width = max(len(r) for r in rows)
+    if pad_to is not None and int(pad_to) < width:
+        raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({width} tokens); give at least {width}.")
+    return width if pad_to is None else int(pad_to)
+
+
+def _filler_rows(count: int, batch_rows: int | None) -> int:
+    if batch_rows is not None and int(batch_rows) < count:
+        raise ValueError(f"batch_rows={batch_rows} is fewer than the {count} prompts; give at least {count}.")
+    return 0 if batch_rows is None else int(batch_rows) - count
+
+
+class TextCodec:
     """Text <-> ids with a `tokenizers.Tokenizer`: BOS as transformers adds it, special tokens skipped on output."""
 
     def __init__(self, tokenizer, config: dict):
@@ -238,7 +260,11 @@ class _TextCodec:
         self.add_bos = bool(config.get("add_bos_token")) and self.bos_id is not None
 
     @classmethod
-    def of(cls, tokenizer) -> "_TextCodec":
+    def of(cls, tokenizer) -> "TextCodec":
+        """A codec for a folder / tokenizer.json path, a `tokenizers.Tokenizer` or a transformers fast tokenizer
+        (a codec is returned as it is)."""
+        if isinstance(tokenizer, TextCodec):
+            return tokenizer
         if isinstance(tokenizer, (str, os.PathLike)):
             path = os.fspath(tokenizer)
             file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -273,7 +299,7 @@ class _TextCodec:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def _prompt_rows(prompts, text: _TextCodec | None, vocab_size: int) -> list[np.ndarray]:
+def _prompt_rows(prompts, text: TextCodec | None, vocab_size: int) -> list[np.ndarray]:
     if isinstance(prompts, str) or (isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1):
         prompts = [prompts]
     elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
@@ -313,7 +339,7 @@ def _config_id(config, name: str, default):
     return default if value is None else value
 
 
-def _stops(stop, config, text: _TextCodec | None) -> tuple[list[int], list[str]]:
+def _stops(stop, config, text: TextCodec | None) -> tuple[list[int], list[str]]:
     if stop is None:
         eos = _config_id(config, "eos", None if text is None else text.eos_id)
         return ([] if eos is None else [int(e) for e in np.atleast_1d(eos)]), []
@@ -327,7 +353,7 @@ def _stops(stop, config, text: _TextCodec | None) -> tuple[list[int], list[str]]
     return ids, strings
 
 
-def _hits_stop_string(tokens: np.ndarray, text: _TextCodec, strings: list[str], done: np.ndarray) -> np.ndarray:
+def _hits_stop_string(tokens: np.ndarray, text: TextCodec, strings: list[str], done: np.ndarray) -> np.ndarray:
     return np.array([not d and any(s in text.decode(row) for s in strings) for row, d in zip(tokens, done)])
 
 
@@ -343,4 +369,4 @@ def _finished_rows(tokens: np.ndarray, stop_ids, strings, string_stopped, text) 
     return kept, reasons
 
 
-__all__ = ["KVCache", "Generation", "generate", "make_sampler", "completion_mask"]
+__all__ = ["KVCache", "Generation", "generate", "make_sampler", "completion_mask", "TextCodec"]
