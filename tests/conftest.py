@@ -38,7 +38,7 @@ SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_r
                  "tests/test_lm_eval_backend.py", "tests/test_multihost.py", "tests/test_llama.py",
                  "tests/test_interrupt.py", "bench/test_bench.py", "tests/test_tunix.py", "tests/test_gguf.py",
                  "tests/test_command_line.py", "tests/test_refusals.py", "tests/test_distill_train.py",
-                 "tests/test_distill_mesh.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
+                 "tests/test_distill_mesh.py", "tests/test_layer_remat.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
                  "tests/test_suite.py"]
 
 

@@ -1,5 +1,5 @@
 """Out-of-memory handling (nnx_surgery/distill/oom.py): a compile hook injects RESOURCE_EXHAUSTED (CPU memory is too plentiful
-to run out of honestly); the run retries with remat "dots", then "full", then half the micro-batch and twice the
+to run out of honestly); the run retries with remat "layers_dots", then "layers", then half the micro-batch and twice the
 accumulation, whose update equals the original one; each decision is an event, lands in the run folder and
 survives a resume."""
 import json
@@ -64,18 +64,18 @@ def test_out_of_memory_errors_and_the_retry_sequence():
     assert split.shape == (4, 2, 3) and np.array_equal(split.reshape(2, 4, 3), ids)
 
 
-def test_retries_dots_full_then_half_the_micro_batch_with_the_same_update(batches, oom_when, tmp_path):
+def test_retries_layer_remats_then_half_the_micro_batch_with_the_same_update(batches, oom_when, tmp_path):
     reference = student_from(tiny_teacher())
     want = run(tiny_teacher(), reference, batches, config())
     requests = oom_when(lambda r: r.micro_batch > 2)  # only micro-batches of 2 rows fit
     student = student_from(tiny_teacher())
     got = run(tiny_teacher(), student, batches, config(run_dir=str(tmp_path / "run"), plots=False))
     assert [(r.remat, r.micro_batch, r.grad_accum) for r in requests] == [
-        (None, 4, 1), ("dots", 4, 1), ("full", 4, 1), ("full", 2, 2)]
+        (None, 4, 1), ("layers_dots", 4, 1), ("layers", 4, 1), ("layers", 2, 2)]
     events = [e for e in got.events if e["event"] == "oom"]
-    assert [e["action"] for e in events] == ["dots", "full", "halve_batch"]
+    assert [e["action"] for e in events] == ["layers_dots", "layers", "halve_batch"]
     assert all(e["step"] == 0 and e["reason"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED") for e in events)
-    assert events[-1]["after"] == {"remat": "full", "micro_batch": 2, "grad_accum": 2} == got.oom_decisions[-1]["after"]
+    assert events[-1]["after"] == {"remat": "layers", "micro_batch": 2, "grad_accum": 2} == got.oom_decisions[-1]["after"]
     # the optimizer step is unchanged: same global batch and token normalisation per update
     for one, two in zip(want.history, got.history):
         assert two["supervised_tokens"] == one["supervised_tokens"] == 4 * (LENGTH - 1)
@@ -85,11 +85,11 @@ def test_retries_dots_full_then_half_the_micro_batch_with_the_same_update(batche
     for path in params_want:
         np.testing.assert_allclose(params_got[path], params_want[path], rtol=0, atol=1e-5, err_msg=path)
     saved = json.load(open(tmp_path / "run" / "config.json"))
-    assert (saved["remat"], saved["batch_size"], saved["grad_accum"]) == ("full", 2, 2)
-    assert DistillConfig.from_dict(saved).remat == "full"  # the run can be repeated from its folder
+    assert (saved["remat"], saved["batch_size"], saved["grad_accum"]) == ("layers", 2, 2)
+    assert DistillConfig.from_dict(saved).remat == "layers"  # the run can be repeated from its folder
     assert json.load(open(tmp_path / "run" / "oom_decisions.json")) == got.oom_decisions
     logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["action"] for r in logged if r.get("event") == "oom"] == ["dots", "full", "halve_batch"]
+    assert [r["action"] for r in logged if r.get("event") == "oom"] == ["layers_dots", "layers", "halve_batch"]
 
 
 def test_a_resumed_run_starts_with_the_decisions(batches, oom_when, tmp_path):
@@ -97,16 +97,16 @@ def test_a_resumed_run_starts_with_the_decisions(batches, oom_when, tmp_path):
     checkpoint = CheckpointConfig(str(tmp_path / "ckpt"), every=1)
     run(tiny_teacher(), student_from(tiny_teacher()), ArrayBatches(batches), config(checkpoint=checkpoint,
                                                                                     halt_after=1))
-    assert [r.remat for r in requests] == [None, "dots"]
+    assert [r.remat for r in requests] == [None, "layers_dots"]
     requests.clear()
     resumed = run(tiny_teacher(), student_from(tiny_teacher()), ArrayBatches(batches), config(checkpoint=checkpoint))
-    assert [r.remat for r in requests] == ["dots"] and resumed.steps == 2  # no failed attempt again
-    assert resumed.oom_decisions[0]["action"] == "dots"
+    assert [r.remat for r in requests] == ["layers_dots"] and resumed.steps == 2  # no failed attempt again
+    assert resumed.oom_decisions[0]["action"] == "layers_dots"
 
 
 def test_when_every_retry_fails_the_error_says_what_was_tried(batches, oom_when):
     oom_when(lambda r: True)
-    with pytest.raises(OutOfMemoryError, match="after trying dots, full, halve_batch") as caught:
+    with pytest.raises(OutOfMemoryError, match="after trying layers_dots, layers, halve_batch") as caught:
         run(tiny_teacher(), student_from(tiny_teacher()), batches, config())
     assert is_out_of_memory(caught.value.__cause__) and "Lower batch_size" in str(caught.value)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
@@ -132,6 +132,6 @@ def test_an_out_of_memory_step_that_consumed_its_state_is_restored_and_skipped(b
     result = run(tiny_teacher(), student_from(tiny_teacher()), batches,
                  config(stages=(Stage(steps=3, learning_rate=1e-3),), checkpoint=CheckpointConfig(every=1)))
     event, = [e for e in result.events if e["event"] == "oom"]
-    assert event["action"] == "dots" and "consumed the training state, restored step 1" in event["message"]
+    assert event["action"] == "layers_dots" and "consumed the training state, restored step 1" in event["message"]
     assert [r["step"] for r in result.history] == [1, 2, 3] and result.steps == 3
     assert all(np.isfinite(v).all() for v in params_numpy(result.student).values())

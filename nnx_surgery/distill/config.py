@@ -187,7 +187,11 @@ def _checked(owner: str, obj, **rules: tuple[str, Any]) -> None:
 COUNT, COUNT0 = ("a whole number >= 1", lambda v: v >= 1), ("a whole number >= 0", lambda v: v >= 0)
 SHARE, POSITIVE = ("a number in [0, 1]", lambda v: 0 <= v <= 1), ("a finite number > 0", lambda v: v > 0)
 GUARD_POLICIES = ("switch_to_mse", "sft_then_mix")
-OOM_STEPS = ("dots", "full", "halve_batch")
+# remat values: "dots" / "full" checkpoint the whole student forward; "layers" / "layers_dots" each layer
+# (distill.step.LAYER_REMAT, passed to the student's call)
+REMAT = ("dots", "full", "layers", "layers_dots")
+OOM_STEPS = ("layers_dots", "layers", "halve_batch")  # the default retry ladder (distill/oom.py says why)
+OOM_CHOICES = ("dots", "full", "layers", "layers_dots", "halve_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,13 +217,13 @@ class TargetsConfig:
 @dataclasses.dataclass(frozen=True)
 class OOMConfig:
     """Out-of-memory retries: on RESOURCE_EXHAUSTED while compiling or running the step, try each of `sequence`
-    in turn ("dots" / "full": that remat; "halve_batch": half the micro-batch, twice the accumulation)."""
+    in turn (a remat value: that remat; "halve_batch": half the micro-batch, twice the accumulation)."""
 
     retry: bool = True
     sequence: tuple[str, ...] = OOM_STEPS
 
     def __post_init__(self):
-        object.__setattr__(self, "sequence", _names(self.sequence, OOM_STEPS, "OOMConfig: unknown steps"))
+        object.__setattr__(self, "sequence", _names(self.sequence, OOM_CHOICES, "OOMConfig: unknown steps"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +254,7 @@ class DistillConfig:
     loss_options: dict = dataclasses.field(default_factory=dict, hash=False)
     # numerics and placement
     compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
-    remat: str | None = None  # None, "full" or "dots": rematerialise the student forward
+    remat: str | None = None  # None or one of REMAT: rematerialise the student forward (whole, or per layer)
     mesh: Any = None  # "fsdp=4,tp=2", {"fsdp": 4, "tp": 2}, a jax Mesh, or None (one device)
     mesh_devices: int | None = None  # run the mesh on the first N devices only (None: sizes must use them all)
     compiler_options: dict | None = None  # XLA options for the step, e.g. {"xla_backend_optimization_level": 0}
@@ -287,8 +291,8 @@ class DistillConfig:
             raise ValueError(f"logger={self.logger!r}: use 'wandb' or None (JSONL and TensorBoard are always on).")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'.")
-        if self.remat not in (None, "full", "dots"):
-            raise ValueError(f"remat={self.remat!r}: use None, 'full' or 'dots'.")
+        if self.remat is not None and self.remat not in REMAT:
+            raise ValueError(f"remat={self.remat!r}: use None or one of {', '.join(map(repr, REMAT))}.")
         self._check_mesh()
         if self.top_k is not None and any(s.weights.reverse_kl for s in stages):
             raise ValueError("top_k cannot be combined with a reverse_kl weight (infinite on truncated support).")
@@ -414,4 +418,4 @@ def _json(value: Any) -> Any:
 
 
 __all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig",
-           "TargetsConfig", "OOMConfig", "OnPolicyConfig", "GUARD_POLICIES", "OOM_STEPS"]
+           "TargetsConfig", "OOMConfig", "OnPolicyConfig", "GUARD_POLICIES", "OOM_STEPS", "OOM_CHOICES", "REMAT"]

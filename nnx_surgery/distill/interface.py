@@ -54,7 +54,9 @@ class DistillModel(Protocol):
         """`positions` (B, T) int: RoPE positions (restarting at 0 in each packed document); `segment_ids`
         (B, T) int: which packed document a token belongs to (0: padding), attention stays inside a document;
         `inputs_embeds` (B, T, D): replaces the embedding lookup. `positions` and `segment_ids` are passed only
-        when the batch has them, `inputs_embeds` only by the train step's tied-embedding fold."""
+        when the batch has them, `inputs_embeds` only by the train step's tied-embedding fold. Optional:
+        `remat` ("layers" or "layers_dots", `distill.step.LAYER_REMAT`), each layer rematerialised in the backward
+        pass; passed only to a student trained with that `DistillConfig.remat`."""
         ...
 
     def head_matrix(self) -> jax.Array: ...

@@ -1,14 +1,22 @@
 """Out-of-memory handling: when compiling or running the train step fails with RESOURCE_EXHAUSTED, retry with
-less memory, following `OOMConfig.sequence` (default "dots", "full", "halve_batch"):
+less memory, following `OOMConfig.sequence` (default "layers_dots", "layers", "halve_batch"):
 
-* "dots": rematerialise the student forward, saving only matmul outputs (`remat="dots"`);
-* "full": rematerialise everything (`remat="full"`);
+* a remat value (`DistillConfig.remat`): rematerialise the student forward that way from now on;
 * "halve_batch": half the micro-batch and twice the gradient accumulation. The data still gives batches of the
   configured size; each is split into two micro-batches inside the same optimizer step, so the update (its
   global batch, its normalisation by the step's token count) is unchanged.
 
-A choice that would change nothing (the remat already in force, a micro-batch of one row or one that would no
-longer split over the mesh's data axes) is skipped. Each decision is an event and is written to
+The remat values are ranked by the memory they save (`REMAT_RANK`), and a retry only ever moves up. "dots" and
+"full" checkpoint the whole student forward: its backward pass recomputes the whole forward and then holds every
+layer's activations at once, so they lower the peak little or not at all (compiled for a TPU, "full" needs the
+temporaries of no remat). "layers_dots" and "layers" checkpoint each layer: the backward holds one layer's
+activations at a time, plus the residual stream ("layers_dots" also every layer's matmul outputs, for less
+recomputation). "layers" costs what "full" costs (one more student forward) and saves more, so the default ladder
+tries the per-layer policies, cheaper recomputation first, and leaves the whole-forward ones out; they stay
+accepted in a configured sequence.
+
+A choice that would change nothing (a remat saving no more than the one in force, a micro-batch of one row or one
+that would no longer split over the mesh's data axes) is skipped. Each decision is an event and is written to
 `run_dir/oom_decisions.json`; `run_dir/config.json` is rewritten with the settings in force (remat, batch_size,
 grad_accum), so the run can be repeated without the failed attempts. Checkpoints keep the decisions, so a resumed
 run starts with them. When the sequence is exhausted the run stops with OutOfMemoryError, saying what was tried.
@@ -30,6 +38,7 @@ from .distributed import local_rows
 from .mesh import data_split, put_batch
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+REMAT_RANK = {None: 0, "dots": 1, "full": 2, "layers_dots": 3, "layers": 4}  # by the memory each saves
 
 
 class OutOfMemoryError(RuntimeError):
@@ -75,9 +84,7 @@ class MemoryPlan:
         while self.tried < len(sequence):
             action = sequence[self.tried]
             self.tried += 1
-            if action == "dots" and self.remat is None:
-                return action
-            if action == "full" and self.remat != "full":
+            if action in REMAT_RANK and REMAT_RANK[action] > REMAT_RANK[self.remat]:
                 return action
             if action == "halve_batch" and micro_batch % 2 == 0 and (micro_batch // 2) % max(data_split, 1) == 0:
                 return action
@@ -86,7 +93,7 @@ class MemoryPlan:
     def apply(self, action: str, step: int, reason: str, micro_batch: int, grad_accum: int) -> dict[str, Any]:
         """Take `action`; returns its decision record (also kept in `decisions`)."""
         before = {"remat": self.remat, "micro_batch": micro_batch, "grad_accum": grad_accum}
-        if action in ("dots", "full"):
+        if action in REMAT_RANK:
             self.remat = action
         else:
             self.split *= 2
@@ -196,7 +203,7 @@ class MemoryRetries:
         if action is None:
             raise OutOfMemoryError(exhausted_message(self.plan, error, int(rows))) from error
         decision = self.plan.apply(action, step + 1, first_line(error), int(rows), int(accum))
-        if action in ("dots", "full"):
+        if action in REMAT_RANK:
             self.runner.set_remat(self.plan.remat)
         lost = self.runner.state_lost()
         restored = self.restore_last_good() if lost else None
@@ -223,4 +230,4 @@ class MemoryRetries:
 
 
 __all__ = ["MemoryRetries", "OutOfMemoryError", "CompileRequest", "compile_hooks", "run_compile_hooks",
-           "is_out_of_memory", "MemoryPlan", "split_micro_batches", "exhausted_message"]
+           "is_out_of_memory", "MemoryPlan", "split_micro_batches", "exhausted_message", "REMAT_RANK"]

@@ -60,7 +60,7 @@ class StepSettings:
     options: Any = ()
     logit_impl: str = "fused"
     compute_dtype: Any = jnp.float32
-    remat: str | None = None
+    remat: str | None = None  # None, "dots" / "full" (the whole student forward) or a LAYER_REMAT value (per layer)
     clip_norm: float | None = 1.0
     decay_matrices_only: bool = True
     fold_embedding: bool = True  # tied + trainable embedding: fold the lookup gradient into the head gradient
@@ -126,7 +126,13 @@ def token_counts(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {"tokens": jnp.maximum(weights.sum(), 1.0), "positions": jnp.maximum(real.sum(), 1.0)}
 
 
+LAYER_REMAT = ("layers", "layers_dots")  # passed to the student's call: the model checkpoints each of its layers
+
+
 def _rematerialised(forward: Callable, remat: str | None) -> Callable:
+    """The student forward under the step's remat: "dots" / "full" wrap the whole forward in one checkpoint
+    (its backward recomputes the whole forward, then holds every layer's activations at once); `LAYER_REMAT`
+    values are not wrapped here but passed to the model as `remat=` (`make_loss_fn`)."""
     if remat == "dots":
         return jax.checkpoint(forward, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     if remat == "full":
@@ -141,7 +147,8 @@ def make_loss_fn(student_graph, teacher_graph, settings: StepSettings) -> Callab
     def student_forward(trainable, frozen, input_ids, inputs, inputs_embeds):
         student = nnx.merge(student_graph, trainable, frozen)
         embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-        out = student(input_ids, **inputs, capture=captures, return_logits=False, **embeds)
+        layered = {"remat": settings.remat} if settings.remat in LAYER_REMAT else {}
+        out = student(input_ids, **inputs, capture=captures, return_logits=False, **embeds, **layered)
         return out.final_hidden, {name: getattr(out, name) for name in captures}
 
     student_forward = _rematerialised(student_forward, settings.remat)

@@ -34,7 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import FULL, SLIDING, ModelConfig
+from .activations import batch_sharded
 from .kv_cache import KVCache
+from .layer_remat import check_remat, checkpointed_layer
 from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
 from .schema import declared, nnx_shape
 from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding
@@ -296,7 +298,7 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  capture: Iterable[str] = (), return_logits: bool = True, inputs_embeds: jax.Array | None = None,
-                 cache: KVCache | None = None, skip_layers=None) -> ModelOutput:
+                 cache: KVCache | None = None, skip_layers=None, remat: str | None = None) -> ModelOutput:
         """`input_ids` (B, T) int. `attention_mask` (B, T) marks real tokens (1) vs padding (0), as in transformers.
         `segment_ids` (B, T) int marks packed documents (0: padding): a token sees only earlier tokens of its own
         document; `positions` then count from 0 in each document (derived from `segment_ids` when not given).
@@ -305,22 +307,26 @@ class CausalLM(nnx.Module):
         lookup itself, e.g. to add its gradient straight into the tied LM head's. `cache` (`init_cache`): the tokens
         continue the cached ones (positions too, unless given); the output's `cache` holds them as well.
         `skip_layers`: layer indices to replace by the identity, or a (L,) bool array (traced: one compilation
-        serves every choice of layers)."""
+        serves every choice of layers). `remat`: "layers" or "layers_dots", each layer under its own
+        `jax.checkpoint` (nnx_surgery/surgery/layer_remat.py), for training."""
         capture = frozenset(capture)
+        check_remat(remat, cache)
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
         captured = {name: [] for name in capture} if capture else None
         positions, masks, step = self._masks(input_ids.shape, positions, attention_mask, segment_ids, cache)
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x = batch_sharded(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
         residual = [x] if "residual" in capture else None
         skip = _skip_flags(skip_layers, len(self.layers), cache)
         for i, layer in enumerate(self.layers):
             if skip[i] is True:
                 out = x
+            elif remat is not None:
+                out = checkpointed_layer(layer, x, positions, masks[layer.attention_type], captured, remat)
             else:
                 out = layer(x, positions, masks[layer.attention_type], captured,
                             None if step is None else step.layer(i))
-            x = jnp.where(skip[i], x, out) if isinstance(skip[i], jax.Array) else out
+            x = batch_sharded(jnp.where(skip[i], x, out) if isinstance(skip[i], jax.Array) else out)
             if residual is not None:
                 residual.append(x)
         final_hidden = self.norm(x)
