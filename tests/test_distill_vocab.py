@@ -137,3 +137,21 @@ def test_a_trimmed_student_distils_on_its_own_tokens(tmp_path):
     assert last["kl"] < 0.9 * first["kl"], (first, last)  # measured 0.31 -> 0.25
     assert all(np.isfinite(r["loss"]) for r in result.history)
     assert os.path.isfile(os.path.join(student_folder, "tokenizer.json"))
+
+
+def test_a_trimmed_student_s_step_compiles_from_abstract_models():
+    """--aot's path: the wrapped teacher is made from shapes alone (no weights to read), and the compiled step's
+    arguments hold the student's trimmed head, the teacher's full one and the token map."""
+    from nnx_surgery.distill.abstract_step import train_step_program
+    from nnx_surgery.surgery.model import abstract_model
+
+    mesh = make_mesh("fsdp=1")
+    teacher, student = abstract_model(tiny_config(4), mesh=mesh), abstract_model(
+        tiny_config(2).replace(vocab_size=len(KEPT)), mesh=mesh)
+    config = DistillConfig(stages=(Stage(steps=1),), batch_size=2, seq_len=16, plan={"kept_vocab": KEPT.tolist()},
+                           compiler_options=FAST_COMPILE, progress=False)
+    program = train_step_program(teacher, student, config, mesh, 0)
+    shapes = {leaf.shape for leaf in jax.tree.leaves(program.parts["teacher"])}
+    assert (len(KEPT),) in shapes and (96, 32) in shapes  # the token map and the teacher's embedding
+    assert any(leaf.shape == (len(KEPT), 32) for leaf in jax.tree.leaves(program.parts["student"]))
+    assert program.lower().compile().memory_analysis().argument_size_in_bytes > 0

@@ -34,7 +34,7 @@ class TeacherInStudentVocabulary(nnx.Module):
 
     def __init__(self, teacher: Any, teacher_ids: Any):
         self.teacher = teacher
-        self.teacher_ids = TokenMap(jnp.asarray(checked_vocab_map(teacher_ids, teacher.head_matrix().shape[0])))
+        self.teacher_ids = TokenMap(jnp.asarray(checked_vocab_map(teacher_ids, vocab_rows(teacher))))
         self.config = getattr(teacher, "config", None)  # depth and attention sizes (layer map, FLOPs)
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
@@ -62,6 +62,13 @@ class TeacherInStudentVocabulary(nnx.Module):
         inner = self.teacher.shardings(mesh) if callable(getattr(self.teacher, "shardings", None)) else \
             jax.tree.map(lambda _: replicated, nnx.state(self.teacher))
         return nnx.State({"teacher": inner, "teacher_ids": replicated})
+
+
+def vocab_rows(model: Any) -> int:
+    """The rows of `model`'s LM head: its config's vocab_size when it has one (an abstract model's weights cannot
+    be read, only their shapes), else the head matrix's."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size is not None else int(model.head_matrix().shape[0])
 
 
 def checked_vocab_map(teacher_ids: Any, teacher_vocab: int | None = None) -> np.ndarray:
@@ -97,7 +104,7 @@ def in_student_vocabulary(teacher: Any, student: Any, config: Any) -> Any:
     teacher_ids = vocab_map_of(config) if teacher is not None else None
     if teacher_ids is None:
         return teacher
-    student_vocab = student.head_matrix().shape[0]
+    student_vocab = vocab_rows(student)
     if len(teacher_ids) != student_vocab:
         raise ValueError(f"vocab_map has {len(teacher_ids)} teacher token ids but the student's vocabulary has "
                          f"{student_vocab} rows; use the kept_vocab of the plan this student was made with.")
