@@ -144,16 +144,25 @@ def _register_once(cls):
 class NNXSurgeryLM(TemplateLM):
     """lm-eval's LM over `surgery.load_pretrained(pretrained)`; see the module's docstring."""
 
-    def __init__(self, pretrained: str, dtype: str | None = None, mesh: str | None = None,
+    def __init__(self, pretrained: str | None = None, dtype: str | None = None, mesh: Any = None,
                  batch_size: int | str | None = None, max_length: int | None = None, max_gen_toks: int = 256,
-                 max_batch_size: int | None = None, device: str | None = None, **unused: Any):
+                 max_batch_size: int | None = None, device: str | None = None, *, model: Any = None,
+                 tokenizer: str | None = None, **unused: Any):
+        """lm-eval's model_args (`pretrained`: a folder to load), or from Python an in-memory `model` (a CausalLM,
+        e.g. a student mid-run, before any folder exists) with the folder of its `tokenizer`; `mesh`: a spec such
+        as "fsdp=4", or the Mesh an in-memory model is on."""
         super().__init__()
         from nnx_surgery import surgery
 
-        self.folder = resolve_model_folder(str(pretrained))
+        if (model is None) == (pretrained is None):
+            raise LMEvalBackendError("give pretrained=FOLDER (lm-eval's model_args), or model= an in-memory model "
+                                     "with tokenizer= its tokenizer's folder.")
+        if model is not None and not tokenizer:
+            raise LMEvalBackendError("model= (an in-memory model) needs tokenizer=, the folder of its tokenizer.json.")
+        self.folder = resolve_model_folder(str(pretrained)) if model is None else os.path.abspath(tokenizer)
         self.tok = FolderTokenizer(self.folder)
-        self.mesh = _mesh(mesh)
-        self.model = surgery.load_pretrained(self.folder, dtype=dtype, mesh=self.mesh)
+        self.mesh = _mesh(mesh) if mesh is None or isinstance(mesh, str) else mesh
+        self.model = surgery.load_pretrained(self.folder, dtype=dtype, mesh=self.mesh) if model is None else model
         self.config = self.model.config
         self._batch = _batch_size(batch_size, self.mesh)
         self._max_length = int(max_length) if max_length else self._config_max_length()

@@ -55,7 +55,9 @@ def run_recipe(output, cache, *extra, check=True):
 def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("recipe")
     cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
-    return base, run_recipe(base / "full", cache), cache
+    # one offline lm-eval task on two documents: every model scored through the backend, in memory
+    return base, run_recipe(base / "full", cache, "--eval-tasks", "nnx_stdlib_next_line", "--eval-tasks-limit",
+                            "2"), cache
 
 
 def test_student_folder_is_complete_and_loads_in_transformers(runs):
@@ -116,6 +118,12 @@ def test_results_table_compares_all_four_models(runs):
     assert "[eval general]" in full.stdout  # progress while the evaluation runs
     for png in ("training_curves.png", "layer_importance.png"):
         assert (base / "full" / png).stat().st_size > 1000
+    # --eval-tasks: every model, in memory, on the lm-eval task, with a standard error; in results.md too
+    assert results["lm_eval"]["tasks"] == ["nnx_stdlib_next_line"] and list(results["lm_eval"]["scores"]) == names
+    for row in results["rows"]:
+        accuracy = row["lm_eval"]["nnx_stdlib_next_line"]["acc"]
+        assert accuracy["value"] in (0.0, 0.5, 1.0) and accuracy["stderr"] is not None
+    assert "nnx_stdlib_next_line acc" in (base / "full" / "results.md").read_text()
 
 
 def test_the_scratch_control_reads_stage_a_and_stage_b_batches_in_their_order(runs):

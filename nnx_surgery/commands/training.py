@@ -3,11 +3,12 @@ evaluation: recipes/evaluation.py over distill.evaluate_suite, both held-out set
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import lm_eval_runs
+from nnx_surgery.recipes import lm_eval_scores
 from nnx_surgery.commands import (empty_folder, input_paths, model_folder, shape_line, staged_files, teacher_source,
                                   text_batches)
 from nnx_surgery.distill.heldout import interval_text
@@ -129,22 +130,6 @@ def _compared(given: list[str], names: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def add_task_scores(results: dict, tasks, args: argparse.Namespace, staging: str) -> None:
-    """Every model of `results` scored on the lm-eval `tasks` (our backend), in each row and in lm_eval.md."""
-    scores = {}
-    for row in results["rows"]:
-        folder = results["folders"][row["model"]]
-        print(f"[eval] lm-eval tasks {', '.join(tasks.names)}: {row['model']}", flush=True)
-        row["lm_eval"] = scores[row["model"]] = lm_eval_runs.score_folder(
-            folder, tasks, batch_size=args.tasks_batch, limit=args.tasks_limit)
-    results["lm_eval"] = {"tasks": list(tasks.names), "limit": args.tasks_limit, "scores": scores}
-    with open(os.path.join(staging, "lm_eval.md"), "w", encoding="utf-8") as handle:
-        handle.write(f"lm-evaluation-harness tasks {', '.join(tasks.names)}"
-                     + (f", at most {args.tasks_limit} documents each" if args.tasks_limit else "")
-                     + ", scored through nnx-surgery's lm-eval backend (value ± standard error)\n\n"
-                     + lm_eval_runs.scores_table(scores) + "\n")
-
-
 def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
     """--new-tokens within every model's positions (config.json's max_position_embeddings), before anything is
     loaded or allocated: the held-out prompts and the tokens generated after them share those positions."""
@@ -170,14 +155,15 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.include_path and args.tasks is None:
         raise cli.RecipeError(f"--include-path {args.include_path}: it adds lm-eval task files for --tasks; give "
                               "--tasks too.")
-    tasks = None if args.tasks is None else lm_eval_runs.checked_tasks(  # refused before any model loads
+    tasks = None if args.tasks is None else lm_eval_scores.checked_tasks(  # refused before any model loads
         args.tasks, include_path=args.include_path)
     out = empty_folder(args.output, "--output", args.overwrite,
                        inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)
-    settings = evaluation.EvalSettings.of(args, teacher_folder, description)
+    settings = dataclasses.replace(evaluation.EvalSettings.of(args, teacher_folder, description), tasks=tasks,
+                                   tasks_limit=args.tasks_limit)
     rows = [("teacher", surgery.load_pretrained(teacher_folder, dtype="float32"), 0)]
     for name, folder in zip(names, folders):
         model = surgery.load_pretrained(folder, dtype="float32")
@@ -190,13 +176,11 @@ def evaluate(args: argparse.Namespace) -> dict:
         for row in results["rows"]:
             row.pop("tokens")  # the recipe's training tokens: not known here
         results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
-        if tasks is not None:
-            add_task_scores(results, tasks, args, staging)
         with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)
     print(summary(results["rows"]))
     if tasks is not None:
-        print("\nlm-eval tasks (value ± standard error):\n" + lm_eval_runs.scores_table(results["lm_eval"]["scores"]))
+        print("\n" + lm_eval_scores.task_scores_text(results["lm_eval"]))
     for line in compared_lines(results["sets"], pairs[len(names):]):
         print(line)
     print(f"written: {os.path.join(out, 'suite.md')} (every held-out set, samples), suite.json, results.json")

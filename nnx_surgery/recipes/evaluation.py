@@ -47,12 +47,19 @@ class EvalSettings:
     eval_prompts: int = 0
     new_tokens: int = 48
     choice_items: int = 0
+    tasks: Any = None  # lm_eval_scores.Tasks of --eval-tasks, checked when the settings resolve; None: no tasks
+    tasks_limit: int | None = None
 
     @classmethod
     def of(cls, flags, teacher_folder: str, data_description: str) -> "EvalSettings":
         """The recipe's, from its resolved flags."""
+        tasks = None
+        if getattr(flags, "eval_tasks", None):  # refused (unknown name, no dataset, no extra) before training
+            from nnx_surgery.recipes.lm_eval_scores import checked_tasks
+            tasks = checked_tasks(flags.eval_tasks, include_path=None, flag="--eval-tasks")
         return cls(teacher_folder, flags.seq_len, flags.eval_tokens, flags.seed, data_description,
-                   flags.general_eval, flags.eval_prompts, flags.new_tokens, flags.choice_items)
+                   flags.general_eval, flags.eval_prompts, flags.new_tokens, flags.choice_items, tasks,
+                   getattr(flags, "eval_tasks_limit", None))
 
 
 def heldout_sets(args: EvalSettings, data) -> list:
@@ -115,7 +122,31 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
     if "samples" in suite:
         results["samples"] = suite["samples"]
         results["multiple_choice"] = suite["multiple_choice"]
+    if args.tasks is not None:
+        add_task_scores(results, args, models, vocabularies, out)
     return results
+
+
+def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularies: dict, out: str) -> None:
+    """Every model scored on the lm-eval tasks (our backend, in memory; a trimmed student with its own tokenizer),
+    in each results row's `lm_eval`, in results["lm_eval"] and in `out`/lm_eval.md."""
+    from nnx_surgery.recipes import lm_eval_scores
+    scores = {}
+    for row in results["rows"]:
+        name = row["model"]
+        tokenizer = vocabularies[name].tokenizer if name in vocabularies else args.teacher_folder
+        _say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
+        row["lm_eval"] = scores[name] = lm_eval_scores.score_model(models[name], tokenizer, args.tasks,
+                                                                   limit=args.tasks_limit)
+    results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.tasks_limit, "scores": scores}
+    if distill.distributed.is_main_process():
+        with open(os.path.join(out, "lm_eval.md"), "w", encoding="utf-8") as handle:
+            handle.write(lm_eval_scores.task_scores_text(results["lm_eval"]) + "\n")
+
+
+def _say(line: str) -> None:
+    if distill.distributed.is_main_process():
+        print(line, flush=True)
 
 
 def greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -45,7 +45,7 @@ DEFAULTS = dict(
     trainable=None, frozen=None, schedule="none",
     schedule_options=None, mesh=None, mesh_devices=None, precision=None, compression=None, stage_a_fraction=0.3,
     kv_warmup=0.1, calibration_samples=None, from_disk=False, control=None, eval_prompts=8, new_tokens=48,
-    choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True,
+    choice_items=32, eval_batches=None, eval_tokens=16384, general_eval=True, eval_tasks=None, eval_tasks_limit=None,
     teacher_correction=0, teacher_correction_lr=None, general_mix=0.0, restart_rows=True, corpus_bytes=None, teacher_steps=300, seed=0,
     gguf=None, search_candidates=6, search_shapes=None, search_steps=None, search_tolerance=0.05)
 
@@ -246,6 +246,10 @@ FLAGS = [
         (("--eval-prompts",), dict(type=int), "held-out prompts for generations and BLEU/ROUGE"),
         (("--new-tokens",), dict(type=int), "tokens generated per prompt in the evaluation"),
         (("--choice-items",), dict(type=int), "next-line multiple-choice items scored by log-likelihood"),
+        (("--eval-tasks",), dict(metavar="NAMES"), "also score every model on lm-evaluation-harness tasks (the "
+         "lm-eval extra), e.g. nnx_offline (three offline tasks from the standard library) or hellaswag,arc_easy; "
+         "scores with standard errors in results.md and results.json"),
+        (("--eval-tasks-limit",), dict(type=int, metavar="N"), "at most N documents per --eval-tasks task"),
         (("--logger",), dict(choices=("wandb",)), "also log to Weights & Biases (JSONL and TensorBoard always)"),
         (("--wandb-project",), dict(), "the W&B project"),
     ]),
@@ -301,7 +305,8 @@ NONE_MEANS = {"warmup_steps": "2% of --steps", "scratch_learning_rate": "--learn
               "TensorBoard only", "wandb_project": "W&B's default", "data": "the preset's corpus (tiny, "
               "gemma3-270m)", "frozen": "nothing", "teacher": "the preset's", "student": "the preset's",
               "teacher_correction_lr": "a tenth of --learning-rate",
-              "search_steps": "a tenth of --steps, at least 3"}
+              "search_steps": "a tenth of --steps, at least 3", "eval_tasks": "none",
+              "eval_tasks_limit": "every document"}
 
 
 def _default_text(dest: str) -> str:

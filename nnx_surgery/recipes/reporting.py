@@ -137,6 +137,9 @@ def results_table(results: dict) -> str:
     if results.get("trimmed_vocabulary"):
         lines += ["", results["trimmed_vocabulary"]]
     lines += ["", *verdicts(results), *pairing_lines(results), *search_summary(results.get("search"))]
+    if results.get("lm_eval"):  # --eval-tasks
+        from nnx_surgery.recipes.lm_eval_scores import task_scores_text
+        lines += [task_scores_text(results["lm_eval"]), ""]
     times = results.get("phase_times_s") or {}
     if times:
         lines.append("Wall time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())

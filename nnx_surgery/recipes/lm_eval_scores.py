@@ -1,9 +1,10 @@
-"""lm-evaluation-harness tasks for `nnx-surgery eval --tasks` (and the recipe's --eval-tasks): names checked
+"""lm-evaluation-harness tasks for the recipe's --eval-tasks and `nnx-surgery eval --tasks`: names checked
 before any model loads, every model scored through our backend (`nnx_surgery.lm_eval_backend`), the scores with
 lm-eval's standard errors.
 
     tasks = checked_tasks("nnx_offline,arc_easy", include_path=None)  # refusals first
     scores = score_folder(folder, tasks)     # {task: {metric: {"value", "stderr"}}}
+    scores = score_model(student, tokenizer_folder, tasks)   # an in-memory model, mid-run
 
 Task names are lm-eval's: its registry (downloaded datasets, or the Hub when online), files in `--include-path`
 (lm-eval's own task YAML format), and `nnx_offline`, the three offline tasks this package writes from the
@@ -121,16 +122,25 @@ def _quiet():
 
 
 def score_folder(folder: str, tasks: Tasks, *, batch_size: int = 16, limit: int | None = None,
-                 dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
+                 dtype: str = "float32") -> dict:
     """{task: {metric: {"value", "stderr"}}} of the model in `folder` on `tasks` (our lm-eval backend)."""
-    import lm_eval
+    from nnx_surgery.lm_eval_backend import NNXSurgeryLM
+    return score_lm(NNXSurgeryLM(pretrained=folder, dtype=dtype, batch_size=batch_size), tasks, limit=limit)
 
-    import nnx_surgery.lm_eval_backend  # noqa: F401  (registers "nnx-surgery")
+
+def score_model(model: Any, tokenizer: str, tasks: Tasks, *, batch_size: int = 16, limit: int | None = None,
+                mesh: Any = None) -> dict:
+    """The same for an in-memory model (e.g. a student mid-run) and the folder of its tokenizer."""
+    from nnx_surgery.lm_eval_backend import NNXSurgeryLM
+    return score_lm(NNXSurgeryLM(model=model, tokenizer=tokenizer, batch_size=batch_size, mesh=mesh), tasks,
+                    limit=limit)
+
+
+def score_lm(lm: Any, tasks: Tasks, *, limit: int | None = None, bootstrap_iters: int = 1000) -> dict:
+    import lm_eval
     with _quiet():
-        output = lm_eval.simple_evaluate(model="nnx-surgery", model_args=f"pretrained={folder},dtype={dtype}",
-                                         tasks=list(tasks.names), task_manager=tasks.manager, batch_size=batch_size,
-                                         limit=limit, log_samples=False, verbosity="ERROR",
-                                         bootstrap_iters=bootstrap_iters)
+        output = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=tasks.manager, limit=limit,
+                                         log_samples=False, verbosity="ERROR", bootstrap_iters=bootstrap_iters)
     return metrics_of(output["results"])
 
 
@@ -152,6 +162,13 @@ def metrics_of(results: dict) -> dict:
     return scores
 
 
+def task_scores_text(entry: dict) -> str:
+    """results["lm_eval"] ({"tasks", "limit", "scores"}) as a sentence and a Markdown table."""
+    limit = f", at most {entry['limit']} documents each" if entry.get("limit") else ""
+    return (f"lm-evaluation-harness tasks {', '.join(entry['tasks'])}{limit}, scored through nnx-surgery's lm-eval "
+            f"backend (value ± standard error):\n\n" + scores_table(entry["scores"]))
+
+
 def scores_table(scores: dict[str, dict]) -> str:
     """Markdown: one row per model, one column per task and metric, "value ± stderr"."""
     columns = sorted({(task, metric) for per_model in scores.values() for task, metrics in per_model.items()
@@ -168,4 +185,5 @@ def scores_table(scores: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Tasks", "require_lm_eval", "task_names", "checked_tasks", "score_folder", "metrics_of", "scores_table"]
+__all__ = ["Tasks", "require_lm_eval", "task_names", "checked_tasks", "score_folder", "score_model", "score_lm",
+           "metrics_of", "scores_table", "task_scores_text", "offline_tasks_folder"]
