@@ -6,6 +6,7 @@ want alone, each a thin layer over the Python API (nnx_surgery/commands/ holds w
     nnx-surgery prune TEACHER plan.json student/
     nnx-surgery distill TEACHER student/ --output distilled/
     nnx-surgery eval --teacher TEACHER student/ distilled/ --output eval/
+    nnx-surgery cache-teacher TEACHER --top-k 64 --output cache/
     nnx-surgery generate distilled/ --prompt "def main("
     nnx-surgery import-gguf model.gguf folder/            nnx-surgery export-gguf folder/ model.gguf
     nnx-surgery push distilled/ me/tiny-student
@@ -178,6 +179,23 @@ def _push_flags(p: argparse.ArgumentParser) -> None:
                    "HF_TOKEN, else `hf auth login`'s); tokens are never taken as flags, printed or written")
 
 
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
+    p.add_argument("--top-k", type=POSITIVE, required=True, metavar="K",
+                   help="the teacher's most likely tokens kept per position (at most its vocabulary)")
+    p.add_argument("-o", "--output", required=True, metavar="CACHE", help="the cache folder to write")
+    p.add_argument("--encoding", choices=("q8", "q16", "float16", "exact"), default="q8",
+                   help="how log-probabilities are stored (default q8; BENCHMARKS.md has bytes and errors)")
+    p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
+                   "%(default)s)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the teacher's weights "
+                   "(default fp32)")
+    p.add_argument("--mesh", help="devices to shard the teacher over, e.g. fsdp=4,tp=2 (default: one device)")
+    p.add_argument("--resume", action="store_true", help="continue a partial cache in --output (same settings)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    _data_flags(p, 256, batch=True)
+
+
 # name -> (module:function that runs it, one line, examples, flags)
 COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
     "compress": ("nnx_surgery.recipes.compress:entry", "the whole recipe: plan, prune, distil, evaluate, save "
@@ -198,6 +216,11 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                 ["distill TEACHER student/ --output distilled/",
                  "distill TEACHER student/ --data 'corpus/*.txt' --steps 500 --alpha 0.5 --output distilled/"],
                 _distill_flags),
+    "cache-teacher": ("nnx_surgery.commands.teacher_cache:cache_teacher", "run the teacher once over the packed "
+                      "training rows and write its top-k log-probabilities (checksummed, resumable shards)",
+                      ["cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/",
+                       "cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/ --resume"],
+                      _cache_flags),
     "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
              "(in-domain and general prose), generations and multiple choice; writes suite.md",
              ["eval --teacher TEACHER student/ distilled/ --output eval/",

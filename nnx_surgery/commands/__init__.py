@@ -2,6 +2,7 @@
 
     surgery_steps   plan, prune
     training        distill, eval
+    teacher_cache   cache-teacher
     models          generate, import-gguf, export-gguf, push
 
 Each function takes the parsed flags and calls the Python API; what they share is here: the checks that turn a

@@ -203,6 +203,22 @@ def tokenize_records(records: Sequence[Record], tokenizer: TextTokenizer) -> lis
     return documents
 
 
+def packed_batch(rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray,
+                 return_segments: bool = True) -> dict[str, np.ndarray]:
+    """A batch of packed rows (ids, trainable-target flags, kinds as `TokenBatches._pack` makes them): input_ids,
+    loss_mask and, with `return_segments`, positions and segment_ids (also what a teacher cache's rows become)."""
+    mask = np.zeros(rows.shape, np.float32)
+    mask[:, :-1] = weights[:, 1:]
+    batch = {"input_ids": rows.astype(np.int32), "loss_mask": mask}
+    if return_segments:  # for document-aware attention: which document, and the position inside it
+        starts, index = kinds == 2, np.arange(rows.shape[1])
+        first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+        batch["positions"] = np.where(kinds > 0, index - first, 0).astype(np.int32)
+        segments = np.cumsum(starts, axis=1) + (~starts[:, :1])
+        batch["segment_ids"] = np.where(kinds > 0, segments, 0).astype(np.int32)
+    return batch
+
+
 class TokenBatches:
     """Packed, shuffled, resumable token batches with a held-out evaluation split (see the module docstring)."""
 
@@ -334,16 +350,7 @@ class TokenBatches:
                 np.concatenate([head_kinds, kinds], 1))
 
     def _batch(self, rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray) -> dict[str, np.ndarray]:
-        mask = np.zeros(rows.shape, np.float32)
-        mask[:, :-1] = weights[:, 1:]
-        batch = {"input_ids": rows.astype(np.int32), "loss_mask": mask}
-        if self.return_segments:  # for document-aware attention: which document, and the position inside it
-            starts, index = kinds == 2, np.arange(rows.shape[1])
-            first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-            batch["positions"] = np.where(kinds > 0, index - first, 0).astype(np.int32)
-            segments = np.cumsum(starts, axis=1) + (~starts[:, :1])
-            batch["segment_ids"] = np.where(kinds > 0, segments, 0).astype(np.int32)
-        return batch
+        return packed_batch(rows, weights, kinds, self.return_segments)
 
     def _local(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         per = len(batch["input_ids"]) // self.process_count

@@ -1,0 +1,70 @@
+"""`nnx-surgery cache-teacher`: the teacher's top-k distribution over the packed training rows, written once
+(distill.teacher_cache) so that later runs can train without the teacher in memory."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from nnx_surgery import distill, surgery
+from nnx_surgery.commands import empty_folder, input_paths, teacher_source, text_batches
+from nnx_surgery.distill import teacher_cache
+from nnx_surgery.recipes import cli
+
+
+def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
+    """The local data files and their sha256 (a Hub dataset: its name; the default corpus: its description)."""
+    if not args.data:
+        return f"standard library source, {args.corpus_bytes} bytes"
+    if args.data.startswith("hf:"):
+        return args.data
+    return {os.path.abspath(path): teacher_cache.file_sha256(path)
+            for path in distill.sources.expand_paths(args.data)}
+
+
+def _output(args: argparse.Namespace, inputs: list[str]) -> str:
+    """--output: empty, replaced with --overwrite, or a partial cache continued with --resume."""
+    if args.resume and args.overwrite:
+        raise cli.RecipeError("--resume and --overwrite: give one; --resume continues the cache in --output, "
+                              "--overwrite starts it again.")
+    if args.resume:
+        out = empty_folder(args.output, "--output", True, inputs=inputs)
+        if not os.path.isdir(out) or not any(name.startswith("progress-p") for name in os.listdir(out)):
+            raise cli.RecipeError(f"--resume {args.output}: no partial teacher cache there (no progress-p*.json); "
+                                  "run without --resume to write one.")
+        return out
+    out = empty_folder(args.output, "--output", args.overwrite, inputs=inputs)
+    if args.overwrite and os.path.isdir(out):
+        shutil.rmtree(out)
+    return out
+
+
+def cache_teacher(args: argparse.Namespace) -> dict:
+    """Write the cache of TEACHER over the data's packed rows into --output; print where and how big."""
+    teacher_folder = teacher_source(args.teacher, "TEACHER")
+    config = surgery.ModelConfig.from_file(teacher_folder)
+    if args.top_k > config.vocab_size:
+        raise cli.RecipeError(f"--top-k {args.top_k}: the teacher's vocabulary has {config.vocab_size:,} pieces; "
+                              "give at most that many.")
+    out = _output(args, input_paths(args.teacher, teacher_folder, args.data))
+    settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
+                                           rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size)
+    data, description = text_batches(args, teacher_folder, batch_size=args.batch_size)
+    tokenizer = os.path.join(teacher_folder, "tokenizer.json")
+    identity = {"teacher": teacher_cache.folder_identity(teacher_folder),
+                "tokenizer_sha256": teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None,
+                "data": _data_files(args), "precision": args.precision}
+    teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
+    mesh = distill.make_mesh(args.mesh) if args.mesh else None
+    print(f"[cache-teacher] top {args.top_k} of {config.vocab_size:,} ({args.encoding}) over {data.num_rows} rows "
+          f"of {args.seq_len} tokens of {description}", flush=True)
+    try:
+        manifest = teacher_cache.write_cache(teacher, data, out, settings, identity=identity, mesh=mesh,
+                                             resume=args.resume)
+    except teacher_cache.CacheError as error:
+        raise cli.RecipeError(str(error)) from None
+    size = sum(entry["bytes"] for entry in manifest.get("shards", []))
+    tokens = manifest.get("num_rows", data.num_rows) * args.seq_len
+    print(f"teacher cache: {out} ({len(manifest.get('shards', []))} shards, {size:,} bytes, "
+          f"{size / max(1, tokens):.1f} bytes per token)")
+    return manifest
