@@ -19,8 +19,9 @@ from nnx_surgery.distill.teacher_cache import CacheError, CacheSettings, Teacher
 from test_distill_train import VOCAB, tiny_teacher
 
 K = 7
-# the compressed encodings' stated tolerances (bench/teacher_cache_encoding.py measures them on a real teacher):
-# max |decoded - exact| log-probability over the top k, on entries within 12 nats of the top 1
+# the compressed encodings' stated tolerances: max |decoded - exact| log-probability over the top k, on entries
+# within 12 nats of the top 1 (bench/teacher_cache_encoding.py measures them on the real Gemma 3 270M, below these;
+# float16's absolute error grows with the magnitude, which this random teacher's log-probabilities reach)
 TOLERANCE = {"exact": 0.0, "float16": 2e-2, "q16": 1e-3, "q8": 8e-2}
 
 

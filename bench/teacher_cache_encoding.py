@@ -1,0 +1,92 @@
+"""How big and how wrong is each teacher-cache encoding (distill.cache_format)? Measured on a real teacher's
+top k over packed rows of text (default: the real Gemma 3 270M folder that tests/real_gemma.py makes, and
+standard library source).
+
+    python bench/teacher_cache_encoding.py --out bench/results/teacher-cache-encoding.jsonl
+
+For k = 16, 64, 128 (the top 128 computed once, exactly, by distill.teacher_cache.topk_logprobs in vocabulary
+chunks; smaller k are its prefixes, with the residual of that k) and each encoding, one record:
+bytes per token (the top k and residual, plus the row's own id and flags that every encoding stores), the max
+absolute error of the decoded log-probabilities (all k, and those within 12 nats of the top 1), the max error of
+the residual, and the KL between the exact top-k-renormalised distribution and the decoded one (mean and max
+over tokens). DistillKit's published sizes to compare: about 300 bytes/token at k=128, 114 at k=50.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+REFERENCE = os.path.expanduser("~/.cache/nnx-surgery/reference/gemma3-270m-transformers-f32")
+FILES = ("textwrap.py", "string.py", "bisect.py", "heapq.py")
+
+
+def exact_topk(folder: str, rows: int, seq_len: int, k: int):
+    import jax.numpy as jnp
+
+    from nnx_surgery import distill, surgery
+    from nnx_surgery.distill.teacher_cache import topk_function
+
+    files = [os.path.join(sysconfig.get_paths()["stdlib"], name) for name in FILES]
+    data = distill.TokenBatches.from_files(files, folder, seq_len=seq_len, batch_size=rows, seed=0)
+    batch = {key: jnp.asarray(value) for key, value in data.next_batch().items() if key != "loss_mask"}
+    teacher = surgery.load_pretrained(folder, dtype="float32")
+    start = time.perf_counter()
+    ids, logprobs, _ = topk_function(teacher, k, vocab_chunk=16384, block_rows=256)(batch)
+    seconds = time.perf_counter() - start
+    return ids.reshape(-1, k), logprobs.reshape(-1, k), int(teacher.head_matrix().shape[0]), seconds
+
+
+def _renormalised(logprobs: np.ndarray) -> np.ndarray:
+    shifted = logprobs.astype(np.float64)
+    return shifted - np.logaddexp.reduce(shifted, axis=-1, keepdims=True)
+
+
+def measure(ids, logprobs, vocab: int, k: int, encoding: str) -> dict:
+    from nnx_surgery.distill import cache_format as fmt
+
+    ids, logprobs = ids[:, :k], logprobs[:, :k]
+    with np.errstate(divide="ignore"):  # -inf where the top k hold all the mass
+        residual = np.log1p(-np.clip(np.exp(logprobs.astype(np.float64)).sum(-1), 0, 1)).astype(np.float32)
+    stored = fmt.encode(ids, logprobs, residual, encoding, vocab)
+    decoded = fmt.decode(stored, encoding, vocab, k)
+    assert np.array_equal(decoded["topk_ids"], ids)
+    error = np.abs(decoded["topk_logprobs"].astype(np.float64) - logprobs)
+    near = logprobs > logprobs[:, :1] - 12
+    p = _renormalised(logprobs)
+    kl = (np.exp(p) * (p - _renormalised(decoded["topk_logprobs"]))).sum(-1)
+    finite = np.isfinite(residual)
+    own = fmt.token_dtype(vocab).itemsize + 1  # the row's token id and its flags byte
+    return {"k": k, "encoding": encoding, "vocab": vocab, "id_bits": fmt.id_bits(vocab),
+            "bytes_per_token": sum(a.nbytes for a in stored.values()) / len(ids) + own,
+            "max_abs_logprob_error": float(error.max()), "max_abs_error_within_12_nats": float(error[near].max()),
+            "residual_max_abs_error": float(np.abs(decoded["residual"][finite] - residual[finite]).max()),
+            "kl_mean": float(f"{kl.mean():.3g}"), "kl_max": float(f"{kl.max():.3g}")}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--teacher", default=REFERENCE, help="a model folder (default: the real Gemma 3 270M)")
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--out", help="append the records to this JSONL file")
+    args = parser.parse_args(argv)
+    ids, logprobs, vocab, seconds = exact_topk(args.teacher, args.rows, args.seq_len, 128)
+    print(f"[bench] top 128 of {vocab:,} over {len(ids)} tokens in {seconds:.1f} s (with compilation)", flush=True)
+    for k in (16, 64, 128):
+        for encoding in ("exact", "float16", "q16", "q8"):
+            record = measure(ids, logprobs, vocab, k, encoding)
+            record.update(tokens=len(ids), teacher=os.path.basename(os.path.normpath(args.teacher)))
+            common.emit(record, args.out)
+
+
+if __name__ == "__main__":
+    main()
