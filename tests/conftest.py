@@ -35,11 +35,11 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_opti
 # own order.
 SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_recipe_vocab.py",
                  "tests/test_config_surface.py", "tests/test_recipe_search.py", "tests/test_recipe_pairing.py",
-                 "tests/test_lm_eval_backend.py", "tests/test_multihost.py", "tests/test_llama.py",
+                 "tests/test_aot.py", "tests/test_lm_eval_backend.py", "tests/test_multihost.py", "tests/test_llama.py",
                  "tests/test_interrupt.py", "bench/test_bench.py", "tests/test_tunix.py", "tests/test_gguf.py",
                  "tests/test_command_line.py", "tests/test_refusals.py", "tests/test_distill_train.py",
-                 "tests/test_distill_mesh.py", "tests/test_layer_remat.py", "tests/test_distill_then_dpo.py", "tests/test_search.py",
-                 "tests/test_suite.py"]
+                 "tests/test_distill_mesh.py", "tests/test_layer_remat.py", "tests/test_distill_teacher_cache.py",
+                 "tests/test_distill_then_dpo.py", "tests/test_search.py", "tests/test_suite.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -198,9 +198,10 @@ FLAGS = [
          "but the K/V warm-up (e.g. 'layers.{6-8}.*'); repeatable"),
         (("--frozen",), dict(action="append", metavar="PATTERN"), "keep these frozen in every phase, control "
          "included (e.g. embed_tokens: not pruned, and freezing it skips the head gradient); repeatable"),
-        (("--remat",), dict(choices=("none", "full", "dots", "layers")), "rematerialise the student forward: dots "
-         "keeps matmul outputs, full keeps nothing, layers recomputes each decoder layer in the backward pass "
-         "(memory for compute)"),
+        (("--remat",), dict(choices=("none", "full", "dots", "layers", "layers_dots")), "rematerialise the "
+         "student forward (memory for compute): layers recomputes each decoder layer in the backward pass, keeping "
+         "only the residual stream between layers (layers_dots also keeps each layer's matmul outputs); full / "
+         "dots wrap the whole forward in one checkpoint, which lowers the peak little"),
     ]),
     ("Loss", [
         (("--loss",), dict(choices=("kl", "reverse_kl", "jsd")), "the divergence to the teacher: forward KL "
@@ -235,7 +236,7 @@ FLAGS = [
         (("--stop-when-met",), dict(action="store_true"), "end the run at the first evaluation meeting every "
          "target (targets.* in --config / --set)"),
         (("--no-oom-retry",), dict(action="store_false", dest="oom_retry"), "fail on out-of-memory instead of "
-         "retrying with remat dots, remat full, then half the micro-batch and twice the accumulation"),
+         "retrying with remat layers_dots, remat layers, then half the micro-batch and twice the accumulation"),
         (("--eval-every",), dict(type=int), "steps between held-out evaluations"),
         (("--eval-batches",), dict(type=int), "held-out batches per evaluation"),
         (("--eval-tokens",), dict(type=int), "scored tokens of each final held-out set (in-domain: the corpus's "
