@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import fmt, latest  # noqa: E402
 from report_gpu import GPU_MFU_TARGET, GPU_RESULTS, gpu_run, section_gpu  # noqa: E402
+import report_aot  # noqa: E402
 import report_real  # noqa: E402
 
 PEER_NAMES = {"ours": "ours (`load_pretrained` / `distill.run`)",
@@ -327,9 +328,10 @@ def render(records: list[dict]) -> str:
              "run, never between runs (absolute times on this shared machine moved by up to 2x between runs while "
              "these were taken).",
              ""]
-    for section in (section_targets, section_load, section_prune, section_distill, section_mesh, section_quality,
-                    section_gpu):
+    for section in (section_targets, section_load, section_prune, section_distill, section_mesh, section_quality):
         lines += section(records)
+    lines += report_aot.render()  # committed records: sizes compiled for TPU slices, the teacher cache
+    lines += section_gpu(records)
     lines += report_real.render(report_real.read(report_real.REAL_RESULTS)  # committed real-270M records
                                 + report_real.read(report_real.GGUF_EXPORT_RESULTS))
     if os.path.exists(NOTES_FILE):
