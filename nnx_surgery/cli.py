@@ -104,6 +104,11 @@ def _distill_flags(p: argparse.ArgumentParser) -> None:
                    help="distillation temperature (default 1)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="the teacher's weights and the student's compute (default fp32)")
+    p.add_argument("--top-k", type=POSITIVE, default=None, metavar="K", help="distil the teacher's top K "
+                   "renormalised (default: the full distribution; with --teacher-cache: the cache's K)")
+    p.add_argument("--teacher-cache", metavar="CACHE", help="train from this teacher cache (`nnx-surgery "
+                   "cache-teacher` with the same TEACHER and data flags) without loading the teacher; TEACHER "
+                   "still gives the tokenizer and is checked against the cache")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     _data_flags(p, 256, batch=True)
 
@@ -214,7 +219,8 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
     "distill": ("nnx_surgery.commands.training:distill_student", "train a student on a teacher's outputs (forward KL, "
                 "plus hard-label CE when --alpha < 1) and save it",
                 ["distill TEACHER student/ --output distilled/",
-                 "distill TEACHER student/ --data 'corpus/*.txt' --steps 500 --alpha 0.5 --output distilled/"],
+                 "distill TEACHER student/ --data 'corpus/*.txt' --steps 500 --alpha 0.5 --output distilled/",
+                 "distill TEACHER student/ --data 'corpus/*.txt' --teacher-cache cache/ --output distilled/"],
                 _distill_flags),
     "cache-teacher": ("nnx_surgery.commands.teacher_cache:cache_teacher", "run the teacher once over the packed "
                       "training rows and write its top-k log-probabilities (checksummed, resumable shards)",

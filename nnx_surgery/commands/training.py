@@ -11,6 +11,7 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.recipes import lm_eval_scores
 from nnx_surgery.commands import (empty_folder, input_paths, model_folder, shape_line, staged_files, teacher_source,
                                   text_batches)
+from nnx_surgery.distill.cache_format import CacheError
 from nnx_surgery.distill.heldout import interval_text
 from nnx_surgery.recipes import cli, evaluation
 
@@ -55,16 +56,27 @@ def distill_student(args: argparse.Namespace) -> str:
     tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
     distill.data.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
-    teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
+    cache = getattr(args, "teacher_cache", None)
+    if cache:  # the teacher's top k from the cache: the teacher is checked against it, never loaded
+        _check_teacher_cache(cache, teacher_folder)
+        teacher = None
+    else:
+        teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
     student = surgery.load_pretrained(student_folder, dtype="float32")
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 50
     stage = distill.Stage(steps=args.steps, name="distill", learning_rate=args.learning_rate, warmup_steps=warmup,
                           weights=distill.LossWeights.mixed(args.alpha), temperature=args.temperature)
     config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len,
-                                   vocab_map=kept, seed=args.seed, plots=False,
+                                   vocab_map=kept, seed=args.seed, plots=False, top_k=getattr(args, "top_k", None),
+                                   teacher_cache=os.path.abspath(cache) if cache else None,
                                    compute_dtype="bfloat16" if args.precision == "bf16" else "float32")
-    print(f"[distill] {args.steps} steps of {args.batch_size} x {args.seq_len} tokens of {description}", flush=True)
-    result = distill.run(teacher, student, data, config)
+    source = f", teacher from the cache {cache}" if cache else ""
+    print(f"[distill] {args.steps} steps of {args.batch_size} x {args.seq_len} tokens of {description}{source}",
+          flush=True)
+    try:
+        result = distill.run(teacher, student, data, config)
+    except CacheError as error:
+        raise cli.RecipeError(str(error)) from None
     extra = {"history.json": {"train": result.full_history, "eval": result.full_evals,
                               "data_state": result.data_state}}
     plan = _plan_of(student_folder)
@@ -80,6 +92,20 @@ def distill_student(args: argparse.Namespace) -> str:
         print(f"held-out CE: {ce[0]:.4f} before, {ce[-1]:.4f} after ({len(ce)} evaluations)")
     print(f"distilled student: {folder}")
     return folder
+
+
+def _check_teacher_cache(cache: str, teacher_folder: str) -> None:
+    """The cache was written by this teacher (config and weights) with this tokenizer; else one line."""
+    from nnx_surgery.distill import teacher_cache
+
+    tokenizer = os.path.join(teacher_folder, "tokenizer.json")
+    identity = teacher_cache.folder_identity(teacher_folder)
+    try:
+        teacher_cache.TeacherCache.open(cache, verify=False).check_matches(
+            teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"],
+            tokenizer_hash=teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None)
+    except teacher_cache.CacheError as error:
+        raise cli.RecipeError(f"--teacher-cache: {error}") from None
 
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),

@@ -235,6 +235,9 @@ class DistillConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     # logit loss
     top_k: int | None = None
+    top_k_mode: str = "renormalised"  # or "residual": the top k plus a bucket for the rest (distill.topk_teacher)
+    # train from a teacher cache folder (`nnx-surgery cache-teacher`) instead of a teacher: distill.cache_training
+    teacher_cache: str | None = None
     jsd_beta: float = 0.5
     logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 128 on
     # CPU, up to 2048 on an accelerator as its memory allows (`distill.logit_term.logit_chunk`)
@@ -284,6 +287,8 @@ class DistillConfig:
         _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0, top_k=count_or_none,
                  eval_every=count_or_none, logit_chunk=count_or_none, logit_block=count_or_none,
                  logit_vocab_slice=count_or_none, jsd_beta=SHARE)
+        from .topk_teacher import check_mode
+        check_mode(self.top_k_mode)
         if self.logit_impl not in ("fused", "reference"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
         object.__setattr__(self, "loss_options", terms.checked_options(self))

@@ -17,6 +17,7 @@ from .fingerprints import batch_digest
 from .interface import FORWARD_KEYS
 from .mesh import put_batch
 from .oom import split_micro_batches
+from .topk_teacher import CACHE_KEYS
 
 
 def stack_batches(batches: list[dict[str, Any]], config: DistillConfig, processes: int = 1) -> dict[str, np.ndarray]:
@@ -26,12 +27,12 @@ def stack_batches(batches: list[dict[str, Any]], config: DistillConfig, processe
     if "input_ids" not in keys:
         raise KeyError(f"a batch needs 'input_ids' (B, T) int32; it has {sorted(keys)}.")
     stacked = {key: np.stack([np.asarray(b[key]) for b in batches])
-               for key in ("input_ids", "loss_mask", *FORWARD_KEYS) if key in keys}
+               for key in ("input_ids", "loss_mask", *FORWARD_KEYS, *CACHE_KEYS) if key in keys}
     shape = stacked["input_ids"].shape[1:]
     expected = (config.batch_size // processes if config.batch_size else shape[0], config.seq_len or shape[1])
-    if shape != expected or any(v.shape[1:] != shape for v in stacked.values()):
+    if shape != expected or any(v.shape[1:3] != shape for v in stacked.values()):
         raise ValueError(f"batch arrays have shapes { {k: v.shape[1:] for k, v in stacked.items()} }; the config "
-                         f"expects (batch_size, seq_len) = {expected} for every key.")
+                         f"expects (batch_size, seq_len) = {expected} to lead every key.")
     for key in ("input_ids", "positions", "segment_ids"):
         if key in stacked:
             stacked[key] = stacked[key].astype(np.int32)

@@ -17,8 +17,9 @@ temperature tau, p = softmax(t / tau), q = softmax(s / tau)):
 The tau^2 factor (Hinton et al.) keeps the soft-target gradients the same size when tau changes, so a temperature
 schedule (e.g. 3 -> 1) does not also rescale the learning rate. Positions are weighted by `weights` (B, T), already
 divided by the number of supervised tokens of the whole optimizer step, so the sum over positions is the mean.
-With `top_k`, the teacher distribution is renormalised over its top-k logits (ties at the k-th value included)
-and the student keeps its full-vocabulary log-probabilities, so mass outside the teacher's top-k is penalised.
+With `top_k`, the teacher is its top k (`distill.topk_teacher`: made here from its logits, or read from a teacher
+cache, the same loss code either way): renormalised over those k (or with a residual bucket, `top_k_mode`), and
+the student keeps its full-vocabulary log-probabilities, so mass outside the teacher's top-k is penalised.
 
 `fused_logit_loss` is the fast path: a `jax.custom_vjp` that walks the sequence in blocks and, inside each block,
 in chunks. Per block (`block` rows, default `chunk`): the teacher's logits in one matmul (they need no gradient,
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .logit_gradient import closed_form, head_gradient, hidden_gradient
+from .topk_teacher import TopK, check_mode, from_logits, topk_terms
 
 LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (hidden (..., D), head (V, D)) -> float32 logits (..., V)
 DIAGNOSTICS = ("kl", "teacher_ce", "logit_corr")
@@ -71,6 +73,7 @@ class LogitLossSettings:
     diagnostics: bool = False  # also teacher_ce, logit_corr and the temperature-1 kl (extra vocabulary passes)
     block: int | None = None  # rows per teacher-logits / head-gradient block (a multiple of chunk); None: chunk
     vocab_slice: int | None = None  # about this many vocabulary rows per head-gradient matmul; None: all at once
+    top_k_mode: str = "renormalised"  # or "residual": the top k plus a bucket for the rest (distill.topk_teacher)
 
     def __post_init__(self):
         if not self.teacher and (self.kl or self.reverse_kl or self.jsd or self.top_k):
@@ -87,6 +90,7 @@ class LogitLossSettings:
         if self.top_k is not None and self.reverse_kl:
             raise ValueError("reverse_kl with top_k is infinite (the truncated teacher has zero mass where the student "
                              "has some); use kl or jsd with top_k, or drop top_k.")
+        check_mode(self.top_k_mode)
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be at least 1 row.")
         if self.block is not None and self.block < self.chunk:
@@ -134,11 +138,6 @@ def _generalised_jsd(p, log_p, q, log_q, beta: float) -> jax.Array:
     return beta * _xlogy_diff(p, log_p, log_m) + (1.0 - beta) * _xlogy_diff(q, log_q, log_m)
 
 
-def _keep_top_k(logits: jax.Array, k: int) -> jax.Array:
-    kth = jax.lax.top_k(logits, k)[0][..., -1:]
-    return jnp.where(logits >= kth, logits, -jnp.inf)
-
-
 def _logit_correlation(s: jax.Array, t: jax.Array) -> jax.Array:
     """Pearson correlation over the vocabulary, from raw moments of max-shifted logits: one fused pass over the
     (rows, V) block (the shift keeps the moments well conditioned in float32)."""
@@ -152,6 +151,21 @@ def _logit_correlation(s: jax.Array, t: jax.Array) -> jax.Array:
     return covariance * jax.lax.rsqrt(jnp.maximum(var_s * var_t, 1e-30))
 
 
+def _full_terms(t: jax.Array, log_q: jax.Array, tau, spec: LogitLossSettings) -> tuple[dict, jax.Array]:
+    """The soft terms against the teacher's full distribution softmax(t / tau), and its log-probabilities."""
+    log_p = jax.nn.log_softmax(t / tau, axis=-1)
+    p, terms = jnp.exp(log_p), {}
+    if spec.kl:
+        terms["kl"] = _xlogy_diff(p, log_p, log_q)
+    if spec.reverse_kl or spec.jsd:
+        q = jnp.exp(log_q)
+    if spec.reverse_kl:
+        terms["reverse_kl"] = _xlogy_diff(q, log_q, log_p)
+    if spec.jsd:
+        terms["jsd"] = _generalised_jsd(p, log_p, q, log_q, spec.jsd_beta)
+    return terms, log_p
+
+
 def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.Array, coeffs: dict,
                     spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...).
@@ -160,7 +174,8 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     `student_ce` the next-token cross-entropy; `kl` is KL(teacher || student) at temperature 1 over the full
     vocabulary, comparable across a temperature schedule and with top-k (reported when it is the loss's KL term,
     or with `spec.diagnostics`); with `spec.diagnostics` also `teacher_ce` and `logit_corr` (Pearson correlation
-    of the two logit vectors). Without a teacher (`t` None) only the CE and its metric."""
+    of the two logit vectors). Without a teacher (`t` None) only the CE and its metric. `t` may be the teacher's
+    `TopK` (a cached teacher, with `spec.top_k`): then no diagnostics."""
     if t is None:
         labels = labels[..., None].astype(jnp.int32)
         student_ce = -jnp.take_along_axis(jax.nn.log_softmax(s.astype(jnp.float32), axis=-1), labels, axis=-1)[..., 0]
@@ -170,21 +185,15 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
         if spec.ce:
             metric_sums["term/ce"] = metric_sums["student_ce"]
         return jnp.sum(weights * per_token), metric_sums
-    s, t = s.astype(jnp.float32), jax.lax.stop_gradient(t.astype(jnp.float32))
+    s = s.astype(jnp.float32)
     tau = coeffs["temperature"]
     log_q = jax.nn.log_softmax(s / tau, axis=-1)
-    t_scaled = t / tau if spec.top_k is None else _keep_top_k(t / tau, spec.top_k)
-    log_p = jax.nn.log_softmax(t_scaled, axis=-1)
-    p = jnp.exp(log_p)
-    terms = {}
-    if spec.kl:
-        terms["kl"] = _xlogy_diff(p, log_p, log_q)
-    if spec.reverse_kl or spec.jsd:
-        q = jnp.exp(log_q)
-    if spec.reverse_kl:
-        terms["reverse_kl"] = _xlogy_diff(q, log_q, log_p)
-    if spec.jsd:
-        terms["jsd"] = _generalised_jsd(p, log_p, q, log_q, spec.jsd_beta)
+    log_p = None
+    if spec.top_k is not None:  # the teacher as its top k, from its logits or from a cache
+        top = t if isinstance(t, TopK) else from_logits(t, spec.top_k)
+        terms = topk_terms(top, log_q, tau, kl=spec.kl, jsd=spec.jsd, jsd_beta=spec.jsd_beta, mode=spec.top_k_mode)
+    else:
+        terms, log_p = _full_terms(jax.lax.stop_gradient(t.astype(jnp.float32)), log_q, tau, spec)
     soft = sum((coeffs[name] * value for name, value in terms.items()), jnp.zeros(s.shape[:-1], jnp.float32))
     per_token = tau * tau * soft
     labels = labels[..., None].astype(jnp.int32)
@@ -199,8 +208,9 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     metrics = {"student_ce": student_ce, **{f"term/{name}": value for name, value in terms.items()}}
     if _kl_is_the_term(spec):
         metrics["kl"] = terms["kl"]
-    if spec.diagnostics:
-        log_p1 = log_p if spec.unit_temperature and spec.top_k is None else jax.nn.log_softmax(t, axis=-1)
+    if spec.diagnostics:  # needs the full teacher logits (no cached teacher: refused by DistillConfig)
+        t = jax.lax.stop_gradient(t.astype(jnp.float32))
+        log_p1 = log_p if spec.unit_temperature and log_p is not None else jax.nn.log_softmax(t, axis=-1)
         if "kl" not in metrics:
             metrics["kl"] = _xlogy_diff(jnp.exp(log_p1), log_p1, log_q1)
         metrics["teacher_ce"] = -jnp.take_along_axis(log_p1, labels, axis=-1)[..., 0]
@@ -268,7 +278,8 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
     batch, length = h_s.shape[:2]
     chunk, block = chunk_positions(batch, length, spec)
     per_block = block // chunk
-    xs = (_chunked(h_s, block), None if h_t is None else _chunked(h_t, block), _chunked(labels, block),
+    cached = isinstance(h_t, TopK)  # a cached teacher: its top k per position instead of hidden states
+    xs = (_chunked(h_s, block), jax.tree.map(lambda a: _chunked(a, block), h_t), _chunked(labels, block),
           _chunked(weights, block))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in metric_names(spec)}
     activation = elementwise_part(student_logits)
@@ -293,20 +304,20 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
     def block_body(carry, x):
         loss_acc, metrics_acc, d_head = carry
         hs, ht, lab, w = x  # (B, block, ...)
-        t_logits = None if ht is None else jax.lax.stop_gradient(teacher_logits(ht, head_t))  # one matmul
+        t_logits = ht if ht is None or cached else jax.lax.stop_gradient(teacher_logits(ht, head_t))  # one matmul
         if per_block == 1:
             loss, metrics, dz = chunk_step(hs, t_logits, lab, w)
         else:
             # Chunk i's dz overwrites chunk i's teacher logits, in place: one (B, block, V) buffer for both.
-            cut = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
-            buffer = t_logits
+            cut = lambda a, i: jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1), a)
+            buffer = None if cached else t_logits
             if backward and buffer is None:
                 buffer = jnp.zeros((batch, block, head_s.shape[0]), jnp.float32)
 
             def inner(state, i):
                 sums, buffer = state
-                loss, metrics, dz = chunk_step(cut(hs, i), cut(t_logits if ht is None else buffer, i), cut(lab, i),
-                                               cut(w, i))
+                teacher_chunk = cut(t_logits if ht is None or cached else buffer, i)
+                loss, metrics, dz = chunk_step(cut(hs, i), teacher_chunk, cut(lab, i), cut(w, i))
                 if backward:
                     buffer = jax.lax.dynamic_update_slice_in_dim(buffer, dz, i * chunk, axis=1)
                 return (jax.tree.map(jnp.add, sums, (loss, metrics)), buffer), None
@@ -344,7 +355,7 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
                      spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
     labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are
-    None without a teacher (spec.teacher False). `head_s` may be in a wider dtype than `h_s` (float32 master
+    None without a teacher (spec.teacher False); for a cached teacher h_t is its `TopK` (B, T, k) and head_t None. `head_s` may be in a wider dtype than `h_s` (float32 master
     weights with bfloat16 compute): it is cast to `h_s.dtype` once, and its gradient is accumulated and returned
     in its own dtype, so no (V, D) cast of the gradient is needed."""
     kwargs = dict(student_logits=student_logits, teacher_logits=teacher_logits, spec=spec)

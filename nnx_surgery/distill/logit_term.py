@@ -79,12 +79,14 @@ class LogitTerm(LossTerm):
         return {kind: weights[kind] != 0 for kind in KINDS}
 
     def loss_settings(self, config: Any, weights: Mapping[str, float], has_teacher: bool) -> LogitLossSettings:
+        # has_teacher: a teacher model or a teacher cache (whose top k come in the batch)
         """The static settings of a stage's logit loss: the kinds `weights` turn on (weights a fallback moves
         count as on), the run's top-k, JSD beta, chunking and diagnostics."""
         return LogitLossSettings(**self.kinds(weights), jsd_beta=config.jsd_beta, top_k=config.top_k,
                                  chunk=logit_chunk(config), block=logit_block(config),
                                  vocab_slice=logit_vocab_slice(config), unit_temperature=config.unit_temperature,
-                                 teacher=has_teacher, diagnostics=config.train_diagnostics)
+                                 teacher=has_teacher, diagnostics=config.train_diagnostics,
+                                 top_k_mode=getattr(config, "top_k_mode", "renormalised"))
 
     def contribution(self, inputs: TermInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
         settings, teacher, student = inputs.settings, inputs.teacher, inputs.student
@@ -98,16 +100,18 @@ class LogitTerm(LossTerm):
         s_head = student.model.head_matrix() if settings.logit_impl == "reference" else student.head
         if not trained:  # logit metrics only: no gradient work in the fused loss
             s_hidden, s_head = jax.lax.stop_gradient(s_hidden), jax.lax.stop_gradient(s_head)
+        cached = teacher is not None and teacher.topk is not None  # a teacher cache: its top k, no model
         if settings.logit_impl == "reference":
-            t_logits = None if teacher is None else teacher.model.logits_from_hidden(teacher.hidden, teacher.head)
+            t_logits = None if teacher is None else (
+                teacher.topk if cached else teacher.model.logits_from_hidden(teacher.hidden, teacher.head))
             loss, sums = reference_logit_loss(student.model.logits_from_hidden(s_hidden, s_head), t_logits,
                                               inputs.labels, inputs.token_weights, coeffs, spec)
         else:
+            t_input = None if teacher is None else (teacher.topk if cached else teacher.hidden)
             loss, sums = fused_logit_loss(
-                s_hidden, s_head, None if teacher is None else teacher.hidden,
-                None if teacher is None else teacher.head, inputs.labels, inputs.token_weights, coeffs,
-                student_logits=student.model.logits_from_hidden,
-                teacher_logits=None if teacher is None else teacher.model.logits_from_hidden, spec=spec)
+                s_hidden, s_head, t_input, None if teacher is None else teacher.head, inputs.labels,
+                inputs.token_weights, coeffs, student_logits=student.model.logits_from_hidden,
+                teacher_logits=None if teacher is None or cached else teacher.model.logits_from_hidden, spec=spec)
         total = loss if trained else jnp.zeros((), jnp.float32)
         return total, {"loss/logit": loss, **sums}
 

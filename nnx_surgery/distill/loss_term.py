@@ -39,12 +39,15 @@ class ModelSide:
     `hidden` (B, T, D): final hidden states (input of the LM head); `head` (V, D): the LM head matrix (the
     student's in its float32 master dtype); `captured`: the intermediates named by the active terms' `captures`
     (e.g. "residual": embeddings then each layer's (B, T, D) output; "attention_probs": per layer (B, N, T, S));
-    `model`: the merged module in the compute dtype (for `logits_from_hidden`, `head_matrix`)."""
+    `model`: the merged module in the compute dtype (for `logits_from_hidden`, `head_matrix`). A cached teacher
+    (`DistillConfig.teacher_cache`) has no hidden states, head, captures or model, only `topk` (a
+    `distill.topk_teacher.TopK` of the micro-batch), which the logit term reads instead."""
 
-    hidden: jax.Array
-    head: jax.Array
+    hidden: jax.Array | None
+    head: jax.Array | None
     captured: Mapping[str, Any]
     model: Any
+    topk: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

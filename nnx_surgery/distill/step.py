@@ -43,6 +43,7 @@ from .interface import Correspondence, forward_inputs, next_token_targets
 from .logit_loss import LogitLossSettings
 from .logit_term import LOGIT
 from .loss_term import LossTerm, ModelSide, TermInputs
+from .topk_teacher import from_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class StepSettings:
     clip_norm: float | None = 1.0
     decay_matrices_only: bool = True
     fold_embedding: bool = True  # tied + trainable embedding: fold the lookup gradient into the head gradient
+    cached_teacher: bool = False  # no teacher model: its top k come in the batch (distill.cache_training)
 
     def __post_init__(self):
         object.__setattr__(self, "terms", tuple(self.terms))
@@ -170,6 +172,9 @@ def make_loss_fn(student_graph, teacher_graph, settings: StepSettings) -> Callab
             teacher_side = ModelSide(hidden=jax.lax.stop_gradient(t_out.final_hidden),
                                      head=jax.lax.stop_gradient(teacher.head_matrix()),
                                      captured={name: getattr(t_out, name) for name in captures}, model=teacher)
+        elif settings.cached_teacher:  # the teacher's top k read from a cache, in the batch
+            teacher_side = ModelSide(hidden=None, head=None, captured={}, model=None,
+                                     topk=from_batch(batch, settings.logit.top_k))
         s_hidden, s_captured = student_forward(trainable, frozen, input_ids, forward_inputs(student, batch),
                                                inputs_embeds)
         inputs = TermInputs(teacher=teacher_side,

@@ -98,7 +98,9 @@ class StepRunner:
         policies = self.policies if self.teacher_graph is not None else ()
         weights = terms.compiled_weights(config.stages[index].weights, policies)
         computed = [term for term in terms.active_terms(weights) if term is not LOGIT]
-        return StepSettings(logit=LOGIT.loss_settings(config, weights, self.teacher_graph is not None),
+        cached = config.teacher_cache is not None and self.teacher_graph is None
+        return StepSettings(logit=LOGIT.loss_settings(config, weights, self.teacher_graph is not None or cached),
+                            cached_teacher=cached,
                             terms=tuple(term.name for term in computed), correspondence=self.correspondence,
                             options={term.name: terms.option_values(term, config) for term in computed
                                      if term.options},

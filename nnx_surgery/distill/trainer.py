@@ -156,6 +156,8 @@ def resolve_correspondence(config: DistillConfig, teacher: Any, student: Any) ->
 def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
     """Both follow the DistillModel interface, share a vocabulary, and a teacher-less run weights no teacher loss."""
     check_model(student, "student")
+    if teacher is None and config.teacher_cache is not None:
+        return  # a teacher cache: checked by cache_training.prepare
     if teacher is None:
         needy = {s.name or str(i): terms.needing_teacher(s.weights) for i, s in enumerate(config.stages)}
         needy = {stage: names for stage, names in needy.items() if names}
@@ -169,6 +171,17 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
         raise ValueError(f"the teacher's vocabulary has {v_t} entries and the student's {v_s}; logit "
                          "distillation needs the same tokenizer and vocabulary on both sides, or, for a student "
                          "with a trimmed vocabulary, DistillConfig(plan=its plan) or vocab_map=plan.kept_vocab.")
+
+
+def _from_cache(teacher: Any, student: Any, data: Any, config: DistillConfig) -> tuple[Any, DistillConfig]:
+    """(the cache's data stream, the config with the cache's top k) of a run from `config.teacher_cache`."""
+    from .cache_training import prepare
+
+    if teacher is not None:
+        raise ValueError(f"teacher_cache={config.teacher_cache!r} trains from the cached teacher: pass teacher=None "
+                         "(or drop teacher_cache to distil from the teacher model).")
+    config, stream = prepare(config, student, data)
+    return stream, config
 
 
 def _check_on_policy(config: DistillConfig, teacher: Any, sampler: Any) -> None:
@@ -227,6 +240,8 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
     With `config.checkpoint.directory` set, a run resumes from the newest complete checkpoint there. A first
     SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
+    if config.teacher_cache is not None:  # the teacher's top k read from a cache: no teacher model
+        data, config = _from_cache(teacher, student, data, config)
     config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
     teacher = in_student_vocabulary(teacher, student, config)  # a trimmed student: the teacher in its token ids
     _check_models(teacher, student, config)
