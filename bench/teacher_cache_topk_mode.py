@@ -86,7 +86,8 @@ def main() -> None:
                 rows.append(dict(batch=batch, k=k, mode=mode, topk_mass=mass, full_kl=full,
                                  loss_rel_diff=abs(value - full) / full, grad_cosine=cosine,
                                  grad_rel_error=float(jnp.linalg.norm(g - g_full) / jnp.linalg.norm(g_full))))
-    print(f"| k | top-k mass | mode | loss vs full KL | gradient cosine | gradient rel. error |\n|---|---|---|---|---|---|")
+    print("| k | top-k mass | mode | loss vs full KL | gradient cosine | gradient rel. error |\n"
+          "|---|---|---|---|---|---|")
     for k in (4, 16, 64, 256):
         for mode in ("renormalised", "residual"):
             sel = [r for r in rows if r["k"] == k and r["mode"] == mode]

@@ -355,9 +355,10 @@ def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: 
                      spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
     labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are
-    None without a teacher (spec.teacher False); for a cached teacher h_t is its `TopK` (B, T, k) and head_t None. `head_s` may be in a wider dtype than `h_s` (float32 master
-    weights with bfloat16 compute): it is cast to `h_s.dtype` once, and its gradient is accumulated and returned
-    in its own dtype, so no (V, D) cast of the gradient is needed."""
+    None without a teacher (spec.teacher False); for a cached teacher h_t is its `TopK` (B, T, k) and head_t None.
+    `head_s` may be in a wider dtype than `h_s` (float32 master weights with bfloat16 compute): it is cast to
+    `h_s.dtype` once, and its gradient is accumulated and returned in its own dtype, so no (V, D) cast of the
+    gradient is needed."""
     kwargs = dict(student_logits=student_logits, teacher_logits=teacher_logits, spec=spec)
     head_dtype = head_s.dtype
 
