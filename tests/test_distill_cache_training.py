@@ -138,22 +138,8 @@ def test_a_smaller_top_k_reads_the_first_of_the_cached(caches):
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
-    import os
-    import shutil
-    import sysconfig
-
-    from hf_reference import make_hf_model, save_hf
-    from tiny_tokenizers import save_gemma_tokenizer
-
-    base = tmp_path_factory.mktemp("cache-distill")
-    teacher, data = str(base / "teacher"), base / "data"
-    size = save_gemma_tokenizer(teacher)
-    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size, query_pre_attn_scalar=12, num_hidden_layers=2),
-            teacher)
-    data.mkdir()
-    for name in ("textwrap.py", "bisect.py"):
-        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
-    return dict(base=base, teacher=teacher, data=str(data))
+    from cache_workspace import teacher_workspace
+    return teacher_workspace(tmp_path_factory.mktemp("cache-distill"))
 
 
 def test_distill_command_trains_from_the_cache_as_online_top_k(w):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -145,18 +144,8 @@ def test_a_cache_for_another_teacher_is_refused(exact_cache):
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
-    from hf_reference import make_hf_model, save_hf
-    from tiny_tokenizers import save_gemma_tokenizer
-
-    base = tmp_path_factory.mktemp("cache-command")
-    teacher, data = str(base / "teacher"), base / "data"
-    size = save_gemma_tokenizer(teacher)
-    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size, query_pre_attn_scalar=12, num_hidden_layers=2),
-            teacher)
-    data.mkdir()
-    for name in ("textwrap.py", "bisect.py"):
-        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
-    return dict(base=base, teacher=teacher, data=str(data), vocab=size)
+    from cache_workspace import teacher_workspace
+    return teacher_workspace(tmp_path_factory.mktemp("cache-command"))
 
 
 def _cache_args(w, out, *extra):

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import terms
 from .cache_format import CacheError
+from .data import changed_identity, stream_state
 from .logit_term import LOGIT
 from .teacher_cache import TeacherCache
 
@@ -65,15 +66,12 @@ class CachedTeacherData:
             yield self.next_batch()
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
-                "fingerprint": self.fingerprint}
+        return stream_state(self)
 
     def restore(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "num_rows", "fingerprint"):
-            if key in state and state[key] != getattr(self, key):
-                raise CacheError(f"cannot resume from teacher cache {self.cache.folder}: the checkpoint's data has "
-                                 f"{key}={state[key]!r}, the cache's {getattr(self, key)!r}; resume with the cache "
-                                 "the run started from.")
+        for key, saved, ours in changed_identity(self, state):
+            raise CacheError(f"cannot resume from teacher cache {self.cache.folder}: the checkpoint's data has "
+                             f"{key}={saved!r}, the cache's {ours!r}; resume with the cache the run started from.")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:

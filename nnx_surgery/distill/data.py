@@ -219,6 +219,19 @@ def packed_batch(rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray,
     return batch
 
 
+def stream_state(stream: Any) -> dict[str, Any]:
+    """Where a row stream (TokenBatches, a teacher cache's rows) is, and what identifies its rows: a checkpoint's
+    data state, in one format for both."""
+    return {"epoch": stream.epoch, "position": stream.position, "seed": stream.seed, "num_rows": stream.num_rows,
+            "fingerprint": stream.fingerprint}
+
+
+def changed_identity(stream: Any, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved, this stream's) for each identity of `state` that `stream` does not share."""
+    return [(key, state[key], getattr(stream, key)) for key in ("seed", "num_rows", "fingerprint")
+            if key in state and state[key] != getattr(stream, key)]
+
+
 class TokenBatches:
     """Packed, shuffled, resumable token batches with a held-out evaluation split (see the module docstring)."""
 
@@ -384,14 +397,12 @@ class TokenBatches:
             yield self.next_batch()
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
-                "fingerprint": self.fingerprint}
+        return stream_state(self)
 
     def restore(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "num_rows", "fingerprint"):
-            if key in state and state[key] != getattr(self, key):
-                raise DataError(f"cannot resume: the saved data state has {key}={state[key]!r} but this pipeline "
-                                f"has {getattr(self, key)!r}; build it from the same data and settings.")
+        for key, saved, ours in changed_identity(self, state):
+            raise DataError(f"cannot resume: the saved data state has {key}={saved!r} but this pipeline "
+                            f"has {ours!r}; build it from the same data and settings.")
         if not 0 <= int(state["position"]) < self.num_rows or int(state["epoch"]) < 0:
             raise DataError(f"cannot resume: position {state['position']} / epoch {state['epoch']} out of range.")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
