@@ -152,6 +152,16 @@ writing the cache of these 64 rows took 22 s. Not yet measured on the real Gemma
 """
 
 
+TABLE_NOTES = """Compiled 2026-12-05 on the shared 2-core CPU (load 6-8: each 7B compile took 7 to 26 minutes), so only 5 of
+the 19 planned configurations finished: the full loss mix (its v5e-8 compile ran past 25 minutes), 8192 tokens with
+smaller micro-batches or on the larger targets, the 64-chip compile and the recipe's `scaled` student did not;
+`python bench/aot_table.py --run --timeout 3600` resumes from the JSON lines. Two caveats of these rows: the
+tokens/s of the remat rows were estimated before `--aot` counted the recomputed forward (now 8·N_student instead of
+6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the nominal HBM (XLA can use
+15.75 of a v5e's 16 GiB). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB); >= 16k with the full
+loss mix: not answered."""
+
+
 def target_rows() -> list[tuple[str, str, bool | None]]:
     """"Targets at a glance" rows: (target, measured, met) from the committed records."""
     rows = []
@@ -176,7 +186,8 @@ def render() -> list[str]:
     lines = ["## 6. The real size on paper: compiled for TPU slices (`--aot`)", "",
              "Compiled with XLA's TPU compiler through libtpu 0.0.42.1 on this 2-core CPU (no TPU); bytes per device "
              "from `memory_analysis()`, XLA's out-of-memory refusals read as answers.", ""]
-    lines += section_table(table) + section_measured(measured) + REMAT_AND_LOSS.splitlines() + [""]
+    lines += section_table(table) + TABLE_NOTES.splitlines() + [""] + section_measured(measured)
+    lines += REMAT_AND_LOSS.splitlines() + [""]
     return lines + section_encodings(read("teacher-cache-encoding.jsonl")) + CACHE_TRAINING.splitlines() + [""]
 
 

@@ -46,6 +46,7 @@ class Program:
     parts: dict[str, Any]
     tokens: int
     mesh: Any
+    remat: str | None = None  # the student's rematerialisation in a train step (its recomputed forward costs FLOPs)
 
     def lower(self):
         """`function.lower(*arguments)` under the program's mesh, as the trainer runs it."""
@@ -141,7 +142,7 @@ def train_step_program(teacher, student, config: DistillConfig, mesh, stage_inde
     parts = {"teacher": runner.teacher_state, "student": params["student"], "frozen": frozen,
              "projections": params["proj"], "optimizer": opt, "batch": batch}
     return Program(name or stage.name or f"stage {stage_index}", function, arguments, parts,
-                   rows * config.seq_len * config.grad_accum, mesh)
+                   rows * config.seq_len * config.grad_accum, mesh, runner.remat)
 
 
 def eval_step_program(teacher, student, config: DistillConfig, mesh, *, name: str = "evaluation",

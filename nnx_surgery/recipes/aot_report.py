@@ -54,12 +54,19 @@ def out_of_memory(error: BaseException) -> dict | None:
     return row
 
 
+# remat policies whose backward pass recomputes the student's matmuls ("dots" and "layers_dots" keep their outputs)
+RECOMPUTES_MATMULS = ("full", "layers")
+
+
 def analytic_flops(program) -> tuple[float, str]:
-    """FLOPs per step over all devices: 6·N_student + 2·N_teacher per token for a train step (2·N for a forward
-    of each model for the evaluation and the calibration forward), and the formula."""
+    """FLOPs per step over all devices: 6·N_student + 2·N_teacher per token for a train step (8·N_student with a
+    remat that recomputes the forward's matmuls; 2·N for a forward of each model for the evaluation and the
+    calibration forward), and the formula. Attention's T² work is not counted."""
     n_teacher = parameter_count(program.parts.get("teacher"))
     n_student = parameter_count(program.parts.get("student")) + parameter_count(program.parts.get("frozen"))
     if "optimizer" in program.parts:
+        if getattr(program, "remat", None) in RECOMPUTES_MATMULS:  # the student's forward runs twice
+            return (8 * n_student + 2 * n_teacher) * program.tokens, "8·N_student + 2·N_teacher per token (remat)"
         return (6 * n_student + 2 * n_teacher) * program.tokens, "6·N_student + 2·N_teacher per token"
     return 2 * (n_student + n_teacher) * program.tokens, "2·N per token (forward)"
 
