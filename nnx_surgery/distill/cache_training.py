@@ -21,12 +21,12 @@ import numpy as np
 
 from . import terms
 from .cache_format import CacheError
-from .data import changed_identity, stream_state
+from .data import RowStream, changed_identity
 from .logit_term import LOGIT
 from .teacher_cache import TeacherCache
 
 
-class CachedTeacherData:
+class CachedTeacherData(RowStream):
     """The data stream of a cache run: `next_batch()` gives `batch_size` rows (this process's share of them) in
     `TokenBatches.next_batch`'s order, `state()` / `restore()` use `TokenBatches.state()`'s record (so a
     checkpoint of a cache run resumes at the same row, and carries the packing's fingerprint), and
@@ -64,9 +64,6 @@ class CachedTeacherData:
     def __iter__(self):
         while True:
             yield self.next_batch()
-
-    def state(self) -> dict[str, Any]:
-        return stream_state(self)
 
     def restore(self, state: dict[str, Any]) -> None:
         for key, saved, ours in changed_identity(self, state):

@@ -232,7 +232,14 @@ def changed_identity(stream: Any, state: dict[str, Any]) -> list[tuple[str, Any,
             if key in state and state[key] != getattr(stream, key)]
 
 
-class TokenBatches:
+class RowStream:
+    """What a stream of packed rows saves in a checkpoint (`stream_state`): TokenBatches and a teacher cache's rows."""
+
+    def state(self) -> dict[str, Any]:
+        return stream_state(self)
+
+
+class TokenBatches(RowStream):
     """Packed, shuffled, resumable token batches with a held-out evaluation split (see the module docstring)."""
 
     def __init__(self, documents: Sequence[tuple[np.ndarray, np.ndarray]], *, seq_len: int, batch_size: int,
@@ -395,9 +402,6 @@ class TokenBatches:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
             yield self.next_batch()
-
-    def state(self) -> dict[str, Any]:
-        return stream_state(self)
 
     def restore(self, state: dict[str, Any]) -> None:
         for key, saved, ours in changed_identity(self, state):
