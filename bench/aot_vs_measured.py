@@ -30,22 +30,6 @@ import common  # noqa: E402
 PRESETS = {"tiny": ["--preset", "tiny"], "gemma3-270m": ["--preset", "gemma3-270m"]}
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as handle:  # "5": reset the peak resident set size (Linux)
         handle.write("5")
@@ -73,17 +57,17 @@ def measure_in_this_process(preset: str, workdir: str) -> dict:
             return jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)  # no zeros program compiled
         return leaf
 
-    before = _rss()
+    before = common.current_rss_bytes()
     arguments = jax.block_until_ready(jax.tree.map(concrete, program.arguments))
-    made = _rss() - before
+    made = common.current_rss_bytes() - before
     spare = jax.block_until_ready(jax.tree.map(concrete, program.arguments))  # the first call's donated inputs
     jax.block_until_ready(compiled(*spare))
     del spare
     release_free_heap()
-    before_step = _rss()
+    before_step = common.current_rss_bytes()
     _reset_peak()
     outputs = jax.block_until_ready(compiled(*arguments))
-    peak = _peak()
+    peak = common.status_bytes("VmHWM")
     del outputs
     compiled_total = (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
                       + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)

@@ -28,12 +28,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def current_rss_bytes() -> int:
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (VmRSS, VmHWM, ...) in bytes; 0 where the field is absent."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def current_rss_bytes() -> int:
+    return status_bytes("VmRSS")
 
 
 def available_gib() -> float:

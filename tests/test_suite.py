@@ -13,8 +13,8 @@ from flax import nnx
 
 from nnx_surgery.distill.data import DataError, TokenBatches, load_tokenizer
 from nnx_surgery.distill.evaluate import agreement_and_kl, heldout_loss, sequence_loglikelihoods
-from nnx_surgery.distill.degeneration import degeneration
-from nnx_surgery.distill.suite import (SuiteSettings, _code_tokens, continuation_scores, evaluate_suite, heldout_prompts,
+from nnx_surgery.distill.degeneration import degeneration, text_units
+from nnx_surgery.distill.suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts,
                            multiple_choice, multiple_choice_items)
 from nnx_surgery.distill.tokenizer import EOS_ID, VOCAB_SIZE, save_byte_tokenizer
 from nnx_surgery.surgery.config import ModelConfig
@@ -220,7 +220,7 @@ def test_continuation_scores():
     assert continuation_scores(["\n", "x = 1"], ["y", "x = 1"])["rouge_l"] == pytest.approx(50.0)
     want = []
     for hyp, ref in zip(hyps, refs):
-        h, r = _code_tokens(hyp), _code_tokens(ref)
+        h, r = text_units(hyp), text_units(ref)
         lcs = _lcs(h, r)
         want.append(2 * lcs / (len(h) + len(r)))  # F1 of precision lcs/|h| and recall lcs/|r|
     got = continuation_scores(hyps, refs)

@@ -403,6 +403,10 @@ class TokenBatches(RowStream):
         while True:
             yield self.next_batch()
 
+    def packed_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, loss weights, row kinds) of every training row, in row order (not the shuffled order)."""
+        return self._rows, self._weights, self._kinds
+
     def restore(self, state: dict[str, Any]) -> None:
         for key, saved, ours in changed_identity(self, state):
             raise DataError(f"cannot resume: the saved data state has {key}={saved!r} but this pipeline "

@@ -146,6 +146,12 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def say(line: str) -> None:
+    """Print `line` on process 0 only (progress lines of a multi-host run appear once)."""
+    if is_main_process():
+        print(line, flush=True)
+
+
 def to_host(value: Any) -> np.ndarray:
     """A jax.Array as numpy on every process: directly when this process holds all of it (replicated or
     single-host), else gathered from all processes (a collective: every process must call it)."""

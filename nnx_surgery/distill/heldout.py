@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from .data import DataError, TextTokenizer, load_tokenizer
-from .distributed import is_main_process, to_host
+from .distributed import say, to_host
 from .evaluate import _online_compare, model_mesh, same_on_every_process
 from .interface import forward_inputs, next_token_targets
 from .logit_loss import row_blocks
@@ -195,7 +195,7 @@ def score_heldout(models: Mapping[str, Any], heldout: HeldoutSet, *, reference: 
     hidden states on this set are computed once (a search scores many students against one teacher)."""
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of the models {list(models)}; pass reference=.")
-    log = log or _print
+    log = log or say
     ref_model = models[reference]
     ref_graph, ref_state = nnx.split(ref_model)
     mesh = model_mesh(ref_model)
@@ -269,10 +269,6 @@ def _self_score(graph, state, batch, hidden, vocab_chunk, row_chunk):
     model = nnx.merge(graph, state)
     return _row_scores(model, model, batch, hidden, vocab_chunk, row_chunk, hidden=hidden)
 
-
-def _print(line: str) -> None:
-    if is_main_process():
-        print(line, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ summaries

@@ -35,7 +35,7 @@ import numpy as np
 
 from .data import DataError, TextTokenizer, load_tokenizer
 from .degeneration import LoopRule, degeneration, text_units
-from .distributed import is_main_process
+from .distributed import say as say_on_main
 from .evaluate import agreement_and_kl, heldout_loss, parameter_count, sequence_loglikelihoods
 from .heldout import HeldoutSet
 from .heldout_vocab import Vocabulary, heldout_report_across, in_own_tokens
@@ -215,7 +215,6 @@ def _unique_best(scores: np.ndarray) -> int:
     return best if np.sum(scores == scores[best]) == 1 else -1
 
 
-_code_tokens = text_units  # BLEU/ROUGE-L's tokens: words and single punctuation marks
 LOOP_RULE = LoopRule()
 
 
@@ -223,7 +222,7 @@ class _CodeTokenizer:
     """rouge-score's tokenizer interface: words and single punctuation marks, case kept (code, not prose)."""
 
     def tokenize(self, text: str) -> list[str]:
-        return _code_tokens(text)
+        return text_units(text)
 
 
 def continuation_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
@@ -236,7 +235,7 @@ def continuation_scores(hypotheses: Sequence[str], references: Sequence[str]) ->
     bleu = sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score
     scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_CodeTokenizer())
     # two continuations without a token (e.g. only newlines) are identical: F1 1, where rouge-score says 0
-    rouge = [scorer.score(ref, hyp)["rougeL"].fmeasure if _code_tokens(hyp) or _code_tokens(ref) else 1.0
+    rouge = [scorer.score(ref, hyp)["rougeL"].fmeasure if text_units(hyp) or text_units(ref) else 1.0
              for hyp, ref in zip(hypotheses, references)]
     return {"bleu": float(bleu), "rouge_l": 100.0 * float(np.mean(rouge))}
 
@@ -282,7 +281,7 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     if vocabularies and batches is not None:
         raise ValueError("evaluate_suite: batches are in one tokenizer's ids, but vocabularies gives models their "
                          "own; pass batches=None and judge them on heldout_sets (each model in its own tokens).")
-    say = log or _say
+    say = log or say_on_main
     tok = load_tokenizer(tokenizer)
     prompts = heldout_prompts(documents, tok, count=settings.prompts, max_tokens=settings.prompt_tokens,
                               min_tokens=settings.min_prompt_tokens, seed=settings.seed)
@@ -341,10 +340,6 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
         write_suite(result, out_path)
     return result
 
-
-def _say(line: str) -> None:
-    if is_main_process():
-        print(line, flush=True)
 
 
 __all__ = ["SuiteSettings", "Prompt", "ChoiceItem", "GenerateFn", "evaluate_suite", "heldout_prompts",

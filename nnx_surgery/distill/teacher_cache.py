@@ -224,7 +224,7 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     else:
         put = lambda batch: {key: jnp.asarray(value) for key, value in batch.items()}  # noqa: E731
     run = topk_function(teacher, settings.top_k, vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
-    rows, weights, kinds = batches._rows, batches._weights, batches._kinds
+    rows, weights, kinds = batches.packed_rows()
     per = settings.rows_per_shard
     for index in range(process, -(-len(rows) // per), count):
         if index in done:

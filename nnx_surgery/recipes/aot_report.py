@@ -65,7 +65,7 @@ def analytic_flops(program) -> tuple[float, str]:
     n_teacher = parameter_count(program.parts.get("teacher"))
     n_student = parameter_count(program.parts.get("student")) + parameter_count(program.parts.get("frozen"))
     if "optimizer" in program.parts:
-        if getattr(program, "remat", None) in RECOMPUTES_MATMULS:  # the student's forward runs twice
+        if program.remat in RECOMPUTES_MATMULS:  # the student's forward runs twice
             return (8 * n_student + 2 * n_teacher) * program.tokens, "8·N_student + 2·N_teacher per token (remat)"
         return (6 * n_student + 2 * n_teacher) * program.tokens, "6·N_student + 2·N_teacher per token"
     return 2 * (n_student + n_teacher) * program.tokens, "2·N per token (forward)"

@@ -135,7 +135,7 @@ def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularie
     for row in results["rows"]:
         name = row["model"]
         tokenizer = vocabularies[name].tokenizer if name in vocabularies else args.teacher_folder
-        _say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
+        distill.distributed.say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
         row["lm_eval"] = scores[name] = lm_eval_scores.score_model(models[name], tokenizer, args.tasks,
                                                                    limit=args.tasks_limit)
     results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.tasks_limit, "scores": scores}
@@ -143,10 +143,6 @@ def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularie
         with open(os.path.join(out, "lm_eval.md"), "w", encoding="utf-8") as handle:
             handle.write(lm_eval_scores.task_scores_text(results["lm_eval"]) + "\n")
 
-
-def _say(line: str) -> None:
-    if distill.distributed.is_main_process():
-        print(line, flush=True)
 
 
 def greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
