@@ -3,6 +3,7 @@ same folders and the same offline tasks (nnx_surgery/lm_eval_tasks), in float32:
 within 1e-4, the greedy flags, the generations and the task metrics the same. Tiny random Gemma 3 checkpoints with
 a real BPE tokenizer (tests/tiny_tokenizers.py), a trimmed-vocabulary student cut from one, lm-eval's command line
 through our module (with a 2-device mesh), bad input; the real Gemma 3 270M in a `slow` test."""
+import ast
 import json
 import os
 import subprocess
@@ -230,11 +231,25 @@ def test_without_the_extra_the_import_names_it(monkeypatch):
     assert "pip install 'nnx-surgery[lm-eval]'" in str(caught.value) and "\n" not in str(caught.value)
 
 
+def _lm_eval_imports(path: Path) -> list[ast.AST]:
+    """The import statements of `path` that import the lm_eval package (not modules named lm_eval_*)."""
+    def of_lm_eval(name: str | None) -> bool:
+        return name is not None and (name == "lm_eval" or name.startswith("lm_eval."))
+    return [node for node in ast.walk(ast.parse(path.read_text()))
+            if (isinstance(node, ast.Import) and any(of_lm_eval(alias.name) for alias in node.names))
+            or (isinstance(node, ast.ImportFrom) and node.level == 0 and of_lm_eval(node.module))]
+
+
 def test_nothing_else_in_the_package_imports_lm_eval():
+    """Only the backend and the recipe's scorer (which runs lm-eval's own evaluator) import lm_eval, and the scorer
+    only inside its functions: importing the package, its commands or the recipe never needs the extra."""
     package = REPO / "nnx_surgery"
-    importers = sorted(str(path.relative_to(REPO)) for path in package.rglob("*.py")
-                       if any(f"{word} lm_eval" in path.read_text() for word in ("import", "from")))
-    assert importers == ["nnx_surgery/lm_eval_backend.py"]
+    importers = sorted(str(path.relative_to(REPO)) for path in package.rglob("*.py") if _lm_eval_imports(path))
+    assert importers == ["nnx_surgery/lm_eval_backend.py", "nnx_surgery/recipes/lm_eval_scores.py"]
+    scorer = ast.parse((package / "recipes" / "lm_eval_scores.py").read_text())
+    top_level = [node for node in scorer.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert not any(node in top_level for node in _lm_eval_imports(package / "recipes" / "lm_eval_scores.py"))
+    assert len(_lm_eval_imports(package / "recipes" / "lm_eval_scores.py")) >= 2
 
 
 @pytest.mark.slow

@@ -51,13 +51,15 @@ def run_recipe(output, cache, *extra, check=True):
     return proc
 
 
+# one offline lm-eval task on two documents: every model scored through the backend, in memory
+FULL_EXTRA = ["--eval-tasks", "nnx_stdlib_next_line", "--eval-tasks-limit", "2"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("recipe")
     cache = tiny_teacher_cache  # the session's tiny teacher (tests/conftest.py)
-    # one offline lm-eval task on two documents: every model scored through the backend, in memory
-    return base, run_recipe(base / "full", cache, "--eval-tasks", "nnx_stdlib_next_line", "--eval-tasks-limit",
-                            "2"), cache
+    return base, run_recipe(base / "full", cache, *FULL_EXTRA), cache
 
 
 def test_student_folder_is_complete_and_loads_in_transformers(runs):
@@ -204,7 +206,7 @@ def test_push_to_hub_flag_publishes_the_student_privately(runs):
                          HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_TOKEN=token, HF_HOME=str(base / "hf_home"),
                          HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
         proc = subprocess.run([sys.executable, RECIPE, *SMALL, "--output", str(base / "full"), "--cache-dir",
-                               str(runs[2]), "--resume", "--push-to-hub", "alice/tiny-2b-student"],
+                               str(runs[2]), *FULL_EXTRA, "--resume", "--push-to-hub", "alice/tiny-2b-student"],
                               capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert token not in proc.stdout + proc.stderr

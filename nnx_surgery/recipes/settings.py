@@ -328,7 +328,9 @@ RANGES = {"corpus_bytes": ("at least 1 byte", lambda v: v >= 1), "teacher_steps"
           "calibration_samples": ("0 or more rows", lambda v: v >= 0), "eval_batches": ("at least 1", lambda v: v >= 1),
           "eval_prompts": ("0 or more prompts", lambda v: v >= 0), "new_tokens": ("at least 1", lambda v: v >= 1),
           "choice_items": ("0 or more items", lambda v: v >= 0),
-          "eval_tasks_limit": ("at least 1 document", lambda v: v >= 1)}  # flags with no other check (None: the default)
+          "eval_tasks_limit": ("at least 1 document", lambda v: v >= 1),
+          "aot_tokens": ("a token budget above 0, e.g. 94e9", lambda v: v > 0),
+          "aot_mfu": ("the share of the peak FLOP/s a step reaches, in (0, 1], e.g. 0.4", lambda v: 0 < v <= 1)}  # flags with no other check (None: the default)
 
 
 def _check_data(data: Any) -> None:
