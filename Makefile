@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-fast bench clean llama-cpp test-llama
+.PHONY: demo test test-fast test-aot-7b bench clean llama-cpp test-llama
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,6 +51,11 @@ llama-cpp: $(STAMP)
 
 test-llama: llama-cpp
 	$(PY) -m pytest -q tests/test_gguf_export.py -k llama_cpp
+
+# The recipe's own job compiled for a v5e-8 (Gemma 7B teaching gemma-2b, libtpu from .venv/libtpu): 7-25 minutes of
+# XLA on two cores, so `make test` leaves it to this target.
+test-aot-7b: $(STAMP)
+	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/test_aot.py -k gemma_7b_to_2b
 
 bench: $(STAMP)
 	bash bench/run_all.sh
