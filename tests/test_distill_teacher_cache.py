@@ -14,6 +14,7 @@ import pytest
 
 from nnx_surgery.distill import TokenBatches
 from nnx_surgery.distill import cache_format as fmt
+from nnx_surgery.distill import teacher_cache
 from nnx_surgery.distill.teacher_cache import CacheError, CacheSettings, TeacherCache, write_cache
 from test_distill_train import VOCAB, tiny_teacher
 
@@ -187,3 +188,28 @@ def test_command_writes_resumes_and_refuses(w):
                         str(w["base"] / "n3")), "TEACHER")
     assert_refused(*run(*_cache_args(w, str(w["base"] / "n4"), "--resume")), "--resume")
     assert not any(os.path.exists(w["base"] / name) for name in ("n1", "n2", "n3", "n4"))
+
+
+def test_overwrite_replaces_the_cache_only_once_the_new_one_is_complete(w, monkeypatch):
+    """`cache-teacher --overwrite` writes beside the old cache and swaps it in at the end: a failure after the
+    first new shard (a full disk) leaves the old cache whole and readable, and a finished run replaces it."""
+    from refusal_env import run, tree
+
+    out = str(w["base"] / "overwritten")
+    assert run(*_cache_args(w, out))[0] == 0
+    before = tree(out)
+    real_write = teacher_cache.write_cache
+
+    def full_disk_after_one_shard(*args, **kwargs):
+        def fail(_index):
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **{**kwargs, "after_shard": fail})
+
+    monkeypatch.setattr(teacher_cache, "write_cache", full_disk_after_one_shard)
+    code, _, err = run(*_cache_args(w, out, "--top-k", "4", "--overwrite"))
+    assert code != 0 and "No space left" in err
+    assert tree(out) == before and TeacherCache.open(out).manifest["top_k"] == 8
+    assert not [name for name in os.listdir(w["base"]) if name.startswith(".overwritten.")]  # no staging left
+    monkeypatch.setattr(teacher_cache, "write_cache", real_write)
+    assert run(*_cache_args(w, out, "--top-k", "4", "--overwrite"))[0] == 0
+    assert TeacherCache.open(out).manifest["top_k"] == 4 and tree(out) != before

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
+from typing import Iterator
+
+import jax
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.commands import empty_folder, input_paths, teacher_source, text_batches
 from nnx_surgery.distill import teacher_cache
 from nnx_surgery.recipes import cli
+from nnx_surgery.surgery.atomic import atomic_folder
 
 
 def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
@@ -27,16 +31,26 @@ def _output(args: argparse.Namespace, inputs: list[str]) -> str:
     if args.resume and args.overwrite:
         raise cli.RecipeError("--resume and --overwrite: give one; --resume continues the cache in --output, "
                               "--overwrite starts it again.")
-    if args.resume:
-        out = empty_folder(args.output, "--output", True, inputs=inputs)
-        if not os.path.isdir(out) or not any(name.startswith("progress-p") for name in os.listdir(out)):
-            raise cli.RecipeError(f"--resume {args.output}: no partial teacher cache there (no progress-p*.json); "
-                                  "run without --resume to write one.")
-        return out
-    out = empty_folder(args.output, "--output", args.overwrite, inputs=inputs)
-    if args.overwrite and os.path.isdir(out):
-        shutil.rmtree(out)
+    out = empty_folder(args.output, "--output", args.resume or args.overwrite, inputs=inputs)
+    if args.resume and (not os.path.isdir(out) or not any(n.startswith("progress-p") for n in os.listdir(out))):
+        raise cli.RecipeError(f"--resume {args.output}: no partial teacher cache there (no progress-p*.json); "
+                              "run without --resume to write one.")
+    if args.overwrite and jax.process_count() > 1 and os.path.isdir(out) and os.listdir(out):
+        raise cli.RecipeError(f"--overwrite {args.output}: with {jax.process_count()} processes the cache cannot be "
+                              "swapped in whole; remove the folder first or give another --output.")
     return out
+
+
+@contextlib.contextmanager
+def _writing_into(out: str, overwrite: bool) -> Iterator[str]:
+    """The folder the cache is written into: `out` itself (new, or continued with --resume), or with --overwrite a
+    fresh folder beside it that replaces `out` only once the cache is complete, so that a failure (a full disk,
+    Ctrl-C) leaves the previous cache as it was."""
+    if not (overwrite and os.path.isdir(out) and os.listdir(out)):
+        yield out
+        return
+    with atomic_folder(out, overwrite=True) as fresh:
+        yield fresh
 
 
 def cache_teacher(args: argparse.Namespace) -> dict:
@@ -59,8 +73,9 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     print(f"[cache-teacher] top {args.top_k} of {config.vocab_size:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
     try:
-        manifest = teacher_cache.write_cache(teacher, data, out, settings, identity=identity, mesh=mesh,
-                                             resume=args.resume)
+        with _writing_into(out, args.overwrite) as folder:
+            manifest = teacher_cache.write_cache(teacher, data, folder, settings, identity=identity, mesh=mesh,
+                                                 resume=args.resume)
     except teacher_cache.CacheError as error:
         raise cli.RecipeError(str(error)) from None
     size = sum(entry["bytes"] for entry in manifest.get("shards", []))
