@@ -189,6 +189,9 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=POSITIVE, required=True, metavar="K",
                    help="the teacher's most likely tokens kept per position (at most its vocabulary)")
     p.add_argument("-o", "--output", required=True, metavar="CACHE", help="the cache folder to write")
+    p.add_argument("--student", metavar="STUDENT", help="a student folder with a trimmed vocabulary (its plan.json's "
+                   "kept pieces): the cache is then in its tokens, the teacher's top K over its pieces, for "
+                   "`distill TEACHER STUDENT --teacher-cache`")
     p.add_argument("--encoding", choices=("q8", "q16", "float16", "exact"), default="q8",
                    help="how log-probabilities are stored (default q8; BENCHMARKS.md has bytes and errors)")
     p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
@@ -225,7 +228,8 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
     "cache-teacher": ("nnx_surgery.commands.teacher_cache:cache_teacher", "run the teacher once over the packed "
                       "training rows and write its top-k log-probabilities (checksummed, resumable shards)",
                       ["cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/",
-                       "cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/ --resume"],
+                       "cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/ --resume",
+                       "cache-teacher TEACHER --student trimmed/ --data 'corpus/*.txt' --top-k 64 --output cache/"],
                       _cache_flags),
     "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
              "(in-domain and general prose), generations and multiple choice; writes suite.md",

@@ -165,3 +165,48 @@ def test_distill_command_trains_from_the_cache_as_online_top_k(w):
     assert_refused(*command("distill", w["teacher"], w["teacher"], "--data", w["data"], "--seq-len", "16",
                             "--batch-size", "4", "--steps", "1", "--output", str(w["base"] / "n1"),
                             "--teacher-cache", cache), "seq_len 32, not 16", started=True)
+
+
+def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
+    """`cache-teacher --student` writes the teacher's top k over a trimmed student's pieces, in its tokens; the
+    student trains from it as online top-k distillation through the teacher in its vocabulary does, and a cache
+    in another vocabulary is refused in one line."""
+    import json
+    import os
+
+    from nnx_surgery import surgery
+    from nnx_surgery.distill.cache_training import prepare
+    from nnx_surgery.distill.teacher_cache import TeacherCache
+    from refusal_env import assert_refused, run as command
+
+    data = ("--data", w["data"], "--seq-len", "32", "--batch-size", "4")
+    plan, student = str(w["base"] / "trim-plan.json"), str(w["base"] / "trimmed")
+    assert command("plan", w["teacher"], "--student", "layers=1,vocab=300", *data[:4], "--calibration-samples",
+                   "8", "--output", plan)[0] == 0
+    assert command("prune", w["teacher"], plan, student)[0] == 0
+    cache = str(w["base"] / "trimmed-cache")
+    code, printed, err = command("cache-teacher", w["teacher"], "--student", student, *data, "--top-k", "8",
+                                 "--encoding", "exact", "--output", cache)
+    assert code == 0, err
+    assert "top 8 of 300 " in printed and TeacherCache.open(cache).vocab_size == 300
+    losses = {}
+    for name, extra in (("trimmed-online", ("--top-k", "8")), ("trimmed-cached", ("--teacher-cache", cache))):
+        out = str(w["base"] / name)
+        code, _, err = command("distill", w["teacher"], student, *data, "--steps", "2", "--output", out, *extra)
+        assert code == 0, err
+        with open(os.path.join(out, "history.json")) as handle:
+            losses[name] = [record["loss"] for record in json.load(handle)["train"]]
+    np.testing.assert_allclose(losses["trimmed-cached"], losses["trimmed-online"], rtol=1e-5)
+    # the teacher's own vocabulary against this cache: refused (its tokenizer is not the one the rows were read with)
+    assert_refused(*command("distill", w["teacher"], w["teacher"], *data, "--steps", "1", "--output",
+                            str(w["base"] / "n-trim"), "--teacher-cache", cache), "--teacher-cache")
+    # the run's map against the cache's, through the API: another trimmed map, or none
+    model = surgery.load_pretrained(student, dtype="float32")
+    kept = surgery.Plan.load(plan).kept_vocab
+    config = DistillConfig(teacher_cache=cache, batch_size=4, seq_len=32,
+                           stages=(Stage(steps=1, weights=LossWeights(kl=1.0)),))
+    with pytest.raises(CacheError, match="another trimmed vocabulary"):
+        prepare(dataclasses.replace(config, vocab_map=tuple(reversed(kept))), model)
+    with pytest.raises(CacheError, match="made in a trimmed student's vocabulary, but the run's student"):
+        prepare(config, model)
+    assert prepare(dataclasses.replace(config, vocab_map=tuple(kept)), model)[0].top_k == 8

@@ -46,6 +46,33 @@ def teacher_source(text: str, name: str, revision: str | None = None) -> str:
         raise RecipeError(str(error).replace("--teacher", name, 1)) from None
 
 
+PLAN_FILE = "plan.json"
+
+
+def plan_of(folder: str) -> "surgery.Plan | None":
+    """The surgery plan saved with a model folder (plan.json), None when it has none."""
+    from nnx_surgery import surgery
+
+    path = os.path.join(folder, PLAN_FILE)
+    return surgery.Plan.load(path) if os.path.isfile(path) else None
+
+
+def kept_vocab(folder: str, name: str, teacher: "surgery.ModelConfig") -> tuple[int, ...] | None:
+    """The teacher ids of a trimmed student's pieces (its plan.json), None when it has the teacher's vocabulary;
+    a RecipeError for a vocabulary the teacher's cannot be mapped to."""
+    from nnx_surgery import surgery
+
+    config, plan = surgery.ModelConfig.from_file(folder), plan_of(folder)
+    if plan is not None and plan.kept_vocab is not None:
+        plan.check_teacher(teacher, where=f"--teacher (for {name} {folder})")
+        return tuple(plan.kept_vocab)
+    if config.vocab_size != teacher.vocab_size:
+        raise RecipeError(f"{name} {folder}: its vocabulary ({config.vocab_size:,}) is not the teacher's "
+                          f"({teacher.vocab_size:,}) and it has no plan.json with the kept pieces; give the "
+                          "teacher it was cut from.")
+    return None
+
+
 def input_paths(*given: str | None) -> list[str]:
     """The local paths among a command's inputs (a Hub id, hf:NAME or gguf:NAME is none; a glob gives its
     matches), for `guard_output`."""
@@ -185,4 +212,4 @@ def shape_line(config) -> str:
 
 
 __all__ = ["teacher_source", "model_folder", "input_paths", "guard_output", "guard_folder", "empty_folder", "new_file",
-           "staged_files", "checked", "text_batches", "shape_line"]
+           "staged_files", "checked", "text_batches", "shape_line", "plan_of", "kept_vocab", "PLAN_FILE"]

@@ -10,7 +10,8 @@ from typing import Iterator
 import jax
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import empty_folder, input_paths, teacher_source, text_batches
+from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
+                                  text_batches)
 from nnx_surgery.distill import teacher_cache
 from nnx_surgery.recipes import cli
 from nnx_surgery.surgery.atomic import atomic_folder
@@ -54,23 +55,33 @@ def _writing_into(out: str, overwrite: bool) -> Iterator[str]:
 
 
 def cache_teacher(args: argparse.Namespace) -> dict:
-    """Write the cache of TEACHER over the data's packed rows into --output; print where and how big."""
+    """Write the cache of TEACHER over the data's packed rows into --output (with --student, in a trimmed student's
+    tokens); print where and how big."""
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     config = surgery.ModelConfig.from_file(teacher_folder)
-    if args.top_k > config.vocab_size:
-        raise cli.RecipeError(f"--top-k {args.top_k}: the teacher's vocabulary has {config.vocab_size:,} pieces; "
-                              "give at most that many.")
-    out = _output(args, input_paths(args.teacher, teacher_folder, args.data))
+    student_folder = model_folder(args.student, "--student") if args.student else None
+    kept = kept_vocab(student_folder, "--student", config) if student_folder else None
+    pieces = config.vocab_size if kept is None else len(kept)
+    if args.top_k > pieces:
+        whose = "the teacher's vocabulary" if kept is None else "the student's trimmed vocabulary"
+        raise cli.RecipeError(f"--top-k {args.top_k}: {whose} has {pieces:,} pieces; give at most that many.")
+    out = _output(args, input_paths(args.teacher, teacher_folder, args.student, args.data))
     settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
                                            rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size)
-    data, description = text_batches(args, teacher_folder, batch_size=args.batch_size)
-    tokenizer = os.path.join(teacher_folder, "tokenizer.json")
+    tokenizer_folder = student_folder if kept is not None else teacher_folder  # a trimmed student's own tokens
+    if kept is not None:
+        distill.data.check_vocabulary(tokenizer_folder, len(kept))
+    data, description = text_batches(args, teacher_folder, tokenizer=tokenizer_folder, batch_size=args.batch_size)
+    tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     identity = {"teacher": teacher_cache.folder_identity(teacher_folder),
                 "tokenizer_sha256": teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None,
+                "vocab_map_sha256": teacher_cache.vocab_map_sha256(kept),
                 "data": _data_files(args), "precision": args.precision}
     teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
+    if kept is not None:  # the teacher seen in the student's ids: its logits at the kept pieces, renormalised
+        teacher = distill.TeacherInStudentVocabulary(teacher, kept)
     mesh = distill.make_mesh(args.mesh) if args.mesh else None
-    print(f"[cache-teacher] top {args.top_k} of {config.vocab_size:,} ({args.encoding}) over {data.num_rows} rows "
+    print(f"[cache-teacher] top {args.top_k} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
     try:
         with _writing_into(out, args.overwrite) as folder:

@@ -9,33 +9,11 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.recipes import lm_eval_scores
-from nnx_surgery.commands import (empty_folder, input_paths, model_folder, shape_line, staged_files, teacher_source,
-                                  text_batches)
+from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
+                                  staged_files, teacher_source, text_batches)
 from nnx_surgery.distill.cache_format import CacheError
 from nnx_surgery.distill.heldout import interval_text
 from nnx_surgery.recipes import cli, evaluation
-
-PLAN_FILE = "plan.json"
-
-
-def _plan_of(folder: str) -> surgery.Plan | None:
-    path = os.path.join(folder, PLAN_FILE)
-    return surgery.Plan.load(path) if os.path.isfile(path) else None
-
-
-def _kept_vocab(folder: str, name: str, teacher: surgery.ModelConfig) -> tuple[int, ...] | None:
-    """The teacher ids of a trimmed student's pieces (its plan.json), None when it has the teacher's vocabulary;
-    a RecipeError for a vocabulary the teacher's cannot be mapped to."""
-    config, plan = surgery.ModelConfig.from_file(folder), _plan_of(folder)
-    if plan is not None and plan.kept_vocab is not None:
-        plan.check_teacher(teacher, where=f"--teacher (for {name} {folder})")
-        return tuple(plan.kept_vocab)
-    if config.vocab_size != teacher.vocab_size:
-        raise cli.RecipeError(f"{name} {folder}: its vocabulary ({config.vocab_size:,}) is not the teacher's "
-                              f"({teacher.vocab_size:,}) and it has no plan.json with the kept pieces; give the "
-                              "teacher it was cut from.")
-    return None
-
 
 def _tokenizer_source(student: str, teacher: str) -> str:
     return student if os.path.isfile(os.path.join(student, "tokenizer.json")) else teacher
@@ -52,13 +30,13 @@ def distill_student(args: argparse.Namespace) -> str:
     out = empty_folder(args.output, "--output", args.overwrite,
                        inputs=input_paths(args.teacher, teacher_folder, args.student, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
-    kept = _kept_vocab(student_folder, "STUDENT", teacher_config)
+    kept = kept_vocab(student_folder, "STUDENT", teacher_config)
     tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
     distill.data.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
     cache = getattr(args, "teacher_cache", None)
     if cache:  # the teacher's top k from the cache: the teacher is checked against it, never loaded
-        _check_teacher_cache(cache, teacher_folder)
+        _check_teacher_cache(cache, teacher_folder, tokenizer)
         teacher = None
     else:
         teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
@@ -79,7 +57,7 @@ def distill_student(args: argparse.Namespace) -> str:
         raise cli.RecipeError(str(error)) from None
     extra = {"history.json": {"train": result.full_history, "eval": result.full_evals,
                               "data_state": result.data_state}}
-    plan = _plan_of(student_folder)
+    plan = plan_of(student_folder)
     if plan is not None:  # the source makes a trimmed student's tokenizer again from the teacher's
         folder = surgery.save_student(result.student, plan, out, overwrite=args.overwrite, extra_files=extra,
                                       source=teacher_folder if kept else _tokenizer_source(student_folder,
@@ -94,11 +72,12 @@ def distill_student(args: argparse.Namespace) -> str:
     return folder
 
 
-def _check_teacher_cache(cache: str, teacher_folder: str) -> None:
-    """The cache was written by this teacher (config and weights) with this tokenizer; else one line."""
+def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str) -> None:
+    """The cache was written by this teacher (config and weights), with the tokenizer the data is read with (a
+    trimmed student's own); else one line. Its vocabulary is checked by the run (distill.cache_training)."""
     from nnx_surgery.distill import teacher_cache
 
-    tokenizer = os.path.join(teacher_folder, "tokenizer.json")
+    tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     identity = teacher_cache.folder_identity(teacher_folder)
     try:
         teacher_cache.TeacherCache.open(cache, verify=False).check_matches(
@@ -186,7 +165,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     out = empty_folder(args.output, "--output", args.overwrite,
                        inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
-    kept = {name: _kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
+    kept = {name: kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)
     settings = dataclasses.replace(evaluation.EvalSettings.of(args, teacher_folder, description), tasks=tasks,
                                    tasks_limit=args.tasks_limit)

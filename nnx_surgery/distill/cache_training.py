@@ -6,7 +6,8 @@ cache's rows in `TokenBatches`'s order, with `topk_ids`, `topk_logprobs` and `re
 step's logit term reads them through the same top-k loss code as an online top-k run (`distill.topk_teacher`).
 
 `prepare` checks the run against the cache before anything trains, each refusal one line: sequence length,
-vocabulary (the student's head against the cache's), the packing of the `data` given alongside (its seed, rows
+vocabulary (the student's head against the cache's, and a trimmed student's map against the one the cache was
+written in: `cache-teacher --student` writes a cache in a trimmed student's tokens), the packing of the `data` given alongside (its seed, rows
 and their fingerprint), k (`top_k` None takes the cache's k; a smaller `top_k` reads the first k of the cached
 ones, which are sorted; a larger one is refused), and the terms: only the logit term's kinds can be computed,
 as the cache holds no hidden states or attention maps (and no full logits: `train_diagnostics` is refused).
@@ -23,7 +24,8 @@ from . import terms
 from .cache_format import CacheError
 from .data import RowStream, changed_identity
 from .logit_term import LOGIT
-from .teacher_cache import TeacherCache
+from .teacher_cache import TeacherCache, vocab_map_sha256
+from .vocab_map import vocab_map_of
 
 
 class CachedTeacherData(RowStream):
@@ -92,6 +94,26 @@ def _check_terms(config: Any) -> None:
                          "student's samples; set on_policy.fraction=0 or train with the teacher.")
 
 
+def _check_vocabulary(cache: TeacherCache, config: Any, student_rows: int) -> None:
+    """The cache is in the student's vocabulary: the teacher's (no map on either side), or the same trimmed
+    vocabulary (the run's vocab_map, or its plan's kept_vocab, is the one the cache was written with)."""
+    mapped = vocab_map_of(config)
+    saved, ours = cache.manifest["identity"].get("vocab_map_sha256"), vocab_map_sha256(mapped)
+    if saved != ours:
+        if saved and ours:
+            why = f"made in another trimmed vocabulary than the run's student's ({len(mapped):,} pieces)"
+        elif saved:
+            why = "made in a trimmed student's vocabulary, but the run's student has the teacher's"
+        else:
+            why = f"made in the teacher's vocabulary, but the run's student has a trimmed one ({len(mapped):,} pieces)"
+        raise CacheError(f"teacher cache {cache.folder}: {why}; write the cache for this student (`nnx-surgery "
+                         "cache-teacher TEACHER --student STUDENT`).")
+    if student_rows != cache.vocab_size:
+        raise CacheError(f"teacher cache {cache.folder}: made over a {cache.vocab_size:,}-piece vocabulary, the "
+                         f"student's head has {student_rows:,} rows; write the cache for this student "
+                         "(`nnx-surgery cache-teacher TEACHER --student STUDENT`).")
+
+
 def _check_packing(cache: TeacherCache, data: Any) -> None:
     """The data given beside the cache (its held-out batches and batch size) must be the packing it was made of."""
     if data is None or not hasattr(data, "fingerprint"):
@@ -107,11 +129,7 @@ def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache 
     (checked against the cache's when both are known)."""
     cache = cache or TeacherCache.open(config.teacher_cache)
     _check_terms(config)
-    vocab = int(student.head_matrix().shape[0])
-    if vocab != cache.vocab_size:
-        raise CacheError(f"teacher cache {cache.folder}: made over a {cache.vocab_size:,}-piece vocabulary, the "
-                         f"student's head has {vocab:,} rows; a trimmed student needs a cache in its own "
-                         "vocabulary (not supported yet): train it with the teacher.")
+    _check_vocabulary(cache, config, int(student.head_matrix().shape[0]))
     if config.top_k is not None and config.top_k > cache.top_k:
         raise CacheError(f"teacher cache {cache.folder}: holds the top {cache.top_k}, the run asks top_k="
                          f"{config.top_k}; give top_k <= {cache.top_k} (or None) or write a cache with more.")

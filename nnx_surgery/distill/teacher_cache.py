@@ -23,7 +23,7 @@ import glob
 import hashlib
 import json
 import os
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,13 @@ def topk_function(model: Any, k: int, **settings) -> Callable[[Mapping[str, Any]
 # ------------------------------------------------------------------------------------------------ identities
 def file_sha256(path: str) -> str:
     return fmt.sha256_file(path)
+
+
+def vocab_map_sha256(teacher_ids: Sequence[int] | None) -> str | None:
+    """The identity of a trimmed student's vocabulary map (the teacher id of each student id); None: none."""
+    if teacher_ids is None:
+        return None
+    return hashlib.sha256(np.asarray(teacher_ids, dtype="<i4").tobytes()).hexdigest()
 
 
 def folder_identity(folder: str) -> dict[str, str]:
@@ -359,4 +366,4 @@ class TeacherCache:
 
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
-           "write_cache", "folder_identity", "file_sha256", "packing_of", "first_difference", "shard_name"]
+           "write_cache", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
