@@ -202,6 +202,25 @@ def test_offline_tasks_are_deterministic(tmp_path):
                                                 "complete.jsonl", "pydoc_topics.jsonl"])
 
 
+def test_offline_tasks_hold_no_text_the_recipes_training_reads(tmp_path):
+    """No pydoc topic of the general-prose training mix is scored, and (on the Python the demo's figures were made
+    with) none of the code tasks' modules is in the demo's standard-library corpus."""
+    import sys
+
+    from nnx_surgery.distill.sources import general_prose, stdlib_corpus
+    from nnx_surgery.lm_eval_tasks import SOURCE_FILES, topic_docs
+
+    trained = {text.strip()[:200] for text in general_prose("train")}
+    scored = topic_docs()
+    assert scored and not any(doc["text"][:200] in trained for doc in scored)
+    assert len(scored) + len(general_prose("train")) >= len(set(general_prose("heldout") + general_prose("aside")))
+    if sys.version_info[:2] == (3, 11):
+        import sysconfig
+        root = Path(sysconfig.get_paths()["stdlib"])
+        demo = {path.name for path in map(Path, stdlib_corpus(max_bytes=4_000_000, seed=0)) if path.parent == root}
+        assert not demo & set(SOURCE_FILES)
+
+
 def test_a_folder_that_is_not_a_model_is_one_clear_error(lm_eval, tmp_path, tiny_folder, task_manager):
     from nnx_surgery.lm_eval_backend import LMEvalBackendError, NNXSurgeryLM
 

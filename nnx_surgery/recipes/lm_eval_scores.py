@@ -27,7 +27,7 @@ from typing import Any
 
 from nnx_surgery.recipes.cli import RecipeError
 
-TASKS_VERSION = 1  # of the offline tasks' files (nnx_surgery.lm_eval_tasks): a change writes them anew
+TASKS_VERSION = 2  # of the offline tasks' files (nnx_surgery.lm_eval_tasks): a change writes them anew
 COMPLETE = ".complete"
 EXTRA = "pip install 'nnx-surgery[lm-eval]'"
 
