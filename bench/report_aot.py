@@ -157,8 +157,10 @@ the 19 planned configurations finished: the full loss mix (its v5e-8 compile ran
 smaller micro-batches or on the larger targets, the 64-chip compile and the recipe's `scaled` student did not;
 `python bench/aot_table.py --run --timeout 3600` resumes from the JSON lines. Two caveats of these rows: the
 tokens/s of the remat rows were estimated before `--aot` counted the recomputed forward (now 8·N_student instead of
-6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the nominal HBM (XLA can use
-15.75 of a v5e's 16 GiB). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB); >= 16k with the full
+6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the nominal HBM: XLA can use
+15.75 of a v5e's 16 GiB (31.25 of a v6e's 32, 95.74 of a v5p's 95, 15.25 per v4 core, as its out-of-memory
+refusals say), which `--aot` now reads from XLA and judges fit and headroom against (v5e-8 at 2048: 12.8% free,
+not 14%). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB); >= 16k with the full
 loss mix: not answered."""
 
 

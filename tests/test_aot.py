@@ -111,7 +111,8 @@ def test_tiny_step_compiles_for_a_tpu_slice(tmp_path_factory):
     output = tmp_path_factory.mktemp("aot") / "tpu"
     report = compile_recipe(tmp_path_factory, output, *TINY, *MAIN_ONLY, "--aot", "v5e:2x2", "--aot-tokens", "1e9")
     assert report["target"]["devices"] == 4 and report["target"]["chip"]["name"] == "v5e"
-    assert report["target"]["memory_per_device"] == 16 * 2 ** 30
+    # XLA's own figure for a v5e's usable HBM (its out-of-memory refusals say 15.75G), not the chip's nominal 16 GiB
+    assert report["target"]["memory_per_device"] == int(15.75 * 2 ** 30)
     rows = {row["program"]: row for row in report["programs"]}
     assert list(rows) == ["B2: everything", "evaluation"]
     main = rows["B2: everything"]

@@ -127,7 +127,26 @@ def resolve_target(text: str) -> Target:
     chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)})
     cores = max(1, len(devices) // max(1, chips))
     hosts = len({d.process_index for d in devices})
-    return Target(text, tuple(devices), chip, cores, hosts, chip.hbm_bytes // cores)
+    return Target(text, tuple(devices), chip, cores, hosts, usable_memory(devices, chip.hbm_bytes // cores))
+
+
+def usable_memory(devices: list, nominal: int) -> int:
+    """The bytes per device XLA lets a program use on these TPU devices: the chip's HBM less what the runtime keeps
+    (a v5e: 15.75 of 16 GiB), read from XLA's own refusal of a program that asks for twice the nominal figure (one
+    compile of well under a second); `nominal` if the refusal does not say."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from nnx_surgery.recipes.aot_report import out_of_memory
+
+    one = NamedSharding(Mesh(np.asarray(devices[:1]), ("device",)), PartitionSpec())
+    try:
+        jax.jit(lambda: jnp.zeros((2 * nominal,), jnp.uint8), out_shardings=one).lower().compile()
+    except Exception as error:  # noqa: BLE001  (XLA's RESOURCE_EXHAUSTED is a plain runtime error)
+        refusal = out_of_memory(error)
+        if refusal and refusal.get("available"):
+            return int(refusal["available"])
+    return nominal
 
 
 def host_target(count: int) -> Target:
@@ -234,4 +253,4 @@ def target_mesh(target: Target, sizes: dict[str, int]):
 
 
 __all__ = ["Chip", "CHIPS", "KNOWN_TOPOLOGIES", "Target", "resolve_target", "host_target", "prepare_host_devices",
-           "cpu_count_asked", "find_libtpu", "libtpu_pin", "topology_devices", "target_mesh", "GIB"]
+           "cpu_count_asked", "find_libtpu", "libtpu_pin", "topology_devices", "usable_memory", "target_mesh", "GIB"]
