@@ -52,8 +52,8 @@ llama-cpp: $(STAMP)
 test-llama: llama-cpp
 	$(PY) -m pytest -q tests/test_gguf_export.py -k llama_cpp
 
-# The recipe's own job compiled for a v5e-8 (Gemma 7B teaching gemma-2b, libtpu from .venv/libtpu): 7-25 minutes of
-# XLA on two cores, so `make test` leaves it to this target.
+# The recipe's own job compiled for a v5e-8 (Gemma 7B teaching gemma-2b, libtpu from .venv/libtpu): 6 minutes of
+# XLA's CPU time and 6 GB of memory (12 minutes beside another run), so `make test` leaves it to this target.
 test-aot-7b: $(STAMP)
 	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/test_aot.py -k gemma_7b_to_2b
 

@@ -3,9 +3,10 @@ device checked against counts made here from the configs' sizes and the mesh (no
 
 The tiny preset's whole recipe compiles on `cpu:8` (a subprocess: the host devices are asked for before JAX
 starts); the tiny recipe's main step compiles for a TPU slice where libtpu is installed (`make test` installs it
-in .venv/libtpu). The real Gemma 7B -> gemma-2b train step for v5e-8 takes XLA 7-25 minutes to compile on two
-cores, more than a third of the suite's budget: it runs with `make test-aot-7b` (NNX_SURGERY_AOT_7B=1), and
-bench/aot_table.py records the same compiles for every target. Bad input is one line, exit 2.
+in .venv/libtpu). The real Gemma 7B -> gemma-2b train step for v5e-8 takes XLA 6 minutes of CPU time and 6 GB to
+compile (12 minutes beside another run), a quarter of the suite's budget on one worker: it runs with
+`make test-aot-7b` (NNX_SURGERY_AOT_7B=1), and bench/aot_table.py records the same compiles for every target. Bad
+input is one line, exit 2.
 """
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ print(json.dumps(aot_report.measure(entry.build(), target, 0.4)))
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("NNX_SURGERY_AOT_7B") != "1",
-                    reason="the 7B compile takes 7-25 minutes on two cores: make test-aot-7b runs it")
+                    reason="the 7B compile takes 6 minutes of CPU and 6 GB: make test-aot-7b runs it")
 @pytest.mark.skipif(libtpu_missing() is not None, reason=f"libtpu not installed: {libtpu_missing()}")
 def test_gemma_7b_to_2b_step_compiles_for_a_v5e_8(tmp_path):
     """The recipe's own job: Gemma 7B (bf16) teaching the gemma-2b shape (float32 master weights and Adam, bf16
