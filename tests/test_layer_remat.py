@@ -53,7 +53,11 @@ def test_step_loss_metrics_and_gradients_equal_across_remat(models):
         assert got_metrics == pytest.approx(metrics, rel=1e-6), remat
         assert sorted(got) == sorted(grads)
         for path in grads:
-            np.testing.assert_allclose(got[path], grads[path], rtol=1e-5, atol=1e-7, err_msg=f"{remat} {path}")
+            # Remat reorders float32 sums: an element far below its tensor's scale (a cancellation) may differ in
+            # its fifth digit, so the absolute tolerance follows the tensor's largest gradient.
+            scale = float(np.abs(grads[path]).max())
+            np.testing.assert_allclose(got[path], grads[path], rtol=1e-5, atol=1e-5 * scale,
+                                       err_msg=f"{remat} {path}")
 
 
 def test_every_capture_comes_out_unchanged_and_bad_uses_are_refused(models):
