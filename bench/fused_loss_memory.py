@@ -1,10 +1,12 @@
 """Memory of the fused logit loss (value and gradients for the student's hidden states and head), compiled, not run.
 
-    python bench/fused_loss_memory.py liger [--target v5p|cpu|both]   Liger-Kernel's benchmark shape, fused vs reference
+    python bench/fused_loss_memory.py liger [--target v5p|cpu|both]   Liger-Kernel's benchmark shape: fused, two-pass
+                                                                       and reference
     python bench/fused_loss_memory.py chunks [--chunks 256,1024,...]   the 7B -> 2B step's loss on a v5e-8, per chunk
 
 `liger`: hidden 4096, vocabulary 128,256, 8,192 rows, bf16 hidden states and head, forward KL against a teacher
-of the same shape; ours (`fused_logit_loss`) against `reference_logit_loss` on full logits, each as
+of the same shape; ours (`fused_logit_loss`, and `two_pass_logit_loss` in `--vocab-slice` rows per slice) against
+`reference_logit_loss` on full logits, each as
 `jax.value_and_grad` with respect to the student's hidden states and head, compiled for one TPU v5p chip (95 GiB;
 one device of the v5p:2x2x1 topology) and for the CPU. XLA's peak is arguments + temporaries + outputs - aliased
 (per device). Liger-Kernel reports FusedLinearJSD at 8.7 GB against 56.4 GB for PyTorch on this shape.
@@ -28,12 +30,17 @@ from tpu_compile import GIB, compile_memory, gib  # noqa: E402
 LIGER = dict(hidden=4096, vocab=128256, rows=8192)
 
 
-def loss_functions(chunk: int, block: int | None = None, vocab_slice: int | None = None):
-    """(fused, reference): (h_s, head_s, h_t, head_t, labels, weights) -> (loss, (d h_s, d head_s)), forward KL."""
+def loss_functions(chunk: int, block: int | None = None, vocab_slice: int | None = None,
+                   two_pass_slice: int | None = None):
+    """(fused, reference, two-pass): (h_s, head_s, h_t, head_t, labels, weights) -> (loss, (d h_s, d head_s)),
+    forward KL."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
     from nnx_surgery.distill.logit_loss import LogitLossSettings, fused_logit_loss, reference_logit_loss
+    from nnx_surgery.distill.vocab_sliced_loss import two_pass_logit_loss
 
     spec = LogitLossSettings(kl=True, chunk=chunk, block=block, vocab_slice=vocab_slice, unit_temperature=True)
     coeffs = {"temperature": 1.0, "kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.0}
@@ -43,11 +50,16 @@ def loss_functions(chunk: int, block: int | None = None, vocab_slice: int | None
         return fused_logit_loss(h_s, head_s, h_t, head_t, labels, weights, coeffs, student_logits=logits,
                                 teacher_logits=logits, spec=spec)[0]
 
+    def two_pass(h_s, head_s, h_t, head_t, labels, weights):
+        return two_pass_logit_loss(h_s, head_s, h_t, head_t, labels, weights, coeffs, student_logits=logits,
+                                   teacher_logits=logits,
+                                   spec=dataclasses.replace(spec, vocab_slice=two_pass_slice))[0]
+
     def reference(h_s, head_s, h_t, head_t, labels, weights):
         return reference_logit_loss(logits(h_s, head_s), logits(h_t, head_t), labels, weights, coeffs, spec)[0]
 
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-    return grad(fused), grad(reference)
+    return grad(fused), grad(reference), grad(two_pass)
 
 
 def abstract_inputs(batch, length, d_s, d_t, vocab, dtype, sharding=None, head_sharding=None, rows_sharding=None):
@@ -60,7 +72,7 @@ def abstract_inputs(batch, length, d_s, d_t, vocab, dtype, sharding=None, head_s
             arg((batch, length), jnp.int32, rows_sharding), arg((batch, length), jnp.float32, rows_sharding))
 
 
-def liger(target: str, chunk: int) -> list[dict]:
+def liger(target: str, chunk: int, vocab_slice: int) -> list[dict]:
     """Fused vs reference at Liger's shape, on `target` ("v5p" or "cpu")."""
     import jax
     import jax.numpy as jnp
@@ -74,11 +86,13 @@ def liger(target: str, chunk: int) -> list[dict]:
     d, vocab, rows = LIGER["hidden"], LIGER["vocab"], LIGER["rows"]
     inputs = abstract_inputs(1, rows, d, d, vocab, jnp.bfloat16, sharding, sharding, sharding)
     out = []
-    fused, reference = loss_functions(chunk, vocab_slice=32768 if target == "cpu" else None)
-    for name, fn in (("fused", fused), ("reference", reference)):
+    fused, reference, two_pass = loss_functions(chunk, vocab_slice=32768 if target == "cpu" else None,
+                                                two_pass_slice=vocab_slice)
+    for name, fn in (("fused", fused), ("two_pass", two_pass), ("reference", reference)):
         figures = compile_memory(lambda: fn.lower(*inputs))
         figures.pop("compiled", None)
-        out.append({"bench": "liger", "target": target, "impl": name, "chunk": chunk, **figures})
+        out.append({"bench": "liger", "target": target, "impl": name,
+                    "chunk": vocab_slice if name == "two_pass" else chunk, **figures})
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -93,7 +107,7 @@ def step_loss_chunks(chunks: list[int], block: int | None) -> list[dict]:
     inputs = abstract_inputs(8, 2048, 2048, 3072, 256000, jnp.bfloat16, rows, head, rows)
     out = []
     for chunk in chunks:
-        fused, _ = loss_functions(chunk, block)
+        fused = loss_functions(chunk, block)[0]
         figures = compile_memory(lambda: fused.lower(*inputs))
         figures.pop("compiled", None)
         out.append({"bench": "chunks", "target": "v5e:2x4", "chunk": chunk, "block": block, **figures})
@@ -109,12 +123,13 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['bench']} | {r['target']} | {r.get('impl', 'fused')} | {r['chunk']} | "
                      f"{gib(r.get('argument'))} | {gib(r.get('temp'))}{over} | {gib(r.get('output'))} | "
                      f"{gib(r.get('peak'))} |")
-    fused = {r["target"]: r for r in results if r.get("impl") == "fused" and r.get("peak")}
-    for r in results:
-        if r.get("impl") == "reference" and r.get("peak") and r["target"] in fused:
-            saving = 1 - fused[r["target"]]["peak"] / r["peak"]
-            lines.append(f"\n{r['target']}: fused peak {fused[r['target']]['peak'] / GIB:.2f} GiB vs reference "
-                         f"{r['peak'] / GIB:.2f} GiB: {saving:.1%} less")
+    for impl in ("fused", "two_pass"):
+        ours = {r["target"]: r for r in results if r.get("impl") == impl and r.get("peak")}
+        for r in results:
+            if r.get("impl") == "reference" and r.get("peak") and r["target"] in ours:
+                saving = 1 - ours[r["target"]]["peak"] / r["peak"]
+                lines.append(f"\n{r['target']}: {impl} peak {ours[r['target']]['peak'] / GIB:.2f} GiB vs reference "
+                             f"{r['peak'] / GIB:.2f} GiB: {saving:.1%} less")
     return "\n".join(lines)
 
 
@@ -123,12 +138,14 @@ def main() -> None:
     parser.add_argument("bench", choices=("liger", "chunks"))
     parser.add_argument("--target", choices=("v5p", "cpu", "both"), default="both")
     parser.add_argument("--chunk", type=int, default=2048, help="liger: rows per chunk of the fused loss")
+    parser.add_argument("--vocab-slice", type=int, default=1024,
+                        help="liger: vocabulary rows per slice of the two-pass loss (the table's chunk column)")
     parser.add_argument("--chunks", default="256,512,1024,2048,4096,8192", help="chunks: rows per chunk to compile")
     parser.add_argument("--block", type=int, default=None, help="chunks: rows per block (default: one chunk)")
     args = parser.parse_args()
     if args.bench == "liger":
         targets = ("v5p", "cpu") if args.target == "both" else (args.target,)
-        results = [r for target in targets for r in liger(target, args.chunk)]
+        results = [r for target in targets for r in liger(target, args.chunk, args.vocab_slice)]
     else:
         results = step_loss_chunks([int(c) for c in args.chunks.split(",")], args.block)
     print(table(results))

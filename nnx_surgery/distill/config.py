@@ -244,7 +244,8 @@ class DistillConfig:
     logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
     logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU
     train_diagnostics: bool = False  # teacher CE / logit correlation / T=1 KL every train step (eval has them)
-    logit_impl: str = "fused"  # or "reference" (materialises full logits; for debugging)
+    logit_impl: str = "fused"  # "two_pass": vocabulary slices, less memory, more FLOPs (distill.vocab_sliced_loss);
+    # "reference": materialises full logits (for debugging)
     # intermediate losses
     correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
     plan: Any = None  # an object or dict with kept_layers / kept_hidden (surgery plan)
@@ -289,8 +290,10 @@ class DistillConfig:
                  logit_vocab_slice=count_or_none, jsd_beta=SHARE)
         from .topk_teacher import check_mode
         check_mode(self.top_k_mode)
-        if self.logit_impl not in ("fused", "reference"):
-            raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused' or 'reference'.")
+        if self.logit_impl not in ("fused", "reference", "two_pass"):
+            raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused', 'two_pass' or 'reference'.")
+        if self.logit_impl == "two_pass":
+            self._check_two_pass()
         object.__setattr__(self, "loss_options", terms.checked_options(self))
         if self.logger not in (None, "wandb"):
             raise ValueError(f"logger={self.logger!r}: use 'wandb' or None (JSONL and TensorBoard are always on).")
@@ -307,6 +310,16 @@ class DistillConfig:
             object.__setattr__(self, "on_policy", _build(OnPolicyConfig, self.on_policy, "on_policy"))
         if self.on_policy.fraction and self.seq_len is not None:
             self.on_policy.shape(self.seq_len)
+
+    def _check_two_pass(self) -> None:
+        """logit_impl="two_pass" (distill.vocab_sliced_loss) trains forward KL and CE only."""
+        asked = [name for name, on in (("top_k", self.top_k is not None), ("teacher_cache", self.teacher_cache),
+                                       ("train_diagnostics", self.train_diagnostics),
+                                       ("reverse_kl", any(s.weights.reverse_kl for s in self.stages)),
+                                       ("jsd", any(s.weights.jsd for s in self.stages))) if on]
+        if asked:
+            raise ValueError(f"logit_impl='two_pass' computes forward KL and CE only, not {', '.join(asked)}; "
+                             "use logit_impl='fused' for those.")
 
     def _check_mesh(self) -> None:
         """Mesh spec and batch checked when the config is made, not after the models are loaded (MeshError)."""

@@ -1,6 +1,8 @@
 """The logit loss as one loss term: forward KL, reverse KL, JSD and hard-label CE are its kinds, each with its own
 weight ("kl", "reverse_kl", "jsd", "ce"), computed together by the fused chunked loss of `logit_loss.py` (or its
-full-logits reference with `logit_impl="reference"`).
+full-logits reference with `logit_impl="reference"`, or in two passes over vocabulary slices with
+`logit_impl="two_pass"`, `vocab_sliced_loss.py`, for the train step's forward KL / CE; the evaluation step's
+full-vocabulary diagnostics stay on the fused path).
 
 It is always computed, also when all its weights are 0 (e.g. a stage of feature matching only): it gives the
 student's cross-entropy and the KL metrics. Then no gradient flows through it.
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .logit_loss import LogitLossSettings, fused_logit_loss, reference_logit_loss
+from .vocab_sliced_loss import two_pass_applies, two_pass_logit_loss
 from .loss_term import LossTerm, TermInputs
 
 KINDS = ("kl", "reverse_kl", "jsd", "ce")
@@ -84,7 +87,9 @@ class LogitTerm(LossTerm):
         count as on), the run's top-k, JSD beta, chunking and diagnostics."""
         return LogitLossSettings(**self.kinds(weights), jsd_beta=config.jsd_beta, top_k=config.top_k,
                                  chunk=logit_chunk(config), block=logit_block(config),
-                                 vocab_slice=logit_vocab_slice(config), unit_temperature=config.unit_temperature,
+                                 vocab_slice=(config.logit_vocab_slice if config.logit_impl == "two_pass"
+                                              else logit_vocab_slice(config)),
+                                 unit_temperature=config.unit_temperature,
                                  teacher=has_teacher, diagnostics=config.train_diagnostics,
                                  top_k_mode=getattr(config, "top_k_mode", "renormalised"))
 
@@ -108,7 +113,8 @@ class LogitTerm(LossTerm):
                                               inputs.labels, inputs.token_weights, coeffs, spec)
         else:
             t_input = None if teacher is None else (teacher.topk if cached else teacher.hidden)
-            loss, sums = fused_logit_loss(
+            two_pass = settings.logit_impl == "two_pass" and two_pass_applies(spec, cached)
+            loss, sums = (two_pass_logit_loss if two_pass else fused_logit_loss)(
                 s_hidden, s_head, t_input, None if teacher is None else teacher.head, inputs.labels,
                 inputs.token_weights, coeffs, student_logits=student.model.logits_from_hidden,
                 teacher_logits=None if teacher is None or cached else teacher.model.logits_from_hidden, spec=spec)

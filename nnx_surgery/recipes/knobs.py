@@ -335,7 +335,8 @@ DISTILL_WHY = {
     "on_policy": "on-policy distillation (GKD): fraction (lambda), temperature, prompt_len, max_new_tokens",
     "logit_chunk": "rows per chunk of the fused logit loss (memory)", "logit_block": "rows per head matmul",
     "logit_vocab_slice": "vocab rows per head-gradient matmul", "train_diagnostics": "full diagnostics every step",
-    "logit_impl": "fused (never materialises logits) or reference",
+    "logit_impl": "fused (never materialises logits), two_pass (vocabulary slices: no (V, D) accumulator, "
+                  "about 1.5x the loss's matmuls) or reference",
     "loss_options": "the loss terms' options by term name (distill API; the recipe sets the built-in terms' "
     "through their fields and flags, e.g. feature_kind)",
     "correspondence": "teacher->student layer map "
