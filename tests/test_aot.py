@@ -173,6 +173,20 @@ def test_candidates_keep_the_tokens_per_step(monkeypatch):
     found = aot_search.candidates(flags, 4)
     assert found and all(c.batch_size * c.grad_accum == 8 and c.batch_size % c.mesh["fsdp"] == 0 for c in found)
     assert found[0].remat is None and found[0].grad_accum == 1  # the cheapest estimate first
+    assert found[0].logit_impl == "fused"
+    # the two-pass logit loss (less memory, the logits made twice) is tried for a forward-KL run, and its flags
+    # are ones the recipe takes
+    two_pass = [c for c in found if c.logit_impl == "two_pass"]
+    assert two_pass and min(found.index(c) for c in two_pass) > 0
+    text = two_pass[0].flags_text()
+    assert text.endswith("--set logit_impl=two_pass")
+    words = text.split()
+    words = words[:words.index("--mesh")] + words[words.index("--mesh") + 2:]  # this process has one device
+    again = settings.resolve(["--preset", "tiny", "--output", "/nonexistent/out", *words])
+    assert again.distill["logit_impl"] == "two_pass" and again.batch_size == two_pass[0].batch_size
+    for other in (["--loss", "jsd"], ["--top-k", "8"]):  # losses the two-pass loss does not compute
+        flags = settings.resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out", *other])
+        assert {c.logit_impl for c in aot_search.candidates(flags, 4)} == {"fused"}
     assert aot_targets.cpu_count_asked(["--preset", "tiny", "--aot", "cpu:8"]) == 8
     assert aot_targets.cpu_count_asked(["--aot=v5e:2x4"]) is None
 

@@ -1,9 +1,10 @@
 """`--aot-search`: the settings that fit the target, found by compiling the fewest candidates.
 
 The candidates keep the tokens per optimizer step and vary what changes memory: the mesh's split of the chips
-(fsdp x tp), the micro-batch (with gradient accumulation making up the step), and the remat policy. They are
-ordered by an estimated cost relative to the asked settings (remat's recomputation, more micro-batches, tensor
-parallel traffic), and compiled in that order on the program that needed the most memory, until one fits with
+(fsdp x tp), the micro-batch (with gradient accumulation making up the step), the remat policy, and the logit
+loss's implementation (the two-pass loss, `distill.vocab_sliced_loss`, where the run's loss is one it computes).
+They are ordered by an estimated cost relative to the asked settings (remat's recomputation, more micro-batches,
+tensor parallel traffic, the logits made twice), and compiled in that order on the program that needed the most memory, until one fits with
 `aot_report.HEADROOM` free: the first that does is the fastest estimate that fits. At most `MAX_COMPILES` compiles.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ MAX_COMPILES = 6
 # are not tried: one checkpoint around the whole forward leaves the backward pass holding every layer's activations,
 # so they lower the peak little (tests/test_layer_remat.py) for the same recomputation.
 REMAT_COST = {None: 1.0, "layers_dots": 1.1, "layers": 1.33}
+# relative step cost of the logit loss's implementations: the two-pass loss makes both models' logits twice, about
+# 1.5x the loss's matmuls, which are a tenth to a fifth of a distillation step's FLOPs at a 256k vocabulary
+LOGIT_IMPL_COST = {"fused": 1.0, "two_pass": 1.1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +37,22 @@ class Candidate:
     batch_size: int
     grad_accum: int
     remat: str | None
+    logit_impl: str = "fused"
 
     @property
     def cost(self) -> float:
         tp = self.mesh.get("tp", 1)
-        return REMAT_COST[self.remat] * (1 + 0.03 * math.log2(self.grad_accum)) * (1 + 0.1 * math.log2(tp))
+        return (REMAT_COST[self.remat] * LOGIT_IMPL_COST.get(self.logit_impl, 1.0)
+                * (1 + 0.03 * math.log2(self.grad_accum)) * (1 + 0.1 * math.log2(tp)))
 
     def flags_text(self) -> str:
         return (f"--mesh {format_mesh_spec(self.mesh)} --batch-size {self.batch_size} --grad-accum "
-                f"{self.grad_accum} --remat {self.remat or 'none'}")
+                f"{self.grad_accum} --remat {self.remat or 'none'}"
+                + (f" --set logit_impl={self.logit_impl}" if self.logit_impl != "fused" else ""))
 
     def apply(self, flags):
-        section = {**thaw(flags.distill), "grad_accum": self.grad_accum, "remat": self.remat}
+        section = {**thaw(flags.distill), "grad_accum": self.grad_accum, "remat": self.remat,
+                   "logit_impl": self.logit_impl}
         return dataclasses.replace(flags, mesh=format_mesh_spec(self.mesh), batch_size=self.batch_size,
                                    distill=freeze(section))
 
@@ -61,9 +69,20 @@ def remat_policies() -> list[str | None]:
     return accepted
 
 
+def logit_impls(flags) -> list[str]:
+    """The logit loss implementations the search tries: the asked one, and the two-pass loss when the run asks
+    for the fused one and its loss is one the two-pass loss computes (forward KL and CE: `--loss kl`, no top-k,
+    no train diagnostics, no teacher cache)."""
+    section = flags.distill
+    asked = section.get("logit_impl", "fused")
+    two_pass = (asked == "fused" and getattr(flags, "loss", "kl") == "kl" and section.get("top_k") is None
+                and not section.get("train_diagnostics") and section.get("teacher_cache") is None)
+    return [asked] + ["two_pass"] * two_pass
+
+
 def candidates(flags, devices: int) -> list[Candidate]:
-    """Every split of the devices into fsdp x tp, micro-batch (a divisor of the step's rows the data axis splits)
-    and remat policy, cheapest estimate first."""
+    """Every split of the devices into fsdp x tp, micro-batch (a divisor of the step's rows the data axis splits),
+    remat policy and logit loss implementation, cheapest estimate first."""
     rows = flags.batch_size * flags.distill["grad_accum"]
     found = []
     for tp in (d for d in range(1, devices + 1) if devices % d == 0 and d <= 8):
@@ -71,7 +90,8 @@ def candidates(flags, devices: int) -> list[Candidate]:
         mesh = {"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp}
         for micro in (b for b in range(rows, 0, -1) if rows % b == 0 and b % fsdp == 0):
             for remat in remat_policies():
-                found.append(Candidate(mesh, micro, rows // micro, remat))
+                for impl in logit_impls(flags):
+                    found.append(Candidate(mesh, micro, rows // micro, remat, impl))
     return sorted(found, key=lambda c: (c.cost, -c.batch_size))
 
 
@@ -99,8 +119,9 @@ def search(flags, target: Target, program_name: str, mfu: float, asked: dict) ->
 
 
 def _same(candidate: Candidate, flags) -> bool:
-    return (candidate.batch_size, candidate.grad_accum, candidate.remat) == \
-        (flags.batch_size, flags.distill["grad_accum"], flags.distill.get("remat")) and \
+    return (candidate.batch_size, candidate.grad_accum, candidate.remat, candidate.logit_impl) == \
+        (flags.batch_size, flags.distill["grad_accum"], flags.distill.get("remat"),
+         flags.distill.get("logit_impl", "fused")) and \
         format_mesh_spec(candidate.mesh) == (flags.mesh or "")
 
 
@@ -133,4 +154,4 @@ def why_nothing_fits(row: dict, target: Target, flags) -> str:
             f"({parts[dominant] / GIB:.2f} GiB of {target.memory_per_device / GIB:.2f}); try {hint}.")
 
 
-__all__ = ["Candidate", "candidates", "search", "remat_policies", "why_nothing_fits", "MAX_COMPILES"]
+__all__ = ["Candidate", "candidates", "logit_impls", "search", "remat_policies", "why_nothing_fits", "MAX_COMPILES"]
