@@ -161,6 +161,7 @@ def test_a_train_step_with_two_pass_gives_the_fused_steps_loss_and_gradients():
         teacher_graph, teacher_state = nnx.split(teacher)
         settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8, vocab_slice=24),
                                          logit_impl=impl)
+        assert step_lib._embedding_fold(graph, {"student": trainable}, rest, settings)  # tied: folded in both
         grad_fn = jax.jit(step_lib.make_grad_fn(graph, teacher_graph, settings), compiler_options=FAST_COMPILE)
         (loss, metrics), grads = grad_fn({"student": trainable, "proj": {}}, rest, teacher_state,
                                          {"input_ids": ids}, counts, hyper)

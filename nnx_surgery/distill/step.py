@@ -20,8 +20,8 @@ the metrics); the trainer then rolls back.
 
 Memory: every (V, D) float32 array is 0.6 GiB for a 262k vocabulary, so the step avoids holding two of them where
 one does. A tied, trainable input embedding is looked up outside the differentiated function (the student runs on
-`inputs_embeds`) and its gradient is scatter-added in place into the head gradient of the fused loss
-(`fold_embedding`), instead of autodiff building a second (V, D) scatter buffer and adding the two. The Adam
+`inputs_embeds`) and its gradient is scatter-added in place into the head gradient of the fused (or two-pass)
+loss (`fold_embedding`), instead of autodiff building a second (V, D) scatter buffer and adding the two. The Adam
 moments are computed first and pinned with an optimization barrier, and the parameter update reads the new
 moments: otherwise XLA computes the update and the in-place moment update in separate fusions that both read the
 old moment, and copies it. The gradient norm is summed in row blocks (`_sum_of_squares`).
@@ -228,7 +228,7 @@ def _embedding_fold(student_graph, params, frozen, settings: StepSettings) -> bo
     """Fold the lookup gradient into the head gradient: a tied, trainable embedding of a model that embeds with
     `embed(ids)` (rows scaled by `_embedding_scale`) and accepts `inputs_embeds`. Decided at trace time from the
     structure of the trainable state."""
-    if not settings.fold_embedding or settings.logit_impl != "fused" or "embed_tokens" not in params["student"]:
+    if not settings.fold_embedding or settings.logit_impl == "reference" or "embed_tokens" not in params["student"]:
         return False
     student = nnx.merge(student_graph, params["student"], frozen)
     config = getattr(student, "config", None)
