@@ -164,16 +164,24 @@ writing the cache of these 64 rows took 22 s. Not yet measured on the real Gemma
 """
 
 
-TABLE_NOTES = """Compiled 2026-12-05 on the shared 2-core CPU (load 6-8: each 7B compile took 7 to 26 minutes), so only 5 of
-the 19 planned configurations finished: the full loss mix (its v5e-8 compile ran past 25 minutes), 8192 tokens with
-smaller micro-batches or on the larger targets, the 64-chip compile and the recipe's `scaled` student did not;
-`python bench/aot_table.py --run --timeout 3600` resumes from the JSON lines. Two caveats of these rows: the
-tokens/s of the remat rows were estimated before `--aot` counted the recomputed forward (now 8·N_student instead of
-6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the nominal HBM: XLA can use
-15.75 of a v5e's 16 GiB (31.25 of a v6e's 32, 95.74 of a v5p's 95, 15.25 per v4 core, as its out-of-memory
-refusals say), which `--aot` now reads from XLA and judges fit and headroom against (v5e-8 at 2048: 12.8% free,
-not 14%). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB); >= 16k with the full
-loss mix: not answered."""
+TABLE_NOTES = """Compiled 2026-12-05 on the shared 2-core CPU: the rows whose chip memory reads 16.00 under load 6-8 (each 7B
+compile 7 to 26 minutes), those reading 15.75 later that day on a quieter machine (2 to 21 minutes); 7 of the 20
+planned configurations in all. Not compiled yet: 8192 tokens and the full loss mix on the larger targets, the 64-chip
+compile and the recipe's `scaled` student; `python bench/aot_table.py --run --timeout 3600` resumes from the JSON
+lines. Two caveats of the rows reading 16.00: their tokens/s were estimated before `--aot` counted the recomputed forward
+(now 8·N_student instead of 6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the
+nominal HBM: XLA can use 15.75 of a v5e's 16 GiB (31.25 of a v6e's 32, 95.74 of a v5p's 95, 15.25 per v4 core, as
+its out-of-memory refusals say), which `--aot` now reads from XLA and judges fit and headroom against (v5e-8 at
+2048: 12.8% free, not 14%). What the later compiles found: at 8192 tokens with fsdp=8
+XLA needs 15.92 GiB of temporaries with either logit loss (our reading: the attention scores of one 8192-token row
+per chip, which tensor parallelism splits by heads): fsdp=4,tp=2 with 4 rows (32k tokens) takes 10.00 GiB. The
+full loss mix at 16k tokens per step fits only with fsdp=4,tp=2 and two micro-batches of 4 rows, at 14.84 GiB (6%
+free, under the recipe's 10% headroom); fsdp=8 with one micro-batch of 8 rows needs 16.26 GiB (16.15 with the
+two-pass logit loss: our reading, the captured attention maps, not the logits, set its peak). The two-pass logit loss
+(`--set logit_impl=two_pass`) takes the logit-KL row at 2048 from 13.74 to 11.85 GiB per chip (temporaries 8.16 ->
+6.27). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB; 11.85 with the two-pass loss; 10.00 at
+8192 tokens); >= 16k with the full loss mix: met at 6% free (fsdp=4,tp=2, 4 x 2 micro-batches), not with the
+recipe's 10% headroom."""
 
 
 def target_rows() -> list[tuple[str, str, bool | None]]:
