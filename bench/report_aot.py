@@ -165,9 +165,9 @@ writing the cache of these 64 rows took 22 s. Not yet measured on the real Gemma
 
 
 TABLE_NOTES = """Compiled 2026-12-05 on the shared 2-core CPU: the rows whose chip memory reads 16.00 under load 6-8 (each 7B
-compile 7 to 26 minutes), those reading 15.75 later that day on a quieter machine (2 to 21 minutes); 7 of the 20
-planned configurations in all. Not compiled yet: 8192 tokens and the full loss mix on the larger targets, the 64-chip
-compile and the recipe's `scaled` student; `python bench/aot_table.py --run --timeout 3600` resumes from the JSON
+compile 7 to 26 minutes), those reading 15.75 later that day on a quieter machine (1 to 21 minutes); 12 of the 20
+planned configurations in all. Not compiled yet: the full loss mix on v5e-16 and at 8192 tokens, the 64-chip compile
+and the recipe's `scaled` student; `python bench/aot_table.py --run --timeout 3600` resumes from the JSON
 lines. Two caveats of the rows reading 16.00: their tokens/s were estimated before `--aot` counted the recomputed forward
 (now 8·N_student instead of 6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the
 nominal HBM: XLA can use 15.75 of a v5e's 16 GiB (31.25 of a v6e's 32, 95.74 of a v5p's 95, 15.25 per v4 core, as
