@@ -71,13 +71,19 @@ def remat_policies() -> list[str | None]:
 
 def logit_impls(flags) -> list[str]:
     """The logit loss implementations the search tries: the asked one, and the two-pass loss when the run asks
-    for the fused one and its loss is one the two-pass loss computes (forward KL and CE: `--loss kl`, no top-k,
-    no train diagnostics, no teacher cache)."""
+    for the fused one and the trainer accepts the two-pass loss for the run's loss (DistillConfig's own check)."""
     section = flags.distill
     asked = section.get("logit_impl", "fused")
-    two_pass = (asked == "fused" and getattr(flags, "loss", "kl") == "kl" and section.get("top_k") is None
-                and not section.get("train_diagnostics") and section.get("teacher_cache") is None)
-    return [asked] + ["two_pass"] * two_pass
+    if asked != "fused":
+        return [asked]
+    weights = distill.LossWeights({"kl": 0.0, getattr(flags, "loss", "kl"): 1.0})
+    try:
+        distill.DistillConfig(stages=[distill.Stage(steps=1, weights=weights)], logit_impl="two_pass",
+                              top_k=section.get("top_k"), train_diagnostics=bool(section.get("train_diagnostics")),
+                              teacher_cache=section.get("teacher_cache"))
+    except ValueError:
+        return [asked]
+    return [asked, "two_pass"]
 
 
 def candidates(flags, devices: int) -> list[Candidate]:
