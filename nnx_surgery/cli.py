@@ -23,10 +23,11 @@ import sys
 from typing import Callable
 
 from nnx_surgery import __version__
+from nnx_surgery.recipes.config import fields
+from nnx_surgery.recipes.config.sections import SECTIONS
 
 PROG = "nnx-surgery"
-DATA_HELP = ("training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME (default: the Python standard "
-             "library's source, offline)")
+DATA_HELP = "training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME"
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,18 +55,55 @@ def _number(kind: type, low: float, high: float | None = None, *, above: bool = 
     return parse
 
 
-POSITIVE, COUNT, SEED = _number(int, 1), _number(int, 0), _number(int, 0, 2 ** 32 - 1)
+POSITIVE = _number(int, 1)
 
 
-def _data_flags(parser: argparse.ArgumentParser, seq_len: int, *, batch: bool = False) -> None:
+def _shared(group: argparse._ActionsContainer, path: str, **changes) -> None:
+    """The recipe's flag for the setting at `path` (its declaration in nnx_surgery/recipes/config/sections.py:
+    the same name, reading, choices, help and default), stored under its flag's name. `changes`: `help` for
+    what the setting means in this command, `required`."""
+    item = SHARED[path]
+    dest = item.flag.lstrip("-").replace("-", "_")
+    required = changes.pop("required", False)
+    if changes.get("help"):
+        item = fields.Declared(item.path, _with_help(item.field, changes["help"]))
+    fields.add_flag(group, item, dest=dest, default=None if required else item.default, required=required)
+
+
+def _with_help(field, text: str):
+    import dataclasses
+    copy = dataclasses.field(default=field.default, metadata={**field.metadata, "help": text})
+    copy.name = field.name
+    return copy
+
+
+def checked(args: argparse.Namespace) -> list[str]:
+    """The shared settings given to a subcommand, checked as the recipe checks them: one line per refusal."""
+    errors = []
+    for item in SHARED.values():
+        dest = item.flag.lstrip("-").replace("-", "_")
+        if hasattr(args, dest):
+            why = fields.check(item, getattr(args, dest))
+            if why:
+                errors.append(f"{item.flag} {getattr(args, dest)}: {why}.")
+    return errors
+
+
+SHARED = {item.dest: item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,)) if item.flag}
+# flags renamed so that one name has one meaning in every command: (command, old) -> new
+RENAMED = {("generate", "--temperature"): "--sample-temperature", ("generate", "--top-k"): "--sample-top-k",
+           ("generate", "--top-p"): "--sample-top-p", ("eval", "--tasks"): "--eval-tasks",
+           ("eval", "--tasks-limit"): "--eval-tasks-limit"}
+
+
+def _data_flags(parser: argparse.ArgumentParser, *, batch: bool = False) -> None:
     group = parser.add_argument_group("data")
-    group.add_argument("--data", help=DATA_HELP)
-    group.add_argument("--corpus-bytes", type=POSITIVE, default=2_000_000,
-                       help="bytes of standard library source when --data is not given (default %(default)s)")
-    group.add_argument("--seq-len", type=_number(int, 2), default=seq_len, help="tokens per row (default %(default)s)")
+    _shared(group, "data.files", help=DATA_HELP)
+    _shared(group, "data.corpus_bytes")
+    _shared(group, "data.seq_len")
     if batch:
-        group.add_argument("--batch-size", type=POSITIVE, default=8, help="rows per step (default %(default)s)")
-    group.add_argument("--seed", type=SEED, default=0, help="the data split, order and sampling (default 0)")
+        _shared(group, "data.batch_size")
+    _shared(group, "run.seed", help="the data split, order and sampling")
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
@@ -73,12 +111,10 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", required=True, metavar="SPEC",
                    help="the student's shape: gemma-2b, scaled, layers=18,mlp=0.5 or layers=18,mlp=512,vocab=16384")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where the plan is written")
-    p.add_argument("--calibration-samples", type=COUNT, default=128,
-                   help="rows of data for activation importance (default %(default)s; 0: data-free scores read "
-                        "from the weights on disk, the teacher never loaded)")
-    p.add_argument("--revision", help="the Hub revision of a Hub teacher")
+    _shared(p, "surgery.calibration_samples")
+    _shared(p, "teacher.revision", help="the Hub revision of a Hub teacher")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan file")
-    _data_flags(p, 256)
+    _data_flags(p)
 
 
 def _prune_flags(p: argparse.ArgumentParser) -> None:
@@ -94,63 +130,49 @@ def _distill_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
     p.add_argument("student", metavar="STUDENT", help="the student folder (e.g. from `nnx-surgery prune`)")
     p.add_argument("-o", "--output", required=True, help="the distilled student's folder")
-    p.add_argument("--steps", type=POSITIVE, default=200, help="optimizer steps (default %(default)s)")
-    p.add_argument("--learning-rate", type=_number(float, 0.0, above=True), default=3e-4,
-                   help="peak learning rate, cosine decay to 0.1x (default %(default)s)")
-    p.add_argument("--warmup-steps", type=COUNT, default=None, help="linear warm-up steps (default: 2%% of --steps)")
-    p.add_argument("--alpha", type=_number(float, 0.0, 1.0), default=1.0,
-                   help="weight of forward KL to the teacher; 1 - alpha goes to hard-label CE (default 1)")
-    p.add_argument("--temperature", type=_number(float, 0.0, above=True), default=1.0,
-                   help="distillation temperature (default 1)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="the teacher's weights and the student's compute (default fp32)")
-    p.add_argument("--top-k", type=POSITIVE, default=None, metavar="K", help="distil the teacher's top K "
-                   "renormalised (default: the full distribution; with --teacher-cache: the cache's K)")
+    for path in ("training.steps", "training.learning_rate", "training.warmup_steps", "training.alpha",
+                 "training.temperature", "training.precision"):
+        _shared(p, path)
+    # DistillConfig.top_k's flag (reading DistillConfig's declaration would import jax for --help)
+    p.add_argument("--top-k", type=POSITIVE, default=None, metavar="K", help="distil the "
+                   "teacher's top K renormalised [default: the full distribution; with --teacher-cache: the cache's K]")
     p.add_argument("--teacher-cache", metavar="CACHE", help="train from this teacher cache (`nnx-surgery "
                    "cache-teacher` with the same TEACHER and data flags) without loading the teacher; TEACHER "
                    "still gives the tokenizer and is checked against the cache")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
-    _data_flags(p, 256, batch=True)
+    _data_flags(p, batch=True)
 
 
 def _eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folders", metavar="FOLDER", nargs="+", help="model folders to judge against the teacher")
     p.add_argument("--teacher", required=True, help="the reference: a folder, a .gguf file or gguf:gemma3-270m")
     p.add_argument("-o", "--output", required=True, help="where suite.md, suite.json and results.json go")
-    p.add_argument("--eval-tokens", type=_number(int, 64), default=4096, help="scored tokens of each held-out "
-                   "set, at least 64 as for compress (default %(default)s)")
-    p.add_argument("--general-eval", action=argparse.BooleanOptionalAction, default=True,
-                   help="also judge on English prose no training corpus contains (default: yes)")
-    p.add_argument("--eval-prompts", type=POSITIVE, default=8, help="held-out prompts continued greedily")
-    p.add_argument("--new-tokens", type=POSITIVE, default=48, help="tokens generated per prompt (default 48)")
-    p.add_argument("--choice-items", type=POSITIVE, default=32, help="next-line multiple-choice items (default 32)")
+    for path in ("evaluation.tokens", "evaluation.general", "evaluation.prompts", "evaluation.new_tokens",
+                 "evaluation.choice_items", "evaluation.tasks", "evaluation.tasks_limit"):
+        _shared(p, path)
     p.add_argument("--compare", action="append", default=[], metavar="A:B",
                    help="also the differences A - B of two FOLDERs (named as in the table) with 95%% intervals, "
                         "e.g. distilled:control; repeatable (every FOLDER is compared with the teacher anyway)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
-    p.add_argument("--tasks", metavar="NAMES", help="also score every model on lm-evaluation-harness tasks (needs "
-                   "the lm-eval extra), e.g. nnx_offline (three offline tasks from the standard library) or "
-                   "hellaswag,arc_easy (datasets lm-eval can read); their scores with standard errors join the "
-                   "results")
-    p.add_argument("--include-path", metavar="FOLDER", help="a folder of lm-eval task YAML files for --tasks")
-    p.add_argument("--tasks-limit", type=POSITIVE, metavar="N", help="at most N documents per task (lm-eval's "
-                   "--limit; default: all)")
-    p.add_argument("--tasks-batch", type=POSITIVE, default=16, metavar="ROWS", help="rows per scoring batch of "
-                   "--tasks (default 16)")
-    _data_flags(p, 256)
+    p.add_argument("--include-path", metavar="FOLDER", help="a folder of lm-eval task YAML files for --eval-tasks")
+    p.add_argument("--tasks-batch", type=POSITIVE, default=16, metavar="ROWS",
+                   help="rows per scoring batch of --eval-tasks (default 16)")
+    _data_flags(p)
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a model folder with its tokenizer.json")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens (default 64; the "
-                   "prompt and these must fit in the model's positions)")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens "
+                   "(default 64; the prompt and these must fit in the model's positions)")
     p.add_argument("--truncate-prompt", action="store_true", help="keep only the prompt's last tokens when it is "
                    "longer than the model's positions leave room for (said on stderr); default: refuse")
-    p.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 (default): greedy; else sample")
-    p.add_argument("--top-k", type=POSITIVE, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling")
-    p.add_argument("--seed", type=SEED, default=0, help="the sampling seed (default 0)")
+    p.add_argument("--sample-temperature", type=_number(float, 0.0), default=0.0,
+                   help="0 (default): greedy; else sample at this temperature")
+    p.add_argument("--sample-top-k", type=POSITIVE, help="sample from the k most likely tokens")
+    p.add_argument("--sample-top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling: the smallest set of "
+                   "tokens holding this share of the probability, in (0, 1]")
+    _shared(p, "run.seed", help="the sampling seed")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the weights' dtype in memory (default float32)")
 
@@ -196,12 +218,11 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                    help="how log-probabilities are stored (default q8; BENCHMARKS.md has bytes and errors)")
     p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
                    "%(default)s)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the teacher's weights "
-                   "(default fp32)")
-    p.add_argument("--mesh", help="devices to shard the teacher over, e.g. fsdp=4,tp=2 (default: one device)")
+    _shared(p, "training.precision", help="the teacher's weights and compute")
+    _shared(p, "training.mesh", help="devices to shard the teacher over, e.g. fsdp=4,tp=2")
     p.add_argument("--resume", action="store_true", help="continue a partial cache in --output (same settings)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
-    _data_flags(p, 256, batch=True)
+    _data_flags(p, batch=True)
 
 
 # name -> (module:function that runs it, one line, examples, flags)
@@ -280,18 +301,24 @@ def _load(target: str) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.cli.guarded`);
+    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.errors.guarded`);
     `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] == "compress":  # the recipe's own flags, --help and exit codes
         _load(COMMANDS["compress"][0])(argv[1:], prog="nnx-surgery compress")
         return 0
+    for (command, old), new in RENAMED.items():
+        if argv and argv[0] == command and any(a == old or a.startswith(old + "=") for a in argv[1:]):
+            parser.error(f"{command} {old}: renamed {new} (one flag name, one meaning in every command)")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    from nnx_surgery.recipes.cli import guarded  # imports jax: only once a subcommand runs
+    for error in checked(args):
+        print(f"error: {error} (see `{PROG} {args.command} --help`)", file=sys.stderr)
+        return 2
+    from nnx_surgery.recipes.errors import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
     guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
                                                           if args.command in STOPPED else {}))

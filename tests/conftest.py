@@ -71,7 +71,7 @@ def pytest_runtest_setup(item) -> None:
 
 
 _PREPARE = ("import sys\nfrom nnx_surgery.recipes import compress, tiny_teacher\n"
-            "print(tiny_teacher.prepare(compress.parse_args(sys.argv[1:]))[0])")
+            "print(tiny_teacher.prepare_for(compress.parse_args(sys.argv[1:]))[0])")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from recipe_env import recipe_env, shared_basetemp
 from refusal_env import assert_refused, run
 
 from nnx_surgery.recipes import aot_report, aot_search, aot_targets
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.errors import RecipeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
@@ -124,10 +124,11 @@ def test_tiny_step_compiles_for_a_tpu_slice(tmp_path_factory):
 
 SEVEN_B_STEP = """
 import dataclasses, json, sys
-from nnx_surgery.recipes import aot_programs, aot_report, aot_targets, settings
-flags = settings.resolve(sys.argv[1:])
-target = aot_targets.resolve_target(flags.aot)
-run = aot_programs.aot_run(dataclasses.replace(flags, mesh="fsdp=8"))
+from nnx_surgery.recipes import aot_programs, aot_report, aot_targets
+from nnx_surgery.recipes.config import resolution
+config = resolution.resolve(sys.argv[1:])
+target = aot_targets.resolve_target(config.aot.target)
+run = aot_programs.aot_run(resolution.replaced(config, training={"mesh": "fsdp=8"}))
 entry = next(e for e in aot_programs.run_programs(run, target) if e.name == "B2: everything")
 print(json.dumps(aot_report.measure(entry.build(), target, 0.4)))
 """
@@ -168,8 +169,8 @@ def test_oom_refusal_is_read_as_an_answer():
 
 
 def test_candidates_keep_the_tokens_per_step(monkeypatch):
-    from nnx_surgery.recipes import settings
-    flags = settings.resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out"])
+    from nnx_surgery.recipes.config.resolution import resolve
+    flags = resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out"])
     found = aot_search.candidates(flags, 4)
     assert found and all(c.batch_size * c.grad_accum == 8 and c.batch_size % c.mesh["fsdp"] == 0 for c in found)
     assert found[0].remat is None and found[0].grad_accum == 1  # the cheapest estimate first
@@ -182,13 +183,11 @@ def test_candidates_keep_the_tokens_per_step(monkeypatch):
     assert text.endswith("--set logit_impl=two_pass")
     words = text.split()
     words = words[:words.index("--mesh")] + words[words.index("--mesh") + 2:]  # this process has one device
-    again = settings.resolve(["--preset", "tiny", "--output", "/nonexistent/out", *words])
-    assert again.distill["logit_impl"] == "two_pass" and again.batch_size == two_pass[0].batch_size
+    again = resolve(["--preset", "tiny", "--output", "/nonexistent/out", *words])
+    assert again.distill.logit_impl == "two_pass" and again.data.batch_size == two_pass[0].batch_size
     for other in (["--loss", "jsd"], ["--top-k", "8"]):  # losses the two-pass loss does not compute
-        flags = settings.resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out", *other])
+        flags = resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out", *other])
         assert {c.logit_impl for c in aot_search.candidates(flags, 4)} == {"fused"}
-    assert aot_targets.cpu_count_asked(["--preset", "tiny", "--aot", "cpu:8"]) == 8
-    assert aot_targets.cpu_count_asked(["--aot=v5e:2x4"]) is None
 
 
 @pytest.mark.parametrize("flags, culprit", [

@@ -199,8 +199,8 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     out = str(workspace["base"] / "eval")
     printed = ok("eval", "--teacher", workspace["teacher"], workspace["student"], distilled[0], "--data",
                  workspace["data"], *DATA, "--eval-tokens", "256", "--eval-prompts", "2", "--new-tokens", "8",
-                 "--choice-items", "4", "--compare", "distilled:student", "--tasks", "nnx_offline",
-                 "--tasks-limit", "2", "--tasks-batch", "4", "--output", out)
+                 "--choice-items", "4", "--compare", "distilled:student", "--eval-tasks", "nnx_offline",
+                 "--eval-tasks-limit", "2", "--tasks-batch", "4", "--output", out)
     with open(os.path.join(out, "suite.md")) as f:
         suite = f.read()
     with open(os.path.join(out, "results.json")) as f:

@@ -19,18 +19,20 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import distill  # noqa: E402
 from nnx_surgery.distill.config import Ramp  # noqa: E402
-from nnx_surgery.recipes import knobs, phases, settings  # noqa: E402
-from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
+from nnx_surgery.recipes import phase_configs  # noqa: E402
+from nnx_surgery.recipes.config import command_line, files, layering, resolution  # noqa: E402
+from nnx_surgery.recipes.errors import RecipeError  # noqa: E402
 from recipe_env import TINY_TEACHER, recipe_env  # noqa: E402
 
 
 def resolve(*flags):
-    return settings.resolve(["--preset", "tiny", *flags])
+    return resolution.resolve(["--preset", "tiny", *flags])
 
 
 def main_config(args, num_layers: int = 9) -> distill.DistillConfig:
     """What the recipe's stage B would run after the surgery (no K/V warm-up): the main stages, this phase."""
-    return phases.phase_config(args, "stage_b", phases.main_stages(args, num_layers, args.steps), None, "/unused")
+    stages = phase_configs.main_stages(args, num_layers, args.training.steps)
+    return phase_configs.phase_config(args, "stage_b", stages, None, "/unused")
 
 
 def only_stage(config: distill.DistillConfig) -> distill.Stage:
@@ -64,7 +66,7 @@ FLAG_CASES = {
     "sizes and precision": (["--batch-size", "6", "--seq-len", "64", "--precision", "bf16", "--seed", "5"],
                             lambda c: (c.batch_size, c.seq_len, c.compute_dtype, c.seed) == (6, 64, "bfloat16", 5)),
     "mesh": (["--mesh", "fsdp=1", "--mesh-devices", "1"], lambda c: (c.mesh, c.mesh_devices) == ("fsdp=1", 1)),
-    "feature kind": (["--feature-kind", "pooled"], lambda c: c.feature_kind == "pooled"),
+    "feature kind": (["--feature-kind", "pooled"], lambda c: c.loss_options == {"feature": {"kind": "pooled"}}),
     "checkpoint every": (["--checkpoint-every", "7"],
                          lambda c: c.checkpoint.every == 7 and c.checkpoint.directory.endswith("stage_b")),
     "fallbacks": (["--fallback", "switch_to_mse", "--fallback", "sft_then_mix"],
@@ -79,6 +81,8 @@ FLAG_CASES = {
                   == (0.5, 0.7, 32, 0.2) and "jsd" in only_stage(c).weights.active()),
     "set": (["--set", "guard.mse_weight=2.5", "--set", "distill.logit_chunk=64", "--set", "oom.sequence=[\"full\"]"],
             lambda c: (c.guard.mse_weight, c.logit_chunk, c.oom.sequence) == (2.5, 64, ("full",))),
+    "set a recipe setting": (["--set", "training.steps=13", "--set", "data.seq_len=64"],
+                             lambda c: (c.total_steps, c.seq_len) == (13, 64)),
 }
 
 
@@ -94,17 +98,17 @@ def test_each_flag_reaches_the_distill_config(name):
 def test_the_control_phase_never_samples_on_policy():
     """The CE control has no teacher to score the student's samples: its phase turns on-policy off."""
     args = resolve("--on-policy", "1.0")
-    control = phases.phase_config(args, "control", [phases.control_stage(args, 10)], None, "/unused")
+    control = phase_configs.phase_config(args, "control", [phase_configs.control_stage(args, 10)], None, "/unused")
     assert control.on_policy.fraction == 0.0 and main_config(args).on_policy.fraction == 1.0
 
 
 def test_student_flag_and_preset_defaults():
     args = resolve("--student", "layers=3,mlp=0.5")
-    assert args.student == "layers=3,mlp=0.5" and args.teacher is None
-    args = settings.resolve(["--preset", "gemma3-270m"])
-    assert (args.student, args.frozen, args.alpha, args.feature_weight) == ("layers=18,mlp=512,vocab=16384", ("embed_tokens",),
-                                                                     1.0, 0.0)
-    assert (args.general_mix, args.gguf) == (0.5, "q8_0")
+    assert args.student.shape == "layers=3,mlp=0.5" and args.teacher.model is None
+    args = resolution.resolve(["--preset", "gemma3-270m"])
+    assert (args.student.shape, args.training.frozen, args.training.alpha, args.training.term_weights["feature"]) == \
+        ("layers=18,mlp=512,vocab=16384", ("embed_tokens",), 1.0, 0.0)
+    assert (args.data.general_mix, args.run.gguf) == (0.5, "q8_0")
 
 
 def test_the_schedule_flag_selects_progressive_with_its_own_numbers_unless_given():
@@ -137,17 +141,21 @@ def test_yaml_and_json_give_the_same_settings(tmp_path):
     with open(os.path.join(CONFIGS, "attention_feature.yaml")) as handle:
         data = yaml.safe_load(handle)
     (tmp_path / "same.json").write_text(json.dumps(data))
-    from_yaml = settings.resolved_config(settings.resolve(["--config", os.path.join(CONFIGS, "attention_feature.yaml")]))
-    assert from_yaml == settings.resolved_config(settings.resolve(["--config", str(tmp_path / "same.json")]))
-    config = main_config(settings.resolve(["--config", os.path.join(CONFIGS, "attention_feature.yaml")]), 9)
+    from_yaml = files.saved_config(resolution.resolve(["--config", os.path.join(CONFIGS, "attention_feature.yaml")]))
+    assert from_yaml == files.saved_config(resolution.resolve(["--config", str(tmp_path / "same.json")]))
+    config = main_config(resolution.resolve(["--config", os.path.join(CONFIGS, "attention_feature.yaml")]), 9)
     assert [s.steps for s in config.stages] == [120, 280]  # fractions 0.3 / 0.7 of steps 400
     assert config.stages[1].weights.ramps["feature"] == Ramp(1.0, 0.1)
 
 
 @pytest.mark.parametrize("content, flags, culprit", [
     ({"stpes": 3}, [], "stpes"),
-    ({"distill": {"batch_size": 4}}, [], "'batch_size'"),
-    ({"distill": {"mesh": "fsdp=2"}}, [], "'mesh'"),
+    ({"distill": {"batch_size": 4}}, [], "data.batch_size (--batch-size)"),
+    ({"distill": {"mesh": "fsdp=2"}}, [], "training.mesh (--mesh)"),
+    ({"training": {"stepz": 3}}, [], "training.stepz"),
+    ({"trainnig": {"steps": 3}}, [], "trainnig"),
+    ({"training": {"steps": 0}}, [], "--steps 0: give at least 1 optimizer step"),
+    ({"training": {"term_weights": {"featur": 1.0}}}, [], "'featur'"),
     ({"distill": {"checkpoint": {"directory": "/x"}}}, [], "--output"),
     ({"distill": {"guard": {"polcies": []}}}, [], "polcies"),
     ({"distill": {"feature_knid": "nmse"}}, [], "feature_knid"),
@@ -156,6 +164,7 @@ def test_yaml_and_json_give_the_same_settings(tmp_path):
     ({"schedule": "progressive", "schedule_options": {"stages": 4}}, [], "schedule_options"),
     ({}, ["--schedule", "progressive", "--trainable", "layers.1"], "--trainable"),
     ({}, ["--set", "guard.mse_weight"], "KEY=VALUE"),
+    ({}, ["--set", "training.steps=\"many\""], "--steps many: give an integer"),
     ({}, ["--set", "logit_impl=\"fast\""], "logit_impl"),
     ({}, ["--temperature", "3:0"], "--temperature"),
     ({}, ["--loss", "reverse_kl", "--top-k", "4"], "top_k"),
@@ -179,18 +188,18 @@ def test_unreadable_config_files_are_recipe_errors(tmp_path):
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_the_resolved_config_repeats_the_settings_exactly(tmp_path, example):
-    args = settings.resolve(["--config", os.path.join(CONFIGS, example), "--grad-accum", "2", "--top-k", "5"])
-    saved = settings.save_resolved(args, str(tmp_path))
-    again = settings.resolve(["--config", saved])
-    assert settings.resolved_config(again) == settings.resolved_config(args) == json.load(open(saved))
+    args = resolution.resolve(["--config", os.path.join(CONFIGS, example), "--grad-accum", "2", "--top-k", "5"])
+    saved = files.save_resolved(args, str(tmp_path))
+    again = resolution.resolve(["--config", saved])
+    assert files.saved_config(again) == files.saved_config(args) == json.load(open(saved))
     assert main_config(again, 12) == main_config(args, 12)
 
 
 def test_resume_refuses_other_settings_than_the_run_started_with(tmp_path):
-    settings.save_resolved(resolve("--steps", "8"), str(tmp_path))
-    settings.save_resolved(resolve("--steps", "8", "--resume"), str(tmp_path))  # the same settings: fine
-    with pytest.raises(RecipeError, match=r"\['alpha', 'steps'\] differ"):
-        settings.save_resolved(resolve("--steps", "9", "--alpha", "0.5", "--resume"), str(tmp_path))
+    files.save_resolved(resolve("--steps", "8"), str(tmp_path))
+    files.save_resolved(resolve("--steps", "8", "--resume"), str(tmp_path))  # the same settings: fine
+    with pytest.raises(RecipeError, match=r"\['training.alpha', 'training.steps'\] differ"):
+        files.save_resolved(resolve("--steps", "9", "--alpha", "0.5", "--resume"), str(tmp_path))
 
 
 def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output():
@@ -198,20 +207,26 @@ def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output
     proc = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    parser = settings.build_parser()
+    parser = command_line.build_parser()
+    declared = {item.dest: item for item in layering.every_field()}
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             assert action.option_strings[0] in text
-            if action.dest in knobs.DEFAULTS or action.dest in knobs.DISTILL_FLAGS:
+            item = declared.get(action.dest)
+            if item is not None and item.meta.get("saved", True) and item.meta.get("action") != "store_false" \
+                    and action.option_strings[0] == item.flag:  # not a shortcut such as --no-scratch
                 assert "default" in action.help, action.dest
     for field in dataclasses.fields(distill.DistillConfig):
-        if field.name not in knobs.MANAGED:
+        if field.name not in layering.MANAGED and field.name != "stages":
             assert f"{field.name} = " in proc.stdout, field.name
+    for title in ("Run:", "Teacher:", "Data:", "Training (the stages):", "Shape search", "Evaluation:",
+                  "Distillation (the distill section: DistillConfig):"):
+        assert title in proc.stdout  # grouped by section
     flags = ["--preset", "tiny", "--schedule", "progressive", "--set", "targets.kl_below=0.05"]
     printed = subprocess.run([sys.executable, RECIPE, *flags, "--print-config"], capture_output=True, text=True,
                              env=env, timeout=120)
     assert printed.returncode == 0, printed.stderr
-    assert json.loads(printed.stdout) == settings.resolved_config(settings.resolve(flags))
+    assert json.loads(printed.stdout) == files.saved_config(resolution.resolve(flags))
 
 
 # ------------------------------------------------------------------------- the examples, end to end at tiny scale
@@ -271,10 +286,10 @@ def test_each_example_config_runs_at_tiny_scale(example_runs, example, stage_cou
     results = json.load(open(out / "results.json"))
     assert {row["model"] for row in results["rows"]} >= {"teacher", "distilled student"}
     saved = json.load(open(out / "resolved_config.json"))
-    assert saved == settings.resolved_config(settings.resolve(["--config", os.path.join(CONFIGS, example), *TINY,
-                                                               *CORRECTION.get(example, [])]))
-    assert settings.resolved_config(settings.resolve(["--config", str(out / "resolved_config.json")])) == saved
-    assert saved["steps"] == 3 and saved["distill"]["eval_every"] == 3  # the flags over the file
+    assert saved == files.saved_config(resolution.resolve(["--config", os.path.join(CONFIGS, example), *TINY,
+                                                           *CORRECTION.get(example, [])]))
+    assert files.saved_config(resolution.resolve(["--config", str(out / "resolved_config.json")])) == saved
+    assert saved["training"]["steps"] == 3 and saved["distill"]["eval_every"] == 3  # the flags over the file
 
 
 @pytest.mark.slow

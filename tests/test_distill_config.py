@@ -128,14 +128,16 @@ def test_policy_target_and_oom_settings_validate_and_round_trip_through_json():
     assert config.guard.policies == ("switch_to_mse", "sft_then_mix") and config.oom.sequence == ("full", "halve_batch")
     assert config.targets == TargetsConfig(kl_below=0.05, perplexity_below=20.0, stop_when_met=True)
     assert DistillConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    # the older fields of the feature and MSE terms' options read as the terms' options
+    assert config.loss_options == {"feature": {"kind": "pooled"}, "mse": {"on": "features"}}
     assert GuardConfig(policies="switch_to_mse").policies == ("switch_to_mse",)
     for bad, match in ((lambda: GuardConfig(policies=("retry",)), "unknown policies"),
-                       (lambda: GuardConfig(mse_on="hidden"), "mse_on"),
+                       (lambda: DistillConfig.from_dict({"guard": {"mse_on": "hidden"}}), "on='hidden'"),
                        (lambda: GuardConfig(sft_alpha=2.0), "sft_alpha"),
                        (lambda: TargetsConfig(kl_below=float("nan")), "kl_below"),
                        (lambda: OOMConfig(sequence=("dots", "quarter_batch")), "quarter_batch"),
                        (lambda: DistillConfig(logger="tensorboard"), "logger"),
-                       (lambda: DistillConfig(feature_kind="max"), "pooled"),
+                       (lambda: DistillConfig.from_dict({"feature_kind": "max"}), "pooled"),
                        (lambda: DistillConfig.from_dict({"targets": {"kl_above": 1}}), "kl_above"),
                        (lambda: DistillConfig.from_dict({"stages": [{"step": 3}]}), r"stages\[0\]")):
         with pytest.raises(ValueError, match=match):

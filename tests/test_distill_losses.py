@@ -259,7 +259,8 @@ def test_pooled_feature_term_trains_a_width_pruned_student(tmp_path):
     student = apply_plan(teacher, plan)
     assert student.config.hidden_size == 16
     stage = Stage(steps=8, learning_rate=1e-2, weights=LossWeights(kl=0.0, feature=1.0))
-    config = DistillConfig(stages=(stage,), batch_size=BATCH, seq_len=LENGTH, plan=plan, feature_kind="pooled",
+    config = DistillConfig(stages=(stage,), batch_size=BATCH, seq_len=LENGTH, plan=plan,
+                           loss_options={"feature": {"kind": "pooled"}},
                            progress=False, logit_chunk=16, eval_every=None, compiler_options=FAST_COMPILE)
     result = run(teacher, student, ArrayBatches(batches[:4]), config, eval_data=batches[4:])
     feature = [record["loss/feature"] for record in result.history]

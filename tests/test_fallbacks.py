@@ -177,11 +177,12 @@ def test_sft_then_mix_when_a_misleading_teacher_worsens_held_out_cross_entropy(c
 
 
 def test_switch_to_mse_on_mapped_features(corpus):
-    """mse_on="features": the MSE compares the teacher's and student's mapped layer outputs (the uniform layer
+    """The MSE term's option on="features": the MSE compares the teacher's and student's mapped layer outputs (the uniform layer
     map of a 4 -> 2 layer student), also when no stage weights a layer-output loss."""
-    guard = GuardConfig(policies=("switch_to_mse",), mse_steps=2, mse_weight=0.5, mse_on="features")
+    guard = GuardConfig(policies=("switch_to_mse",), mse_steps=2, mse_weight=0.5)
     result = run(tiny_teacher(), student_from(tiny_teacher()), corrupted(corpus["train"][:8]),
-                 config(stages=(Stage(steps=6, learning_rate=5e-3, weights=LossWeights.mixed(0.8)),), guard=guard))
+                 config(stages=(Stage(steps=6, learning_rate=5e-3, weights=LossWeights.mixed(0.8)),), guard=guard,
+                        loss_options={"mse": {"on": "features"}}))
     on = [r for r in result.history if r.get("fallback") == "switch_to_mse"]
     assert [r["step"] for r in on] == [5, 6] and all(r["loss/mse"] > 0 for r in on)
     assert fallback_events(result, "start")[0]["on"] == "features"

@@ -287,7 +287,7 @@ def test_real_gemma3_270m_matches_the_hf_backend(lm_eval, task_manager):
     assert assert_same_results(ours, theirs, tolerance=TOLERANCE, relative=5e-5) == 2 * (4 + 1 + 1)
 
 
-# ------------------------------------------------------------------------------ nnx-surgery eval --tasks refusals
+# ------------------------------------------------------------------------- nnx-surgery eval --eval-tasks refusals
 def _eval_with_tasks(tiny_folder, out, *task_flags):
     from refusal_env import run
     return run("eval", "--teacher", tiny_folder, tiny_folder, "--output", str(out), *task_flags)
@@ -296,12 +296,12 @@ def _eval_with_tasks(tiny_folder, out, *task_flags):
 def test_eval_refuses_unknown_and_unreadable_tasks_before_loading_a_model(lm_eval, tiny_folder, tmp_path):
     from refusal_env import assert_refused
     # a name near one of ours: lm-eval's registry is indexed (once per process) and the nearest names given
-    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "a", "--tasks", "nnx_offline,nnx_stdlib_nextline")
+    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "a", "--eval-tasks", "nnx_offline,nnx_stdlib_nextline")
     assert_refused(code, out, err, "unknown task 'nnx_stdlib_nextline' (nearest: nnx_stdlib_next_line")
     # a task of lm-eval's registry whose dataset is not on this machine (HF_DATASETS_OFFLINE, the fixture)
-    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "b", "--tasks", "arc_easy")
-    assert_refused(code, out, err, "--tasks arc_easy: a task's dataset cannot be read (offline")
-    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "c", "--tasks", " , ")
+    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "b", "--eval-tasks", "arc_easy")
+    assert_refused(code, out, err, "--eval-tasks arc_easy: a task's dataset cannot be read (offline")
+    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "c", "--eval-tasks", " , ")
     assert_refused(code, out, err, "give task names separated by commas")
     assert not any((tmp_path / name).exists() for name in "abc")  # refused before --output was made
 
@@ -312,10 +312,10 @@ def test_eval_task_flags_without_the_extra_or_without_tasks(tiny_folder, tmp_pat
     from refusal_env import assert_refused
     code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "a", "--include-path", str(tmp_path))
     assert_refused(code, out, err, "--include-path")
-    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "b", "--tasks", "nnx_offline", "--include-path",
+    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "b", "--eval-tasks", "nnx_offline", "--include-path",
                                       str(tmp_path / "nowhere"))
     assert_refused(code, out, err, "--include-path")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
-    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "c", "--tasks", "nnx_offline")
+    code, out, err = _eval_with_tasks(tiny_folder, tmp_path / "c", "--eval-tasks", "nnx_offline")
     assert_refused(code, out, err, "pip install 'nnx-surgery[lm-eval]'")

@@ -1,6 +1,8 @@
 """Loss terms as objects: weights keyed by registered names, the step's hyperparameters and switches derived from
 the registry, options declared on the terms, and a term defined outside the package (with an option) trained
 after one `register` call, with its recipe flag."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from flax import nnx
 
 import nnx_surgery.distill.step as step_lib
 from nnx_surgery.distill import terms
-from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, Stage
 from nnx_surgery.distill.freeze import split_trainable
 from nnx_surgery.distill.logit_loss import LogitLossSettings
 from nnx_surgery.distill.loss_term import LossTerm, TermInputs, TermOption
@@ -137,25 +139,29 @@ def test_a_term_with_an_option_is_one_registration(registry, monkeypatch):
     assert record["loss/scaled_gap"] == pytest.approx(3.0 * gap, rel=1e-4)  # the metric before the update
     assert record["loss"] == pytest.approx(record["loss/logit"] + 2.0 * record["loss/scaled_gap"], rel=1e-5)
 
-    from nnx_surgery.recipes import knobs, phases, settings
+    from nnx_surgery.recipes import phase_configs
+    from nnx_surgery.recipes.config import command_line, resolution
 
-    monkeypatch.setitem(knobs.DEFAULTS, "scaled_gap_weight", 0.0)  # added by the parser; gone after the test
-    flags = {name for action in settings.build_parser()._actions for name in action.option_strings}
+    flags = {name for action in command_line.build_parser()._actions for name in action.option_strings}
     assert {"--scaled-gap-weight", "--feature-weight", "--cosine-weight", "--attention-weight",
             "--feature-kind"} <= flags and "--mse-weight" not in flags  # the MSE term has no recipe flag
-    args = settings.resolve(["--preset", "tiny", "--scaled-gap-weight", "0.5"])
-    assert phases.loss_weights(args, args.feature_weight).scaled_gap == 0.5
+    config = resolution.resolve(["--preset", "tiny", "--scaled-gap-weight", "0.5"])
+    assert config.training.term_weights["scaled_gap"] == 0.5
+    assert phase_configs.loss_weights(config).scaled_gap == 0.5
 
 
 def test_options_live_on_the_terms_and_reach_the_step():
-    """The built-in terms' options: declared on the term, read from `loss_options` or the older DistillConfig
-    field, checked when the config is made, and compiled into the step settings."""
-    assert DistillConfig(feature_kind="pooled").feature_kind == "pooled"
-    config = DistillConfig(feature_kind="cosine", loss_options={"mse": {"chunk": 64}})
+    """The built-in terms' options: declared on the term, held only in `loss_options` (an older config's
+    feature_kind / guard.mse_on read into it), checked when the config is made, and compiled into the step
+    settings."""
+    assert not any(f.name in ("feature_kind", "mse_on") for kind in (DistillConfig, GuardConfig)
+                   for f in dataclasses.fields(kind))  # one place for each option
+    config = DistillConfig(loss_options={"feature": {"kind": "cosine"}, "mse": {"chunk": 64}})
     assert terms.option_values(terms.term("feature"), config) == {"kind": "cosine"}
     assert terms.option_values(terms.term("mse"), config) == {"on": "logits", "chunk": 64}
-    assert terms.option_values(terms.term("feature"), DistillConfig(loss_options={"feature": {"kind": "mse"}})) \
-        == {"kind": "mse"}  # loss_options wins over the older field
+    older = DistillConfig.from_dict({"feature_kind": "pooled", "loss_options": {"feature": {"kind": "mse"}}})
+    assert terms.option_values(terms.term("feature"), older) == {"kind": "mse"}  # loss_options wins, as it did
+    assert DistillConfig.from_dict({"feature_kind": "pooled"}).loss_options == {"feature": {"kind": "pooled"}}
     with pytest.raises(ValueError, match="option kind='max'"):
         DistillConfig(loss_options={"feature": {"kind": "max"}})
     settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True), terms=("feature", "mse"),

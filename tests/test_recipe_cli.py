@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import cli  # noqa: E402
+from nnx_surgery.recipes import inputs  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def run(*args, cwd=None):
     ("hidden=16", (4, 16, 48, 4, 2)),
 ])
 def test_student_shapes_parse_against_the_teacher(teacher, text, sizes):
-    spec = cli.student_spec(text, surgery.ModelConfig.from_file(teacher))
+    spec = inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
     assert (spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
             spec.num_key_value_heads) == sizes
 
@@ -55,7 +55,7 @@ def test_student_shapes_parse_against_the_teacher(teacher, text, sizes):
 ])
 def test_bad_student_shapes_raise_spec_errors_naming_the_size(teacher, text, culprit):
     with pytest.raises(surgery.SpecError) as error:
-        cli.student_spec(text, surgery.ModelConfig.from_file(teacher))
+        inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
     assert culprit in str(error.value)
 
 
@@ -111,9 +111,9 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(teacher, tmp_path
 
 def test_loss_weight_flags_reach_the_stages():
     """--alpha, --feature-weight and --cosine-weight become the stage's LossWeights (cosine with feature)."""
-    from nnx_surgery.recipes import compress as recipe, phases
+    from nnx_surgery.recipes import compress as recipe, phase_configs
     from nnx_surgery import distill
 
     args = recipe.parse_args(["--preset", "tiny", "--output", "unused", "--alpha", "0.75", "--cosine-weight", "0.2"])
-    assert phases.loss_weights(args, 0.5) == distill.LossWeights(kl=0.75, ce=0.25, feature=0.5, cosine=0.2)
-    assert phases.loss_weights(recipe.parse_args(["--output", "unused"]), 0.0).active() <= {"kl", "ce"}
+    assert phase_configs.loss_weights(args, 0.5) == distill.LossWeights(kl=0.75, ce=0.25, feature=0.5, cosine=0.2)
+    assert phase_configs.loss_weights(recipe.parse_args(["--output", "unused"]), 0.0).active() <= {"kl", "ce"}

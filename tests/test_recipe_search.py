@@ -18,8 +18,9 @@ RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes import phases, settings, shape_search  # noqa: E402
-from nnx_surgery.recipes.cli import RecipeError  # noqa: E402
+from nnx_surgery.recipes import phase_configs, shape_search  # noqa: E402
+from nnx_surgery.recipes.config import resolution  # noqa: E402
+from nnx_surgery.recipes.errors import RecipeError# noqa: E402
 from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG  # noqa: E402
 
 # the tiny teacher of test_recipe.py / test_config_surface.py (same teacher settings: one cached teacher)
@@ -118,7 +119,7 @@ def test_the_dry_run_lists_the_candidates_and_the_cost_without_training(tmp_path
                       "--dry-run", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     guess = surgery.uniform_spec(TEACHER, params=0.5)
-    chosen = shape_search.student_choice(settings.resolve([*TINY, "--student", "params=0.5", "--search-candidates",
+    chosen = shape_search.student_choice(resolution.resolve([*TINY, "--student", "params=0.5", "--search-candidates",
                                                            "3"]), TEACHER).candidates
     lines = proc.stdout.splitlines()
     for candidate in chosen:
@@ -172,12 +173,12 @@ def test_from_three_candidates_the_shape_nearest_the_heads_kept_cut_comes_second
     assert shape_search.spread(fitting, guess, 2, near=near) == shape_search.spread(fitting, guess, 2)
     assert shape_search.spread(fitting, guess, 3, near=guess) == shape_search.spread(fitting, guess, 3)
     # what the recipe tries for --student params=0.5 --search-candidates 3 on this teacher
-    flags = settings.resolve(["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candidates", "3"])
+    flags = resolution.resolve(["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candidates", "3"])
     choice = shape_search.student_choice(flags, GEMMA3_270M)
     assert [c.text for c in choice.candidates][:2] == [guess.text, near.text]
     # search.md and the dry run say why the first two are tried; a spread shape has no note
     assert [choice.note(c) for c in choice.candidates] == [shape_search.GUESS, shape_search.HEADS_KEPT, None]
-    two = shape_search.student_choice(settings.resolve(["--preset", "gemma3-270m", "--student", "params=0.5",
+    two = shape_search.student_choice(resolution.resolve(["--preset", "gemma3-270m", "--student", "params=0.5",
                                                         "--search-candidates", "2"]), GEMMA3_270M)
     assert two.heads_kept is None and [two.note(c) for c in two.candidates] == [shape_search.GUESS, None]
 
@@ -187,7 +188,7 @@ def test_search_shapes_are_tried_after_the_guess_in_their_order_and_must_fit_the
     guess = surgery.uniform_spec(TEACHER, params=0.5)
     others = [c.text for c in fitting if c.text != guess.text]
     given = f" {others[-1]} ;{others[0]};{guess.text};{others[-1]};"  # spaces, the guess and a repeat dropped
-    args = settings.resolve([*TINY, "--student", "params=0.5", "--search-shapes", given])
+    args = resolution.resolve([*TINY, "--student", "params=0.5", "--search-shapes", given])
     choice = shape_search.student_choice(args, TEACHER, tokenizer=None)
     assert [c.text for c in choice.candidates] == [guess.text, others[-1], others[0]]
     assert choice.candidates[1] == next(c for c in fitting if c.text == others[-1])  # with its parameter counts
@@ -195,24 +196,25 @@ def test_search_shapes_are_tried_after_the_guess_in_their_order_and_must_fit_the
     outside = "layers=2,hidden=8,mlp=16,heads=1,kv_heads=1"
     assert outside not in {c.text for c in fitting}
     with pytest.raises(RecipeError, match="not within params=0.5 \\+-5%"):
-        shape_search.student_choice(settings.resolve([*TINY, "--student", "params=0.5", "--search-shapes",
+        shape_search.student_choice(resolution.resolve([*TINY, "--student", "params=0.5", "--search-shapes",
                                                       f"{others[0]};{outside}"]), TEACHER, tokenizer=None)
     with pytest.raises(RecipeError, match="give --student params="):  # no budget, no search
-        shape_search.student_choice(settings.resolve([*TINY, "--student", "layers=0.5", "--search-shapes",
+        shape_search.student_choice(resolution.resolve([*TINY, "--student", "layers=0.5", "--search-shapes",
                                                       others[0]]), TEACHER, tokenizer=None)
 
 
 def test_the_search_distils_with_the_recipes_settings():
-    args = settings.resolve([*TINY, "--student", "params=0.5", "--search-steps", "5", "--alpha", "0.75",
+    args = resolution.resolve([*TINY, "--student", "params=0.5", "--search-steps", "5", "--alpha", "0.75",
                              "--temperature", "2", "--frozen", "embed_tokens", "--stop-when-met"])
     config = shape_search.search_config(args, "/unused", None)
     (stage,) = config.stages
     assert config.total_steps == 5 and (config.batch_size, config.seq_len) == (4, 32)
-    assert stage.weights == phases.loss_weights(args, args.feature_weight) and stage.learning_rate == 2e-3
+    assert stage.weights == phase_configs.loss_weights(args, args.training.term_weights["feature"])
+    assert stage.learning_rate == 2e-3
     assert stage.weights.ce == 0.25 and stage.temperature.start == 2.0 and stage.frozen == ("embed_tokens",)
     assert config.targets.stop_when_met is False  # every candidate trains every step
-    assert settings.resolve([*TINY]).search_steps == 3  # the default: a tenth of --steps, at least 3
-    assert settings.resolve([*TINY, "--steps", "240"]).search_steps == 24
+    assert resolution.resolve([*TINY]).search.steps == 3  # the default: a tenth of --steps, at least 3
+    assert resolution.resolve([*TINY, "--steps", "240"]).search.steps == 24
 
 
 @pytest.mark.parametrize("student, error, culprit", [
@@ -227,7 +229,7 @@ def test_the_search_distils_with_the_recipes_settings():
 ])
 def test_bad_budgets_are_refused_against_the_teacher_config(student, error, culprit):
     with pytest.raises(error) as raised:  # an unreadable budget already when the flags resolve
-        args = settings.resolve([*TINY, "--student", student])
+        args = resolution.resolve([*TINY, "--student", student])
         shape_search.student_choice(args, TEACHER, tokenizer=None)
     assert culprit in str(raised.value) and f"--student {student!r}" in str(raised.value)
 

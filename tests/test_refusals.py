@@ -113,14 +113,17 @@ def value_cases(w: dict) -> list[tuple[list[str], str]]:
     distill = ["distill", t, s, "-o", new]
     cases = []
     for value in ("inf", "-inf", "nan", "1e999", "Infinity"):
-        cases += [(["generate", s, "--prompt", "x", "--temperature", value], "--temperature"),
+        cases += [(["generate", s, "--prompt", "x", "--sample-temperature", value], "--sample-temperature"),
                   ([*distill, "--temperature", value], "--temperature"),
                   ([*distill, "--learning-rate", value], "--learning-rate"),
                   (["compress", "--teacher", t, "--output", new, "--learning-rate", value], "--learning-rate"),
                   (["compress", "--teacher", t, "--output", new, "--temperature", value], "--temperature")]
     cases += [
         ([*distill, "--alpha", "nan"], "--alpha"),
-        (["generate", s, "--prompt", "x", "--top-p", "nan"], "--top-p"),
+        (["generate", s, "--prompt", "x", "--sample-top-p", "nan"], "--sample-top-p"),
+        (["generate", s, "--prompt", "x", "--top-k", "4"], "renamed --sample-top-k"),
+        (["eval", "--teacher", t, s, "-o", new, "--tasks", "nnx_offline"], "renamed --eval-tasks"),
+        (["compress", "--teacher", t, "--output", new, "--set", "training.steps=0"], "--steps 0"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "3:inf"], "--temperature"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "nan:1"], "--temperature"),
         (["generate", s, "--prompt", "caf\udce9 \udcff"], "UTF-8"),
@@ -226,7 +229,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 36, "accepted": 53, "written": 16, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 39, "accepted": 53, "written": 16, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
@@ -262,11 +265,11 @@ def test_a_run_may_read_its_settings_from_its_own_folder(w, tmp_path):
     run_folder = tmp_path / "run"
     run_folder.mkdir()
     (run_folder / "resolved_config.json").write_text(json.dumps({"steps": 3}))
-    from nnx_surgery.recipes import settings
+    from nnx_surgery.recipes.config.resolution import resolve
 
-    flags = settings.resolve(["--config", str(run_folder / "resolved_config.json"), "--output", str(run_folder),
-                              "--teacher", w["teacher"], "--overwrite"])
-    assert flags.steps == 3 and flags.output == str(run_folder)
+    config = resolve(["--config", str(run_folder / "resolved_config.json"), "--output", str(run_folder),
+                      "--teacher", w["teacher"], "--overwrite"])
+    assert config.training.steps == 3 and config.run.output == str(run_folder)
 
 
 def test_debug_keeps_the_traceback(w):

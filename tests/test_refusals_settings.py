@@ -1,8 +1,8 @@
 """Every number `compress` takes, now and as flags and settings are added (issue 43): each numeric flag of the
-recipe (nnx_surgery/recipes/knobs.py) and each numeric setting of the distill section (DistillConfig, through
+recipe (its declaration in nnx_surgery/recipes/config/) and each numeric setting of the distill section (DistillConfig, through
 --set) given a non-finite or negative value is refused in one line with exit 2 before anything is written, or is
-one of the few documented readings of 0 / a negative number listed here. The cases are read from the flag tables
-and the config, so a new flag or setting without a range check fails here."""
+one of the few documented readings of 0 / a negative number listed here. The cases are read from the
+declarations, so a new flag or setting without a range check fails here."""
 from __future__ import annotations
 
 import contextlib
@@ -21,19 +21,15 @@ ANY_SIGN = {"targets.kl_below", "targets.correlation_above", "targets.perplexity
 
 
 def numeric_flags() -> list[tuple[str, type]]:
-    from nnx_surgery.recipes.knobs import FLAGS, term_flags
+    from nnx_surgery.recipes.config.layering import every_field
 
-    found = []
-    for title, flags in FLAGS:
-        for names, keywords, _ in flags + (term_flags() if title == "Loss" else []):
-            if keywords.get("type") in (int, float) and names[0] not in NOT_NUMBERS_OF_THE_RUN:
-                found.append((names[0], keywords["type"]))
-    return found
+    return [(item.flag, item.meta["kind"]) for item in every_field()
+            if item.flag and item.meta.get("kind") in (int, float) and item.flag not in NOT_NUMBERS_OF_THE_RUN]
 
 
 def numeric_settings() -> list[str]:
     from nnx_surgery import distill
-    from nnx_surgery.recipes.knobs import MANAGED
+    from nnx_surgery.recipes.config.layering import MANAGED
 
     def leaves(prefix, value):
         if isinstance(value, dict):
@@ -51,15 +47,15 @@ NONE_BY_DEFAULT = ("top_k", "eval_every", "logit_chunk", "logit_block", "logit_v
 
 
 def refuses(*argv: str) -> None:
-    """The recipe's settings (`settings.resolve`, which every compress run starts with and which writes nothing)
-    refuse `argv` with a RecipeError (one line through `guarded`) or argparse's one-line exit 2."""
-    from nnx_surgery.recipes import settings
-    from nnx_surgery.recipes.cli import USER_ERRORS
+    """The recipe's settings (`resolution.resolve`, which every compress run starts with and which writes
+    nothing) refuse `argv` with a RecipeError (one line through `guarded`) or argparse's one-line exit 2."""
+    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.errors import USER_ERRORS
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            settings.resolve(["--preset", "tiny", "--output", "unused", *argv])
+            resolution.resolve(["--preset", "tiny", "--output", "unused", *argv])
         except SystemExit as stop:
             assert stop.code == 2 and len(err.getvalue().strip().splitlines()) == 1, (argv, err.getvalue())
             return

@@ -1,5 +1,5 @@
-"""The compress recipe's settings are resolved once into a frozen record: the flags (settings.resolve) and every
-value derived from them and the teacher (run_settings.resolve), for the tiny and gemma3-270m presets, without
+"""The compress recipe's settings are resolved once into a frozen record: the configuration (resolution.resolve)
+and every value derived from it and the teacher (run_settings.resolve), for the tiny and gemma3-270m presets, without
 loading weights or training (the tiny preset's dry-run teacher is its config alone; the gemma3-270m teacher here is
 its config.json and a small Gemma tokenizer)."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import run_settings, settings  # noqa: E402
+from nnx_surgery.recipes import run_settings  # noqa: E402
+from nnx_surgery.recipes.config import files, resolution  # noqa: E402
 from tiny_tokenizers import save_gemma_tokenizer  # noqa: E402
 
 GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
@@ -25,36 +26,38 @@ GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_tex
 
 
 def test_the_settings_are_frozen_all_the_way_down():
-    flags = settings.resolve(["--preset", "tiny", "--frozen", "embed_tokens", "--schedule", "progressive"])
+    config = resolution.resolve(["--preset", "tiny", "--frozen", "embed_tokens", "--schedule", "progressive"])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        flags.steps = 3
+        config.training.steps = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.distill.eval_every = 3
     with pytest.raises(TypeError):
-        flags.distill["eval_every"] = 3
-    with pytest.raises(TypeError):
-        flags.schedule_options["warmup_steps"] = 3
-    assert flags.frozen == ("embed_tokens",) and isinstance(flags.schedule_options["learning_rates"], tuple)
-    resolved = settings.resolved_config(flags)  # JSON data again, as --config reads it back
-    assert resolved["frozen"] == ["embed_tokens"] and isinstance(resolved["distill"]["optimizer"], dict)
+        config.training.schedule_options["warmup_steps"] = 3
+    options = config.training.schedule_options
+    assert config.training.frozen == ("embed_tokens",) and isinstance(options["learning_rates"], tuple)
+    resolved = files.saved_config(config)  # JSON data again, as --config reads it back
+    assert resolved["training"]["frozen"] == ["embed_tokens"] and isinstance(resolved["distill"]["optimizer"], dict)
 
 
 def test_no_scratch_is_control_none():
-    flags = settings.resolve(["--preset", "tiny", "--no-scratch"])
-    assert (flags.control, flags.control_name) == ("none", None)
-    assert settings.resolved_config(flags)["control"] == "none"
+    config = resolution.resolve(["--preset", "tiny", "--no-scratch"])
+    assert (config.student.control, config.control_name) == ("none", None)
+    assert files.saved_config(config)["student"]["control"] == "none"
 
 
 def test_the_tiny_preset_resolves_every_derived_value(tmp_path):
-    flags = settings.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
-                              "--output", str(tmp_path / "run"), "--halt-after", "stage_b:5"])
-    run = run_settings.resolve(flags)
+    config = resolution.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
+                                 "--output", str(tmp_path / "run"), "--halt-after", "stage_b:5"])
+    run = run_settings.resolve(config)
     assert not os.path.exists(tmp_path / "run")  # resolving prepares nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.stages = None
     with pytest.raises(TypeError):
         run.output.halt_steps["control"] = 1
-    assert (flags.warmup_steps, flags.scratch_learning_rate, flags.search_steps) == (240 // 50, 3e-3, 24)
-    assert (flags.compute_dtype, run.teacher.dtype, flags.tokens_per_step) == ("float32", "float32", 8 * 128)
-    assert flags.distill["eval_every"] == 60 and flags.control_name == "scratch student (same shape)"
+    assert (config.training.warmup_steps, config.student.scratch_learning_rate, config.search.steps) == \
+        (240 // 50, 3e-3, 24)
+    assert (config.training.compute_dtype, run.teacher.dtype, config.tokens_per_step) == ("float32", "float32", 8 * 128)
+    assert config.distill.eval_every == 60 and config.control_name == "scratch student (same shape)"
     assert run.output.folder == str(tmp_path / "run") and dict(run.output.halt_steps) == {"stage_b": 5}
     teacher, student = run.teacher.config, run.student
     assert (teacher.num_hidden_layers, teacher.hidden_size, teacher.num_key_value_heads) == (14, 48, 4)
@@ -77,10 +80,10 @@ def test_the_tiny_preset_resolves_every_derived_value(tmp_path):
 
 
 def test_a_schedule_is_built_once_for_the_students_real_depth(tmp_path):
-    flags = settings.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
-                              "--output", str(tmp_path / "run"), "--schedule", "progressive", "--student",
-                              "layers=10,mlp=0.5"])
-    run = run_settings.resolve(flags)
+    config = resolution.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
+                                 "--output", str(tmp_path / "run"), "--schedule", "progressive", "--student",
+                                 "layers=10,mlp=0.5"])
+    run = run_settings.resolve(config)
     frozen = [s.frozen for s in run.stages.main]  # 80% then 50% of the student's 10 layers frozen
     assert frozen == [("layers.{0-7}",), ("layers.{0-4}",), None]
     assert run.student.spec.num_layers == 10 and run.stages.kv_warmup is None  # 4 KV heads kept
@@ -91,13 +94,13 @@ def test_the_gemma3_270m_preset_resolves_every_derived_value(tmp_path):
     teacher.mkdir()
     (teacher / "config.json").write_text(json.dumps(GEMMA3_270M))
     save_gemma_tokenizer(str(teacher))
-    flags = settings.resolve(["--preset", "gemma3-270m", "--teacher", str(teacher), "--output",
-                              str(tmp_path / "run")])
-    run = run_settings.resolve(flags)
+    config = resolution.resolve(["--preset", "gemma3-270m", "--teacher", str(teacher), "--output",
+                                 str(tmp_path / "run")])
+    run = run_settings.resolve(config)
     assert (run.teacher.source, run.teacher.folder, run.teacher.dtype) == (str(teacher), str(teacher), "float32")
-    assert (flags.warmup_steps, flags.tokens_per_step, flags.distill["eval_every"], flags.gguf) == (2, 1024, 6,
-                                                                                                    "q8_0")
-    assert flags.control_name == "CE-retrained pruned student (control)"
+    assert (config.training.warmup_steps, config.tokens_per_step, config.distill.eval_every, config.run.gguf) == \
+        (2, 1024, 6, "q8_0")
+    assert config.control_name == "CE-retrained pruned student (control)"
     spec = run.student.spec
     assert (spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.vocab_size) == (18, 640, 512, 16384)
     assert run.student.stage_a_spec is None and not run.student.kv_merged  # one-shot; 1 KV head kept

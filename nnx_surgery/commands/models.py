@@ -8,7 +8,8 @@ import sys
 
 from nnx_surgery import surgery
 from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
-from nnx_surgery.recipes.cli import VARIABLE_NAME, RecipeError, looks_like_token, position_limit
+from nnx_surgery.recipes.errors import VARIABLE_NAME, RecipeError, looks_like_token
+from nnx_surgery.recipes.inputs import position_limit
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
 
@@ -61,7 +62,7 @@ def generate(args: argparse.Namespace) -> str:
     ids = prompt_ids(args, folder)
     model = surgery.load_pretrained(folder, dtype=args.dtype)
     result = surgery.generate(model, [ids], max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              temperature=args.sample_temperature, top_k=args.sample_top_k, top_p=args.sample_top_p, seed=args.seed,
                               tokenizer=folder)
     print(result.texts[0])
     return result.texts[0]

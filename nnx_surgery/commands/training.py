@@ -1,5 +1,5 @@
 """`nnx-surgery distill` (distill.run, then save_student / save_pretrained) and `nnx-surgery eval` (the recipe's
-evaluation: recipes/evaluation.py over distill.evaluate_suite, both held-out sets)."""
+evaluation: recipes/final_eval.py over distill.evaluate_suite, both held-out sets)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,9 @@ from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_f
                                   staged_files, teacher_source, text_batches)
 from nnx_surgery.distill.cache_format import CacheError
 from nnx_surgery.distill.heldout import interval_text
-from nnx_surgery.recipes import cli, evaluation
+from nnx_surgery.recipes import errors, final_eval, inputs
+from nnx_surgery.recipes.config.resolution import parse_ramp
+from nnx_surgery.recipes.config.sections import EvaluationSection
 
 def _tokenizer_source(student: str, teacher: str) -> str:
     return student if os.path.isfile(os.path.join(student, "tokenizer.json")) else teacher
@@ -22,9 +24,10 @@ def _tokenizer_source(student: str, teacher: str) -> str:
 def distill_student(args: argparse.Namespace) -> str:
     """Distil STUDENT from TEACHER on the data (one stage: alpha * KL + (1 - alpha) * CE) and save it to --output,
     with the student's plan.json when it has one."""
+    temperature = parse_ramp(args.temperature, "--temperature")  # refused before anything is read
     if args.warmup_steps is not None and args.warmup_steps > args.steps:
-        raise cli.RecipeError(f"--warmup-steps {args.warmup_steps} is longer than --steps {args.steps}: the learning "
-                              "rate would never reach its peak; give at most --steps warm-up steps.")
+        raise errors.RecipeError(f"--warmup-steps {args.warmup_steps} is longer than --steps {args.steps}: the "
+                                 "learning rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
     out = empty_folder(args.output, "--output", args.overwrite,
@@ -43,7 +46,8 @@ def distill_student(args: argparse.Namespace) -> str:
     student = surgery.load_pretrained(student_folder, dtype="float32")
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 50
     stage = distill.Stage(steps=args.steps, name="distill", learning_rate=args.learning_rate, warmup_steps=warmup,
-                          weights=distill.LossWeights.mixed(args.alpha), temperature=args.temperature)
+                          weights=distill.LossWeights.mixed(args.alpha),
+                          temperature=temperature)
     config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len,
                                    vocab_map=kept, seed=args.seed, plots=False, top_k=getattr(args, "top_k", None),
                                    teacher_cache=os.path.abspath(cache) if cache else None,
@@ -54,7 +58,7 @@ def distill_student(args: argparse.Namespace) -> str:
     try:
         result = distill.run(teacher, student, data, config)
     except CacheError as error:
-        raise cli.RecipeError(str(error)) from None
+        raise errors.RecipeError(str(error)) from None
     extra = {"history.json": {"train": result.full_history, "eval": result.full_evals,
                               "data_state": result.data_state}}
     plan = plan_of(student_folder)
@@ -84,7 +88,7 @@ def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str)
             teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"],
             tokenizer_hash=teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None)
     except teacher_cache.CacheError as error:
-        raise cli.RecipeError(f"--teacher-cache: {error}") from None
+        raise errors.RecipeError(f"--teacher-cache: {error}") from None
 
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
@@ -129,7 +133,7 @@ def _compared(given: list[str], names: list[str]) -> list[tuple[str, str]]:
         a, sep, b = text.partition(":")
         unknown = [name for name in (a, b) if name not in (*names, "teacher")]
         if not sep or unknown or a == b:
-            raise cli.RecipeError(f"--compare {text!r}: give A:B, two different models of the table "
+            raise errors.RecipeError(f"--compare {text!r}: give A:B, two different models of the table "
                                   f"({', '.join(['teacher', *names])}).")
         pairs.append((a, b))
     return pairs
@@ -139,9 +143,9 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
     """--new-tokens within every model's positions (config.json's max_position_embeddings), before anything is
     loaded or allocated: the held-out prompts and the tokens generated after them share those positions."""
     for folder in folders:
-        limit = cli.position_limit(folder).get("max_positions")
+        limit = inputs.position_limit(folder).get("max_positions")
         if limit is not None and args.new_tokens >= limit:
-            raise cli.RecipeError(f"--new-tokens {args.new_tokens}: {folder} has {limit} positions "
+            raise errors.RecipeError(f"--new-tokens {args.new_tokens}: {folder} has {limit} positions "
                                   "(max_position_embeddings in its config.json), which must hold each prompt too; "
                                   "give fewer new tokens.")
 
@@ -153,22 +157,24 @@ def evaluate(args: argparse.Namespace) -> dict:
     folders = [model_folder(path, "FOLDER") for path in args.folders]
     names = _names(folders, args.folders)
     if len(set(names)) != len(names):
-        raise cli.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
+        raise errors.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
                               "folder once.")
     pairs = [(name, "teacher") for name in names] + _compared(args.compare, names)
     _check_generation(args, [teacher_folder, *folders])
-    if args.include_path and args.tasks is None:
-        raise cli.RecipeError(f"--include-path {args.include_path}: it adds lm-eval task files for --tasks; give "
-                              "--tasks too.")
-    tasks = None if args.tasks is None else lm_eval_scores.checked_tasks(  # refused before any model loads
-        args.tasks, include_path=args.include_path)
+    if args.include_path and args.eval_tasks is None:
+        raise errors.RecipeError(f"--include-path {args.include_path}: it adds lm-eval task files for --eval-tasks; "
+                                 "give --eval-tasks too.")
+    tasks = None if args.eval_tasks is None else lm_eval_scores.checked_tasks(  # refused before any model loads
+        args.eval_tasks, include_path=args.include_path, flag="--eval-tasks")
     out = empty_folder(args.output, "--output", args.overwrite,
                        inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)
-    settings = dataclasses.replace(evaluation.EvalSettings.of(args, teacher_folder, description), tasks=tasks,
-                                   tasks_limit=args.tasks_limit)
+    section = EvaluationSection(tokens=args.eval_tokens, general=args.general_eval, prompts=args.eval_prompts,
+                                new_tokens=args.new_tokens, choice_items=args.choice_items, tasks=args.eval_tasks,
+                                tasks_limit=args.eval_tasks_limit)
+    settings = final_eval.EvalSettings(teacher_folder, args.seq_len, args.seed, description, section, tasks)
     rows = [("teacher", surgery.load_pretrained(teacher_folder, dtype="float32"), 0)]
     for name, folder in zip(names, folders):
         model = surgery.load_pretrained(folder, dtype="float32")
@@ -177,7 +183,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     vocabularies = {name: distill.Vocabulary(folder, kept[name]) for name, folder in zip(names, folders)
                     if kept[name] is not None}
     with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
-        results = evaluation.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
+        results = final_eval.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
         for row in results["rows"]:
             row.pop("tokens")  # the recipe's training tokens: not known here
         results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}

@@ -10,10 +10,10 @@ from typing import Any
 
 import optax
 
+from ..field_docs import documented
 from . import terms
 from .interface import Correspondence
 from .loss_weights import LossWeights, Ramp, _plain, _ramp
-from .mse_loss import MSE_ON
 from .on_policy import OnPolicyConfig
 from .vocab_map import checked_vocab_map
 
@@ -108,8 +108,10 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip_norm: float | None = 1.0
+    weight_decay: float = documented(0.0, "AdamW decoupled weight decay on matrices (0: a short recovery run "
+                                     "stays near the pruned weights)", flag="--weight-decay", kind=float)
+    clip_norm: float | None = documented(1.0, "clip gradients to this global norm", flag="--clip-norm", kind=float,
+                                         none_means="no clipping")
     decay_matrices_only: bool = True  # no decay on norm scales and other vectors
 
     def __post_init__(self):
@@ -122,7 +124,8 @@ class CheckpointConfig:
     """Orbax checkpoints of student, optimizer state and data position in `directory` every `every` steps."""
 
     directory: str | None = None
-    every: int = 100
+    every: int = documented(100, "optimizer steps between checkpoints (resume loses at most this many)",
+                            flag="--checkpoint-every", kind=int)
     keep: int = 2
     resume: bool = True  # continue from the latest checkpoint in `directory` when there is one
 
@@ -151,11 +154,13 @@ class GuardConfig:
     min_history: int = 8
     lr_backoff: float = 0.5
     max_rollbacks: int = 3
-    # fallbacks besides rollback + lr backoff, combinable: "switch_to_mse", "sft_then_mix"
-    policies: tuple[str, ...] = ()
+    policies: tuple[str, ...] = documented((), "after a divergence, besides rollback and halving the learning "
+                                           "rate: switch_to_mse (an auxiliary MSE loss for a while, on what the mse "
+                                           "term's option `on` says), sft_then_mix (pure CE, then ramp back to alpha "
+                                           "0.5); repeatable", flag="--fallback", action="append",
+                                           choices=("switch_to_mse", "sft_then_mix"))
     mse_weight: float = 1.0  # switch_to_mse: weight of the auxiliary MSE term ("mse")
     mse_steps: int = 20  # switch_to_mse: optimizer steps it stays on after a divergence
-    mse_on: str = "logits"  # what the MSE term compares, "logits" or "features" (its option `on`)
     sft_steps: int = 20  # sft_then_mix: steps of pure cross-entropy
     sft_ramp_steps: int = 20  # sft_then_mix: steps to ramp the distillation weight back
     sft_alpha: float = 0.5  # sft_then_mix: the alpha it ramps back to
@@ -164,8 +169,6 @@ class GuardConfig:
     def __post_init__(self):
         policies = _names(self.policies, GUARD_POLICIES, "GuardConfig: unknown policies")
         object.__setattr__(self, "policies", policies)
-        if self.mse_on not in MSE_ON:
-            raise ValueError(f"GuardConfig: mse_on={self.mse_on!r}: use one of {MSE_ON}.")
         _checked("GuardConfig", self, sft_alpha=SHARE, mse_weight=("a finite number >= 0", lambda v: v >= 0),
                  mse_steps=COUNT0, sft_steps=COUNT0, sft_ramp_steps=COUNT0, sft_patience=COUNT0, window=COUNT,
                  min_history=COUNT0, max_rollbacks=COUNT0, spike_factor=("a finite number > 1", lambda v: v > 1),
@@ -203,7 +206,8 @@ class TargetsConfig:
     perplexity_below: float | None = None  # held-out student perplexity
     utilisation_above: float | None = 0.8  # fraction of wall time inside the step (vs data/host waits)
     mfu_above: float | None = None  # model FLOPs utilisation, where the device peak is known
-    stop_when_met: bool = False  # end the run at the first evaluation that meets every set target
+    stop_when_met: bool = documented(False, "end the run at the first evaluation meeting every target (targets.* "
+                                     "in --config / --set)", flag="--stop-when-met", action="store_true")
     warn_low_utilisation: bool = True  # warn with the likely cause when utilisation stays under target
 
     def __post_init__(self):
@@ -219,7 +223,9 @@ class OOMConfig:
     """Out-of-memory retries: on RESOURCE_EXHAUSTED while compiling or running the step, try each of `sequence`
     in turn (a remat value: that remat; "halve_batch": half the micro-batch, twice the accumulation)."""
 
-    retry: bool = True
+    retry: bool = documented(True, "on out-of-memory, retry with remat layers_dots, remat layers, then half the "
+                             "micro-batch and twice the accumulation (--no-oom-retry: fail instead)",
+                             flag="--no-oom-retry", action="store_false")
     sequence: tuple[str, ...] = OOM_STEPS
 
     def __post_init__(self):
@@ -228,56 +234,86 @@ class OOMConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    stages: tuple[Stage, ...] = (Stage(steps=100),)
-    batch_size: int | None = None  # expected global micro-batch shape; None accepts the data's shape
-    seq_len: int | None = None
-    grad_accum: int = 1  # micro-batches per optimizer step, all inside one jitted step
-    optimizer: OptimizerConfig = OptimizerConfig()
+    """Everything a distillation run needs besides its models and data. Each field's help (`documented`) is what
+    the recipe's --help prints; the fields with a flag are the recipe's and the subcommands' distillation flags."""
+
+    stages: tuple[Stage, ...] = documented((Stage(steps=100),), "the stages in order: steps or epochs, trainable/"
+                                           "frozen patterns, learning_rate, warmup_steps, min_lr_ratio, weights "
+                                           "(numbers or [start, end] ramps), temperature, weight_decay, name")
+    batch_size: int | None = documented(None, "expected global micro-batch shape", none_means="the data's")
+    seq_len: int | None = documented(None, "expected tokens per row", none_means="the data's")
+    grad_accum: int = documented(1, "micro-batches per optimizer step, in one jitted step (a bigger batch without "
+                                 "its memory)", flag="--grad-accum", kind=int)
+    optimizer: OptimizerConfig = documented(OptimizerConfig(), "AdamW moments, decay, gradient clipping")
     # logit loss
-    top_k: int | None = None
-    top_k_mode: str = "renormalised"  # or "residual": the top k plus a bucket for the rest (distill.topk_teacher)
-    # train from a teacher cache folder (`nnx-surgery cache-teacher`) instead of a teacher: distill.cache_training
-    teacher_cache: str | None = None
-    jsd_beta: float = 0.5
-    logit_chunk: int | None = None  # rows (batch x positions) per chunk of the fused logit loss; None: 128 on
-    # CPU, up to 2048 on an accelerator as its memory allows (`distill.logit_term.logit_chunk`)
-    logit_block: int | None = None  # rows per teacher-logits / head-gradient matmul; None: max(chunk, 256)
-    logit_vocab_slice: int | None = None  # vocab rows per head-gradient matmul; None: 32768 on CPU, whole on GPU
-    train_diagnostics: bool = False  # teacher CE / logit correlation / T=1 KL every train step (eval has them)
-    logit_impl: str = "fused"  # "two_pass": vocabulary slices, less memory, more FLOPs (distill.vocab_sliced_loss);
-    # "reference": materialises full logits (for debugging)
+    top_k: int | None = documented(None, "divergence on the teacher's top-k logits only (less memory; the full "
+                                   "vocabulary is exact)", flag="--top-k", kind=int,
+                                   none_means="the full vocabulary")
+    top_k_mode: str = documented("renormalised", "renormalised, or residual: the top k plus a bucket for the rest "
+                                 "(distill.topk_teacher)")
+    teacher_cache: str | None = documented(None, "train from a teacher cache folder (`nnx-surgery cache-teacher`) "
+                                           "instead of a teacher (distill.cache_training)")
+    jsd_beta: float = documented(0.5, "JSD's mixture weight beta: 0 is forward KL(teacher||student), 1 reverse KL, "
+                                 "0.5 the symmetric JSD", flag="--jsd-beta", kind=float)
+    logit_chunk: int | None = documented(None, "rows (batch x positions) per chunk of the fused logit loss (memory)",
+                                         none_means="128 on CPU, up to 2048 on an accelerator as its memory allows")
+    logit_block: int | None = documented(None, "rows per teacher-logits / head-gradient matmul",
+                                         none_means="max(chunk, 256)")
+    logit_vocab_slice: int | None = documented(None, "vocabulary rows per head-gradient matmul",
+                                               none_means="32768 on CPU, whole on GPU")
+    train_diagnostics: bool = documented(False, "teacher CE, logit correlation and T=1 KL every train step (the "
+                                         "evaluations have them anyway)")
+    logit_impl: str = documented("fused", "fused (never materialises logits), two_pass (vocabulary slices: no "
+                                 "(V, D) accumulator, about 1.5x the loss's matmuls) or reference (full logits, "
+                                 "for debugging)")
     # intermediate losses
-    correspondence: Correspondence | None = None  # None: from `plan`, else identity when depths agree
-    plan: Any = None  # an object or dict with kept_layers / kept_hidden (surgery plan)
-    # a trimmed student's vocabulary: the teacher token id of each student token id (nnx_surgery/distill/vocab_map.py);
-    # None: the plan's kept_vocab when it has one, else teacher and student share one vocabulary
-    vocab_map: tuple[int, ...] | None = None
-    feature_kind: str = "nmse"  # the feature term's option `kind`
-    feature_projection: bool = False  # learned (D_s, D_t) projections (feature, cosine terms) for another width
-    # term name -> {option: value} (distill.terms), e.g. {"mse": {"chunk": 64}}; wins over feature_kind, guard.mse_on
-    loss_options: dict = dataclasses.field(default_factory=dict, hash=False)
+    correspondence: Correspondence | None = documented(None, "teacher -> student layer map",
+                                                       none_means="from the plan, else identity when depths agree")
+    plan: Any = documented(None, "an object or dict with kept_layers / kept_hidden (surgery plan)")
+    vocab_map: tuple[int, ...] | None = documented(None, "a trimmed student's vocabulary: the teacher token id of "
+                                                   "each student token id (distill.vocab_map)",
+                                                   none_means="the plan's kept_vocab, else one shared vocabulary")
+    feature_projection: bool = documented(False, "learned (D_s, D_t) projections (feature, cosine terms) for "
+                                          "another width")
+    loss_options: dict = documented(help="the loss terms' options by term name, e.g. {\"feature\": {\"kind\": "
+                                    "\"pooled\"}, \"mse\": {\"on\": \"features\"}} (distill.terms)",
+                                    factory=dict)
     # numerics and placement
-    compute_dtype: str = "float32"  # "bfloat16": bf16 student forward/backward, float32 master weights
-    remat: str | None = None  # None or one of REMAT: rematerialise the student forward (whole, or per layer)
-    mesh: Any = None  # "fsdp=4,tp=2", {"fsdp": 4, "tp": 2}, a jax Mesh, or None (one device)
-    mesh_devices: int | None = None  # run the mesh on the first N devices only (None: sizes must use them all)
-    compiler_options: dict | None = None  # XLA options for the step, e.g. {"xla_backend_optimization_level": 0}
+    compute_dtype: str = documented("float32", "bfloat16: bf16 student forward/backward, float32 master weights")
+    remat: str | None = documented(None, "rematerialise the student forward (memory for compute): layers "
+                                   "recomputes each decoder layer in the backward pass, keeping only the residual "
+                                   "stream between layers (layers_dots also keeps each layer's matmul outputs); "
+                                   "full / dots wrap the whole forward in one checkpoint, which lowers the peak "
+                                   "little", flag="--remat", choices=("none", *REMAT), none_means="off")
+    mesh: Any = documented(None, "\"fsdp=4,tp=2\", {\"fsdp\": 4, \"tp\": 2} or a jax Mesh",
+                           none_means="one device")
+    mesh_devices: int | None = documented(None, "run the mesh on the first N devices only",
+                                          none_means="every device")
+    compiler_options: dict | None = documented(None, "XLA options for the step, e.g. "
+                                               "{\"xla_backend_optimization_level\": 0}")
     # bookkeeping
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    guard: GuardConfig = GuardConfig()
-    targets: TargetsConfig = TargetsConfig()
-    oom: OOMConfig = OOMConfig()
-    on_policy: OnPolicyConfig = OnPolicyConfig()  # GKD: steps trained on the student's own samples
-    logger: str | None = None  # "wandb" adds Weights & Biases; JSONL and TensorBoard are always written
-    wandb_project: str | None = None
-    run_dir: str | None = None  # JSONL metrics, TensorBoard events and PNG curves
-    eval_every: int | None = None  # steps between held-out evaluations (also run at start and end)
-    eval_batches: int = 8
-    progress: bool = True
-    plots: bool = True
-    peak_flops: float | None = None  # per device; None: known accelerator table (metrics.py), else no MFU
-    halt_after: int | None = None  # stop after this global step as if interrupted (tests, time-sliced jobs)
-    seed: int = 0
+    checkpoint: CheckpointConfig = documented(CheckpointConfig(), "every / keep")
+    guard: GuardConfig = documented(GuardConfig(), "divergence guard and its fallbacks (policies, mse_*, sft_*)")
+    targets: TargetsConfig = documented(TargetsConfig(), "monitoring targets and stop_when_met")
+    oom: OOMConfig = documented(OOMConfig(), "out-of-memory retries")
+    on_policy: OnPolicyConfig = documented(OnPolicyConfig(), "on-policy distillation (GKD): fraction (lambda), "
+                                           "temperature, prompt_len, max_new_tokens")
+    logger: str | None = documented(None, "also log to Weights & Biases (wandb)", flag="--logger",
+                                    choices=("wandb",), none_means="JSONL and TensorBoard only")
+    wandb_project: str | None = documented(None, "the W&B project", flag="--wandb-project",
+                                           none_means="W&B's default")
+    run_dir: str | None = documented(None, "JSONL metrics, TensorBoard events and PNG curves")
+    eval_every: int | None = documented(None, "steps between held-out evaluations (also at the start and the end)",
+                                        flag="--eval-every", kind=int, none_means="the end only; the recipe: a "
+                                        "quarter of --steps")
+    eval_batches: int = documented(8, "held-out batches per evaluation")
+    progress: bool = documented(True, "progress bar")
+    plots: bool = documented(True, "PNG curves in run_dir")
+    peak_flops: float | None = documented(None, "per-device peak FLOP/s for MFU", none_means="a table of known "
+                                          "accelerators")
+    halt_after: int | None = documented(None, "stop after this global step as if interrupted (tests, time-sliced "
+                                        "jobs)")
+    seed: int = documented(0, "data order, new weights, sampling")
 
     def __post_init__(self):
         stages = tuple(Stage(**s) if isinstance(s, dict) else s for s in self.stages)
@@ -359,7 +395,7 @@ class DistillConfig:
     def from_dict(cls, data: dict[str, Any]) -> "DistillConfig":
         """The config from JSON-like data (what `to_dict` writes, or any subset of it); unknown keys, at any
         level, are a ValueError naming them."""
-        data = dict(data)
+        data = moved_options(dict(data))
         for key, kind in NESTED.items():
             if isinstance(data.get(key), dict):
                 data[key] = _build(kind, data[key], key)
@@ -391,6 +427,28 @@ class DistillConfig:
                 value = {str(axis): int(size) for axis, size in dict(value.shape).items()}
             out[field.name] = _json(value)
         return out
+
+
+# where configs written before the loss terms' options lived only in `loss_options` held two of them
+MOVED_OPTIONS = {"feature_kind": ("feature", "kind"), "mse_on": ("mse", "on")}
+
+
+def moved_options(data: dict[str, Any]) -> dict[str, Any]:
+    """`feature_kind` and `guard.mse_on` of an older config as loss_options["feature"]["kind"] and
+    loss_options["mse"]["on"] where they are not the default (an explicit loss_options entry wins, as it did)."""
+    moved = {"feature_kind": data.pop("feature_kind", None)}
+    if isinstance(data.get("guard"), dict) and "mse_on" in data["guard"]:
+        data["guard"] = dict(data["guard"])
+        moved["mse_on"] = data["guard"].pop("mse_on")
+    options = {term: dict(given) for term, given in (data.get("loss_options") or {}).items()}
+    for key, value in moved.items():
+        term, option = MOVED_OPTIONS[key]
+        default = next(o.default for o in terms.term(term).options if o.name == option)
+        if value is not None and value != default:  # the default needs no entry
+            options.setdefault(term, {}).setdefault(option, value)
+    if options:
+        data["loss_options"] = options
+    return data
 
 
 NESTED = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
@@ -436,4 +494,4 @@ def _json(value: Any) -> Any:
 
 
 __all__ = ["DistillConfig", "Stage", "LossWeights", "Ramp", "OptimizerConfig", "CheckpointConfig", "GuardConfig",
-           "TargetsConfig", "OOMConfig", "OnPolicyConfig", "GUARD_POLICIES", "OOM_STEPS", "OOM_CHOICES", "REMAT"]
+           "TargetsConfig", "OOMConfig", "OnPolicyConfig", "moved_options", "GUARD_POLICIES", "OOM_STEPS", "OOM_CHOICES", "REMAT"]

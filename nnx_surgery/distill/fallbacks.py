@@ -47,8 +47,9 @@ def mixed_weights(weights: Mapping[str, float], distill_weight: float) -> dict[s
 class Fallbacks:
     """The policies' state and the loss weights they make; the loop reports each returned event."""
 
-    def __init__(self, guard: Any, has_teacher: bool):
+    def __init__(self, guard: Any, has_teacher: bool, mse_on: str = "logits"):
         self.settings = guard  # a GuardConfig, validated when it was made
+        self.mse_on = mse_on  # what the MSE term compares (its option `on`), for the events
         self.policies = guard.policies if guard.enabled else ()
         if self.policies and not has_teacher:
             raise ValueError(f"GuardConfig.policies {self.policies} fall back from distillation to other losses; "
@@ -102,10 +103,10 @@ class Fallbacks:
             return []
         s = self.settings
         self.mse_until = restored_step + s.mse_steps
-        return [(f"FALLBACK switch_to_mse: adding the {s.mse_on} MSE loss (weight {s.mse_weight:g}) for "
+        return [(f"FALLBACK switch_to_mse: adding the {self.mse_on} MSE loss (weight {s.mse_weight:g}) for "
                  f"steps {restored_step + 1}-{self.mse_until} after a divergence ({reason}).",
                  {"policy": "switch_to_mse", "action": "start", "reason": f"divergence: {reason}",
-                  "until_step": self.mse_until, "weight": s.mse_weight, "on": s.mse_on})]
+                  "until_step": self.mse_until, "weight": s.mse_weight, "on": self.mse_on})]
 
     def on_step(self, step: int) -> list[Event]:
         """After global step `step` (1-based count of completed steps): phase ends."""

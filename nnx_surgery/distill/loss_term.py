@@ -76,21 +76,18 @@ class TermInputs:
 class TermOption:
     """A static option of a loss term: its value is compiled into the step (a change is a new compilation).
 
-    `choices`: the values it takes (None: any hashable value); `setting`: a DistillConfig field (dotted path,
-    e.g. "guard.mse_on") that holds it for the built-in terms whose option predates `loss_options`, read when
-    `loss_options` does not give it; `flag`: the help of a recipe flag `--<term>-<option>` (empty: no flag;
-    only for options with a `setting`, which the recipe's distill section holds)."""
+    `choices`: the values it takes (None: any hashable value); `flag`: the help of a command-line flag
+    `--<term>-<option>` that sets `DistillConfig.loss_options[<term>][<option>]` (empty: no flag)."""
 
     name: str
     default: Any
     choices: tuple[Any, ...] | None = None
-    setting: str | None = None
     flag: str = ""
 
     def check(self, value: Any, term: str) -> Any:
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"loss term {term!r}: option {self.name}={value!r}; choose from {self.choices}"
-                             + (f" (DistillConfig.{self.setting})." if self.setting else "."))
+            raise ValueError(f"loss term {term!r}: option {self.name}={value!r}; choose from "
+                             f"{self.choices}.")
         return value
 
 

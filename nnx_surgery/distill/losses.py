@@ -86,7 +86,7 @@ def pooling_windows(teacher_width: int, student_width: int) -> tuple[int, int]:
     """(stride, window) of Tunix's VALID average pooling from `teacher_width` channels to `student_width`."""
     if not 1 <= student_width <= teacher_width:
         raise ValueError(f"pooled features need a student no wider than the teacher (student {student_width}, "
-                         f"teacher {teacher_width} channels); use feature_kind 'nmse' with feature_projection.")
+                         f"teacher {teacher_width} channels); use the feature term's kind 'nmse' with feature_projection.")
     stride = teacher_width // student_width
     return stride, teacher_width - (student_width - 1) * stride
 
@@ -128,8 +128,8 @@ def feature_loss(teacher_residual: Sequence[jax.Array], student_residual: Sequen
     if not pairs:
         raise ValueError("feature matching needs at least one (teacher_layer, student_layer) pair in layer_map.")
     if kind == "pooled" and projections is not None:
-        raise ValueError("feature_kind 'pooled' averages teacher channels down to the student's width and takes no "
-                         "learned projection; turn feature_projection off, or use feature_kind 'nmse'.")
+        raise ValueError("the feature term's kind 'pooled' averages teacher channels down to the student's width and takes no "
+                         "learned projection; turn feature_projection off, or use kind 'nmse'.")
     kept = None if correspondence.kept_hidden is None else jnp.asarray(correspondence.kept_hidden)
     total = jnp.zeros((), jnp.float32)
     for teacher_layer, student_layer in pairs:
@@ -171,12 +171,12 @@ def _feature_term(inputs: TermInputs) -> jax.Array:
 
 
 # Loss terms (distill.terms registers them): attention-map transfer, and layer-output matching of the kind its
-# option `kind` says ("nmse" by default; also `DistillConfig.feature_kind`).
+# option `kind` says ("nmse" by default; `loss_options={"feature": {"kind": ...}}`).
 ATTENTION = LossTerm(name="attention", compute=_attention_term, captures=("attention_probs",), uses_layer_map=True,
                      flag="attention-map transfer on mapped layers and kept heads (0: off)")
 FEATURE = LossTerm(name="feature", compute=_feature_term, captures=("residual",), uses_layer_map=True,
                    uses_projections=True,
-                   options=(TermOption("kind", "nmse", choices=FEATURE_KINDS, setting="feature_kind",
+                   options=(TermOption("kind", "nmse", choices=FEATURE_KINDS,
                                        flag="how features compare: nmse (scale-free), mse, cosine, pooled (teacher "
                                             "width averaged down to the student's)"),),
                    flag="feature loss on mapped layer outputs (0: off); guides a depth-cut student layer by layer")

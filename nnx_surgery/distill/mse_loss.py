@@ -1,8 +1,7 @@
 """Auxiliary MSE loss between student and teacher (weight key "mse"): the loss the `switch_to_mse` fallback turns
 on after a divergence, an ordinary term otherwise (a stage may weight it like any other).
 
-Its options (`loss_options={"mse": {...}}`): `on`, what it compares (default "logits"; also
-`GuardConfig.mse_on`), and `chunk`, the rows per logits block. On logits it is the mean over supervised
+Its options (`loss_options={"mse": {...}}`): `on`, what it compares (default "logits"), and `chunk`, the rows per logits block. On logits it is the mean over supervised
 positions of the mean over the vocabulary of the squared difference of the two models' logits, each centred on
 its mean over the vocabulary first: a softmax does not see a constant shift, so only the shape of the logits is
 matched. Logits are made in row chunks (rematerialised in the backward pass), so no (B, T, V) array exists. On
@@ -82,7 +81,7 @@ class MseTerm(LossTerm):
 
 
 MSE = MseTerm(name="mse", compute=mse_value,
-              options=(TermOption("on", "logits", choices=MSE_ON, setting="guard.mse_on"),
+              options=(TermOption("on", "logits", choices=MSE_ON),
                        TermOption("chunk", ROW_CHUNK)),
               fallbacks={"switch_to_mse": ("mse",)})
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from ..field_docs import documented
 from .interface import Sampler
 
 DRAW_STREAM = 0x6B0D  # tags the numpy stream of the on-policy draws (seed, step, DRAW_STREAM)
@@ -50,9 +51,15 @@ class OnPolicyConfig:
     tokens only. `prompt_len`: the prompt area in tokens (None: half the row); `max_new_tokens`: tokens sampled
     (None: the rest of the row)."""
 
-    fraction: float = 0.0
-    temperature: float = 1.0
-    prompt_len: int | None = None
+    fraction: float = documented(0.0, "on-policy distillation (GKD): the share of steps trained on the student's "
+                                 "own continuations of the batch's prompts, scored by the teacher on the completion "
+                                 "tokens (the student then learns from its own mistakes; each such step also "
+                                 "samples)", flag="--on-policy", kind=float, metavar="LAMBDA")
+    temperature: float = documented(1.0, "sampling temperature of the on-policy completions",
+                                    flag="--on-policy-temperature", kind=float)
+    prompt_len: int | None = documented(None, "prompt tokens kept per row before sampling",
+                                        flag="--on-policy-prompt-len", kind=int,
+                                        none_means="a record's prompt, else half the row")
     max_new_tokens: int | None = None
 
     def __post_init__(self):

@@ -84,7 +84,8 @@ class TrainingLoop:
         self._last_eval_step = -1
         self.data_state = data.state()  # position after the last completed step
         self.guard = DivergenceGuard(config.guard)
-        self.fallbacks = Fallbacks(config.guard, teacher is not None)
+        self.fallbacks = Fallbacks(config.guard, teacher is not None,
+                                   terms.option_values(terms.term("mse"), config)["on"])
         if self.fallbacks.uses("sft_then_mix") and not (self.eval_batches and config.eval_every):
             raise ValueError("GuardConfig.policies 'sft_then_mix' acts on held-out evaluations: pass eval_data (or "
                              "data with eval_batches()) and set eval_every.")

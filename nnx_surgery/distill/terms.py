@@ -82,29 +82,18 @@ def compiled_weights(weights: Mapping[str, float], policies: Iterable[str]) -> d
 
 
 def option_values(loss_term: LossTerm, config: Any) -> dict[str, Any]:
-    """The term's option values in a run: `config.loss_options[name]`, else the option's DistillConfig field
-    (`TermOption.setting`), else its default."""
-    given = dict(getattr(config, "loss_options", {}).get(loss_term.name, {}))
-    for option in loss_term.options:
-        if option.name not in given and option.setting:
-            value = config
-            for key in option.setting.split("."):
-                value = getattr(value, key)
-            given[option.name] = value
-    return loss_term.option_values(given)
+    """The term's option values in a run: `config.loss_options[name]` where it gives them, else the defaults."""
+    return loss_term.option_values(getattr(config, "loss_options", {}).get(loss_term.name, {}))
 
 
 def checked_options(config: Any) -> dict[str, dict[str, Any]]:
-    """`config.loss_options` as plain dicts, after checking every registered term's options in `config` (those
-    held by older DistillConfig fields included): ValueError naming an unknown term, an unknown option or a value
+    """`config.loss_options` as plain dicts, after checking every registered term's options in `config`: ValueError naming an unknown term, an unknown option or a value
     outside its choices."""
     loss_options = dict(config.loss_options)
     for name, given in loss_options.items():
         if not isinstance(given, Mapping):
             raise ValueError(f"loss_options[{name!r}] must map option names to values, got {given!r}.")
         term(name).option_values(given)
-    for registered_term in _REGISTRY.values():
-        option_values(registered_term, config)
     return {name: dict(given) for name, given in loss_options.items()}
 
 

@@ -17,30 +17,33 @@ import time
 
 from nnx_surgery.recipes import aot_programs, aot_search, aot_targets
 from nnx_surgery.recipes.aot_report import HEADROOM, days_to, format_table, measure
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.config.sections import RecipeConfig
+from nnx_surgery.recipes.errors import RecipeError
 from nnx_surgery.surgery.atomic import write_json
 
 REPORT = "aot_report.json"
 DEFAULT_MFU = 0.4
 
 
-def check_flags(flags) -> None:
-    """--aot's companions not without --aot (their ranges are checked with the other numbers, settings.RANGES)."""
-    if flags.aot is None:
-        for name in ("aot_tokens", "aot_mfu", "aot_search"):
-            if getattr(flags, name):
-                raise RecipeError(f"--{name.replace('_', '-')} goes with --aot TARGET (the compile it reports on).")
+def check_settings(config: RecipeConfig) -> None:
+    """--aot's companions not without --aot (their ranges are checked with their declarations)."""
+    if config.aot.target is None:
+        for flag, value in (("--aot-tokens", config.aot.tokens), ("--aot-mfu", config.aot.mfu),
+                            ("--aot-search", config.aot.search)):
+            if value:
+                raise RecipeError(f"{flag} goes with --aot TARGET (the compile it reports on).")
 
 
-def main(flags) -> dict:
+def main(config: RecipeConfig) -> dict:
     """Compile, report, search when asked or needed; returns the report (also OUT/aot_report.json)."""
-    mfu = flags.aot_mfu or DEFAULT_MFU
-    target = aot_targets.resolve_target(flags.aot)
-    if not flags.mesh:  # a run on the slice is given a mesh over all of it
-        flags = dataclasses.replace(flags, mesh=f"fsdp={len(target.devices)}")
-    run = aot_programs.aot_run(flags)
+    mfu = config.aot.mfu or DEFAULT_MFU
+    target = aot_targets.resolve_target(config.aot.target)
+    if not config.training.mesh:  # a run on the slice is given a mesh over all of it
+        config = resolution.replaced(config, training={"mesh": f"fsdp={len(target.devices)}"})
+    run = aot_programs.aot_run(config)
     print(f"[aot] {target.describe()}; teacher {run.teacher.source} ({run.teacher.folder}), student "
-          f"{student_text(run.student.spec)}, mesh {flags.mesh}", flush=True)
+          f"{student_text(run.student.spec)}, mesh {config.training.mesh}", flush=True)
     built = [(entry, entry.build()) for entry in aot_programs.run_programs(run, target)]  # refusals before compiling
     rows = []
     for entry, program in built:
@@ -49,13 +52,13 @@ def main(flags) -> dict:
         row.update(phase=entry.phase, train=entry.train)
         rows.append(row)
         print(f"[aot] {entry.name}: compiled in {time.perf_counter() - started:.0f} s", flush=True)
-    print(format_table(rows, target, mfu, flags.aot_tokens))
-    report = summary(flags, run, target, rows, mfu)
+    print(format_table(rows, target, mfu, config.aot.tokens))
+    report = summary(config, run, target, rows, mfu)
     worst = critical(rows)
-    if flags.aot_search or not report["fits"]:
-        found = aot_search.search(flags, target, worst["program"], mfu, worst) if worst else None
+    if config.aot.search or not report["fits"]:
+        found = aot_search.search(config, target, worst["program"], mfu, worst) if worst else None
         report["search"] = found
-        print(search_line(found, flags.aot_tokens))
+        print(search_line(found, config.aot.tokens))
     os.makedirs(run.folder, exist_ok=True)
     write_json(os.path.join(run.folder, REPORT), report)
     print(f"report: {os.path.join(run.folder, REPORT)}")
@@ -79,7 +82,7 @@ def critical(rows: list[dict]) -> dict | None:
                                      r.get("out_of_memory", {}).get("needed") or 0))
 
 
-def summary(flags, run, target, rows: list[dict], mfu: float) -> dict:
+def summary(config: RecipeConfig, run, target, rows: list[dict], mfu: float) -> dict:
     """The report: the target and its figures, the settings, each program's row, whether all fit with HEADROOM
     free, and the main stage's time to --aot-tokens."""
     chip = target.chip
@@ -89,13 +92,14 @@ def summary(flags, run, target, rows: list[dict], mfu: float) -> dict:
                        "devices_per_chip": target.cores_per_chip, "memory_per_device": target.memory_per_device,
                        "chip": dataclasses.asdict(chip) if chip else None},
             "settings": {"teacher": run.teacher.source, "teacher_config": run.teacher.folder,
-                         "student": student_text(run.student.spec), "mesh": flags.mesh, "batch_size": flags.batch_size,
-                         "grad_accum": flags.distill["grad_accum"], "seq_len": flags.seq_len,
-                         "remat": flags.distill.get("remat"), "precision": flags.precision,
-                         "tokens_per_step": flags.tokens_per_step, "mfu": mfu},
+                         "student": student_text(run.student.spec), "mesh": config.training.mesh,
+                         "batch_size": config.data.batch_size, "grad_accum": config.distill.grad_accum,
+                         "seq_len": config.data.seq_len, "remat": config.distill.remat,
+                         "precision": config.training.precision,
+                         "tokens_per_step": config.tokens_per_step, "mfu": mfu},
             "programs": rows, "fits": fits, "headroom_required": HEADROOM,
-            "token_budget": flags.aot_tokens,
-            "days_to_budget": days_to(flags.aot_tokens, main) if flags.aot_tokens and main else None}
+            "token_budget": config.aot.tokens,
+            "days_to_budget": days_to(config.aot.tokens, main) if config.aot.tokens and main else None}
 
 
 def search_line(found: dict | None, budget: float | None) -> str:
@@ -112,4 +116,4 @@ def search_line(found: dict | None, budget: float | None) -> str:
             f"{found['flags']}")
 
 
-__all__ = ["main", "check_flags", "REPORT", "DEFAULT_MFU"]
+__all__ = ["main", "check_settings", "REPORT", "DEFAULT_MFU"]

@@ -1,7 +1,7 @@
 """The programs a compress run executes on its devices, built from the run's settings with abstract models (no
 weights): each a `distill.abstract_step.Program` ready to lower and compile for an `--aot` target.
 
-    run = aot_run(flags)                        # the run's settings; the teacher's config.json alone
+    run = aot_run(config)                       # the run's settings; the teacher's config.json alone
     for entry in run_programs(run, target):     # in the order the run meets them
         program = entry.build()                 # abstract models on the target's mesh, the step with its args
 
@@ -23,9 +23,11 @@ from flax import nnx
 from nnx_surgery import surgery
 from nnx_surgery.distill import abstract_step
 from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
-from nnx_surgery.recipes import phases, released, run_settings, shape_search
+from nnx_surgery.recipes import phase_configs, released, run_settings, shape_search
+from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.aot_targets import Target, target_mesh
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.errors import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings
 
 
@@ -40,28 +42,28 @@ class Entry:
     train: bool = True
 
 
-def aot_run(flags) -> RunSettings:
+def aot_run(config: RecipeConfig) -> RunSettings:
     """The run's settings as `run_settings.resolve` makes them, with the teacher's config alone (released.py):
     nothing downloaded but a config.json, nothing trained (the tiny preset's teacher) or imported. The GGUF export
     and the data run no program on the devices, so they are not looked at; the output folder is checked as for
     --dry-run (only the report is written there)."""
-    flags = dataclasses.replace(flags, gguf=None)
-    output = run_settings.output_settings(dataclasses.replace(flags, dry_run=True))  # a folder in use is fine
-    source, where, config = released.teacher_config(flags)
-    teacher = run_settings.Teacher(source, where, config, flags.compute_dtype)
-    choice = shape_search.student_choice(flags, config, None)
-    bare = RunSettings(flags, output, teacher, None, None, None, None)
+    config = resolution.replaced(config, run={"gguf": None})
+    output = run_settings.output_settings(resolution.replaced(config, run={"dry_run": True}))  # a folder in use is fine
+    source, where, teacher_config = released.teacher_config(config)
+    teacher = run_settings.Teacher(source, where, teacher_config, config.training.compute_dtype)
+    choice = shape_search.student_choice(config, teacher_config, None)
+    bare = RunSettings(config, output, teacher, None, None, None, None)  # type: ignore[arg-type]
     return run_settings.for_student(bare, choice.spec, choice)
 
 
 def mesh_sizes(run: RunSettings, target: Target) -> dict[str, int]:
     """--mesh's axes, or fsdp over every device of the target (what a run on a slice would be given)."""
-    if not run.flags.mesh:
+    if not run.config.training.mesh:
         return {"fsdp": len(target.devices)}
     try:
-        return parse_mesh_spec(run.flags.mesh)
+        return parse_mesh_spec(run.config.training.mesh)
     except MeshError as error:
-        raise RecipeError(f"--mesh {run.flags.mesh!r}: {error}") from None
+        raise RecipeError(f"--mesh {run.config.training.mesh!r}: {error}") from None
 
 
 def student_configs(run: RunSettings) -> tuple[surgery.ModelConfig | None, surgery.ModelConfig, dict, dict | None]:
@@ -89,7 +91,7 @@ def _spread(depth: int, keep: int) -> list[int]:
 
 def run_programs(run: RunSettings, target: Target, device_bytes: int | None = None) -> list[Entry]:
     """Every program the run executes on the devices, in order (module docstring)."""
-    flags, stages = run.flags, run.stages
+    config, stages = run.config, run.stages
     mesh = target_mesh(target, mesh_sizes(run, target))
     memory = device_bytes or target.memory_per_device
     stage_a_config, final, lineage, plan_a = student_configs(run)
@@ -100,9 +102,9 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
 
     def step(phase, stage_list, index, teacher_config, student_config, plan, name):
         def build():
-            config = run.phase_config(phase, stage_list, plan)
+            phase_config = run.phase_config(phase, stage_list, plan)
             teacher = model(teacher_config, teacher_dtype) if teacher_config is not None else None
-            return abstract_step.train_step_program(teacher, model(student_config), config, mesh, index,
+            return abstract_step.train_step_program(teacher, model(student_config), phase_config, mesh, index,
                                                     name=name, device_bytes=memory)
         return Entry(name, phase, build)
 
@@ -110,10 +112,10 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
     if stages.teacher_correction is not None:
         entries.append(step("teacher_correction", [stages.teacher_correction], 0, None, run.teacher.config, None,
                             "teacher correction"))
-    if flags.calibration_samples:
+    if config.surgery.calibration_samples:
         entries.append(Entry("calibration forward", "surgery",
                              lambda: calibration_program(model(run.teacher.config, teacher_dtype), mesh,
-                                                         flags.seq_len), train=False))
+                                                         config.data.seq_len), train=False))
     if stages.stage_a is not None:
         entries.append(step("stage_a", [stages.stage_a], 0, run.teacher.config, stage_a_config, plan_a,
                             stages.stage_a.name or "stage A"))
@@ -123,9 +125,9 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
     entries.append(Entry("evaluation", "stage_b", lambda: abstract_step.eval_step_program(
         model(run.teacher.config, teacher_dtype), model(final),
         run.phase_config("stage_b", stages.stage_b, lineage), mesh, device_bytes=memory), train=False))
-    if flags.control != "none":
-        control = phases.control_stage(flags, flags.steps)
-        entries.append(step("control", [control], 0, None, final, None, f"control ({flags.control})"))
+    if config.student.control != "none":
+        control = phase_configs.control_stage(config, config.training.steps)
+        entries.append(step("control", [control], 0, None, final, None, f"control ({config.student.control})"))
     return _distinct(entries)
 
 

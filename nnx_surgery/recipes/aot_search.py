@@ -17,8 +17,9 @@ from nnx_surgery.distill.mesh import MeshError, format_mesh_spec
 from nnx_surgery.recipes import aot_programs
 from nnx_surgery.recipes.aot_report import HEADROOM, measure
 from nnx_surgery.recipes.aot_targets import GIB, KNOWN_TOPOLOGIES, Target
-from nnx_surgery.recipes.cli import RecipeError
-from nnx_surgery.recipes.frozen import freeze, thaw
+from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.config.sections import RecipeConfig
 
 MAX_COMPILES = 6
 # relative step cost of the remat policies the search tries: each decoder layer's forward recomputed in the backward
@@ -50,11 +51,11 @@ class Candidate:
                 f"{self.grad_accum} --remat {self.remat or 'none'}"
                 + (f" --set logit_impl={self.logit_impl}" if self.logit_impl != "fused" else ""))
 
-    def apply(self, flags):
-        section = {**thaw(flags.distill), "grad_accum": self.grad_accum, "remat": self.remat,
-                   "logit_impl": self.logit_impl}
-        return dataclasses.replace(flags, mesh=format_mesh_spec(self.mesh), batch_size=self.batch_size,
-                                   distill=freeze(section))
+    def apply(self, config: RecipeConfig) -> RecipeConfig:
+        return resolution.replaced(config, training={"mesh": format_mesh_spec(self.mesh)},
+                                   data={"batch_size": self.batch_size},
+                                   distill={"grad_accum": self.grad_accum, "remat": self.remat,
+                                            "logit_impl": self.logit_impl})
 
 
 def remat_policies() -> list[str | None]:
@@ -69,49 +70,49 @@ def remat_policies() -> list[str | None]:
     return accepted
 
 
-def logit_impls(flags) -> list[str]:
+def logit_impls(config: RecipeConfig) -> list[str]:
     """The logit loss implementations the search tries: the asked one, and the two-pass loss when the run asks
     for the fused one and the trainer accepts the two-pass loss for the run's loss (DistillConfig's own check)."""
-    section = flags.distill
-    asked = section.get("logit_impl", "fused")
+    section = config.distill
+    asked = section.logit_impl
     if asked != "fused":
         return [asked]
-    weights = distill.LossWeights({"kl": 0.0, getattr(flags, "loss", "kl"): 1.0})
+    weights = distill.LossWeights({"kl": 0.0, config.training.loss: 1.0})
     try:
         distill.DistillConfig(stages=[distill.Stage(steps=1, weights=weights)], logit_impl="two_pass",
-                              top_k=section.get("top_k"), train_diagnostics=bool(section.get("train_diagnostics")),
-                              teacher_cache=section.get("teacher_cache"))
+                              top_k=section.top_k, train_diagnostics=section.train_diagnostics,
+                              teacher_cache=section.teacher_cache)
     except ValueError:
         return [asked]
     return [asked, "two_pass"]
 
 
-def candidates(flags, devices: int) -> list[Candidate]:
+def candidates(config: RecipeConfig, devices: int) -> list[Candidate]:
     """Every split of the devices into fsdp x tp, micro-batch (a divisor of the step's rows the data axis splits),
     remat policy and logit loss implementation, cheapest estimate first."""
-    rows = flags.batch_size * flags.distill["grad_accum"]
+    rows = config.data.batch_size * config.distill.grad_accum
     found = []
     for tp in (d for d in range(1, devices + 1) if devices % d == 0 and d <= 8):
         fsdp = devices // tp
         mesh = {"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp}
         for micro in (b for b in range(rows, 0, -1) if rows % b == 0 and b % fsdp == 0):
             for remat in remat_policies():
-                for impl in logit_impls(flags):
+                for impl in logit_impls(config):
                     found.append(Candidate(mesh, micro, rows // micro, remat, impl))
     return sorted(found, key=lambda c: (c.cost, -c.batch_size))
 
 
-def search(flags, target: Target, program_name: str, mfu: float, asked: dict) -> dict:
+def search(config: RecipeConfig, target: Target, program_name: str, mfu: float, asked: dict) -> dict:
     """The first candidate (cheapest estimate first) whose `program_name` fits with HEADROOM free, or why none
     does. `asked`: the asked settings' row of that program."""
     tried = []
-    for candidate in candidates(flags, len(target.devices)):
+    for candidate in candidates(config, len(target.devices)):
         if len(tried) >= MAX_COMPILES:
             break
-        if _same(candidate, flags):
+        if _same(candidate, config):
             continue
         try:
-            run = aot_programs.aot_run(candidate.apply(flags))
+            run = aot_programs.aot_run(candidate.apply(config))
             entries = {e.name: e for e in aot_programs.run_programs(run, target)}
             row = measure(entries[program_name].build(), target, mfu)
         except (MeshError, RecipeError, KeyError):  # a split the model's dimensions refuse
@@ -121,14 +122,13 @@ def search(flags, target: Target, program_name: str, mfu: float, asked: dict) ->
         print(f"[aot search] {candidate.flags_text()}: {_verdict(row)}", flush=True)
         if row["fits"] and row.get("headroom", 0) >= HEADROOM:
             return {"program": program_name, "tried": tried, "best": row, "flags": candidate.flags_text()}
-    return {"program": program_name, "tried": tried, "best": None, "why": why_nothing_fits(asked, target, flags)}
+    return {"program": program_name, "tried": tried, "best": None, "why": why_nothing_fits(asked, target, config)}
 
 
-def _same(candidate: Candidate, flags) -> bool:
+def _same(candidate: Candidate, config: RecipeConfig) -> bool:
     return (candidate.batch_size, candidate.grad_accum, candidate.remat, candidate.logit_impl) == \
-        (flags.batch_size, flags.distill["grad_accum"], flags.distill.get("remat"),
-         flags.distill.get("logit_impl", "fused")) and \
-        format_mesh_spec(candidate.mesh) == (flags.mesh or "")
+        (config.data.batch_size, config.distill.grad_accum, config.distill.remat, config.distill.logit_impl) and \
+        format_mesh_spec(candidate.mesh) == (config.training.mesh or "")
 
 
 def _verdict(row: dict) -> str:
@@ -140,14 +140,14 @@ def _verdict(row: dict) -> str:
     return f"{row['bytes']['total'] / GIB:.2f} GiB per device, {row['headroom']:.0%} free"
 
 
-def why_nothing_fits(row: dict, target: Target, flags) -> str:
+def why_nothing_fits(row: dict, target: Target, config: RecipeConfig) -> str:
     """One line: what takes most of a device's memory in the asked settings, and what would fit."""
     b = row["bytes"]
     state = b["student_parameters"] + b["optimizer_state"]
     activations = b.get("temporaries") or (row.get("out_of_memory", {}).get("needed") or 0)
     parts = {"the student's weights and Adam state": state, "the teacher's weights": b["teacher_parameters"],
-             "the activations" + (" and attention maps captured for transfer" if getattr(
-                 flags, "attention_weight", 0) else ""): activations}
+             "the activations" + (" and attention maps captured for transfer" if config.training.term_weights.get(
+                 "attention") else ""): activations}
     dominant = max(parts, key=parts.get)
     persistent = state + b["teacher_parameters"]
     chips = math.ceil(persistent * len(target.devices) / ((1 - HEADROOM) * target.memory_per_device) * 1.5)

@@ -21,7 +21,7 @@ import sys
 import jax
 import numpy as np
 
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.errors import RecipeError
 
 GIB = 2 ** 30
 DOCS = "https://cloud.google.com/tpu/docs/"
@@ -90,22 +90,12 @@ class Target:
                 f"{self.memory_per_device / GIB:.2f} GiB each")
 
 
-def cpu_count_asked(argv: list[str]) -> int | None:
-    """N of `--aot cpu:N` on a command line (None otherwise), read before JAX starts its CPU client."""
-    for index, arg in enumerate(argv):
-        value = argv[index + 1] if arg == "--aot" and index + 1 < len(argv) else \
-            arg.partition("=")[2] if arg.startswith("--aot=") else None
-        match = re.fullmatch(r"cpu:(\d+)", value or "")
-        if match:
-            return int(match.group(1))
-    return None
-
-
-def prepare_host_devices(argv: list[str]) -> None:
-    """Ask JAX for N host devices when the command line says `--aot cpu:N`, before its CPU client starts (a
-    process that already started it keeps its devices; `resolve_target` then says so)."""
-    count = cpu_count_asked(argv)
-    if count and count >= 1 and not _backends_started():
+def prepare_host_devices(target: str | None) -> None:
+    """Ask JAX for N host devices when the target is `cpu:N` (--aot cpu:N), before its CPU client starts (a process
+    that already started it keeps its devices; `resolve_target` then says so)."""
+    match = re.fullmatch(r"cpu:(\d+)", target or "")
+    count = int(match.group(1)) if match else 0
+    if count >= 1 and not _backends_started():
         jax.config.update("jax_num_cpu_devices", count)
 
 

@@ -57,44 +57,46 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.surgery.atomic import write_json
-from nnx_surgery.recipes import (aot, aot_targets, cli, evaluation, phases, run_phases, run_settings, settings,
-                                 vocabulary)
-from nnx_surgery.recipes.frozen import thaw
+from nnx_surgery.recipes import aot, aot_targets, errors, final_eval, multi_host, run_phases, run_settings, vocabulary
+from nnx_surgery.recipes.config import checks, files, layering, resolution
+from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
 from nnx_surgery.recipes.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
 
 ORIGINAL_TEACHER = "teacher before correction"
 
 
-def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> settings.Flags:
-    """The resolved flags (nnx_surgery/recipes/settings.py): defaults < preset < schedule < --config < flags < --set."""
-    return settings.resolve(argv, description=__doc__, prog=prog)
+def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
+    """The run's configuration (nnx_surgery/recipes/config/): defaults < preset < schedule < --config < flags <
+    --set, checked; nothing read but the --config file."""
+    return resolution.resolve(argv, description=__doc__, prog=prog)
 
 
 def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     """The run: its settings resolved once (run_settings.py), then the phases in order (run_phases.py), each
     taking the settings and the outputs of the phases before it."""
-    aot_targets.prepare_host_devices(sys.argv[1:] if argv is None else argv)  # --aot cpu:N, before JAX starts
-    cli.start_distributed(sys.argv[1:] if argv is None else argv)  # multi-host: before anything touches devices
-    flags = parse_args(argv, prog)
-    if flags.print_config:
-        print(json.dumps(settings.resolved_config(flags), indent=2))
+    config = parse_args(argv, prog)
+    aot_targets.prepare_host_devices(config.aot.target)  # --aot cpu:N, before JAX starts
+    multi_host.start_distributed(config.multi_host)  # before anything touches devices
+    checks.check_devices(config)
+    if config.run.print_config:
+        print(json.dumps(files.saved_config(config), indent=2))
         return {}
-    aot.check_flags(flags)
-    if flags.aot:  # the run's programs compiled for the target; nothing trained, only the report written
-        return aot.main(flags)
+    aot.check_settings(config)
+    if config.aot.target:  # the run's programs compiled for the target; nothing trained, only the report written
+        return aot.main(config)
     clock = PhaseClock(time.time())
-    run = run_settings.resolve(flags)  # the output folder, the teacher, the student, the stages
-    if flags.dry_run:  # nothing written
+    run = run_settings.resolve(config)  # the output folder, the teacher, the student, the stages
+    if config.run.dry_run:  # nothing written
         print(dry_run_report(run))
         return {}
-    settings.check_resumable(run.flags, run.folder)  # --resume with other settings: refused before any read
+    files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
     prepare_output(run)
     loaded = run_phases.load_teacher_and_data(run)
     record_settings(run)  # `--config OUT/resolved_config.json` repeats this run (after the data is known good)
     clock.lap("teacher and data")
     teacher = loaded.teacher
-    if flags.teacher_correction:  # Minitron: the teacher first adapts to the corpus it will teach on
+    if config.teacher.correction:  # Minitron: the teacher first adapts to the corpus it will teach on
         teacher = run_phases.correct_teacher(run, loaded)
         clock.lap("teacher correction")
     chosen = run_phases.choose_student(run, loaded, teacher)  # --student params=: the search's winner
@@ -122,9 +124,9 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
 
 def prepare_output(run: run_settings.RunSettings) -> None:
     """The run folder emptied with --overwrite and made (multi-host: process 0 prepares the shared folder)."""
-    out, flags = run.folder, run.flags
+    out = run.folder
     if jax.process_index() == 0:
-        if flags.overwrite and os.path.isdir(out) and os.listdir(out):
+        if run.config.run.overwrite and os.path.isdir(out) and os.listdir(out):
             shutil.rmtree(out)
         os.makedirs(out, exist_ok=True)
     if jax.process_count() > 1:
@@ -135,18 +137,18 @@ def prepare_output(run: run_settings.RunSettings) -> None:
 def record_settings(run: run_settings.RunSettings) -> None:
     """resolved_config.json (refusing --resume with other settings) and run_args.json: every flag and what the
     run found (the teacher's folder and config, the data)."""
-    settings.save_resolved(run.flags, run.folder)
+    files.save_resolved(run.config, run.folder)
     if jax.process_index() == 0:
-        record = {field.name: thaw(getattr(run.flags, field.name)) for field in dataclasses.fields(run.flags)}
+        record = {name: layering.thaw(dataclasses.asdict(getattr(run.config, name))) for name in SECTIONS}
         record.update(teacher=run.teacher.source, data_description=run.data.description,
                       teacher_folder=run.teacher.folder, teacher_config=run.teacher.config,
-                      halt_steps=thaw(run.output.halt_steps))
+                      halt_steps=layering.thaw(run.output.halt_steps))
         with open(os.path.join(run.folder, "run_args.json"), "w") as f:
             json.dump(record, f, indent=2, default=str)
 
 
 def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
-    """Every model on the held-out sets, then generations and multiple choice (evaluation.py); kept in
+    """Every model on the held-out sets, then generations and multiple choice (final_eval.py); kept in
     OUT/phases/evaluation.json, so a resumed run whose models are all finished (say to add --push-to-hub, or
     killed while writing the student) reads the scores back instead of spending the evaluation again."""
     done = os.path.join(run.folder, "phases", "evaluation.json")
@@ -162,57 +164,57 @@ def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
 
 
 def evaluate_models(run, loaded, teacher, cut, distilled, control) -> dict:
-    tokens = distilled.steps * run.flags.tokens_per_step
+    tokens = distilled.steps * run.config.tokens_per_step
     rows = [("teacher", teacher, 0)]
-    if run.flags.teacher_correction:  # the teacher as it was, beside the corrected one that taught
+    if run.config.teacher.correction:  # the teacher as it was, beside the corrected one that taught
         original = surgery.load_pretrained(run.teacher.folder, dtype=run.teacher.dtype, mesh=loaded.mesh)
         rows.append((ORIGINAL_TEACHER, original, 0))
     rows += [("pruned (before distillation)", cut.pruned, 0), ("distilled student", distilled.model, tokens)]
     pairs = [("distilled student", "teacher")]
     if control is not None:
-        name = run.flags.control_name
+        name = run.config.control_name
         rows.append((name, control.model, tokens))
         pairs = [("distilled student", name)] + pairs + [(name, "teacher")]
-    print(f"[eval] {len(rows)} models on the held-out sets ({run.flags.eval_tokens:,} tokens each), then "
+    print(f"[eval] {len(rows)} models on the held-out sets ({run.config.evaluation.tokens:,} tokens each), then "
           "generations and multiple choice", flush=True)
     vocabularies = vocabulary.vocabularies(rows, cut.plan, cut.tokenizer, run.teacher.config.vocab_size)
-    return evaluation.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
+    return final_eval.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
 
 
 def summarise(run, results: dict, clock, search: dict | None, distilled, control) -> dict:
     """results.json: the evaluation, the run's wall times and settings, the search, the final losses, step speed
     and the recovery curves."""
-    flags, history = run.flags, distilled.history
-    results = dict(results, wall_time_s=round(time.time() - clock.start, 1), preset=flags.preset,
-                   compression=flags.compression, control=flags.control, phase_times_s=clock.laps,
-                   teacher_correction=flags.teacher_correction)
+    config, history = run.config, distilled.history
+    results = dict(results, wall_time_s=round(time.time() - clock.start, 1), preset=config.run.preset,
+                   compression=config.surgery.compression, control=config.student.control, phase_times_s=clock.laps,
+                   teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
     control = control or run_phases.Trained(None, [], [], 0)
-    results["step_stats"] = {"distilled": evaluation.step_stats(history),
-                             "control": evaluation.step_stats(control.history)}
-    results["recovery_curves"] = {"distilled": evaluation.curve(distilled.evals, flags.tokens_per_step),
-                                  "control": evaluation.curve(control.evals, flags.tokens_per_step)}
+    results["step_stats"] = {"distilled": final_eval.step_stats(history),
+                             "control": final_eval.step_stats(control.history)}
+    results["recovery_curves"] = {"distilled": final_eval.curve(distilled.evals, config.tokens_per_step),
+                                  "control": final_eval.curve(control.evals, config.tokens_per_step)}
     return results
 
 
 def write_student(run, results: dict, first, cut, distilled, control) -> str:
     """The results table printed; the student folder (HF + plan + results + card); results.md, the curves and
     the importance plots in the run folder. Returns the student folder."""
-    out, flags, plan = run.folder, run.flags, cut.plan
-    table = results_table(results) + evaluation.sample_section(results)
+    out, config, plan = run.folder, run.config, cut.plan
+    table = results_table(results) + final_eval.sample_section(results)
     print(table)
     final = os.path.join(out, "student")
-    tokens = distilled.steps * flags.tokens_per_step
+    tokens = distilled.steps * config.tokens_per_step
     extra = {"results.json": results, "README.md": card_writer(run, plan, first.plan, results, tokens)}
     if first.plan is not None:
         extra["plan_stage_a.json"] = first.plan.to_dict()
     surgery.save_student(distilled.model, plan, final, source=run.teacher.folder, extra_files=extra, overwrite=True)
     if jax.process_index() == 0:  # multi-host: process 0 writes the reports
         plot_curves(os.path.join(out, "training_curves.png"), first.history, distilled.history,
-                    control.history if control else [], flags.tokens_per_step,
-                    control_name=flags.control_name or "", recovery=results["recovery_curves"],
+                    control.history if control else [], config.tokens_per_step,
+                    control_name=config.control_name or "", recovery=results["recovery_curves"],
                     teacher_loss=None if plan.kept_vocab else results["rows"][0]["loss"])  # trimmed: other tokens
         surgery.plot_report(first.plan or plan, os.path.join(out, "layer_importance.png"))  # the depth cut
         if first.plan is not None:
@@ -224,14 +226,15 @@ def write_student(run, results: dict, first, cut, distilled, control) -> str:
 
 def publish(run, final: str) -> None:
     """--gguf: the student as one GGUF file beside its folder, for llama.cpp; --push-to-hub: the folder uploaded."""
-    flags = run.flags
-    if flags.gguf and jax.process_index() == 0:
+    config = run.config
+    if config.run.gguf and jax.process_index() == 0:
         started = time.perf_counter()
-        path = surgery.export_gguf(final, os.path.join(run.folder, f"student-{flags.gguf}.gguf"), dtype=flags.gguf)
-        print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {flags.gguf}, "
+        name = f"student-{config.run.gguf}.gguf"
+        path = surgery.export_gguf(final, os.path.join(run.folder, name), dtype=config.run.gguf)
+        print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {config.run.gguf}, "
               f"{time.perf_counter() - started:.0f} s; run it with llama.cpp, README 'Run a student with llama.cpp')")
-    if flags.push_to_hub:
-        url = surgery.push_to_hub(final, flags.push_to_hub, private=not flags.public)
+    if config.run.push_to_hub:
+        url = surgery.push_to_hub(final, config.run.push_to_hub, private=not config.run.public)
         print(f"pushed to {url}")
 
 
@@ -252,7 +255,7 @@ class PhaseClock:
 def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:
     """The recipe as a command (`prog` names it in --help): one-line errors, exit 3 when --halt-after stops it."""
     try:
-        cli.guarded(lambda args: main(args, prog), argv)
+        errors.guarded(lambda args: main(args, prog), argv)
     except Interrupted as stop:
         print(stop.code if isinstance(stop.code, str) else "interrupted", file=sys.stderr)
         sys.exit(3)

@@ -25,7 +25,7 @@ import os
 import platform
 from typing import Any
 
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes.errors import RecipeError
 
 TASKS_VERSION = 2  # of the offline tasks' files (nnx_surgery.lm_eval_tasks): a change writes them anew
 COMPLETE = ".complete"
@@ -40,12 +40,12 @@ class Tasks:
     manager: Any
 
 
-def require_lm_eval(flag: str = "--tasks") -> None:
+def require_lm_eval(flag: str = "--eval-tasks") -> None:
     if importlib.util.find_spec("lm_eval") is None:
         raise RecipeError(f"{flag} needs lm-evaluation-harness, which is not installed: {EXTRA}")
 
 
-def task_names(text: str, flag: str = "--tasks") -> tuple[str, ...]:
+def task_names(text: str, flag: str = "--eval-tasks") -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     if not names:
         raise RecipeError(f"{flag} {text!r}: give task names separated by commas, e.g. nnx_offline,arc_easy.")
@@ -67,7 +67,7 @@ def offline_tasks_folder() -> str:
     return folder
 
 
-def checked_tasks(text: str, *, include_path: str | None, flag: str = "--tasks") -> Tasks:
+def checked_tasks(text: str, *, include_path: str | None, flag: str = "--eval-tasks") -> Tasks:
     """The tasks of `text`, each known and its dataset readable, or a RecipeError naming the first that is not
     (with lm-eval's nearest names)."""
     require_lm_eval(flag)

@@ -13,8 +13,8 @@ import json
 import os
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes.cli import RecipeError
-from nnx_surgery.recipes.settings import Flags
+from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.config.sections import RecipeConfig
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "released_configs")
 
@@ -38,10 +38,10 @@ def released_path(name: str) -> str:
     return os.path.join(FOLDER, f"{name}.json")
 
 
-def teacher_config(flags: Flags) -> tuple[str, str, surgery.ModelConfig]:
+def teacher_config(config: RecipeConfig) -> tuple[str, str, surgery.ModelConfig]:
     """(what the teacher is, where its config came from, the config) without reading any weights."""
-    source = flags.teacher
-    if flags.preset == "tiny" and source is None:
+    source = config.teacher.model
+    if config.run.preset == "tiny" and source is None:
         from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG
         return "the tiny preset's teacher", "tiny_teacher.TEACHER_CONFIG", surgery.ModelConfig.from_hf_dict(
             TEACHER_CONFIG, where="the tiny preset's teacher config")
@@ -56,7 +56,7 @@ def teacher_config(flags: Flags) -> tuple[str, str, surgery.ModelConfig]:
     if name is not None:
         path = released_path(name)
         return source, f"{path} (the released config, shipped with the package)", surgery.ModelConfig.from_file(path)
-    path = _hub_config(source, flags.revision)
+    path = _hub_config(source, config.teacher.revision)
     return source, path, surgery.ModelConfig.from_file(path)
 
 

@@ -9,7 +9,7 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
-from nnx_surgery.recipes.settings import CONTROL_NAMES
+from nnx_surgery.recipes.config.sections import CONTROL_NAMES
 from nnx_surgery.recipes.shape_search import GUESS, eval_points
 
 BYTES = {"bf16": 2, "fp32": 4}
@@ -23,19 +23,19 @@ def dry_run_report(run) -> str:
     """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan, from the
     run's settings (run_settings.RunSettings). With `--student params=...`, first the shapes the search would train
     and its cost; the uniform guess stands for the student below."""
-    args, teacher, spec = run.flags, run.teacher.config, run.student.spec
+    config, teacher, spec = run.config, run.teacher.config, run.student.spec
     search = run.student.choice if run.student.choice.budget else None
     student = spec.config_for(teacher, list(range(spec.num_layers)))
     pieces = spec.vocab_size_for(teacher)
     student = student if pieces is None else student.replace(vocab_size=pieces)
     devices = 1
-    for size in _mesh_sizes(args.mesh).values():
+    for size in _mesh_sizes(config.training.mesh).values():
         devices *= size
     n_t, n_s = teacher.num_parameters(), student.num_parameters()
-    t_bytes = n_t * BYTES[args.precision]
+    t_bytes = n_t * BYTES[config.training.precision]
     s_bytes = n_s * 4 * 4  # float32 master weights, gradients and two Adam moments
-    act = args.batch_size * args.seq_len * student.hidden_size * student.num_hidden_layers * 4 * 16
-    act += args.batch_size * args.seq_len * teacher.hidden_size * 4 * 4  # teacher forward, one layer live
+    act = config.data.batch_size * config.data.seq_len * student.hidden_size * student.num_hidden_layers * 4 * 16
+    act += config.data.batch_size * config.data.seq_len * teacher.hidden_size * 4 * 4  # teacher forward, one layer live
     logits = 32 * student.vocab_size * 4 * 6  # fused KL chunk: both models' logits, probabilities, gradient
     rows = [("", "teacher", "student"),
             ("family", teacher.model_type, student.model_type),
@@ -48,15 +48,15 @@ def dry_run_report(run) -> str:
             ("vocabulary", teacher.vocab_size, student.vocab_size),
             ("parameters", _count(n_t), f"{_count(n_s)}  ({n_s / n_t:.0%} of the teacher)")]
     width = max(len(str(r[0])) for r in rows)
-    lines = search_plan(args, search) if search is not None else []
+    lines = search_plan(config, search) if search is not None else []
     lines += [f"{str(a).ljust(width)}  {str(b).rjust(10)}  {c}" for a, b, c in rows]
     gib = 2**30
-    memory = [(f"teacher weights ({args.precision})", t_bytes / devices),
+    memory = [(f"teacher weights ({config.training.precision})", t_bytes / devices),
               ("student weights, grads, Adam moments (float32)", s_bytes / devices),
               ("activations (rough, no remat) and the logit chunk", act / devices + logits)]
     memory.append(("total", sum(v for _, v in memory)))
-    lines += ["", f"mesh {args.mesh or 'one device'} ({devices} device(s)), precision {args.precision}, "
-              f"batch {args.batch_size} x {args.seq_len} per step",
+    lines += ["", f"mesh {config.training.mesh or 'one device'} ({devices} device(s)), precision {config.training.precision}, "
+              f"batch {config.data.batch_size} x {config.data.seq_len} per step",
               "memory per device (FSDP shards parameters and optimizer state over all devices):"]
     lines += [f"  {name.ljust(50)} {value / gib:9.3f} GiB" for name, value in memory]
     lines += ["", "plan:"]
@@ -65,7 +65,7 @@ def dry_run_report(run) -> str:
         # the kept pieces come from calibration counts, which a dry run does not have
         target = run.student.stage_a_spec or dataclasses.replace(spec, vocab_size=None)
         plan = surgery.plan_student(folder, target)  # data-free, tensor by tensor from disk
-        lines.append(f"  ({'stage A of staged compression; ' if args.compression == 'staged' else ''}"
+        lines.append(f"  ({'stage A of staged compression; ' if config.surgery.compression == 'staged' else ''}"
                      "data-free magnitude scores read from disk; the run uses calibration data)")
         lines.append(surgery.format_report(plan))
         if pieces is not None:
@@ -76,26 +76,26 @@ def dry_run_report(run) -> str:
     return "\n".join(lines)
 
 
-def search_plan(args, search) -> list[str]:
+def search_plan(config, search) -> list[str]:
     """The dry run's account of a shape search: each candidate's shape and parameter counts (the uniform guess
     and the heads-kept shape marked), and its cost in steps and tokens against the main distillation's."""
     budget = search.budget
     width = max(len(c.text) for c in search.candidates)
     lines = [f"shape search ({budget.text}: {search.target:,} {budget.counting.replace('_', '-')} parameters "
-             f"+-{args.search_tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
+             f"+-{config.search.tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
              f"  {'candidate'.ljust(width)}  {'parameters':>10}  {'non-embedding':>13}"]
     for candidate in search.candidates:
         note = search.note(candidate)
         mark = {None: "", GUESS: "  uniform guess (every axis cut by the same ratio)"}.get(note, f"  {note}")
         lines.append(f"  {candidate.text.ljust(width)}  {_count(candidate.parameters):>10}  "
                      f"{_count(candidate.non_embedding):>13}{mark}")
-    steps = len(search.candidates) * args.search_steps
-    lines += [f"  cost: {len(search.candidates)} candidates x {args.search_steps} steps x "
-              f"{args.tokens_per_step:,} tokens per step = {steps:,} steps, {steps * args.tokens_per_step:,} tokens: "
-              f"{steps / args.steps:.2f}x the main distillation's {args.steps:,} steps "
-              f"({args.steps * args.tokens_per_step:,} tokens)",
+    steps = len(search.candidates) * config.search.steps
+    lines += [f"  cost: {len(search.candidates)} candidates x {config.search.steps} steps x "
+              f"{config.tokens_per_step:,} tokens per step = {steps:,} steps, {steps * config.tokens_per_step:,} tokens: "
+              f"{steps / config.training.steps:.2f}x the main distillation's {config.training.steps:,} steps "
+              f"({config.training.steps * config.tokens_per_step:,} tokens)",
               "  each candidate scored on the held-out sets at steps "
-              f"{', '.join(map(str, eval_points(args.search_steps)))}; ranked by in-domain CE at the last",
+              f"{', '.join(map(str, eval_points(config.search.steps)))}; ranked by in-domain CE at the last",
               "  the shapes and plan below are the uniform guess's; the run distils the search's winner", ""]
     return lines
 
@@ -314,7 +314,7 @@ def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], control: li
 def card_writer(run, plan, plan_a, results: dict, tokens: int):
     """A callable for `save_student(extra_files={"README.md": ...})`: the model card with the lineage. `run`: the
     run's settings (run_settings.RunSettings)."""
-    args = run.flags
+    config = run.config
 
     def write(path: str) -> None:
         teacher = plan_a.teacher_config if plan_a is not None else plan.teacher_config
@@ -322,7 +322,7 @@ def card_writer(run, plan, plan_a, results: dict, tokens: int):
         summary = {axis: f"{getattr(teacher, axis)} -> {getattr(student, axis)}"
                    for axis in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                                 "num_key_value_heads", "vocab_size")}
-        summary["compression"] = args.compression
+        summary["compression"] = config.surgery.compression
         summary["KV heads"] = plan.methods.get("kv")
         evaluation = {"held-out loss": {r["model"]: round(r["loss"], 4) for r in results["rows"]},
                       "held-out loss per byte": {r["model"]: round(r["loss_per_byte"], 4) for r in results["rows"]},
@@ -331,10 +331,10 @@ def card_writer(run, plan, plan_a, results: dict, tokens: int):
             evaluation["general-domain held-out loss (English prose)"] = {
                 r["model"]: round(r["general_loss"], 4) for r in results["rows"] if "general_loss" in r}
         surgery.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
-                                 teacher_revision=args.revision, plan_summary=summary,
+                                 teacher_revision=config.teacher.revision, plan_summary=summary,
                                  data_description=" ".join([run.data.description, *pairing_lines(results)]),
-                                 steps=args.steps,
+                                 steps=config.training.steps,
                                  tokens=tokens, losses=results.get("final_losses", {}), evaluation=evaluation,
-                                 repo_id=args.push_to_hub,
-                                 gguf=f"student-{args.gguf}.gguf" if args.gguf else None)
+                                 repo_id=config.run.push_to_hub,
+                                 gguf=f"student-{config.run.gguf}.gguf" if config.run.gguf else None)
     return write

@@ -27,8 +27,8 @@ from typing import Any
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import corpus, phases, shape_search, vocabulary
-from nnx_surgery.recipes.cli import RecipeError
+from nnx_surgery.recipes import corpus, phase_configs, shape_search, vocabulary
+from nnx_surgery.recipes.errors import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
 
 
@@ -81,11 +81,13 @@ class Trained:
 
 def load_teacher_and_data(run: RunSettings) -> Loaded:
     """The teacher in the run's precision on the mesh, its batches, and the calibration rows."""
-    mesh = distill.make_mesh(run.flags.mesh, devices=run.flags.mesh_devices) if run.flags.mesh else None
+    training = run.config.training
+    mesh = distill.make_mesh(training.mesh, devices=training.mesh_devices) if training.mesh else None
     teacher = surgery.load_pretrained(run.teacher.folder, dtype=run.teacher.dtype, mesh=mesh)
     distill.data.check_vocabulary(run.teacher.folder, run.teacher.config.vocab_size)
     data = corpus.load_data(run.data)
-    return Loaded(teacher, data, mesh, data.calibration_ids(run.flags.calibration_samples, seed=run.flags.seed))
+    calibration = data.calibration_ids(run.config.surgery.calibration_samples, seed=run.config.run.seed)
+    return Loaded(teacher, data, mesh, calibration)
 
 
 def correct_teacher(run: RunSettings, loaded: Loaded):
@@ -93,13 +95,13 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
     --teacher-correction steps before it is pruned and teaches. It trains on its own copy of the batches, so the
     student's batches are those of a run without correction; it is saved in phases/teacher_correction (a
     resumed run reloads it)."""
-    flags, dtype = run.flags, run.teacher.dtype
-    print(f"[teacher correction] {flags.teacher_correction} steps of plain CE on the corpus, learning rate "
-          f"{flags.teacher_correction_lr:g}", flush=True)
+    config, dtype = run.config, run.teacher.dtype
+    print(f"[teacher correction] {config.teacher.correction} steps of plain CE on the corpus, learning rate "
+          f"{config.teacher.correction_lr:g}", flush=True)
     trainee = loaded.teacher if dtype == "float32" else surgery.load_pretrained(run.teacher.folder, dtype="float32",
                                                                                 mesh=loaded.mesh)
-    config = run.phase_config("teacher_correction", [run.stages.teacher_correction])
-    corrected = train(run, "teacher_correction", None, trainee, copy.deepcopy(loaded.data), config, loaded.mesh,
+    phase = run.phase_config("teacher_correction", [run.stages.teacher_correction])
+    corrected = train(run, "teacher_correction", None, trainee, copy.deepcopy(loaded.data), phase, loaded.mesh,
                       dtype=dtype).model
     if dtype != "float32":  # trained in float32, teaches in the run's precision
         corrected = surgery.load_pretrained(os.path.join(run.folder, "phases", "teacher_correction"), dtype=dtype,
@@ -118,7 +120,8 @@ def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
     if run.student.stage_a_spec is None:
         return StageA(None, teacher, [], 0)
     plan = surgery.plan_student(teacher, run.student.stage_a_spec, calibration=loaded.calibration,
-                                source=run.teacher.source, revision=run.flags.revision, seed=run.flags.seed)
+                                source=run.teacher.source, revision=run.config.teacher.revision,
+                                seed=run.config.run.seed)
     student = make_student(run, teacher, plan, "stage_a", loaded.mesh)
     print(surgery.format_report(plan))
     config = run.phase_config("stage_a", [run.stages.stage_a], plan, loaded.data)
@@ -129,15 +132,15 @@ def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
 def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
     """The final plan, made on the stage-A student (or the teacher), and the student it cuts; with a trimmed
     vocabulary the student's tokenizer and the corpus in its tokens."""
-    spec, flags = run.student.spec, run.flags
+    spec, config = run.student.spec, run.config
     # A trimmed vocabulary keeps the pieces the training corpus uses most, counted over every training row (a few
     # calibration rows see too few of the pieces the student will meet).
     data = loaded.data
-    vocab_rows = data.calibration_ids(data.num_rows, seed=flags.seed) if spec.vocab_size is not None else None
+    vocab_rows = data.calibration_ids(data.num_rows, seed=config.run.seed) if spec.vocab_size is not None else None
     plan = surgery.plan_student(first.student, spec, calibration=loaded.calibration, vocab_calibration=vocab_rows,
-                                seed=flags.seed, measure_compensation=True,
+                                seed=config.run.seed, measure_compensation=True,
                                 source=f"stage-A student of {run.teacher.source}" if first.plan else run.teacher.source,
-                                revision=None if first.plan else flags.revision, tokenizer=run.teacher.folder)
+                                revision=None if first.plan else config.teacher.revision, tokenizer=run.teacher.folder)
     data, tokenizer = vocabulary.student_batches(run.teacher.folder, plan, run.folder, data,
                                                  lambda folder: corpus.load_data(run.data, folder))
     pruned = pruned_student(teacher, first.plan, plan)
@@ -160,16 +163,16 @@ def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut:
     """The control on the distillation's steps (stage A's included) and batches: the same pruned student
     retrained with plain CE, or the shape from scratch. A one-shot cut's pruned-CE control is made as the
     distilled student was and must start from its very weights (RecipeError otherwise, before it trains)."""
-    flags = run.flags
-    if flags.control == "none":
+    config = run.config
+    if config.student.control == "none":
         return None
     same_start = starts_alike(run, first)
     if same_start:
         control = make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)
-    elif flags.control == "pruned-ce":
+    elif config.student.control == "pruned-ce":
         control = pruned_student(teacher, first.plan, cut.plan)
     else:
-        control = surgery.create_model(cut.pruned.config, seed=flags.seed + 1, mesh=loaded.mesh)
+        control = surgery.create_model(cut.pruned.config, seed=config.run.seed + 1, mesh=loaded.mesh)
     start_weights = distill.weights_digest(control)
     if same_start and distilled.start_weights not in (None, start_weights):
         raise RecipeError(f"the control would start from weights {start_weights} but the distilled student "
@@ -181,8 +184,8 @@ def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut:
               " the control continues the data stream where it stopped", flush=True)
     else:
         cut.data.restore(start)  # the distillation's batches, in its order
-    config = run.phase_config("control", [phases.control_stage(flags, distilled.steps)])
-    return train(run, "control", None, control, cut.data, config, loaded.mesh,
+    phase = run.phase_config("control", [phase_configs.control_stage(config, distilled.steps)])
+    return train(run, "control", None, control, cut.data, phase, loaded.mesh,
                  source=cut.tokenizer or run.teacher.folder, start_weights=start_weights)
 
 
@@ -190,7 +193,7 @@ def starts_alike(run: RunSettings, first: StageA) -> bool:
     """Whether the control must start from the distilled student's very weights: a pruned-CE control of a one-shot
     cut (after staged compression the distillation starts from stage A's cut of the teacher, and a scratch
     control from new weights)."""
-    return run.flags.control == "pruned-ce" and first.plan is None
+    return run.config.student.control == "pruned-ce" and first.plan is None
 
 
 def continues_stage_a(first: StageA, cut: Cut) -> bool:
@@ -273,7 +276,7 @@ def pruned_student(teacher, plan_a, plan):
 def make_student(run: RunSettings, source_model, plan, phase: str, mesh):
     """Apply `plan` in memory, or with --from-disk (when the source is the teacher itself) write the student with
     prune_checkpoint, which reads only the kept slices of the teacher's files, and load it."""
-    if run.flags.from_disk and source_model is not None and plan.teacher_config == run.teacher.config:
+    if run.config.surgery.from_disk and source_model is not None and plan.teacher_config == run.teacher.config:
         folder = os.path.join(run.folder, "surgery", phase)
         surgery.prune_checkpoint(run.teacher.folder, plan, folder, overwrite=True)
         return surgery.load_pretrained(folder, dtype="float32", mesh=mesh)

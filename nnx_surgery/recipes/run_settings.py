@@ -1,9 +1,9 @@
-"""The run's settings, resolved once before anything trains: the layered flags (`settings.resolve`) and every value
-derived from them and the teacher, in one frozen record that the phases read and nothing writes.
+"""The run's settings, resolved once before anything trains: the configuration (`config.resolution.resolve`) and
+every value derived from it and the teacher, in one frozen record that the phases read and nothing writes.
 
-    flags = settings.resolve(argv)     # defaults < preset < schedule < --config < flags < --set; no teacher read
-    run = run_settings.resolve(flags)  # + the output folder, the teacher (its config.json read once), the data,
-                                       #   the evaluation, the student (and stage A's shape), its stages
+    config = resolution.resolve(argv)   # defaults < preset < schedule < --config < flags < --set; no teacher read
+    run = run_settings.resolve(config)  # + the output folder, the teacher (its config.json read once), the data,
+                                        #   the evaluation, the student (and stage A's shape), its stages
 
 A shape search (`--student params=...`) picks the student while the run goes; `for_student(run, winner)` is then
 the same settings for the winner (a new record: its stage-A shape, KV merge and stages).
@@ -18,11 +18,12 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 import nnx_surgery.surgery.gguf_export  # noqa: F401  (surgery.gguf_export below)
-from nnx_surgery.recipes import cli, phases, shape_search, tiny_teacher
+from nnx_surgery.recipes import inputs, phase_configs, shape_search, tiny_teacher
+from nnx_surgery.recipes.config.layering import freeze
+from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.corpus import DataSettings
-from nnx_surgery.recipes.evaluation import EvalSettings
-from nnx_surgery.recipes.frozen import freeze, thaw
-from nnx_surgery.recipes.settings import Flags
+from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.final_eval import EvalSettings
 
 PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
 
@@ -62,7 +63,7 @@ class Student:
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Every phase's stages, built for the student's depth (phases.py): stage A (staged compression), after the
+    """Every phase's stages, built for the student's depth (phase_configs.py): stage A (staged compression), after the
     final cut a K/V warm-up (merged KV heads) then the main stages, and the teacher correction's."""
 
     teacher_correction: distill.Stage | None
@@ -77,9 +78,9 @@ class Stages:
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-    """One run's settings: the flags and what follows from them and the teacher (module docstring)."""
+    """One run's settings: its configuration and what follows from it and the teacher (module docstring)."""
 
-    flags: Flags
+    config: RecipeConfig
     output: Output
     teacher: Teacher
     data: DataSettings
@@ -92,74 +93,78 @@ class RunSettings:
         return self.output.folder
 
     def phase_config(self, phase: str, stages, plan: Any = None, data: Any = None) -> distill.DistillConfig:
-        """`phase`'s DistillConfig (phases.phase_config) in the run folder, with its --halt-after step."""
-        return phases.phase_config(self.flags, phase, stages, plan, self.folder, data,
+        """`phase`'s DistillConfig (phase_configs.phase_config) in the run folder, with its --halt-after step."""
+        return phase_configs.phase_config(self.config, phase, stages, plan, self.folder, data,
                                    halt_after=self.output.halt_steps.get(phase))
 
 
-def resolve(flags: Flags) -> RunSettings:
+def resolve(config: RecipeConfig) -> RunSettings:
     """The run's settings: the output folder checked, the teacher found (the tiny preset's trained once and
     cached; a Hub id downloaded; a GGUF imported), its config read, the student chosen and checked against it, the
     stages built. Refusals are RecipeError / SpecError lines, before any weights load."""
-    output = output_settings(flags)
-    teacher, corpus, description = locate_teacher(flags)
-    limit = cli.position_limit(teacher.folder, teacher.config)
-    check_new_tokens(flags, teacher, limit.get("max_positions"))
-    choice = shape_search.student_choice(flags, teacher.config, teacher.folder)
-    if flags.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
+    output = output_settings(config)
+    teacher, corpus, description = locate_teacher(config)
+    limit = inputs.position_limit(teacher.folder, teacher.config)
+    check_new_tokens(config, teacher, limit.get("max_positions"))
+    choice = shape_search.student_choice(config, teacher.config, teacher.folder)
+    if config.run.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
         surgery.gguf_export.check_exportable(teacher.config, teacher.folder)
-    data = DataSettings(files=flags.data, corpus=corpus, description=description, teacher_folder=teacher.folder,
-                        batch_size=flags.batch_size, seq_len=flags.seq_len, seed=flags.seed,
-                        restart_rows=flags.restart_rows, general_mix=flags.general_mix,
+    data = DataSettings(files=config.data.files, corpus=corpus, description=description,
+                        teacher_folder=teacher.folder,
+                        batch_size=config.data.batch_size, seq_len=config.data.seq_len, seed=config.run.seed,
+                        restart_rows=config.data.restart_rows, general_mix=config.data.general_mix,
                         position_limit=freeze(limit))
-    evaluation = EvalSettings.of(flags, teacher.folder, description)
-    return for_student(RunSettings(flags, output, teacher, data, evaluation, None, None), choice.spec, choice)
+    evaluation = EvalSettings.of(config, teacher.folder, description)
+    bare = RunSettings(config, output, teacher, data, evaluation, None, None)  # type: ignore[arg-type]
+    return for_student(bare, choice.spec, choice)
 
 
-def check_new_tokens(flags: Flags, teacher: Teacher, positions: int | None) -> None:
+def check_new_tokens(config: RecipeConfig, teacher: Teacher, positions: int | None) -> None:
     """--new-tokens (the suite's greedy continuations) must leave room for a prompt in the teacher's positions."""
-    if flags.eval_prompts and positions and flags.new_tokens >= positions:
-        raise cli.RecipeError(f"--new-tokens {flags.new_tokens}: the teacher ({teacher.source}) has "
+    if config.evaluation.prompts and positions and config.evaluation.new_tokens >= positions:
+        raise RecipeError(f"--new-tokens {config.evaluation.new_tokens}: the teacher ({teacher.source}) has "
                               f"{positions:,} positions, which must hold the prompt and the new tokens; give at "
                               f"most {positions // 2:,}, or --eval-prompts 0 for no generations.")
 
 
-def output_settings(flags: Flags) -> Output:
+def output_settings(config: RecipeConfig) -> Output:
     """The run folder, refused when missing, busy (without --resume or --overwrite) or not a folder, and
     --halt-after parsed."""
-    if not flags.output:
-        raise cli.RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
-    if jax.process_count() > 1 and not flags.mesh:
-        raise cli.RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
+    if not config.run.output:
+        raise RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
+    if jax.process_count() > 1 and not config.training.mesh:
+        raise RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
                               f"{jax.device_count()} devices, e.g. --mesh fsdp={jax.device_count()}.")
-    folder, started = cli.output_folder(flags.output, resume=flags.resume, overwrite=flags.overwrite,
-                                        dry_run=flags.dry_run)
+    run = config.run
+    folder, started = inputs.output_folder(run.output, resume=run.resume, overwrite=run.overwrite,
+                                           dry_run=run.dry_run)
     halt_steps = {}
-    if flags.halt_after:
-        phase, _, step = flags.halt_after.partition(":")
+    if config.run.halt_after:
+        phase, _, step = config.run.halt_after.partition(":")
         if phase not in PHASES or not step.isdigit():
-            raise cli.RecipeError(f"--halt-after {flags.halt_after!r}: use PHASE:STEP with PHASE in {PHASES}.")
+            raise RecipeError(f"--halt-after {config.run.halt_after!r}: use PHASE:STEP with PHASE in {PHASES}.")
         halt_steps[phase] = int(step)
     return Output(folder, started, freeze(halt_steps))
 
 
-def locate_teacher(flags: Flags) -> tuple[Teacher, tuple[str, ...] | None, str]:
+def locate_teacher(config: RecipeConfig) -> tuple[Teacher, tuple[str, ...] | None, str]:
     """(the teacher, the preset's corpus files or None, what the training text is). The tiny preset makes both
     offline (the teacher trained once, cached in --cache-dir); the gemma3-270m preset reads the standard library's
     source (its teacher, the real GGUF, is imported once and cached)."""
-    source, corpus = flags.teacher, None
-    if flags.preset == "tiny" and flags.teacher is None:
-        source, files = tiny_teacher.prepare(flags)
+    source, corpus = config.teacher.model, None
+    if config.run.preset == "tiny" and config.teacher.model is None:
+        source, files = tiny_teacher.prepare_for(config)
         corpus = tuple(files)
         description = (f"{len(corpus)} files of the Python standard library's source, byte-level tokens "
                        "(offline tiny preset)")
-    elif flags.data is None and flags.preset == "gemma3-270m":
-        corpus = tuple(tiny_teacher.corpus_files(flags))
+    elif config.data.files is None and config.run.preset == "gemma3-270m":
+        corpus = tuple(tiny_teacher.corpus_files(config.data.corpus_bytes, config.run.seed))
         description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
     else:
-        description = flags.data or ""
-    folder = cli.teacher_folder(source, flags.revision)
-    return Teacher(source, folder, surgery.ModelConfig.from_file(folder), flags.compute_dtype), corpus, description
+        description = config.data.files or ""
+    folder = inputs.teacher_folder(source, config.teacher.revision)
+    teacher = Teacher(source, folder, surgery.ModelConfig.from_file(folder), config.training.compute_dtype)
+    return teacher, corpus, description
 
 
 def for_student(run: RunSettings, spec: surgery.StudentSpec,
@@ -167,29 +172,31 @@ def for_student(run: RunSettings, spec: surgery.StudentSpec,
     """`run` with `spec` as its student: stage A's spec, whether its KV heads merge, and the stages for its depth."""
     teacher = run.teacher.config
     stage_a_spec = None
-    if run.flags.compression == "staged":  # depth and MLP width of the final student; the rest the teacher's
+    if run.config.surgery.compression == "staged":  # depth and MLP width of the final student, the rest the teacher's
         stage_a_spec = surgery.StudentSpec(spec.num_layers, teacher.hidden_size, spec.intermediate_size,
                                            teacher.num_attention_heads, teacher.num_key_value_heads)
     merged = spec.num_key_value_heads != teacher.num_key_value_heads and spec.check_against(teacher) == "merge"
     student = Student(choice or run.student.choice, spec, stage_a_spec, merged)
-    return dataclasses.replace(run, student=student, stages=build_stages(run.flags, student))
+    return dataclasses.replace(run, student=student, stages=build_stages(run.config, student))
 
 
-def build_stages(flags: Flags, student: Student) -> Stages:
-    """Every phase's stages for `student` (phases.py), checked with the distill section. After the final cut the
+def build_stages(config: RecipeConfig, student: Student) -> Stages:
+    """Every phase's stages for `student` (phase_configs.py), checked with the distill section. After the final cut the
     main stages share --steps with stage A and the K/V warm-up (--kv-warmup of --steps, when KV heads merge)."""
     try:
-        stage_a = phases.stage_a(flags) if student.stage_a_spec is not None else None
-        steps_b = flags.steps - (stage_a.steps if stage_a else 0)
-        warmup = max(1, round(flags.steps * flags.kv_warmup)) if flags.kv_warmup > 0 and student.kv_merged else 0
-        main = tuple(phases.main_stages(flags, student.spec.num_layers, max(1, steps_b - warmup)))
-        distill.DistillConfig.from_dict({**thaw(flags.distill), "stages": list(main)})
-        return Stages(teacher_correction=phases.teacher_correction_stage(flags) if flags.teacher_correction else None,
-                      stage_a=stage_a, kv_warmup=phases.kv_warmup(flags, warmup) if warmup else None, main=main)
-    except cli.RecipeError:
+        stage_a = phase_configs.stage_a(config) if student.stage_a_spec is not None else None
+        steps_b = config.training.steps - (stage_a.steps if stage_a else 0)
+        share = config.surgery.kv_warmup
+        warmup = max(1, round(config.training.steps * share)) if share > 0 and student.kv_merged else 0
+        main = tuple(phase_configs.main_stages(config, student.spec.num_layers, max(1, steps_b - warmup)))
+        dataclasses.replace(config.distill, stages=main)  # checked with the distill section
+        correction = phase_configs.teacher_correction_stage(config) if config.teacher.correction else None
+        return Stages(teacher_correction=correction, stage_a=stage_a,
+                      kv_warmup=phase_configs.kv_warmup(config, warmup) if warmup else None, main=main)
+    except RecipeError:
         raise
     except (ValueError, TypeError) as error:
-        raise cli.RecipeError(f"distill settings: {error}") from None
+        raise RecipeError(f"distill settings: {error}") from None
 
 
 __all__ = ["RunSettings", "Output", "Teacher", "Student", "Stages", "resolve", "output_settings", "locate_teacher",

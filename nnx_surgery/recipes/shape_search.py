@@ -20,7 +20,7 @@ the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run d
   stand before the main distillation, which therefore sees the batches a run with `--student WINNER` would. With
   --schedule or the config file's stages the search still trains that one stage (a schedule is sized for the main
   run); students are built in memory (`apply_plan`), --from-disk or not.
-* Scored at a third, two thirds and the end on the recipe's held-out sets (`evaluation.heldout_sets`: in-domain and,
+* Scored at a third, two thirds and the end on the recipe's held-out sets (`final_eval.heldout_sets`: in-domain and,
   unless --no-general-eval, general prose) and ranked by in-domain CE per token: every candidate keeps the teacher's
   tokenizer, so per-token CE compares (a `vocab=` beside `params=` is refused: candidates with a trimmed vocabulary
   would each need the trimmed tokenizer's corpus and held-out sets; search first, then give the winner with vocab=).
@@ -37,7 +37,8 @@ import os
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import cli, evaluation, phases
+from nnx_surgery.recipes import errors, final_eval, inputs, phase_configs
+from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.surgery.search_space import COUNTINGS, budget_target
 
 FOLDER = "search"
@@ -89,7 +90,7 @@ def parse_budget_text(text: str | None) -> Budget | None:
     for item in items:
         key, _, value = (part.strip() for part in item.partition("="))
         if key == "vocab":
-            raise cli.RecipeError(f"--student {text!r}: the shape search compares candidates in the teacher's "
+            raise errors.RecipeError(f"--student {text!r}: the shape search compares candidates in the teacher's "
                                   "tokens, so it does not take vocab=; search without it, then run the winner "
                                   "as --student WINNER,vocab=N.")
         if key not in ("params", "counting"):
@@ -104,29 +105,29 @@ def parse_budget_text(text: str | None) -> Budget | None:
     return Budget(text, given["params"], counting)
 
 
-def student_choice(args, teacher: surgery.ModelConfig, tokenizer: str | None = None) -> StudentChoice:
+def student_choice(config: RecipeConfig, teacher: surgery.ModelConfig, tokenizer: str | None = None) -> StudentChoice:
     """The student `--student` asks for, checked against the teacher's config (and a `vocab=` against its
-    `tokenizer` folder) before any model loads: an explicit shape (`cli.student_spec`), or the budget and the shapes
+    `tokenizer` folder) before any model loads: an explicit shape (`inputs.student_spec`), or the budget and the shapes
     the search will try."""
-    budget = parse_budget_text(args.student)
-    if budget is None and args.search_shapes:
-        raise cli.RecipeError(f"--search-shapes is for a shape search: give --student params=... (a budget) "
-                              f"with it, not --student {args.student!r}.")
+    budget = parse_budget_text(config.student.shape)
+    if budget is None and config.search.shapes:
+        raise errors.RecipeError(f"--search-shapes is for a shape search: give --student params=... (a budget) "
+                                 f"with it, not --student {config.student.shape!r}.")
     if budget is None:
-        return StudentChoice(cli.student_spec(args.student, teacher, tokenizer=tokenizer))
+        return StudentChoice(inputs.student_spec(config.student.shape, teacher, tokenizer=tokenizer))
     try:
         target = budget_target(teacher, budget.params, budget.counting)
         fitting = surgery.candidate_specs(teacher, params=budget.params, counting=budget.counting,
-                                          tolerance=args.search_tolerance)
+                                          tolerance=config.search.tolerance)
         guess = surgery.uniform_spec(teacher, params=budget.params, counting=budget.counting)
         guess.spec.check_against(teacher)
     except surgery.SpecError as error:
         raise surgery.SpecError(f"--student {budget.text!r}: {error}") from None
     near = heads_kept_shape(teacher, budget, fitting)
-    chosen = (given_shapes(args.search_shapes, fitting, guess, teacher, budget, args.search_tolerance)
-              if args.search_shapes else spread(fitting, guess, args.search_candidates, near=near))
+    chosen = (given_shapes(config.search.shapes, fitting, guess, teacher, budget, config.search.tolerance)
+              if config.search.shapes else spread(fitting, guess, config.search.candidates, near=near))
     heads_kept = near.text if near is not None and near.text in {c.text for c in chosen[1:]} else None
-    return StudentChoice(cli.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target,
+    return StudentChoice(inputs.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target,
                          heads_kept)
 
 
@@ -174,13 +175,13 @@ def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Can
         if not shape:
             continue
         try:
-            spec = cli.student_spec(shape, teacher)
+            spec = inputs.student_spec(shape, teacher)
         except surgery.SpecError as error:
             raise surgery.SpecError(f"--search-shapes {shape!r}: {error}") from None
         candidate = surgery.Candidate(spec, *surgery.parameter_counts(teacher, spec))
         if candidate.text not in within and candidate.text != guess.text:
             counted = (candidate.non_embedding if budget.counting == "non_embedding" else candidate.parameters)
-            raise cli.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "
+            raise errors.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "
                                   f"parameters, not within {budget.text} +-{tolerance:.0%} on the teacher's grid; "
                                   "the search compares shapes of one budget (--dry-run lists them).")
         if candidate.text not in {c.text for c in chosen}:
@@ -193,15 +194,15 @@ def eval_points(steps: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, round(steps * k / 3)) for k in (1, 2, 3)}))
 
 
-def search_config(args, out: str, data) -> distill.DistillConfig:
+def search_config(config: RecipeConfig, out: str, data) -> distill.DistillConfig:
     """One stage of `--search-steps` with the main stage's settings (module docstring); held-out batches only at
     the start and the end (the held-out sets score the candidates), and every candidate trains every step
     (--stop-when-met is the main run's)."""
-    warmup = min(args.search_steps - 1, round(args.warmup_steps * args.search_steps / args.steps))
-    stage = dataclasses.replace(phases.flag_stage(args, "search", args.search_steps), warmup_steps=max(0, warmup))
-    config = phases.phase_config(args, FOLDER, [stage], None, out, data)
-    return dataclasses.replace(config, eval_every=args.search_steps,
-                               targets=dataclasses.replace(config.targets, stop_when_met=False))
+    steps = config.search.steps or 1
+    warmup = min(steps - 1, round((config.training.warmup_steps or 0) * steps / config.training.steps))
+    stage = dataclasses.replace(phase_configs.flag_stage(config, "search", steps), warmup_steps=max(0, warmup))
+    phase = phase_configs.phase_config(config, FOLDER, [stage], None, out, data)
+    return dataclasses.replace(phase, eval_every=steps, targets=dataclasses.replace(phase.targets, stop_when_met=False))
 
 
 def candidate_plan(run, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
@@ -210,7 +211,7 @@ def candidate_plan(run, teacher, candidate: surgery.Candidate, calibration, dire
     if os.path.exists(path):
         return surgery.Plan.load(path)
     plan = surgery.plan_student(teacher, candidate.spec, calibration=calibration, source=run.teacher.source,
-                                revision=run.flags.revision, seed=run.flags.seed)
+                                revision=run.config.teacher.revision, seed=run.config.run.seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     plan.save(path)
     return plan
@@ -232,26 +233,27 @@ def choose_student(run, teacher, data, calibration):
     """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
     or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be. `run`: the
     run's settings (run_settings.RunSettings)."""
-    args, choice = run.flags, run.student.choice
+    config, choice = run.config, run.student.choice
     if choice.budget is None:
         return choice.spec, None
     directory = os.path.join(run.folder, FOLDER)
     candidates = search_candidates(run, choice, teacher, calibration, directory)
-    config = search_config(args, run.folder, data)
+    phase = search_config(config, run.folder, data)
+    steps = phase.total_steps
     print(f"[search] {len(candidates)} of the {choice.fitting} shapes within {choice.budget.text} "
-          f"({choice.target:,} {choice.budget.counting.replace('_', '-')} parameters +-{args.search_tolerance:.0%}), "
-          f"{args.search_steps} steps each on the same batches; results in {directory}", flush=True)
-    result = distill.search(teacher, candidates, data, config, sets=evaluation.heldout_sets(run.evaluation, data),
-                            directory=directory, eval_at=eval_points(args.search_steps),
-                            rank_by=(evaluation.IN_DOMAIN, "ce"),
-                            sampler=surgery.make_sampler() if config.on_policy.fraction else None)
-    return cli.student_spec(result.winner, run.teacher.config), summary(args, choice, result)
+          f"({choice.target:,} {choice.budget.counting.replace('_', '-')} parameters "
+          f"+-{config.search.tolerance:.0%}), {steps} steps each on the same batches; results in {directory}",
+          flush=True)
+    result = distill.search(teacher, candidates, data, phase, sets=final_eval.heldout_sets(run.evaluation, data),
+                            directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
+                            sampler=surgery.make_sampler() if phase.on_policy.fraction else None)
+    return inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result)
 
 
-def summary(args, choice: StudentChoice, result: distill.SearchResult) -> dict:
+def summary(config: RecipeConfig, choice: StudentChoice, result: distill.SearchResult) -> dict:
     """What results.json records of the search: the budget, the candidates (ranked), the winner, the uniform
     guess's rank, the ranking at every scored step, and where search.md is (relative to the run folder)."""
-    last = result.eval_at[-1]
+    last, steps = result.eval_at[-1], config.search.steps or 1
     ranked = []
     for row in result.rows:
         point = next(p for p in row["curve"] if p["step"] == last)
@@ -260,8 +262,8 @@ def summary(args, choice: StudentChoice, result: distill.SearchResult) -> dict:
                        "scores": {name: {metric: point[name][metric] for metric in ("ce", "ce_per_byte", "kl")}
                                   for name in result.teacher}})
     return {"student": choice.budget.text, "counting": choice.budget.counting, "target_parameters": choice.target,
-            "tolerance": args.search_tolerance, "shapes_within_budget": choice.fitting, "steps": args.search_steps,
-            "tokens_per_candidate": args.search_steps * args.tokens_per_step, "eval_at": list(result.eval_at),
+            "tolerance": config.search.tolerance, "shapes_within_budget": choice.fitting, "steps": steps,
+            "tokens_per_candidate": steps * config.tokens_per_step, "eval_at": list(result.eval_at),
             "rank_by": list(result.rank_by), "candidates": ranked, "winner": result.winner,
             "uniform_guess": choice.guess.text, "guess_rank": result.ranking().index(choice.guess.text) + 1,
             "rankings": {str(step): result.ranking(step) for step in result.eval_at},

@@ -11,6 +11,7 @@ storage); the other processes wait for it at a barrier, then read it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,8 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import cli
+from nnx_surgery.recipes.config.sections import RecipeConfig
+from nnx_surgery.recipes.errors import RecipeError
 from nnx_surgery.distill.data import stdlib_corpus
 from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from nnx_surgery.surgery.checkpoint import model_tensors, write_hf_folder
@@ -36,25 +38,49 @@ TEACHER_CONFIG = {
 TEACHER_LEARNING_RATE = 3e-3
 
 
-def corpus_files(args) -> list[str]:
-    files = stdlib_corpus(max_bytes=args.corpus_bytes, seed=args.seed)
+@dataclasses.dataclass(frozen=True)
+class TinyTeacherSettings:
+    """What decides the tiny teacher (its cache key) and where it is cached: the corpus (--corpus-bytes of the
+    standard library's source, --seed), the rows it trains on (--batch-size x --seq-len), --teacher-steps and
+    --cache-dir; in a dry run it is not trained (its config alone)."""
+
+    corpus_bytes: int
+    seed: int
+    batch_size: int
+    seq_len: int
+    steps: int
+    cache_dir: str
+    dry_run: bool = False
+
+    @classmethod
+    def of(cls, config: RecipeConfig) -> "TinyTeacherSettings":
+        return cls(config.data.corpus_bytes, config.run.seed, config.data.batch_size, config.data.seq_len,
+                   config.teacher.steps, config.run.cache_dir or "", config.run.dry_run)
+
+
+def corpus_files(corpus_bytes: int, seed: int) -> list[str]:
+    files = stdlib_corpus(max_bytes=corpus_bytes, seed=seed)
     if not files:
         raise distill.DataError("the Python standard library's source was not found; pass --data with text files.")
     return files
 
 
-def batches(args, files: list[str], tokenizer_folder: str | None = None) -> distill.TokenBatches:
+def batches(settings: TinyTeacherSettings, files: list[str], tokenizer_folder: str) -> distill.TokenBatches:
     """Packed byte-token batches of the corpus with a held-out split (5% of the files, fixed by the seed)."""
-    folder = tokenizer_folder or args.teacher_folder
-    limit = cli.position_limit(args.teacher_folder) if getattr(args, "teacher_folder", None) else {}
-    return distill.TokenBatches.from_files(files, folder, batch_size=args.batch_size, seq_len=args.seq_len,
-                                           seed=args.seed, eval_batch_size=args.batch_size, **limit)
+    return distill.TokenBatches.from_files(files, tokenizer_folder, batch_size=settings.batch_size,
+                                           seq_len=settings.seq_len, seed=settings.seed,
+                                           eval_batch_size=settings.batch_size)
 
 
-def prepare(args) -> tuple[str, list[str]]:
+def prepare_for(config: RecipeConfig) -> tuple[str, list[str]]:
+    """`prepare` with the run's settings."""
+    return prepare(TinyTeacherSettings.of(config))
+
+
+def prepare(args: TinyTeacherSettings) -> tuple[str, list[str]]:
     """Return (teacher folder, corpus files), training and caching the teacher when it is not cached yet."""
-    files = corpus_files(args)
-    key = json.dumps({"config": TEACHER_CONFIG, "steps": args.teacher_steps, "batch": args.batch_size,
+    files = corpus_files(args.corpus_bytes, args.seed)
+    key = json.dumps({"config": TEACHER_CONFIG, "steps": args.steps, "batch": args.batch_size,
                       "seq": args.seq_len, "seed": args.seed, "lr": TEACHER_LEARNING_RATE,
                       "files": [os.path.basename(f) for f in files]}, sort_keys=True)
     folder = os.path.join(args.cache_dir, "tiny-teacher-" + hashlib.sha256(key.encode()).hexdigest()[:12])
@@ -62,7 +88,7 @@ def prepare(args) -> tuple[str, list[str]]:
     if os.path.exists(cached) and jax.process_count() == 1:
         print(f"[teacher] cached: {folder}")
         return folder, files
-    if getattr(args, "dry_run", False) and not os.path.exists(cached):  # no training in a dry run: the config alone
+    if args.dry_run and not os.path.exists(cached):  # no training in a dry run: the config alone
         if jax.process_index() == 0:
             os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
             write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
@@ -78,7 +104,7 @@ def prepare(args) -> tuple[str, list[str]]:
             train_teacher(args, files, folder)
     wait_for_process_0(f"tiny teacher {folder}")
     if not os.path.exists(cached):
-        raise cli.RecipeError(f"process 0 trained the tiny teacher into {folder}, but this process does not see it "
+        raise RecipeError(f"process 0 trained the tiny teacher into {folder}, but this process does not see it "
                               "there: --cache-dir must be shared storage on a multi-host run.")
     return folder, files
 
@@ -90,9 +116,9 @@ def wait_for_process_0(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def train_teacher(args, files: list[str], folder: str) -> None:
+def train_teacher(args: TinyTeacherSettings, files: list[str], folder: str) -> None:
     """Train the tiny teacher on this process's devices alone and write it to `folder` with its tokenizer."""
-    print(f"[teacher] training a tiny Gemma-7B-shaped teacher for {args.teacher_steps} steps "
+    print(f"[teacher] training a tiny Gemma-7B-shaped teacher for {args.steps} steps "
           f"({len(files)} stdlib files); cached in {folder}")
     config = surgery.ModelConfig.from_hf_dict(TEACHER_CONFIG)
     with tempfile.TemporaryDirectory() as scratch:
@@ -102,13 +128,13 @@ def train_teacher(args, files: list[str], folder: str) -> None:
                    {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
         data = batches(args, files, tokenizer_folder)
         model = surgery.create_model(config, seed=args.seed)
-        stage = distill.Stage(steps=args.teacher_steps, name="teacher", learning_rate=TEACHER_LEARNING_RATE,
-                              warmup_steps=max(1, args.teacher_steps // 20),
+        stage = distill.Stage(steps=args.steps, name="teacher", learning_rate=TEACHER_LEARNING_RATE,
+                              warmup_steps=max(1, args.steps // 20),
                               weights=distill.LossWeights(kl=0.0, ce=1.0))
         result = distill.run(None, model, data, distill.DistillConfig(
             stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, plots=False,
-            eval_every=max(1, args.teacher_steps // 2), eval_batches=4))
-        record = {"steps": args.teacher_steps, "tokens": args.teacher_steps * args.batch_size * args.seq_len,
+            eval_every=max(1, args.steps // 2), eval_batches=4))
+        record = {"steps": args.steps, "tokens": args.steps * args.batch_size * args.seq_len,
                   "heldout": result.evals[-1] if result.evals else None, "corpus_files": len(files)}
         os.makedirs(args.cache_dir, exist_ok=True)
         # save_pretrained's own writer: the model is on this process alone (save_pretrained on multi-host would
@@ -117,4 +143,4 @@ def train_teacher(args, files: list[str], folder: str) -> None:
                         extra_files={"training.json": record}, overwrite=True)
 
 
-__all__ = ["prepare", "batches", "corpus_files", "train_teacher", "wait_for_process_0", "TEACHER_CONFIG"]
+__all__ = ["TinyTeacherSettings", "prepare", "prepare_for", "batches", "corpus_files", "train_teacher", "wait_for_process_0", "TEACHER_CONFIG"]

@@ -24,6 +24,7 @@ from typing import Any
 
 from nnx_surgery import distill
 from nnx_surgery.surgery.checkpoint import model_tensors
+from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
 from nnx_surgery.surgery.generate import generate
 
 # results.json row keys for the suite's metrics
@@ -34,42 +35,37 @@ IN_DOMAIN, GENERAL = "in-domain", "general"
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """What the final evaluation reads: the teacher's folder (its tokenizer), --seq-len, --eval-tokens of each
-    held-out set, --seed, what the training text is, --general-eval, and the suite's --eval-prompts (0: held-out
-    sets only), --new-tokens and --choice-items."""
+    """What the final evaluation reads: the teacher's folder (its tokenizer), --seq-len, --seed, what the training
+    text is, the evaluation section (--eval-tokens of each held-out set, --general-eval, the suite's
+    --eval-prompts (0: held-out sets only), --new-tokens, --choice-items, --eval-tasks-limit) and the lm-eval
+    tasks of --eval-tasks, checked (lm_eval_scores.Tasks; None: no tasks)."""
 
     teacher_folder: str
     seq_len: int
-    eval_tokens: int
     seed: int
     data_description: str
-    general_eval: bool = True
-    eval_prompts: int = 0
-    new_tokens: int = 48
-    choice_items: int = 0
-    tasks: Any = None  # lm_eval_scores.Tasks of --eval-tasks, checked when the settings resolve; None: no tasks
-    tasks_limit: int | None = None
+    evaluation: EvaluationSection
+    tasks: Any = None
 
     @classmethod
-    def of(cls, flags, teacher_folder: str, data_description: str) -> "EvalSettings":
-        """The recipe's, from its resolved flags."""
+    def of(cls, config: RecipeConfig, teacher_folder: str, data_description: str) -> "EvalSettings":
+        """The recipe's, from its configuration (--eval-tasks refused now when unknown, without a dataset or
+        without the lm-eval extra, before any training)."""
         tasks = None
-        if getattr(flags, "eval_tasks", None):  # refused (unknown name, no dataset, no extra) before training
+        if config.evaluation.tasks:
             from nnx_surgery.recipes.lm_eval_scores import checked_tasks
-            tasks = checked_tasks(flags.eval_tasks, include_path=None, flag="--eval-tasks")
-        return cls(teacher_folder, flags.seq_len, flags.eval_tokens, flags.seed, data_description,
-                   flags.general_eval, flags.eval_prompts, flags.new_tokens, flags.choice_items, tasks,
-                   getattr(flags, "eval_tasks_limit", None))
+            tasks = checked_tasks(config.evaluation.tasks, include_path=None, flag="--eval-tasks")
+        return cls(teacher_folder, config.data.seq_len, config.run.seed, data_description, config.evaluation, tasks)
 
 
 def heldout_sets(args: EvalSettings, data) -> list:
     """The final held-out sets: the corpus's held-out documents (in-domain) and, unless --no-general-eval,
     English prose no training corpus contains (general), each cut to --eval-tokens scored tokens."""
-    common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.eval_tokens, seed=args.seed)
+    common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens, seed=args.seed)
     sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, data.eval_texts(), description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
                                           **common)]
-    if args.general_eval:
+    if args.evaluation.general:
         sets.append(distill.HeldoutSet.from_texts(GENERAL, distill.general_prose("heldout"), description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
@@ -84,9 +80,9 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
     suite.md goes to `out`."""
     models = {name: model for name, model, _ in rows}
     vocabularies = vocabularies or {}
-    if args.eval_prompts > 0:
-        settings = distill.SuiteSettings(prompts=args.eval_prompts, new_tokens=args.new_tokens,
-                                         choice_items=args.choice_items, seed=args.seed)
+    if args.evaluation.prompts > 0:
+        settings = distill.SuiteSettings(prompts=args.evaluation.prompts, new_tokens=args.evaluation.new_tokens,
+                                         choice_items=args.evaluation.choice_items, seed=args.seed)
         suite = distill.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
                                        generate=greedy, reference=rows[0][0], settings=settings,
                                        out_path=os.path.join(out, "suite.md"), heldout_sets=heldout_sets(args, data),
@@ -137,8 +133,8 @@ def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularie
         tokenizer = vocabularies[name].tokenizer if name in vocabularies else args.teacher_folder
         distill.distributed.say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
         row["lm_eval"] = scores[name] = lm_eval_scores.score_model(models[name], tokenizer, args.tasks,
-                                                                   limit=args.tasks_limit)
-    results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.tasks_limit, "scores": scores}
+                                                                   limit=args.evaluation.tasks_limit)
+    results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.evaluation.tasks_limit, "scores": scores}
     if distill.distributed.is_main_process():
         with open(os.path.join(out, "lm_eval.md"), "w", encoding="utf-8") as handle:
             handle.write(lm_eval_scores.task_scores_text(results["lm_eval"]) + "\n")

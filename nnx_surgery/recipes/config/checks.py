@@ -1,0 +1,99 @@
+"""Checks across settings, before any model is loaded or anything written: what one field's declaration cannot
+say alone (warm-up within the run, a schedule with written-out stages, the stages the settings make, the data
+named, the output folder against the inputs, the Hub token). `check_devices` is the one that touches devices, so
+a multi-host run calls it after jax.distributed has started."""
+from __future__ import annotations
+
+import os
+
+from nnx_surgery import distill, surgery
+from nnx_surgery.recipes.config.sections import RecipeConfig
+from nnx_surgery.recipes.errors import RecipeError
+
+
+def check(config: RecipeConfig) -> None:
+    training = config.training
+    if training.warmup_steps is not None and not 0 <= training.warmup_steps <= training.steps:
+        raise RecipeError(f"--warmup-steps {training.warmup_steps}: give from 0 to --steps {training.steps} warm-up "
+                          "steps (a longer warm-up never reaches the peak learning rate).")
+    if config.run.gguf is not None:
+        import nnx_surgery.surgery.gguf_export as gguf_export
+        try:
+            gguf_export.resolve_export_dtype(config.run.gguf)
+        except ValueError as err:
+            raise RecipeError(f"--gguf {config.run.gguf}: {err}") from None
+    if training.schedule != "none" and training.stages:
+        raise RecipeError(f"--schedule {training.schedule} and training.stages in the config both set the "
+                          "distillation stages; keep one.")
+    if training.schedule == "progressive" and training.trainable:
+        raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
+                          "each stage; use --frozen for patterns to keep frozen throughout.")
+    from nnx_surgery.recipes import phase_configs
+    from nnx_surgery.recipes.config.resolution import flag_names
+    try:  # the stages are built once the student's depth is known (run_settings)
+        phase_configs.check_stage_settings(config)
+    except RecipeError:
+        raise
+    except (ValueError, TypeError, ArithmeticError) as error:
+        raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
+    _check_budget(config.student.shape)
+    _check_data(config.data.files)
+    _check_output(config)
+
+
+def check_devices(config: RecipeConfig) -> None:
+    """--mesh's axes fit the devices (a dry run or --aot sizes another machine's: only its syntax)."""
+    mesh = config.training.mesh
+    if not mesh:
+        return
+    from nnx_surgery.distill.mesh import MeshError, make_mesh, parse_mesh_spec
+    try:
+        if config.run.dry_run or config.aot.target:
+            parse_mesh_spec(mesh)
+        else:
+            make_mesh(mesh, devices=config.training.mesh_devices)
+    except MeshError as error:
+        raise RecipeError(f"--mesh {mesh!r}: {error}") from None
+
+
+def _check_data(data: str | None) -> None:
+    """Local --data that names no file, or only empty ones, refused before the run folder is written (the text
+    itself is read, and checked, once the teacher's tokenizer is known)."""
+    if not isinstance(data, str) or not data or data.startswith("hf:"):
+        return
+    try:
+        files = distill.sources.expand_paths(data)
+    except distill.DataError as error:
+        raise RecipeError(f"--data: {error}") from None
+    named_empty = os.path.isfile(data) and os.path.getsize(data) < 1 << 20 and \
+        not distill.sources.read_text(data).strip()
+    if named_empty or all(os.path.getsize(path) == 0 for path in files):
+        raise RecipeError(f"--data {data}: no text there (empty); pass files with text in them.")
+
+
+def _check_budget(student: str | None) -> None:
+    """A `--student params=` budget readable now (a fraction up to 1, or a count), before anything is written."""
+    for item in (student or "").split(","):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key == "params":
+            try:
+                surgery.search_space.parse_budget(value)
+            except surgery.SpecError as error:
+                raise RecipeError(f"--student {student!r}: {error}") from None
+
+
+def _check_output(config: RecipeConfig) -> None:
+    """--output never an input the run reads (--teacher, --data) nor inside one or holding one: --overwrite deletes
+    it (--config is read whole before that: `--config RUN/resolved_config.json --output RUN` repeats or resumes a
+    run); and --push-to-hub's token and Hub checked now, not after the run."""
+    from nnx_surgery.commands import guard_folder, input_paths
+
+    run = config.run
+    if run.output is not None:
+        guard_folder(run.output, "--output", input_paths(config.teacher.model, config.data.files))
+    if run.push_to_hub and not run.print_config:
+        from nnx_surgery.surgery.hub import check_push_access
+        check_push_access(run.push_to_hub)
+
+
+__all__ = ["check", "check_devices"]

@@ -1,0 +1,151 @@
+"""From the declarations to the command line: argparse flags made from fields declared with
+`nnx_surgery.field_docs.documented`, their help text, and the check of a value against its field's declaration.
+
+Imports nothing heavy: `nnx-surgery COMMAND --help` builds its parser from these without jax."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+FIELD_KINDS = {int: "an integer", float: "a number"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One declared field: where it lives (`path`, e.g. ("training", "steps")), its dataclass field and default."""
+
+    path: tuple[str, ...]
+    field: dataclasses.Field
+
+    @property
+    def meta(self) -> Any:
+        return self.field.metadata
+
+    @property
+    def flag(self) -> str | None:
+        return self.meta.get("flag")
+
+    @property
+    def dest(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def default(self) -> Any:
+        if self.field.default is not dataclasses.MISSING:
+            return self.field.default
+        if self.field.default_factory is not dataclasses.MISSING:
+            return self.field.default_factory()
+        return None
+
+    @property
+    def name(self) -> str:
+        """What refusals call it: its flag, else its dotted path."""
+        return self.flag or self.dest
+
+
+def declared(kind: type, prefix: tuple[str, ...] = ()) -> list[Declared]:
+    """Every field of dataclass `kind` and of the dataclasses nested in its defaults, with their paths."""
+    out = []
+    for field in dataclasses.fields(kind):
+        item = Declared((*prefix, field.name), field)
+        if dataclasses.is_dataclass(item.default) and not field.metadata.get("flag"):
+            out.extend(declared(type(item.default), item.path))
+        else:
+            out.append(item)
+    return out
+
+
+def reader(kind: type | None, flag: str) -> Callable[[str], Any] | None:
+    """argparse's `type` for a flag of `kind`: a finite int or float; the error names the text."""
+    if kind not in (int, float):
+        return None
+
+    def read(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {FIELD_KINDS[kind]}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        return value
+    read.__name__ = kind.__name__  # argparse names the type in its messages
+    return read
+
+
+def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: Any = argparse.SUPPRESS,
+             help_default: str | None = None, names: Iterable[str] | None = None, required: bool = False) -> None:
+    """The flag of `item` (its declaration's name, spellings, reading, choices and action) on `group`, storing
+    into `dest` (default: the dotted path). `default` SUPPRESS: only given flags reach the namespace."""
+    meta = item.meta
+    keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default,
+                                    help=help_text(item, help_default).replace("%", "%%"))
+    action = meta.get("action")
+    if action == "boolean":
+        keywords["action"] = argparse.BooleanOptionalAction
+    elif action:
+        keywords["action"] = action
+    if action in (None, "append"):
+        keywords["type"] = reader(meta.get("kind"), item.flag or "")
+        if meta.get("choices"):
+            keywords["choices"] = meta["choices"]
+        if meta.get("metavar"):
+            keywords["metavar"] = meta["metavar"]
+    if required:
+        keywords["required"] = True
+    group.add_argument(*(names or (item.flag, *meta.get("also", ()))), **keywords)
+    if meta.get("shortcut"):
+        flag, value, why = meta["shortcut"]
+        group.add_argument(flag, dest=keywords["dest"], action="store_const", const=value, default=default,
+                           help=why)
+
+
+def help_text(item: Declared, default: str | None = None) -> str:
+    """The help, why the default is what it is, and the default (or `default`, e.g. a preset's)."""
+    meta = item.meta
+    text = meta.get("help", "")
+    if meta.get("why"):
+        text += f" ({meta['why']})"
+    if default is None:
+        default = default_text(item)
+    return f"{text} [{default}]" if default else text
+
+
+def default_text(item: Declared, value: Any = dataclasses.MISSING) -> str:
+    value = item.default if value is dataclasses.MISSING else value
+    if item.meta.get("action") == "store_false" or (item.meta.get("saved") is False and value is False):
+        return ""  # a --no-... flag, or a switch of how the command runs
+    if value is None:
+        return f"default: {item.meta['none_means']}" if item.meta.get("none_means") else ""
+    return f"default: {list(value) if isinstance(value, tuple) else value}"
+
+
+def check(item: Declared, value: Any) -> str | None:
+    """Why `value` does not fit `item`'s declaration (None: it fits): its kind, choices and check."""
+    meta = item.meta
+    if value is None:
+        return None
+    kind = meta.get("kind")
+    if meta.get("action") in ("store_true", "store_false", "boolean"):
+        kind = bool
+    if kind is bool and not isinstance(value, bool):
+        return "give true or false"
+    if kind in (int, float) and not _number(value, kind):
+        return f"give {FIELD_KINDS[kind]}"
+    choices = meta.get("choices")
+    if choices and meta.get("action") != "append" and value not in choices:
+        return f"choose from {', '.join(map(str, choices))}"
+    rule = meta.get("check")
+    if rule and not rule[1](value):
+        return f"give {rule[0]}"
+    return None
+
+
+def _number(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return kind is float or float(value).is_integer()
+
+
+__all__ = ["Declared", "declared", "add_flag", "help_text", "default_text", "check", "reader"]

@@ -1,0 +1,150 @@
+"""The command line to a `RecipeConfig`: parsed once, layered (layering.py), the defaults that follow from other
+settings written out, every value checked against its declaration, and built into the frozen sections and the
+run's `DistillConfig`. Nothing here touches a device (a multi-host run starts jax.distributed after it)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any
+
+from nnx_surgery.distill import terms
+from nnx_surgery.distill.config import DistillConfig
+from nnx_surgery.distill.mesh import MeshError
+from nnx_surgery.recipes.config import checks, command_line, fields, layering
+from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
+from nnx_surgery.recipes.config.files import load_config_file
+from nnx_surgery.recipes.errors import RecipeError
+
+
+def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
+    """Every setting of the run from the command line (and its --config file), checked, frozen."""
+    given, source, overrides = command_line.parse(argv, description, prog)
+    file = load_config_file(source) if source else None
+    config = build(layering.layered(given, file, overrides, source))
+    checks.check(config)
+    return config
+
+
+def build(tree: dict) -> RecipeConfig:
+    """The settings tree (layering.layered) with its derived defaults filled in, checked and frozen."""
+    derive(tree)
+    for item in layering.every_field():
+        value = lookup(tree, item.path)
+        if value is not dataclasses.MISSING:
+            if item.meta.get("none_word") is not None and value == item.meta["none_word"]:
+                value = None
+            why = fields.check(item, value)
+            if why:
+                raise RecipeError(f"{item.name} {_shown(value)}: {why}.")
+    sections = {name: kind(**{key: layering.freeze(value) for key, value in tree[name].items()})
+                for name, kind in SECTIONS.items()}
+    config = RecipeConfig(**sections)
+    distill = distill_config(tree["distill"], config)
+    return dataclasses.replace(config, distill=distill)
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def lookup(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return dataclasses.MISSING
+        tree = tree[key]
+    return tree
+
+
+def derive(tree: dict) -> None:
+    """Settings whose default depends on others, written out so the resolved config states them."""
+    training, run = tree["training"], tree["run"]
+    steps, rate = training["steps"], training["learning_rate"]
+    if isinstance(steps, int) and isinstance(rate, (int, float)):
+        for section, key, value in (("training", "warmup_steps", steps // 50),
+                                    ("student", "scratch_learning_rate", rate),
+                                    ("teacher", "correction_lr", rate / 10),
+                                    ("search", "steps", max(3, steps // 10))):
+            if tree[section][key] is None:
+                tree[section][key] = value
+        if tree["distill"].get("eval_every") is None:
+            tree["distill"]["eval_every"] = max(1, steps // 4)
+    training["temperature"] = parse_ramp(training["temperature"], "--temperature")
+    given = training["term_weights"] or {}
+    unknown = sorted(set(given) - {term.name for term in terms.flagged()})
+    if unknown:
+        raise RecipeError(f"training.term_weights: no loss term {unknown[0]!r} with a weight setting; the terms are "
+                          f"{', '.join(term.name for term in terms.flagged())} (any other weight goes in "
+                          "training.stages).")
+    training["term_weights"] = {term.name: given.get(term.name, 0.0) for term in terms.flagged()}
+    for key in ("frozen", "trainable"):
+        if isinstance(training[key], str):
+            training[key] = [training[key]]
+    schedule = layering.SCHEDULES.get(training["schedule"])
+    if schedule is not None:
+        training["schedule_options"] = {**schedule["options"], **(training["schedule_options"] or {})}
+    if tree["distill"].get("remat") == "none":
+        tree["distill"]["remat"] = None
+    run["cache_dir"] = run["cache_dir"] or os.environ.get("NNX_SURGERY_CACHE",
+                                                          os.path.expanduser("~/.cache/nnx-surgery"))
+
+
+def parse_ramp(value: Any, flag: str) -> float | list:
+    """3 -> 3.0; "3:1" or [3, 1] -> [3.0, 1.0] (start to end over the run); "3:1:cosine" keeps the shape."""
+    parts = value.split(":") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) \
+        else [value]
+    try:
+        numbers = [float(p) for p in parts[:2]]
+    except (TypeError, ValueError):
+        raise RecipeError(f"{flag} {value!r}: give a number (2.0) or a ramp START:END (3:1).") from None
+    if len(parts) > 3 or not all(0 < n < math.inf for n in numbers) or \
+            (len(parts) == 3 and parts[2] not in ("linear", "cosine")):
+        raise RecipeError(f"{flag} {value!r}: values must be positive and finite, as N or START:END[:linear|cosine].")
+    if len(numbers) == 1 or numbers[0] == numbers[1]:
+        return numbers[0]
+    return numbers + ([parts[2]] if len(parts) == 3 and parts[2] != "linear" else [])
+
+
+def managed_values(config: RecipeConfig) -> dict[str, Any]:
+    """The DistillConfig fields the recipe sets from its own settings."""
+    return {"batch_size": config.data.batch_size, "seq_len": config.data.seq_len,
+            "compute_dtype": config.training.compute_dtype, "mesh": config.training.mesh,
+            "mesh_devices": config.training.mesh_devices, "seed": config.run.seed,
+            "eval_batches": config.evaluation.batches, "plots": False}
+
+
+def replaced(config: RecipeConfig, **changes: dict[str, Any]) -> RecipeConfig:
+    """`config` with some settings changed, by section (`replaced(config, training={"mesh": "fsdp=8"},
+    distill={"remat": "layers"})`), the distill section's copies of the recipe's own settings kept in step."""
+    sections = {name: dataclasses.replace(getattr(config, name), **values) for name, values in changes.items()
+                if name != "distill"}
+    config = dataclasses.replace(config, **sections)
+    distill = dataclasses.replace(config.distill, **{**changes.get("distill", {}), **managed_values(config)})
+    return dataclasses.replace(config, distill=distill)
+
+
+def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
+    """The run's DistillConfig: the distill section, the recipe's own sizes, precision, mesh, seed and evaluation
+    batches, and the one stage the flags make (each phase replaces it: phase_configs.py)."""
+    from nnx_surgery.recipes import phase_configs
+
+    values = {**section, **managed_values(config)}
+    try:
+        return DistillConfig.from_dict({**values, "stages": [
+            phase_configs.flag_stage(config, "main", config.training.steps)]})
+    except RecipeError:
+        raise
+    except MeshError as error:
+        raise RecipeError(f"--mesh {config.training.mesh!r}: {error}") from None
+    except (ValueError, TypeError, ArithmeticError) as error:
+        raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
+
+
+def flag_names(text: str) -> str:
+    """DistillConfig's field names in an error (`top_k=...`) as the flags that set them (`--top-k ...`)."""
+    flags = {item.path[-1]: item.flag for item in layering.every_field() if item.flag and item.path[0] == "distill"}
+    return re.sub(r"\b(\w+)=", lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), text)
+
+
+__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced", "flag_names"]

