@@ -38,10 +38,13 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 TESTS := tests bench/test_bench.py
 
+# mypy first ([tool.mypy] in pyproject.toml: every access to the configuration in the recipe and the command lines).
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PYTEST) $(PARALLEL) $(TESTS)
 
 test-fast: $(STAMP)
+	$(PY) -m mypy
 	$(PYTEST) $(PARALLEL) -m "not slow" $(TESTS)
 
 # llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our

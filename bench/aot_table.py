@@ -10,7 +10,7 @@ the full mix: logit KL + attention transfer + pooled feature loss) and a student
 process (libtpu's and XLA's memory are returned when it ends), until one fits with the recipe's 10% headroom
 (`aot_report.HEADROOM`); at most len(ladder) compiles. Only the program the table needs is compiled: the run's
 main-stage train step (the last `aot_programs.run_programs` entry of phase "stage_b" that trains), exactly as
-`compress --aot TARGET` builds it from the same flags (`settings.resolve`, `aot_programs.aot_run`) and measures it
+`compress --aot TARGET` builds it from the same flags (`resolution.resolve`, `aot_programs.aot_run`) and measures it
 (`aot_report.measure`). Every compile is appended to bench/results/aot_table_attempts.jsonl as it finishes, and
 each configuration, once its ladder ends, to bench/results/aot_table.jsonl (tried settings, the best one), so a
 partial run keeps what it finished.
@@ -120,17 +120,16 @@ def command_text(config: Config, setting: Setting) -> str:
 # ---------------------------------------------------------------------------------------------------- one compile
 def compile_one(key: str, index: int) -> dict:
     """In this (fresh) process: the config's index-th setting's main train step, compiled and measured."""
-    from nnx_surgery.recipes import aot, aot_programs, aot_targets, settings
+    from nnx_surgery.recipes import aot, aot_programs, aot_targets
     from nnx_surgery.recipes.aot_report import measure
-    from nnx_surgery.recipes.frozen import freeze, thaw
+    from nnx_surgery.recipes.config import resolution
 
     config, setting = BY_KEY[key], BY_KEY[key].ladder[index]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output:
-        flags = settings.resolve(flags_for(config, setting, os.path.join(output, "run")))
-        flags = dataclasses.replace(flags, distill=freeze({**thaw(flags.distill), "remat": setting.remat,
-                                                          "logit_impl": setting.logit_impl}))
-        aot.check_flags(flags)
+        flags = resolution.resolve(flags_for(config, setting, os.path.join(output, "run")))
+        flags = resolution.replaced(flags, distill={"remat": setting.remat, "logit_impl": setting.logit_impl})
+        aot.check_settings(flags)
         target = aot_targets.resolve_target(config.target)
         run = aot_programs.aot_run(flags)
         entry = [e for e in aot_programs.run_programs(run, target) if e.phase == "stage_b" and e.train][-1]
@@ -148,15 +147,16 @@ def persistent_bytes(target_name: str, seq: int = 2048, rows_per_chip: int = 2) 
     """Without compiling: the argument bytes per device of the main step (teacher, student, Adam, batch) under fsdp
     over every chip of `target_name`, from the abstract arguments' shardings (what the compiled rows report as
     their arguments)."""
-    from nnx_surgery.recipes import aot_programs, aot_targets, settings
+    from nnx_surgery.recipes import aot_programs, aot_targets
     from nnx_surgery.recipes.aot_report import device_bytes
+    from nnx_surgery.recipes.config import resolution
 
     target = aot_targets.resolve_target(target_name)
     chips = len(target.devices)
     config = Config("persistent", "scaling", target_name, seq, "logit", (S(f"fsdp={chips}", rows_per_chip * chips,
                                                                           1, L),))
     with tempfile.TemporaryDirectory() as output:
-        flags = settings.resolve(flags_for(config, config.ladder[0], os.path.join(output, "run")))
+        flags = resolution.resolve(flags_for(config, config.ladder[0], os.path.join(output, "run")))
         run = aot_programs.aot_run(flags)
         entry = [e for e in aot_programs.run_programs(run, target) if e.phase == "stage_b" and e.train][-1]
         program = entry.build()

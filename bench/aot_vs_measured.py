@@ -40,9 +40,10 @@ def measure_in_this_process(preset: str, workdir: str) -> dict:
     import numpy as np
 
     from nnx_surgery.distill.step_runner import release_free_heap
-    from nnx_surgery.recipes import aot_programs, aot_targets, settings
+    from nnx_surgery.recipes import aot_programs, aot_targets
+    from nnx_surgery.recipes.config import resolution
 
-    flags = settings.resolve([*PRESETS[preset], "--output", os.path.join(workdir, preset), "--aot", "cpu:1",
+    flags = resolution.resolve([*PRESETS[preset], "--output", os.path.join(workdir, preset), "--aot", "cpu:1",
                               "--mesh", "fsdp=1"])
     target = aot_targets.resolve_target("cpu:1")
     run = aot_programs.aot_run(flags)

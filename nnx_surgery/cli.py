@@ -63,7 +63,7 @@ def _shared(group: argparse._ActionsContainer, path: str, **changes) -> None:
     the same name, reading, choices, help and default), stored under its flag's name. `changes`: `help` for
     what the setting means in this command, `required`."""
     item = SHARED[path]
-    dest = item.flag.lstrip("-").replace("-", "_")
+    dest = item.name.lstrip("-").replace("-", "_")
     required = changes.pop("required", False)
     if changes.get("help"):
         item = fields.Declared(item.path, _with_help(item.field, changes["help"]))
@@ -81,11 +81,11 @@ def checked(args: argparse.Namespace) -> list[str]:
     """The shared settings given to a subcommand, checked as the recipe checks them: one line per refusal."""
     errors = []
     for item in SHARED.values():
-        dest = item.flag.lstrip("-").replace("-", "_")
+        dest = item.name.lstrip("-").replace("-", "_")
         if hasattr(args, dest):
             why = fields.check(item, getattr(args, dest))
             if why:
-                errors.append(f"{item.flag} {getattr(args, dest)}: {why}.")
+                errors.append(f"{item.name} {getattr(args, dest)}: {why}.")
     return errors
 
 
@@ -272,7 +272,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
 }
 
 
-# what an interrupted command leaves, where it is not "nothing was written" (recipes.cli.guarded)
+# what an interrupted command leaves, where it is not "nothing was written" (recipes.errors.guarded)
 STOPPED = {"push": "the Hub has this push only if its commit was made; run the same command again (files already "
                    "uploaded are not uploaded again).",
            "generate": "nothing was written."}

@@ -16,9 +16,12 @@ import os
 import shutil
 import stat
 import tempfile
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from nnx_surgery.recipes.errors import RecipeError
+
+if TYPE_CHECKING:
+    from nnx_surgery import surgery
 
 
 def model_folder(path: str, name: str) -> str:

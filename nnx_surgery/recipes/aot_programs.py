@@ -141,7 +141,7 @@ def calibration_program(teacher, mesh, seq_len: int, rows: int = 8) -> abstract_
     from nnx_surgery.surgery import importance
     graph, state = nnx.split(teacher)
     state = abstract_step.abstract(state, mesh)
-    statistics = importance._batch_stats.__wrapped__  # the jitted function's body, over graph + state here
+    statistics = importance._batch_stats.__wrapped__  # type: ignore[attr-defined]  # the jitted function's body, over graph + state here
 
     @jax.jit
     def forward(state, ids):

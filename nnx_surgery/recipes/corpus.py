@@ -43,7 +43,7 @@ def load_data(settings: DataSettings, tokenizer: str | None = None) -> distill.T
 
 
 def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
-    corpus, data = (list(settings.corpus) if settings.corpus is not None else None), settings.files
+    corpus, data = (list(settings.corpus) if settings.corpus is not None else None), settings.files or ""
     if corpus is None and not data:
         raise errors.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,

@@ -45,6 +45,8 @@ def teacher_config(config: RecipeConfig) -> tuple[str, str, surgery.ModelConfig]
         from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG
         return "the tiny preset's teacher", "tiny_teacher.TEACHER_CONFIG", surgery.ModelConfig.from_hf_dict(
             TEACHER_CONFIG, where="the tiny preset's teacher config")
+    if source is None:
+        raise RecipeError("--teacher: give the teacher (a Hub id, a folder or a .gguf file) to compile for.")
     if source == "gguf:gemma3-270m":
         source = "gemma-3-270m"
     if source.endswith(".gguf"):

@@ -254,6 +254,7 @@ def summary(config: RecipeConfig, choice: StudentChoice, result: distill.SearchR
     """What results.json records of the search: the budget, the candidates (ranked), the winner, the uniform
     guess's rank, the ranking at every scored step, and where search.md is (relative to the run folder)."""
     last, steps = result.eval_at[-1], config.search.steps or 1
+    assert choice.budget is not None  # a search ran
     ranked = []
     for row in result.rows:
         point = next(p for p in row["curve"] if p["step"] == last)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
+from typing import Any
 
 import jax
 
@@ -139,7 +140,8 @@ def train_teacher(args: TinyTeacherSettings, files: list[str], folder: str) -> N
         os.makedirs(args.cache_dir, exist_ok=True)
         # save_pretrained's own writer: the model is on this process alone (save_pretrained on multi-host would
         # wait for the others to take part in its gathers)
-        write_hf_folder(folder, result.student.config, model_tensors(result.student), source=tokenizer_folder,
+        trained: Any = result.student  # the CausalLM it was given
+        write_hf_folder(folder, trained.config, model_tensors(trained), source=tokenizer_folder,
                         extra_files={"training.json": record}, overwrite=True)
 
 
