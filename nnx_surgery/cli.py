@@ -272,7 +272,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
 }
 
 
-# what an interrupted command leaves, where it is not "nothing was written" (recipes.errors.guarded)
+# what an interrupted command leaves, where it is not "nothing was written" (recipes.refusals.guarded)
 STOPPED = {"push": "the Hub has this push only if its commit was made; run the same command again (files already "
                    "uploaded are not uploaded again).",
            "generate": "nothing was written."}
@@ -301,7 +301,7 @@ def _load(target: str) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.errors.guarded`);
+    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.refusals.guarded`);
     `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for error in checked(args):
         print(f"error: {error} (see `{PROG} {args.command} --help`)", file=sys.stderr)
         return 2
-    from nnx_surgery.recipes.errors import guarded  # imports jax: only once a subcommand runs
+    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
     guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
                                                           if args.command in STOPPED else {}))

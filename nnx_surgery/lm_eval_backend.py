@@ -333,7 +333,7 @@ class NNXSurgeryLM(TemplateLM):
 def resolve_model_folder(pretrained: str) -> str:
     """A local HF folder for `pretrained` (what the recipe's --teacher reads), or an LMEvalBackendError."""
     from nnx_surgery.commands import teacher_source
-    from nnx_surgery.recipes.errors import RecipeError
+    from nnx_surgery.recipes.refusals import RecipeError
 
     if os.path.isdir(pretrained) and not os.path.isfile(os.path.join(pretrained, "config.json")):
         raise LMEvalBackendError(f"pretrained={pretrained}: no config.json there, so it is not a model folder; give "

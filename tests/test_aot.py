@@ -21,7 +21,7 @@ from recipe_env import recipe_env, shared_basetemp
 from refusal_env import assert_refused, run
 
 from nnx_surgery.recipes import aot_report, aot_search, aot_targets
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")

@@ -21,7 +21,7 @@ from nnx_surgery import distill  # noqa: E402
 from nnx_surgery.distill.config import Ramp  # noqa: E402
 from nnx_surgery.recipes import phase_configs  # noqa: E402
 from nnx_surgery.recipes.config import command_line, files, layering, resolution  # noqa: E402
-from nnx_surgery.recipes.errors import RecipeError  # noqa: E402
+from nnx_surgery.recipes.refusals import RecipeError  # noqa: E402
 from recipe_env import TINY_TEACHER, recipe_env  # noqa: E402
 
 

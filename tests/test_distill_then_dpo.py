@@ -13,7 +13,7 @@ pytest.importorskip("tunix", reason="the tunix extra is not installed (see surge
 from nnx_surgery import surgery  # noqa: E402
 from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer  # noqa: E402
 from hf_reference import assert_clean_loading, hf_logits, load_with_info, make_hf_model  # noqa: E402
-from nnx_surgery.recipes import distill_then_dpo, errors  # noqa: E402
+from nnx_surgery.recipes import distill_then_dpo, refusals  # noqa: E402
 
 SMALL = ["--distill-steps", "4", "--dpo-steps", "3", "--pairs", "8", "--batch-size", "4", "--seq-len", "32",
          "--corpus-bytes", "200000", "--student", "layers=0.5,mlp=0.5"]
@@ -54,7 +54,7 @@ def test_recipe_distils_then_dpo_and_saves(teacher, tmp_path, capsys):
 ])
 def test_refusals_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
-        errors.guarded(distill_then_dpo.main, ["--output", str(tmp_path / "run"), *argv])
+        refusals.guarded(distill_then_dpo.main, ["--output", str(tmp_path / "run"), *argv])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[0] and err[0].startswith("error: ") and "Traceback" not in "".join(err)
@@ -63,6 +63,6 @@ def test_refusals_are_one_line(tmp_path, capsys, argv, message):
 def test_missing_tunix_says_how_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tunix", None)  # as if the extra were not installed
     with pytest.raises(SystemExit) as stop:
-        errors.guarded(distill_then_dpo.main, ["--output", str(tmp_path / "run")])
+        refusals.guarded(distill_then_dpo.main, ["--output", str(tmp_path / "run")])
     assert stop.value.code == 2
     assert "pip install --no-deps google-tunix==0.1.7" in capsys.readouterr().err

@@ -162,18 +162,18 @@ def test_recipe_data_flag_reads_a_local_dataset(sources, tmp_path):
     """`--data hf:SPEC`: the recipe's loader with a teacher folder holding the byte tokenizer."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from nnx_surgery.recipes import corpus, errors, inputs
+    from nnx_surgery.recipes import corpus, model_inputs, refusals
 
     teacher = save_byte_tokenizer(tmp_path / "teacher")
     with open(os.path.join(teacher, "config.json"), "w") as handle:
         json.dump({"model_type": "gemma", "max_position_embeddings": 64}, handle)
     settings = corpus.DataSettings(files=f"hf:{sources / 'qa.jsonl'}?max_records=8", corpus=None, description="",
                                    teacher_folder=teacher, batch_size=2, seq_len=SEQ_LEN, seed=0,
-                                   position_limit=inputs.position_limit(teacher))
+                                   position_limit=model_inputs.position_limit(teacher))
     data = corpus.load_data(settings)
     assert len(data.train_indices) + len(data.eval_indices) == 8
     assert all(text.startswith("Q") for text in data.eval_texts())
     batch = data.next_batch()
     assert batch["input_ids"].shape == (2, SEQ_LEN) and 0 < batch["loss_mask"].sum() < batch["loss_mask"].size / 2
-    with pytest.raises(errors.RecipeError, match="--general-mix needs text files"):
+    with pytest.raises(refusals.RecipeError, match="--general-mix needs text files"):
         corpus.load_data(dataclasses.replace(settings, general_mix=0.25))

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import inputs  # noqa: E402
+from nnx_surgery.recipes import model_inputs  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def run(*args, cwd=None):
     ("hidden=16", (4, 16, 48, 4, 2)),
 ])
 def test_student_shapes_parse_against_the_teacher(teacher, text, sizes):
-    spec = inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
+    spec = model_inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
     assert (spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
             spec.num_key_value_heads) == sizes
 
@@ -55,7 +55,7 @@ def test_student_shapes_parse_against_the_teacher(teacher, text, sizes):
 ])
 def test_bad_student_shapes_raise_spec_errors_naming_the_size(teacher, text, culprit):
     with pytest.raises(surgery.SpecError) as error:
-        inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
+        model_inputs.student_spec(text, surgery.ModelConfig.from_file(teacher))
     assert culprit in str(error.value)
 
 

@@ -163,18 +163,18 @@ def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_
 
 
 def test_vocab_values_parse_and_bad_ones_are_one_line_and_exit_2(teacher, tmp_path):
-    from nnx_surgery.recipes import inputs
+    from nnx_surgery.recipes import model_inputs
     from nnx_surgery import surgery
 
     config = surgery.ModelConfig.from_file(teacher[0])
-    assert inputs.student_spec("layers=2,mlp=24,vocab=400", config, tokenizer=teacher[0]).vocab_size == 400
-    assert inputs.student_spec("layers=2,vocab=0.0625", config).vocab_size_for(config) == round(teacher[2] / 16)
+    assert model_inputs.student_spec("layers=2,mlp=24,vocab=400", config, tokenizer=teacher[0]).vocab_size == 400
+    assert model_inputs.student_spec("layers=2,vocab=0.0625", config).vocab_size_for(config) == round(teacher[2] / 16)
     for text, message in (("vocab=3", "smaller than the 263 pieces"), ("vocab=9999", "larger than the teacher's"),
                           ("vocab=lots", "vocab='lots'"), ("vocab=0", "vocab='0'")):
         with pytest.raises(surgery.SpecError, match=message):
-            inputs.student_spec(text, config, tokenizer=teacher[0])
+            model_inputs.student_spec(text, config, tokenizer=teacher[0])
     with pytest.raises(surgery.SpecError, match="keeps the teacher's vocabulary"):
-        inputs.student_spec("vocab=400", config, vocabulary=False)
+        model_inputs.student_spec("vocab=400", config, vocabulary=False)
     proc = run_recipe(teacher, tmp_path / "bad" / "run", "--student", "layers=2,vocab=3", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: SpecError: --student 'layers=2,vocab=3': vocab_size=3 is smaller")

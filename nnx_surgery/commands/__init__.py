@@ -18,7 +18,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 if TYPE_CHECKING:
     from nnx_surgery import surgery
@@ -35,14 +35,14 @@ def model_folder(path: str, name: str) -> str:
 
 
 def teacher_source(text: str, name: str, revision: str | None = None) -> str:
-    """`recipes.inputs.teacher_folder` (a folder, a .gguf file, gguf:gemma3-270m or a Hub id), with a missing local
+    """`recipes.model_inputs.teacher_folder` (a folder, a .gguf file, gguf:gemma3-270m or a Hub id), with a missing local
     path refused here, before it could be taken for a Hub id."""
     path = os.path.expanduser(text)
     local = path.startswith((".", os.sep)) or path.count("/") > 1
     if local and not text.endswith(".gguf") and not os.path.exists(path):
         raise RecipeError(f"{name} {text}: no such folder; give a model folder, a .gguf file, gguf:gemma3-270m "
                           "or a Hub id (user/name).")
-    from nnx_surgery.recipes.inputs import teacher_folder
+    from nnx_surgery.recipes.model_inputs import teacher_folder
     try:
         return teacher_folder(text, revision)
     except RecipeError as error:  # it names --teacher, the recipe's flag
@@ -197,13 +197,13 @@ def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: st
     """(batches, description) of `--data` (or, without it, `--corpus-bytes` of the standard library's source) in
     the tokens of `tokenizer` (default: the teacher's): the recipe's own pipeline (corpus.load_data: packed
     rows, BOS at the start of rows that continue a document, the teacher's position limit, a held-out split)."""
-    from nnx_surgery.recipes import corpus, inputs, tiny_teacher
+    from nnx_surgery.recipes import corpus, model_inputs, tiny_teacher
 
     corpus_files = None if args.data else tuple(tiny_teacher.corpus_files(args.corpus_bytes, args.seed))
     description = args.data or f"{len(corpus_files)} modules of the Python standard library's source"
     settings = corpus.DataSettings(files=args.data, corpus=corpus_files, description=description,
                                    teacher_folder=teacher_folder, batch_size=batch_size, seq_len=args.seq_len,
-                                   seed=args.seed, position_limit=inputs.position_limit(teacher_folder))
+                                   seed=args.seed, position_limit=model_inputs.position_limit(teacher_folder))
     return corpus.load_data(settings, tokenizer), description  # its refusals name the flags
 
 

@@ -8,8 +8,8 @@ import sys
 
 from nnx_surgery import surgery
 from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
-from nnx_surgery.recipes.errors import VARIABLE_NAME, RecipeError, looks_like_token
-from nnx_surgery.recipes.inputs import position_limit
+from nnx_surgery.recipes.refusals import VARIABLE_NAME, RecipeError, looks_like_token
+from nnx_surgery.recipes.model_inputs import position_limit
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
 

@@ -6,7 +6,7 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.commands import empty_folder, input_paths, new_file, shape_line, teacher_source, text_batches
-from nnx_surgery.recipes import errors, inputs
+from nnx_surgery.recipes import model_inputs, refusals
 
 
 def plan(args: argparse.Namespace) -> str:
@@ -14,7 +14,7 @@ def plan(args: argparse.Namespace) -> str:
     weights on disk with --calibration-samples 0) and write it to --output."""
     teacher = teacher_source(args.teacher, "TEACHER", args.revision)
     config = surgery.ModelConfig.from_file(teacher)
-    spec = inputs.student_spec(args.student, config, tokenizer=teacher)
+    spec = model_inputs.student_spec(args.student, config, tokenizer=teacher)
     out = new_file(args.output, "--output", args.overwrite, inside="plan.json",
                    inputs=input_paths(args.teacher, teacher, args.data))
     calibration = None
@@ -24,7 +24,7 @@ def plan(args: argparse.Namespace) -> str:
         calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
         print(f"[plan] {len(calibration)} calibration rows of {args.seq_len} tokens from {description}", flush=True)
     elif spec.vocab_size is not None:
-        raise errors.RecipeError(f"--calibration-samples 0 with --student {args.student!r}: a trimmed vocabulary's "
+        raise refusals.RecipeError(f"--calibration-samples 0 with --student {args.student!r}: a trimmed vocabulary's "
                               "pieces are chosen by their counts in calibration data; give --calibration-samples.")
     made = surgery.plan_student(teacher, spec, calibration=calibration, seed=args.seed, tokenizer=teacher)
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -43,7 +43,7 @@ def prune(args: argparse.Namespace) -> str:
     when the plan keeps part of the vocabulary)."""
     teacher = teacher_source(args.teacher, "TEACHER")
     if not os.path.exists(args.plan):
-        raise errors.RecipeError(f"PLAN.json {args.plan}: no such file; make one with `nnx-surgery plan`.")
+        raise refusals.RecipeError(f"PLAN.json {args.plan}: no such file; make one with `nnx-surgery plan`.")
     out = empty_folder(args.output, "OUTPUT", args.overwrite, inputs=input_paths(args.teacher, teacher, args.plan))
     chosen = surgery.Plan.load(args.plan)
     folder = surgery.prune_checkpoint(teacher, chosen, out, dtype=args.dtype, overwrite=args.overwrite)

@@ -13,7 +13,7 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
                                   text_batches)
 from nnx_surgery.distill import teacher_cache
-from nnx_surgery.recipes import errors
+from nnx_surgery.recipes import refusals
 from nnx_surgery.surgery.atomic import atomic_folder
 
 
@@ -30,14 +30,14 @@ def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
 def _output(args: argparse.Namespace, inputs: list[str]) -> str:
     """--output: empty, replaced with --overwrite, or a partial cache continued with --resume."""
     if args.resume and args.overwrite:
-        raise errors.RecipeError("--resume and --overwrite: give one; --resume continues the cache in --output, "
+        raise refusals.RecipeError("--resume and --overwrite: give one; --resume continues the cache in --output, "
                               "--overwrite starts it again.")
     out = empty_folder(args.output, "--output", args.resume or args.overwrite, inputs=inputs)
     if args.resume and (not os.path.isdir(out) or not any(n.startswith("progress-p") for n in os.listdir(out))):
-        raise errors.RecipeError(f"--resume {args.output}: no partial teacher cache there (no progress-p*.json); "
+        raise refusals.RecipeError(f"--resume {args.output}: no partial teacher cache there (no progress-p*.json); "
                               "run without --resume to write one.")
     if args.overwrite and jax.process_count() > 1 and os.path.isdir(out) and os.listdir(out):
-        raise errors.RecipeError(f"--overwrite {args.output}: with {jax.process_count()} processes the cache cannot be "
+        raise refusals.RecipeError(f"--overwrite {args.output}: with {jax.process_count()} processes the cache cannot be "
                               "swapped in whole; remove the folder first or give another --output.")
     return out
 
@@ -64,7 +64,7 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     pieces = config.vocab_size if kept is None else len(kept)
     if args.top_k > pieces:
         whose = "the teacher's vocabulary" if kept is None else "the student's trimmed vocabulary"
-        raise errors.RecipeError(f"--top-k {args.top_k}: {whose} has {pieces:,} pieces; give at most that many.")
+        raise refusals.RecipeError(f"--top-k {args.top_k}: {whose} has {pieces:,} pieces; give at most that many.")
     out = _output(args, input_paths(args.teacher, teacher_folder, args.student, args.data))
     settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
                                            rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size)
@@ -88,7 +88,7 @@ def cache_teacher(args: argparse.Namespace) -> dict:
             manifest = teacher_cache.write_cache(teacher, data, folder, settings, identity=identity, mesh=mesh,
                                                  resume=args.resume)
     except teacher_cache.CacheError as error:
-        raise errors.RecipeError(str(error)) from None
+        raise refusals.RecipeError(str(error)) from None
     size = sum(entry["bytes"] for entry in manifest.get("shards", []))
     tokens = manifest.get("num_rows", data.num_rows) * args.seq_len
     print(f"teacher cache: {out} ({len(manifest.get('shards', []))} shards, {size:,} bytes, "

@@ -13,7 +13,7 @@ from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_f
                                   staged_files, teacher_source, text_batches)
 from nnx_surgery.distill.cache_format import CacheError
 from nnx_surgery.distill.heldout import interval_text
-from nnx_surgery.recipes import errors, final_eval, inputs
+from nnx_surgery.recipes import final_eval, model_inputs, refusals
 from nnx_surgery.recipes.config.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
 
@@ -26,7 +26,7 @@ def distill_student(args: argparse.Namespace) -> str:
     with the student's plan.json when it has one."""
     temperature = parse_ramp(args.temperature, "--temperature")  # refused before anything is read
     if args.warmup_steps is not None and args.warmup_steps > args.steps:
-        raise errors.RecipeError(f"--warmup-steps {args.warmup_steps} is longer than --steps {args.steps}: the "
+        raise refusals.RecipeError(f"--warmup-steps {args.warmup_steps} is longer than --steps {args.steps}: the "
                                  "learning rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
@@ -58,7 +58,7 @@ def distill_student(args: argparse.Namespace) -> str:
     try:
         result = distill.run(teacher, student, data, config)
     except CacheError as error:
-        raise errors.RecipeError(str(error)) from None
+        raise refusals.RecipeError(str(error)) from None
     extra = {"history.json": {"train": result.full_history, "eval": result.full_evals,
                               "data_state": result.data_state}}
     plan = plan_of(student_folder)
@@ -88,7 +88,7 @@ def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str)
             teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"],
             tokenizer_hash=teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None)
     except teacher_cache.CacheError as error:
-        raise errors.RecipeError(f"--teacher-cache: {error}") from None
+        raise refusals.RecipeError(f"--teacher-cache: {error}") from None
 
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
@@ -133,7 +133,7 @@ def _compared(given: list[str], names: list[str]) -> list[tuple[str, str]]:
         a, sep, b = text.partition(":")
         unknown = [name for name in (a, b) if name not in (*names, "teacher")]
         if not sep or unknown or a == b:
-            raise errors.RecipeError(f"--compare {text!r}: give A:B, two different models of the table "
+            raise refusals.RecipeError(f"--compare {text!r}: give A:B, two different models of the table "
                                   f"({', '.join(['teacher', *names])}).")
         pairs.append((a, b))
     return pairs
@@ -143,9 +143,9 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
     """--new-tokens within every model's positions (config.json's max_position_embeddings), before anything is
     loaded or allocated: the held-out prompts and the tokens generated after them share those positions."""
     for folder in folders:
-        limit = inputs.position_limit(folder).get("max_positions")
+        limit = model_inputs.position_limit(folder).get("max_positions")
         if limit is not None and args.new_tokens >= limit:
-            raise errors.RecipeError(f"--new-tokens {args.new_tokens}: {folder} has {limit} positions "
+            raise refusals.RecipeError(f"--new-tokens {args.new_tokens}: {folder} has {limit} positions "
                                   "(max_position_embeddings in its config.json), which must hold each prompt too; "
                                   "give fewer new tokens.")
 
@@ -157,12 +157,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     folders = [model_folder(path, "FOLDER") for path in args.folders]
     names = _names(folders, args.folders)
     if len(set(names)) != len(names):
-        raise errors.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
+        raise refusals.RecipeError(f"FOLDER: {sorted(n for n in names if names.count(n) > 1)} given twice; give each "
                               "folder once.")
     pairs = [(name, "teacher") for name in names] + _compared(args.compare, names)
     _check_generation(args, [teacher_folder, *folders])
     if args.include_path and args.eval_tasks is None:
-        raise errors.RecipeError(f"--include-path {args.include_path}: it adds lm-eval task files for --eval-tasks; "
+        raise refusals.RecipeError(f"--include-path {args.include_path}: it adds lm-eval task files for --eval-tasks; "
                                  "give --eval-tasks too.")
     tasks = None if args.eval_tasks is None else lm_eval_scores.checked_tasks(  # refused before any model loads
         args.eval_tasks, include_path=args.include_path, flag="--eval-tasks")

@@ -19,7 +19,7 @@ from nnx_surgery.recipes import aot_programs, aot_search, aot_targets
 from nnx_surgery.recipes.aot_report import HEADROOM, days_to, format_table, measure
 from nnx_surgery.recipes.config import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.surgery.atomic import write_json
 
 REPORT = "aot_report.json"

@@ -27,7 +27,7 @@ from nnx_surgery.recipes import phase_configs, released, run_settings, shape_sea
 from nnx_surgery.recipes.config import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.aot_targets import Target, target_mesh
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings
 
 

@@ -17,7 +17,7 @@ from nnx_surgery.distill.mesh import MeshError, format_mesh_spec
 from nnx_surgery.recipes import aot_programs
 from nnx_surgery.recipes.aot_report import HEADROOM, measure
 from nnx_surgery.recipes.aot_targets import GIB, KNOWN_TOPOLOGIES, Target
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.config import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 

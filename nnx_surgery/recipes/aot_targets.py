@@ -21,7 +21,7 @@ import sys
 import jax
 import numpy as np
 
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 GIB = 2 ** 30
 DOCS = "https://cloud.google.com/tpu/docs/"

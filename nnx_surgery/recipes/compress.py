@@ -57,7 +57,7 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.surgery.atomic import write_json
-from nnx_surgery.recipes import aot, aot_targets, errors, final_eval, multi_host, run_phases, run_settings, vocabulary
+from nnx_surgery.recipes import aot, aot_targets, final_eval, multi_host, refusals, run_phases, run_settings, vocabulary
 from nnx_surgery.recipes.config import checks, files, layering, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
@@ -255,7 +255,7 @@ class PhaseClock:
 def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:
     """The recipe as a command (`prog` names it in --help): one-line errors, exit 3 when --halt-after stops it."""
     try:
-        errors.guarded(lambda args: main(args, prog), argv)
+        refusals.guarded(lambda args: main(args, prog), argv)
     except Interrupted as stop:
         print(stop.code if isinstance(stop.code, str) else "interrupted", file=sys.stderr)
         sys.exit(3)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import jax
 
 from nnx_surgery import distill
-from nnx_surgery.recipes import errors
+from nnx_surgery.recipes import refusals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def load_data(settings: DataSettings, tokenizer: str | None = None) -> distill.T
 def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
     corpus, data = (list(settings.corpus) if settings.corpus is not None else None), settings.files or ""
     if corpus is None and not data:
-        raise errors.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
+        raise refusals.RecipeError("--data is required with this teacher (text files, a folder, a glob, or hf:NAME).")
     common = dict(batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,
                   eval_batch_size=settings.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count(), **settings.position_limit)
@@ -54,7 +54,7 @@ def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
         common["restart_id"] = text_tokenizer.bos_id
     if settings.general_mix:  # general prose beside the domain corpus: training only, never held out
         if corpus is None and data.startswith("hf:"):
-            raise errors.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
+            raise refusals.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
                                   "mix general text into the dataset itself instead.")
         files = corpus if corpus is not None else distill.sources.expand_paths(data)
         common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), settings.general_mix)

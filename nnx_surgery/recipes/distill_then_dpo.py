@@ -34,7 +34,7 @@ from flax import nnx
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import errors, inputs, tiny_teacher
+from nnx_surgery.recipes import model_inputs, refusals, tiny_teacher
 from nnx_surgery.distill.data import stdlib_corpus
 from nnx_surgery.distill.trainer import DivergenceError
 from tokenizers import Tokenizer
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("distill_steps", "dpo_steps", "pairs", "batch_size", "seq_len", "prompt_chars", "response_chars"):
         if getattr(args, name) < 1:
-            raise errors.RecipeError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
+            raise refusals.RecipeError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
     return args
 
 
@@ -127,7 +127,7 @@ def distilled_student(args, folder: str, files: list[str]):
     teacher = surgery.load_pretrained(folder, dtype="float32")
     data = distill.TokenBatches.from_files(files, folder, batch_size=args.batch_size, seq_len=args.seq_len,
                                            seed=args.seed, eval_batch_size=args.batch_size)
-    plan = surgery.plan_student(teacher, inputs.student_spec(args.student, teacher.config, vocabulary=False),
+    plan = surgery.plan_student(teacher, model_inputs.student_spec(args.student, teacher.config, vocabulary=False),
                                 calibration=data.calibration_ids(min(64, 8 * args.batch_size)))
     student = surgery.apply_plan(teacher, plan)
     stage = distill.Stage(steps=args.distill_steps, learning_rate=args.learning_rate,
@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> None:
         from nnx_surgery.surgery.tunix import require_tunix
         require_tunix()
     except ImportError as error:
-        raise errors.RecipeError(str(error)) from None
-    args.output, _ = inputs.output_folder(args.output, resume=False, overwrite=args.overwrite, dry_run=False)
+        raise refusals.RecipeError(str(error)) from None
+    args.output, _ = model_inputs.output_folder(args.output, resume=False, overwrite=args.overwrite, dry_run=False)
     if args.overwrite and os.path.isdir(args.output):
         shutil.rmtree(args.output)
     os.makedirs(args.output, exist_ok=True)
     if args.teacher:
-        folder, files = inputs.teacher_folder(args.teacher, None), stdlib_corpus(args.corpus_bytes, seed=args.seed)
+        folder, files = model_inputs.teacher_folder(args.teacher, None), stdlib_corpus(args.corpus_bytes, seed=args.seed)
     else:
         folder, files = tiny_teacher.prepare(tiny_teacher.TinyTeacherSettings(
             args.corpus_bytes, args.seed, args.batch_size, args.seq_len, args.teacher_steps, args.cache_dir))
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     student, plan = distilled_student(args, folder, train_files)
 
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        raise errors.RecipeError(f"--teacher {folder}: no tokenizer.json there; the preference pairs need the "
+        raise refusals.RecipeError(f"--teacher {folder}: no tokenizer.json there; the preference pairs need the "
                                  "teacher's tokenizer.")
     tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     rng = np.random.default_rng(args.seed)
@@ -201,4 +201,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    errors.guarded(main)
+    refusals.guarded(main)

@@ -25,7 +25,7 @@ import os
 import platform
 from typing import Any
 
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 TASKS_VERSION = 2  # of the offline tasks' files (nnx_surgery.lm_eval_tasks): a change writes them anew
 COMPLETE = ".complete"

@@ -22,7 +22,7 @@ from nnx_surgery import distill
 from nnx_surgery.distill import schedules, terms
 from nnx_surgery.recipes.config.layering import thaw
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 SCHEDULE_FUNCTIONS = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
 

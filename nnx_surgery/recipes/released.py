@@ -13,7 +13,7 @@ import json
 import os
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.config.sections import RecipeConfig
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "released_configs")

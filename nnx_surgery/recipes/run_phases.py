@@ -28,7 +28,7 @@ from typing import Any
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes import corpus, phase_configs, shape_search, vocabulary
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
 
 

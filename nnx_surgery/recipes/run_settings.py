@@ -18,11 +18,11 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 import nnx_surgery.surgery.gguf_export  # noqa: F401  (surgery.gguf_export below)
-from nnx_surgery.recipes import inputs, phase_configs, shape_search, tiny_teacher
+from nnx_surgery.recipes import model_inputs, phase_configs, shape_search, tiny_teacher
 from nnx_surgery.recipes.config.layering import freeze
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.corpus import DataSettings
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.final_eval import EvalSettings
 
 PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
@@ -104,7 +104,7 @@ def resolve(config: RecipeConfig) -> RunSettings:
     stages built. Refusals are RecipeError / SpecError lines, before any weights load."""
     output = output_settings(config)
     teacher, corpus, description = locate_teacher(config)
-    limit = inputs.position_limit(teacher.folder, teacher.config)
+    limit = model_inputs.position_limit(teacher.folder, teacher.config)
     check_new_tokens(config, teacher, limit.get("max_positions"))
     choice = shape_search.student_choice(config, teacher.config, teacher.folder)
     if config.run.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
@@ -136,7 +136,7 @@ def output_settings(config: RecipeConfig) -> Output:
         raise RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
                               f"{jax.device_count()} devices, e.g. --mesh fsdp={jax.device_count()}.")
     run = config.run
-    folder, started = inputs.output_folder(run.output, resume=run.resume, overwrite=run.overwrite,
+    folder, started = model_inputs.output_folder(run.output, resume=run.resume, overwrite=run.overwrite,
                                            dry_run=run.dry_run)
     halt_steps = {}
     if config.run.halt_after:
@@ -162,7 +162,7 @@ def locate_teacher(config: RecipeConfig) -> tuple[Teacher, tuple[str, ...] | Non
         description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
     else:
         description = config.data.files or ""
-    folder = inputs.teacher_folder(source, config.teacher.revision)
+    folder = model_inputs.teacher_folder(source, config.teacher.revision)
     teacher = Teacher(source, folder, surgery.ModelConfig.from_file(folder), config.training.compute_dtype)
     return teacher, corpus, description
 

@@ -37,7 +37,7 @@ import os
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import errors, final_eval, inputs, phase_configs
+from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.surgery.search_space import COUNTINGS, budget_target
 
@@ -90,7 +90,7 @@ def parse_budget_text(text: str | None) -> Budget | None:
     for item in items:
         key, _, value = (part.strip() for part in item.partition("="))
         if key == "vocab":
-            raise errors.RecipeError(f"--student {text!r}: the shape search compares candidates in the teacher's "
+            raise refusals.RecipeError(f"--student {text!r}: the shape search compares candidates in the teacher's "
                                   "tokens, so it does not take vocab=; search without it, then run the winner "
                                   "as --student WINNER,vocab=N.")
         if key not in ("params", "counting"):
@@ -107,14 +107,14 @@ def parse_budget_text(text: str | None) -> Budget | None:
 
 def student_choice(config: RecipeConfig, teacher: surgery.ModelConfig, tokenizer: str | None = None) -> StudentChoice:
     """The student `--student` asks for, checked against the teacher's config (and a `vocab=` against its
-    `tokenizer` folder) before any model loads: an explicit shape (`inputs.student_spec`), or the budget and the shapes
+    `tokenizer` folder) before any model loads: an explicit shape (`model_inputs.student_spec`), or the budget and the shapes
     the search will try."""
     budget = parse_budget_text(config.student.shape)
     if budget is None and config.search.shapes:
-        raise errors.RecipeError(f"--search-shapes is for a shape search: give --student params=... (a budget) "
+        raise refusals.RecipeError(f"--search-shapes is for a shape search: give --student params=... (a budget) "
                                  f"with it, not --student {config.student.shape!r}.")
     if budget is None:
-        return StudentChoice(inputs.student_spec(config.student.shape, teacher, tokenizer=tokenizer))
+        return StudentChoice(model_inputs.student_spec(config.student.shape, teacher, tokenizer=tokenizer))
     try:
         target = budget_target(teacher, budget.params, budget.counting)
         fitting = surgery.candidate_specs(teacher, params=budget.params, counting=budget.counting,
@@ -127,7 +127,7 @@ def student_choice(config: RecipeConfig, teacher: surgery.ModelConfig, tokenizer
     chosen = (given_shapes(config.search.shapes, fitting, guess, teacher, budget, config.search.tolerance)
               if config.search.shapes else spread(fitting, guess, config.search.candidates, near=near))
     heads_kept = near.text if near is not None and near.text in {c.text for c in chosen[1:]} else None
-    return StudentChoice(inputs.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target,
+    return StudentChoice(model_inputs.student_spec(guess.text, teacher), budget, tuple(chosen), len(fitting), target,
                          heads_kept)
 
 
@@ -175,13 +175,13 @@ def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Can
         if not shape:
             continue
         try:
-            spec = inputs.student_spec(shape, teacher)
+            spec = model_inputs.student_spec(shape, teacher)
         except surgery.SpecError as error:
             raise surgery.SpecError(f"--search-shapes {shape!r}: {error}") from None
         candidate = surgery.Candidate(spec, *surgery.parameter_counts(teacher, spec))
         if candidate.text not in within and candidate.text != guess.text:
             counted = (candidate.non_embedding if budget.counting == "non_embedding" else candidate.parameters)
-            raise errors.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "
+            raise refusals.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "
                                   f"parameters, not within {budget.text} +-{tolerance:.0%} on the teacher's grid; "
                                   "the search compares shapes of one budget (--dry-run lists them).")
         if candidate.text not in {c.text for c in chosen}:
@@ -247,7 +247,7 @@ def choose_student(run, teacher, data, calibration):
     result = distill.search(teacher, candidates, data, phase, sets=final_eval.heldout_sets(run.evaluation, data),
                             directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
                             sampler=surgery.make_sampler() if phase.on_policy.fraction else None)
-    return inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result)
+    return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result)
 
 
 def summary(config: RecipeConfig, choice: StudentChoice, result: distill.SearchResult) -> dict:

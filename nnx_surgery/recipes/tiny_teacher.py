@@ -23,7 +23,7 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.distill.data import stdlib_corpus
 from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from nnx_surgery.surgery.checkpoint import model_tensors, write_hf_folder

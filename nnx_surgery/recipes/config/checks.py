@@ -8,7 +8,7 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 
 def check(config: RecipeConfig) -> None:

@@ -10,7 +10,7 @@ import jax
 
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 
 def load_config_file(path: str) -> dict:

@@ -15,7 +15,7 @@ from nnx_surgery.distill.mesh import MeshError
 from nnx_surgery.recipes.config import checks, command_line, fields, layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.config.files import load_config_file
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 
 def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:

