@@ -53,12 +53,12 @@ llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" $(VENV)/bin/pip install llama-cpp-python==0.3.36
 
 test-llama: llama-cpp
-	$(PY) -m pytest -q tests/test_gguf_export.py -k llama_cpp
+	$(PY) -m pytest -q tests/surgery/storage/test_gguf_export.py -k llama_cpp
 
 # The recipe's own job compiled for a v5e-8 (Gemma 7B teaching gemma-2b, libtpu from .venv/libtpu): 6 minutes of
 # XLA's CPU time and 6 GB of memory (12 minutes beside another run), so `make test` leaves it to this target.
 test-aot-7b: $(STAMP)
-	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/test_aot.py -k gemma_7b_to_2b
+	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/recipes/test_aot.py -k gemma_7b_to_2b
 
 bench: $(STAMP)
 	bash bench/run_all.sh

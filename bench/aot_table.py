@@ -47,7 +47,7 @@ class Setting:
     batch: int  # rows per micro-batch (global)
     accum: int
     remat: str | None
-    logit_impl: str = "fused"  # or "two_pass" (distill.vocab_sliced_loss: no (V, D) accumulator)
+    logit_impl: str = "fused"  # or "two_pass" (distill.losses.two_pass: no (V, D) accumulator)
 
     def text(self) -> str:
         impl = "" if self.logit_impl == "fused" else f", {self.logit_impl} logit loss"

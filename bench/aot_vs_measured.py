@@ -5,7 +5,7 @@
 
 For each preset, in a fresh process: the recipe's flags resolved as `--aot cpu:1` resolves them
 (`aot_programs.aot_run`: the teacher's config.json alone), the last main stage's train step (every parameter trained) built with abstract
-arguments (`distill.abstract_step`, the program the run compiles) and compiled; XLA's `memory_analysis()` gives
+arguments (`distill.loop.lowering`, the program the run compiles) and compiled; XLA's `memory_analysis()` gives
 arguments, temporaries, outputs and aliased bytes. Then the same compiled step runs on concrete arguments of those
 shapes (zeros: the values do not change the buffers), and the process's resident memory is read:
 
@@ -39,7 +39,7 @@ def measure_in_this_process(preset: str, workdir: str) -> dict:
     import jax
     import numpy as np
 
-    from nnx_surgery.distill.step_runner import release_free_heap
+    from nnx_surgery.distill.loop.step_runner import release_free_heap
     from nnx_surgery.recipes import aot_programs, aot_targets
     from nnx_surgery.recipes.config import resolution
 

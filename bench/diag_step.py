@@ -2,7 +2,7 @@
 
     python bench/diag_step.py --scale 270m [--teacher-dtype bfloat16]
 
-Builds the step exactly as `distill.run` does (`distill.step_runner.StepRunner.enter_stage`) for a bench teacher/student
+Builds the step exactly as `distill.run` does (`distill.loop.step_runner.StepRunner.enter_stage`) for a bench teacher/student
 pair, compiles it for one batch and prints one JSON line with `compiled.memory_analysis()`: bytes of the
 arguments (teacher, student parameters, Adam state, batch), outputs, aliased (donated) buffers and the temporaries
 XLA allocates inside the step, plus the host RSS after loading. Peak step memory is about
@@ -32,13 +32,13 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.loop.run_config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
     from nnx_surgery.distill.interface import Correspondence
     from nnx_surgery.distill.mesh import put_batch
-    from nnx_surgery.distill.step import hyper_values
-    from nnx_surgery.distill.step_runner import StepRunner, logit_block, logit_chunk
+    from nnx_surgery.distill.loop.train_step import hyper_values
+    from nnx_surgery.distill.loop.step_runner import StepRunner, logit_block, logit_chunk
     from students import ensure_pair
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     teacher_dir, student_dir = ensure_pair(args.scale)
     teacher = load_pretrained(teacher_dir, dtype=args.teacher_dtype)

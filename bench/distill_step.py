@@ -50,10 +50,10 @@ def child_ours(args) -> dict:
     import jax
     import numpy as np
 
-    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
-    from nnx_surgery.distill.step_runner import logit_block, logit_chunk
-    from nnx_surgery.distill.trainer import run
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.loop.run_config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.loop.step_runner import logit_block, logit_chunk
+    from nnx_surgery.distill.loop.trainer import run
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
     teacher = load_pretrained(args.teacher, dtype=args.teacher_dtype or dtype)

@@ -39,8 +39,8 @@ def loss_functions(chunk: int, block: int | None = None, vocab_slice: int | None
     import jax
     import jax.numpy as jnp
 
-    from nnx_surgery.distill.logit_loss import LogitLossSettings, fused_logit_loss, reference_logit_loss
-    from nnx_surgery.distill.vocab_sliced_loss import two_pass_logit_loss
+    from nnx_surgery.distill.losses.divergence import LogitLossSettings, fused_logit_loss, reference_logit_loss
+    from nnx_surgery.distill.losses.two_pass import two_pass_logit_loss
 
     spec = LogitLossSettings(kl=True, chunk=chunk, block=block, vocab_slice=vocab_slice, unit_temperature=True)
     coeffs = {"temperature": 1.0, "kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.0}

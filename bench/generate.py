@@ -7,7 +7,7 @@ Same model (tests/real_gemma.py's float32 folder, made by transformers from the 
 `default_rng(seed).integers(10, V)` after a BOS, `--prompt` tokens in all), same work: greedy, exactly
 `--new` tokens per row (no early stop: ours `stop=()`, transformers with its eos unset), no padding. Peers:
 
-* ours          `surgery.generate.generate`: jitted prefill (logits of the last position only), then a jitted
+* ours          `surgery.modeling.generation.generate`: jitted prefill (logits of the last position only), then a jitted
                 `lax.while_loop` of one-token steps over the preallocated KV cache.
 * transformers  `model.generate(do_sample=False)` with its default dynamic cache.
 
@@ -48,7 +48,7 @@ def child_ours(args, folder: str) -> dict:
     import jax
 
     from nnx_surgery.surgery import load_pretrained
-    from nnx_surgery.surgery.generate import generate
+    from nnx_surgery.surgery.modeling.generation import generate
 
     model = load_pretrained(folder, dtype="float32")
     ids = prompts(model.config.vocab_size, args.batch, args.prompt, args.seed, bos=2)

@@ -1,4 +1,4 @@
-"""Importing the real Gemma 3 270M GGUF (Q4_K_M, 253 MB) as an HF folder: `surgery.gguf.import_gguf`, float32 and
+"""Importing the real Gemma 3 270M GGUF (Q4_K_M, 253 MB) as an HF folder: `surgery.storage.gguf_import.import_gguf`, float32 and
 bfloat16, optionally against transformers' own GGUF loading (`from_pretrained(dir, gguf_file=name)`, which
 dequantises into a model in memory; it writes no folder).
 
@@ -34,7 +34,7 @@ def gguf_file() -> str:
 
 
 def child_ours(path: str, dtype: str) -> dict:
-    from nnx_surgery.surgery.gguf import import_gguf
+    from nnx_surgery.surgery.storage.gguf_import import import_gguf
 
     work = tempfile.mkdtemp(prefix="gguf-import-", dir=common.OUT)
     try:

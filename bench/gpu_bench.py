@@ -50,7 +50,7 @@ def child_load(folder: str) -> dict:
     import jax
     from flax import nnx
 
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     jax.devices()
     start = time.perf_counter()
@@ -78,10 +78,10 @@ def child_sweep(args) -> dict:
     import jax
     import numpy as np
 
-    from nnx_surgery.distill.step_runner import logit_chunk
-    from nnx_surgery.distill.trainer import run
+    from nnx_surgery.distill.loop.step_runner import logit_chunk
+    from nnx_surgery.distill.loop.trainer import run
     from distill_step import batches
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     deadline = time.perf_counter() + args.child_budget
     teacher = load_pretrained(args.teacher, dtype=args.dtype)
@@ -129,7 +129,7 @@ def child_sweep(args) -> dict:
 
 
 def point_config(point: dict, seq: int, dtype: str, steps: int):
-    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.loop.run_config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
 
     stage = Stage(steps=steps, learning_rate=1e-4, min_lr_ratio=1.0, weights=LossWeights(kl=1.0))
     extra = {"logit_chunk": point["chunk"]} if point["chunk"] else {}
@@ -148,7 +148,7 @@ def trace_point(teacher, student, point: dict, args) -> None:
 
     import jax
 
-    from nnx_surgery.distill.trainer import run
+    from nnx_surgery.distill.loop.trainer import run
     from distill_step import batches
     from trace_summary import summarize
 

@@ -39,7 +39,7 @@ def child_ours(folder: str, dtype: str | None) -> dict:
     import jax
     from flax import nnx
 
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     jax.devices()  # start the runtime outside the timed part, as the peers' imports do
     rss_before = common.current_rss_bytes()

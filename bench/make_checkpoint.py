@@ -5,8 +5,8 @@
     python bench/make_checkpoint.py --hub-copy-of /tmp/ckpt/gemma-7b /tmp/ckpt/gemma-7b-hub  # same tensors, Hub layout
 
 Shapes are the real configs (shared/research/hf_nnx.md §1.4); names and layouts come from
-`surgery.checkpoint.tensor_table`, config.json from `ModelConfig.to_hf_dict`, and the files are written by
-`surgery.safetensors_io.write_model_files`, which asks each tensor for its data only when its turn comes. The
+`surgery.storage.hf_checkpoint.tensor_table`, config.json from `ModelConfig.to_hf_dict`, and the files are written by
+`surgery.storage.safetensors_stream.write_model_files`, which asks each tensor for its data only when its turn comes. The
 weights are produced in row blocks straight into the output array, so peak memory is the largest tensor (the
 embedding, 1.6 GB for gemma-7b) plus a few MB, whatever the model's size.
 
@@ -34,10 +34,10 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nnx_surgery.surgery.checkpoint import hf_shape, tensor_table  # noqa: E402
-from nnx_surgery.surgery.config import ModelConfig  # noqa: E402
-from nnx_surgery.surgery.model import abstract_model  # noqa: E402
-from nnx_surgery.surgery.safetensors_io import PendingTensor, atomic_folder, write_json, write_model_files  # noqa: E402
+from nnx_surgery.surgery.storage.hf_checkpoint import hf_shape, tensor_table  # noqa: E402
+from nnx_surgery.surgery.modeling.model_config import ModelConfig  # noqa: E402
+from nnx_surgery.surgery.modeling.causal_lm import abstract_model  # noqa: E402
+from nnx_surgery.surgery.storage.safetensors_stream import (PendingTensor, atomic_folder, write_json, write_model_files)  # noqa: E402
 
 _GEMMA1 = dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, rms_norm_eps=1e-6,

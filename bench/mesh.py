@@ -46,12 +46,12 @@ def child(args) -> dict:
     import numpy as np
     from flax import nnx
 
-    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
+    from nnx_surgery.distill.loop.run_config import DistillConfig, GuardConfig, LossWeights, OptimizerConfig, Stage
     from nnx_surgery.distill.interface import Correspondence
     from nnx_surgery.distill.mesh import make_mesh
-    from nnx_surgery.distill.step_runner import StepRunner
-    from nnx_surgery.distill.trainer import run
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.loop.step_runner import StepRunner
+    from nnx_surgery.distill.loop.trainer import run
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     mesh = None if args.child == "1" else make_mesh(args.child)
     teacher = load_pretrained(args.teacher, dtype="float32", mesh=mesh)
@@ -112,9 +112,9 @@ def main(argv=None) -> None:
         teacher = ensure_checkpoint(TEACHER[0], os.path.join(common.CKPT_DIR, "mesh-teacher"), overrides=TEACHER[1])
         student = os.path.join(common.CKPT_DIR, "mesh-student")
         if not os.path.exists(os.path.join(student, "config.json")):
-            plan = _import("nnx_surgery.surgery.planner", "plan_student")(teacher, _import("nnx_surgery.surgery.spec", "StudentSpec")(*STUDENT),
+            plan = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")(teacher, _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")(*STUDENT),
                                                               depth="uniform", width="magnitude")
-            _import("nnx_surgery.surgery.prune_disk", "prune_checkpoint")(teacher, plan, student, report=False)
+            _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")(teacher, plan, student, report=False)
     records = []
     for mesh in [m for m in args.meshes.split(";") if m]:
         devices = 1 if mesh == "1" else 1

@@ -7,7 +7,7 @@ Same teacher and student files (bench/students.py), same random token batches, s
 teacher's and student's logits, as GKD), fp32 on this machine's default backend. Each repeat runs lambda = 0 and
 lambda = 0.5 (`DistillConfig.on_policy.fraction`) one after the other (the order alternates between repeats),
 each for `--warmup` + `--steps` optimizer steps on a fresh copy of the student; a first untimed lambda = 1 run
-compiles the step and the sampler (surgery.generate.make_sampler: KV-cache prefill + decode loop, temperature 1,
+compiles the step and the sampler (surgery.modeling.generation.make_sampler: KV-cache prefill + decode loop, temperature 1,
 prompt = the first half of each row, the second half sampled; no EOS ends a row early with these random weights,
 so every sample runs its whole length: the worst case).
 
@@ -39,10 +39,10 @@ def batches(vocab: int, batch: int, seq: int, seed: int = 0):
 
 def one_run(teacher, student_folder: str, fraction: float, steps: int, args, sampler) -> dict:
     """Train a fresh student for `steps` steps at on-policy fraction `fraction`; per-step costs from the history."""
-    from nnx_surgery.distill.config import DistillConfig, GuardConfig, LossWeights, Stage
-    from nnx_surgery.distill.on_policy import OnPolicyConfig
-    from nnx_surgery.distill.trainer import run
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.loop.run_config import DistillConfig, GuardConfig, LossWeights, Stage
+    from nnx_surgery.distill.loop.on_policy import OnPolicyConfig
+    from nnx_surgery.distill.loop.trainer import run
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     student = load_pretrained(student_folder, dtype="float32")
     config = DistillConfig(stages=(Stage(steps=steps, learning_rate=1e-4, min_lr_ratio=1.0,
@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
     import jax
 
     from students import ensure_pair
-    from nnx_surgery.surgery.checkpoint import load_pretrained
-    from nnx_surgery.surgery.generate import make_sampler
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
+    from nnx_surgery.surgery.modeling.generation import make_sampler
 
     teacher_folder, student_folder = ensure_pair(args.scale)
     teacher = load_pretrained(teacher_folder, dtype="float32")

@@ -43,18 +43,18 @@ def child(args) -> dict:
         return {"step": "read", "seconds": seconds, "bytes": n, "gb_per_s": n / seconds / 1e9,
                 "peak_rss_bytes": common.peak_rss_bytes()}
     if args.child == "plan":
-        plan_student = _import("nnx_surgery.surgery.planner", "plan_student")
+        plan_student = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")
         start = time.perf_counter()
         spec = args.student_shape
         if "," in spec:  # explicit sizes: layers,hidden,intermediate,heads,kv_heads
-            spec = _import("nnx_surgery.surgery.spec", "StudentSpec")(*map(int, spec.split(",")))
+            spec = _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")(*map(int, spec.split(",")))
         plan = plan_student(args.teacher, spec, depth="uniform", width="magnitude")
         seconds = time.perf_counter() - start
         plan.save(args.plan)
         return {"step": "plan", "seconds": seconds, "peak_rss_bytes": common.peak_rss_bytes(),
                 "kept_layers": list(plan.kept_layers), "kv": plan.methods.get("kv")}
-    prune_checkpoint = _import("nnx_surgery.surgery.prune_disk", "prune_checkpoint")
-    Plan = _import("nnx_surgery.surgery.plan", "Plan")
+    prune_checkpoint = _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")
+    Plan = _import("nnx_surgery.surgery.planning.plan_record", "Plan")
     plan = Plan.load(args.plan)
     start = time.perf_counter()
     prune_checkpoint(args.teacher, plan, args.out_dir)

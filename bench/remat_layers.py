@@ -5,7 +5,7 @@
                                                           the train step of a Gemma 7B teacher and a gemma-2b-shaped
                                                           student, 8 x 2048 tokens, compiled for a v5e-8 (fsdp=8)
 
-`cpu`: each setting's loss-and-gradient function (`distill.step.make_grad_fn`, forward KL + CE) jitted, then the
+`cpu`: each setting's loss-and-gradient function (`distill.loop.train_step.make_grad_fn`, forward KL + CE) jitted, then the
 median wall time of `--repeats` calls (after one warm-up), and its compiled temporaries. Settings alternate within
 each repeat (the machine is shared). `tpu`: `bench/tpu_compile.py`'s `distill_step_compile`, one compile per
 setting (minutes each). One JSON line per measurement.
@@ -33,12 +33,12 @@ def cpu(remats: list[str], repeats: int, batch: int = 4, seq: int = 512) -> list
     import numpy as np
     from flax import nnx
 
-    from nnx_surgery.distill import step as step_lib
-    from nnx_surgery.distill.config import LossWeights, Stage
-    from nnx_surgery.distill.freeze import split_trainable
-    from nnx_surgery.distill.logit_loss import LogitLossSettings
-    from nnx_surgery.surgery.config import ModelConfig
-    from nnx_surgery.surgery.model import create_model
+    from nnx_surgery.distill.loop import train_step as step_lib
+    from nnx_surgery.distill.loop.run_config import LossWeights, Stage
+    from nnx_surgery.distill.loop.freeze import split_trainable
+    from nnx_surgery.distill.losses.divergence import LogitLossSettings
+    from nnx_surgery.surgery.modeling.model_config import ModelConfig
+    from nnx_surgery.surgery.modeling.causal_lm import create_model
 
     teacher = create_model(ModelConfig.from_hf_dict(SMALL), seed=0)
     student = create_model(ModelConfig.from_hf_dict(dict(SMALL, num_hidden_layers=4)), seed=1)

@@ -87,7 +87,7 @@ CPU (`python bench/fused_loss_memory.py liger --chunk 512`; the two-pass loss at
 **Target (-85% of the reference's peak, Liger's FusedLinearJSD figure): not met, and out of reach as stated on
 TPU.** The arguments (both heads and both hidden states, 2.08 GiB) and the gradients returned (1.04 GiB) are 24% of
 XLA's reference peak on the v5p, so no implementation can save more than 76% of it there. The two-pass loss
-(`logit_impl="two_pass"`, `distill/vocab_sliced_loss.py`: per-row statistics in a first pass over vocabulary
+(`logit_impl="two_pass"`, `distill/losses/two_pass.py`: per-row statistics in a first pass over vocabulary
 slices, then per slice the logits again, d(head)[slice] written straight into the gradient and d(hidden)
 accumulated) saves 74.6%: its temporaries are 0.16 GiB against the reference's 9.79 (-98%) and the fused loss's
 2.69 (whose float32 (V, D) head-gradient accumulator alone is 2 GiB). Against Liger's own figures (PyTorch's

@@ -214,7 +214,7 @@ def _correction(setup: dict) -> str:
 
 
 def _sets_table(group: list[dict]) -> list[str]:
-    from nnx_surgery.distill.heldout import HeldoutSet, paired_interval
+    from nnx_surgery.distill.evals.heldout_sets import HeldoutSet, paired_interval
     import numpy as np
 
     teacher = next(r for r in group if r.get("event") == "teacher")

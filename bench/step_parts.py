@@ -41,9 +41,10 @@ def measure(teacher_dir: str, student_dir: str, batch: int, seq: int, dtype: str
     import optax
     from flax import nnx
 
-    from nnx_surgery.distill.logit_gradient import head_gradient, hidden_gradient
-    from nnx_surgery.distill.logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.distill.losses.logit_grad import head_gradient, hidden_gradient
+    from nnx_surgery.distill.losses.divergence import LogitLossSettings, fused_logit_loss
+    from nnx_surgery.distill.labels import labels_and_weights
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     teacher = load_pretrained(teacher_dir, dtype=dtype)
@@ -139,13 +140,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--chunk", type=int, default=None,
-                        help="logit rows per chunk (default: the package's, distill.trainer.logit_chunk)")
+                        help="logit rows per chunk (default: the package's, distill.loop.trainer.logit_chunk)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--matmul", type=int, default=8192, help="side of the square matmul of the peak part")
     args = parser.parse_args(argv)
     if args.chunk is None:
-        from nnx_surgery.distill.config import DistillConfig
-        from nnx_surgery.distill.step_runner import logit_chunk
+        from nnx_surgery.distill.loop.run_config import DistillConfig
+        from nnx_surgery.distill.loop.step_runner import logit_chunk
 
         args.chunk = logit_chunk(DistillConfig())
     parts = measure(args.teacher, args.student, args.batch, args.seq, args.dtype, args.chunk, args.repeats,

@@ -42,9 +42,9 @@ def ensure_pair(scale: str, root: str | None = None) -> tuple[str, str]:
                                 overrides=overrides)
     student = os.path.join(root, f"{shape}-student-{'-'.join(map(str, sizes))}")
     if not os.path.exists(os.path.join(student, "config.json")):
-        plan_student = _import("nnx_surgery.surgery.planner", "plan_student")
-        prune_checkpoint = _import("nnx_surgery.surgery.prune_disk", "prune_checkpoint")
-        StudentSpec = _import("nnx_surgery.surgery.spec", "StudentSpec")
+        plan_student = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")
+        prune_checkpoint = _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")
+        StudentSpec = _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")
         plan = plan_student(teacher, StudentSpec(*sizes), depth="uniform", width="magnitude")
         prune_checkpoint(teacher, plan, student, report=False)
     return teacher, student

@@ -1,10 +1,10 @@
-"""How big and how wrong is each teacher-cache encoding (distill.cache_format)? Measured on a real teacher's
+"""How big and how wrong is each teacher-cache encoding (distill.inputs.cache_format)? Measured on a real teacher's
 top k over packed rows of text (default: the real Gemma 3 270M folder that tests/real_gemma.py makes, and
 standard library source).
 
     python bench/teacher_cache_encoding.py --out bench/results/teacher-cache-encoding.jsonl
 
-For k = 16, 64, 128 (the top 128 computed once, exactly, by distill.teacher_cache.topk_logprobs in vocabulary
+For k = 16, 64, 128 (the top 128 computed once, exactly, by distill.inputs.topk_cache.topk_logprobs in vocabulary
 chunks; smaller k are its prefixes, with the residual of that k) and each encoding, one record:
 bytes per token (the top k and residual, plus the row's own id and flags that every encoding stores), the max
 absolute error of the decoded log-probabilities (all k, and those within 12 nats of the top 1), the max error of
@@ -33,7 +33,7 @@ def exact_topk(folder: str, rows: int, seq_len: int, k: int):
     import jax.numpy as jnp
 
     from nnx_surgery import distill, surgery
-    from nnx_surgery.distill.teacher_cache import topk_function
+    from nnx_surgery.distill.inputs.topk_cache import topk_function
 
     files = [os.path.join(sysconfig.get_paths()["stdlib"], name) for name in FILES]
     data = distill.TokenBatches.from_files(files, folder, seq_len=seq_len, batch_size=rows, seed=0)
@@ -51,7 +51,7 @@ def _renormalised(logprobs: np.ndarray) -> np.ndarray:
 
 
 def measure(ids, logprobs, vocab: int, k: int, encoding: str) -> dict:
-    from nnx_surgery.distill import cache_format as fmt
+    from nnx_surgery.distill.inputs import cache_format as fmt
 
     ids, logprobs = ids[:, :k], logprobs[:, :k]
     with np.errstate(divide="ignore"):  # -inf where the top k hold all the mass

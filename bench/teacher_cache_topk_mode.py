@@ -1,4 +1,4 @@
-"""Which top-k form should a cached teacher take (distill.topk_teacher)? "renormalised" (the teacher's top k
+"""Which top-k form should a cached teacher take (distill.losses.topk_teacher)? "renormalised" (the teacher's top k
 renormalised, what the online top-k path does) or "residual" (the top k plus one bucket for the rest)?
 
     python bench/teacher_cache_topk_mode.py --out bench/results/teacher-cache-topk-mode.jsonl
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_surgery.distill.logit_loss import LogitLossSettings, reference_logit_loss
-from nnx_surgery.surgery.config import ModelConfig
-from nnx_surgery.surgery.model import create_model
+from nnx_surgery.distill.losses.divergence import LogitLossSettings, reference_logit_loss
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
+from nnx_surgery.surgery.modeling.causal_lm import create_model
 
 VOCAB, LENGTH, BATCH = 4096, 64, 4
 

@@ -1,4 +1,4 @@
-"""What does training from a teacher cache save per step (distill.cache_training)? Measured on a small Gemma 2
+"""What does training from a teacher cache save per step (distill.loop.cache_replay)? Measured on a small Gemma 2
 shaped teacher and a student with a third of its layers (CPU by default).
 
     python bench/teacher_cache_training.py --out bench/results/teacher-cache-training.jsonl
@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 
 from nnx_surgery.distill import TokenBatches
-from nnx_surgery.distill.config import DistillConfig, LossWeights, Stage
-from nnx_surgery.distill.teacher_cache import CacheSettings, write_cache
-from nnx_surgery.distill.trainer import run
-from nnx_surgery.surgery.config import ModelConfig
-from nnx_surgery.surgery.model import create_model
+from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.inputs.topk_cache import CacheSettings, write_cache
+from nnx_surgery.distill.loop.trainer import run
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
+from nnx_surgery.surgery.modeling.causal_lm import create_model
 
 
 def _config(layers: int, vocab: int, width: int) -> ModelConfig:

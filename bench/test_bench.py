@@ -33,7 +33,7 @@ def checkpoints(tmp_path_factory):
 def test_synthetic_checkpoint_matches_transformers(checkpoints):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     folder = checkpoints["tiny-gemma2"]
     assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))  # sharded like the Hub
@@ -100,7 +100,7 @@ def test_hub_layout_copy_is_the_safetensors_librarys_and_loads_everywhere(checkp
     from safetensors.numpy import load_file, save_file
 
     from make_checkpoint import copy_with_layout, data_start, ensure_layout, layout_of
-    from nnx_surgery.surgery.checkpoint import load_pretrained
+    from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 
     folder = checkpoints["tiny-gemma2"]
     hub = ensure_layout(folder, str(tmp_path / "hub"), "hub")

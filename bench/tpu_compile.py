@@ -7,8 +7,8 @@ argument given as a `jax.ShapeDtypeStruct` with a `NamedSharding` on that mesh m
 .compile()` run the TPU compiler; nothing is allocated. A program over the chip's memory is refused with
 RESOURCE_EXHAUSTED: `compile_memory` then reads the figures from the message instead.
 
-`distill_step_compile` lowers the package's train step (`distill.step.build_train_step`) for an abstract teacher
-and student as `distill.step_runner.StepRunner` assembles its arguments: float32 master weights and Adam moments
+`distill_step_compile` lowers the package's train step (`distill.loop.train_step.build_train_step`) for an abstract teacher
+and student as `distill.loop.step_runner.StepRunner` assembles its arguments: float32 master weights and Adam moments
 sharded like the parameters, a bf16 teacher, one micro-batch split over the data axis.
 """
 from __future__ import annotations
@@ -81,13 +81,13 @@ def distill_step_compile(mesh, teacher: dict, student: dict, *, batch: int, seq:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from nnx_surgery.distill import step as step_lib
-    from nnx_surgery.distill.config import LossWeights, Stage
-    from nnx_surgery.distill.freeze import split_trainable
-    from nnx_surgery.distill.logit_loss import LogitLossSettings
+    from nnx_surgery.distill.loop import train_step as step_lib
+    from nnx_surgery.distill.loop.run_config import LossWeights, Stage
+    from nnx_surgery.distill.loop.freeze import split_trainable
+    from nnx_surgery.distill.losses.divergence import LogitLossSettings
     from nnx_surgery.distill.mesh import batch_spec
-    from nnx_surgery.surgery.config import ModelConfig
-    from nnx_surgery.surgery.model import abstract_model
+    from nnx_surgery.surgery.modeling.model_config import ModelConfig
+    from nnx_surgery.surgery.modeling.causal_lm import abstract_model
 
     replicated = NamedSharding(mesh, PartitionSpec())
     graph, trainable, frozen = split_trainable(

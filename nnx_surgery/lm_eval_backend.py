@@ -66,7 +66,7 @@ class FolderTokenizer:
     tokens. No transformers needed: lm-eval's base install does not bring it."""
 
     def __init__(self, folder: str):
-        from nnx_surgery.surgery.generate import TextCodec
+        from nnx_surgery.surgery.modeling.generation import TextCodec
 
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             raise LMEvalBackendError(f"pretrained={folder}: no tokenizer.json there; lm-eval feeds text, so the model "
@@ -321,7 +321,7 @@ class NNXSurgeryLM(TemplateLM):
     def _generate(self, prompts: list[list[int]], settings: dict) -> list[str]:
         until, max_gen_toks = self._gen_settings(settings)
         strings = [s for s in until if s and s != self.tok.decode([self.eot_token_id], False)]
-        from nnx_surgery.surgery.generate import generate
+        from nnx_surgery.surgery.modeling.generation import generate
         # fixed (batch, width bucket) shapes: the prefill and decode loop compile once per bucket
         kept = generate(self.model, prompts, max_new_tokens=max_gen_toks, stop=[*self.stop_ids, *strings],
                         tokenizer=self.tok.codec, pad_to=bucket_for(max(map(len, prompts)), self.buckets),

@@ -1,4 +1,4 @@
-"""The teacher-cache tests' workspace (tests/test_distill_teacher_cache.py, tests/test_distill_cache_training.py):
+"""The teacher-cache tests' workspace (tests/distill/inputs/test_distill_teacher_cache.py, tests/distill/loop/test_distill_cache_training.py):
 a tiny Gemma 3 teacher folder with a Gemma-style tokenizer, and two standard-library files as data."""
 from __future__ import annotations
 

@@ -33,13 +33,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_opti
 # the short ones fill in at the end, instead of a long module starting last and running alone. The second is one
 # that does not wait for the session's tiny teacher, which the first trains. Modules not listed follow, in their
 # own order.
-SLOWEST_FIRST = ["tests/test_recipe.py", "tests/test_generate.py", "tests/test_recipe_vocab.py",
-                 "tests/test_config_surface.py", "tests/test_recipe_search.py", "tests/test_recipe_pairing.py",
-                 "tests/test_aot.py", "tests/test_lm_eval_backend.py", "tests/test_multihost.py", "tests/test_llama.py",
-                 "tests/test_interrupt.py", "bench/test_bench.py", "tests/test_tunix.py", "tests/test_gguf.py",
-                 "tests/test_command_line.py", "tests/test_refusals.py", "tests/test_distill_train.py",
-                 "tests/test_distill_mesh.py", "tests/test_layer_remat.py", "tests/test_distill_teacher_cache.py",
-                 "tests/test_distill_then_dpo.py", "tests/test_search.py", "tests/test_suite.py"]
+SLOWEST_FIRST = ["tests/recipes/test_recipe.py", "tests/surgery/modeling/test_generate.py", "tests/recipes/test_recipe_vocab.py",
+                 "tests/recipes/test_config_surface.py", "tests/recipes/test_recipe_search.py", "tests/recipes/test_recipe_pairing.py",
+                 "tests/recipes/test_aot.py", "tests/test_lm_eval_backend.py", "tests/distill/test_multihost.py", "tests/surgery/modeling/test_llama.py",
+                 "tests/distill/loop/test_interrupt.py", "bench/test_bench.py", "tests/surgery/modeling/test_tunix.py", "tests/surgery/storage/test_gguf.py",
+                 "tests/commands/test_command_line.py", "tests/commands/test_refusals.py", "tests/distill/loop/test_distill_train.py",
+                 "tests/distill/test_distill_mesh.py", "tests/surgery/modeling/test_layer_remat.py", "tests/distill/inputs/test_distill_teacher_cache.py",
+                 "tests/recipes/test_distill_then_dpo.py", "tests/distill/evals/test_search.py", "tests/distill/evals/test_suite.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -55,7 +55,7 @@ def _module_of(item) -> str:
 
 # Each full collection of Python's cyclic garbage collector walks every tracked object, and a test worker's heap
 # holds all that earlier modules imported, built and cached. The trainer collects before handing freed memory back
-# to the OS (nnx_surgery/distill/step_runner.py `release_free_heap`), so in three trainer modules those collections
+# to the OS (nnx_surgery/distill/loop/step_runner.py `release_free_heap`), so in three trainer modules those collections
 # were 14% of the time (bench/NOTES.md). Each module therefore starts with one full collection, and what survives
 # it is frozen (`gc.freeze`: left out of later collections; reference counting still frees it), so the
 # collections inside a module walk only what that module made.

@@ -1,5 +1,5 @@
 """The evaluation half of a multi-host test process (tests/multihost_worker.py calls `evaluate` after its
-distillation, when its ARGS ask for it; the checks are in tests/test_multihost.py).
+distillation, when its ARGS ask for it; the checks are in tests/distill/test_multihost.py).
 
 Each process holds its own rows of the held-out batches (TokenBatches with process_index / process_count). It
 scores test_suite's tiny teacher and student with `distill.evaluate_suite` on one global mesh, `heldout_loss` /
@@ -15,17 +15,17 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from nnx_surgery import surgery
-import nnx_surgery.surgery.prune_disk  # noqa: F401
-from nnx_surgery.distill.data import TokenBatches
+import nnx_surgery.surgery.pruning.on_disk  # noqa: F401
+from nnx_surgery.distill.inputs.batches import TokenBatches
 from nnx_surgery.distill.distributed import to_host
-from nnx_surgery.distill.evaluate import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
+from nnx_surgery.distill.evals.perplexity import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
 from nnx_surgery.distill.mesh import make_mesh, shard_model
-from nnx_surgery.distill.suite import evaluate_suite
-from nnx_surgery.distill.tokenizer import save_byte_tokenizer
-from nnx_surgery.surgery.checkpoint import save_pretrained
-from nnx_surgery.surgery.planner import plan_student
-from nnx_surgery.surgery.spec import StudentSpec
-from test_suite import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma
+from nnx_surgery.distill.evals.suite_scoring import evaluate_suite
+from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
+from nnx_surgery.surgery.storage.hf_checkpoint import save_pretrained
+from nnx_surgery.surgery.planning.student_planner import plan_student
+from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from suite_fixtures import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma
 
 GLOBAL_BATCH = 8
 
@@ -55,15 +55,15 @@ def pruned_from_disk(teacher, out: str) -> dict:
     """prune_checkpoint on every process into one shared folder: process 0 writes, everyone returns after."""
     source = save_pretrained(teacher, os.path.join(out, "teacher"), overwrite=True)
     writes = []
-    real = surgery.prune_disk.write_hf_folder
+    real = surgery.pruning.on_disk.write_hf_folder
 
     def counting(*args, **kwargs):
         writes.append(args[0])
         return real(*args, **kwargs)
 
-    surgery.prune_disk.write_hf_folder = counting
+    surgery.pruning.on_disk.write_hf_folder = counting
     plan = plan_student(source, StudentSpec(2, 32, 32, 2, 1), width="magnitude", depth="uniform")
-    folder = surgery.prune_disk.prune_checkpoint(source, plan, os.path.join(out, "pruned"), overwrite=True)
+    folder = surgery.pruning.on_disk.prune_checkpoint(source, plan, os.path.join(out, "pruned"), overwrite=True)
     complete = sorted(os.listdir(folder))  # right after the return: process 0's folder is whole for everyone
     return {"pruned_writes": len(writes), "pruned_files": complete}
 

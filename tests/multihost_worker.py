@@ -1,4 +1,4 @@
-"""One process of the multi-host tests (tests/test_multihost.py), run as `python tests/multihost_worker.py ARGS`
+"""One process of the multi-host tests (tests/distill/test_multihost.py), run as `python tests/multihost_worker.py ARGS`
 (ARGS: JSON). A tiny distillation (test_distill_train's teacher and depth-pruned student) over one global mesh:
 with `num_processes` > 1 it starts JAX's multi-controller runtime (distill.initialize_distributed), and each
 process feeds its rows of every global batch (TokenBatches with process_index / process_count). It writes
@@ -31,15 +31,15 @@ if initialize_distributed(SETTINGS):  # before anything touches devices
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_surgery.distill.checkpointing import from_snapshot, host_snapshot  # noqa: E402
-from nnx_surgery.distill.data import TokenBatches, load_tokenizer, tokenize_records  # noqa: E402
-from nnx_surgery.distill.data_shards import tokenize_shared  # noqa: E402
-from nnx_surgery.distill.tokenizer import save_byte_tokenizer  # noqa: E402
-from nnx_surgery.distill.config import CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage  # noqa: E402
-from nnx_surgery.distill.trainer import run  # noqa: E402
+from nnx_surgery.distill.loop.checkpointing import from_snapshot, host_snapshot  # noqa: E402
+from nnx_surgery.distill.inputs.batches import TokenBatches, load_tokenizer, tokenize_records  # noqa: E402
+from nnx_surgery.distill.inputs.host_shards import tokenize_shared  # noqa: E402
+from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer  # noqa: E402
+from nnx_surgery.distill.loop.run_config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, Stage)  # noqa: E402
+from nnx_surgery.distill.loop.trainer import run  # noqa: E402
 from nnx_surgery.distill.mesh import MeshError, make_mesh, put_batch  # noqa: E402
-from nnx_surgery.surgery.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from test_distill_train import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
+from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from distill_fixtures import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher  # noqa: E402
 
 GLOBAL_BATCH = 8
 

@@ -17,6 +17,9 @@ import fcntl
 import os
 from pathlib import Path
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")  # the 7B -> 2B recipe script
+
 # The flags that decide the tiny teacher (tiny_teacher.prepare's cache key): a module whose runs use these shares
 # the session's teacher.
 TINY_TEACHER = ["--preset", "tiny", "--teacher-steps", "40", "--corpus-bytes", "150000", "--batch-size", "4",

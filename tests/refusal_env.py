@@ -1,4 +1,4 @@
-"""What the refusal tests share (tests/test_refusals.py, tests/test_refusals_gguf.py): running `nnx-surgery` in
+"""What the refusal tests share (tests/commands/test_refusals.py, tests/commands/test_refusals_gguf.py): running `nnx-surgery` in
 this process, a workspace's fingerprint (every file's sha256), and the check every refusal must pass: exit 2, one
 error line, no traceback, nothing written, every input byte-identical, no token in the output."""
 from __future__ import annotations

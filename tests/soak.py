@@ -1,4 +1,4 @@
-"""The soak's machinery (tests/test_recipe.py): a recipe run SIGKILLed at seeded random points of its distillation
+"""The soak's machinery (tests/recipes/test_recipe.py): a recipe run SIGKILLed at seeded random points of its distillation
 and resumed each time with --resume, then run to its end.
 
 The kill points come from a seeded RNG (SOAK_SEED to vary it) and are printed: each is a delay after a progress mark

@@ -146,7 +146,7 @@ def test_requests_compile_once_per_bucket(lm_eval, tiny_folder):
 @pytest.fixture(scope="module")
 def trimmed_student(tiny_folder, tmp_path_factory) -> str:
     """A student of the tiny teacher with 3 of its 4 layers and 450 of its vocabulary's pieces, cut from disk with
-    its own trimmed tokenizer.json (as tests/test_vocab_trim.py makes them)."""
+    its own trimmed tokenizer.json (as tests/surgery/planning/test_vocab_trim.py makes them)."""
     from tokenizers import Tokenizer
     from nnx_surgery.surgery import StudentSpec, load_pretrained, plan_student, prune_checkpoint
 
@@ -207,7 +207,7 @@ def test_offline_tasks_hold_no_text_the_recipes_training_reads(tmp_path):
     with) none of the code tasks' modules is in the demo's standard-library corpus."""
     import sys
 
-    from nnx_surgery.distill.sources import general_prose, stdlib_corpus
+    from nnx_surgery.distill.inputs.sources import general_prose, stdlib_corpus
     from nnx_surgery.lm_eval_tasks import SOURCE_FILES, topic_docs
 
     trained = {text.strip()[:200] for text in general_prose("train")}

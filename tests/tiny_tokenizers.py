@@ -2,7 +2,7 @@
 library files in a fraction of a second:
 
     gemma        Gemma's byte-fallback BPE, built the way transformers builds it from a GGUF vocabulary
-                 (`surgery.gguf_tokenizer`: every split of a piece into two pieces is a merge), with control
+                 (`surgery.storage.gguf_vocab_reader`: every split of a piece into two pieces is a merge), with control
                  tokens (<start_of_turn>, reserved <unusedN>), newline runs as added tokens and <0x00>..<0xFF>
     byte_level   a Llama 3 / Qwen2 style byte-level BPE (the 256 byte symbols are its alphabet), with the
                  pipeline transformers' Qwen2Tokenizer rebuilds (NFC, the split regex, ByteLevel)
@@ -38,8 +38,8 @@ def _trained_pieces(size: int) -> list[str]:
 
 def save_gemma_tokenizer(folder: str, size: int = 500) -> int:
     """A Gemma-style tokenizer (tokenizer.json and configs) in `folder`; returns its vocabulary size."""
-    from nnx_surgery.surgery.gguf_tokenizer import build_tokenizer, tokenizer_configs
-    from nnx_surgery.surgery.atomic import write_json
+    from nnx_surgery.surgery.storage.gguf_vocab_reader import build_tokenizer, tokenizer_configs
+    from nnx_surgery.surgery.storage.atomic import write_json
 
     control = [*SPECIALS, "<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>", "<unused1>", "<unused2>"]
     user = ["\n", "\n\n", "\n\n\n"]

@@ -170,7 +170,7 @@ def staged_files(out: str) -> Iterator[str]:
     ancestor = os.path.dirname(out)
     while not os.path.isdir(ancestor):
         ancestor = os.path.dirname(ancestor)
-    from nnx_surgery.surgery.atomic import _clean_leftovers, _owner
+    from nnx_surgery.surgery.storage.atomic import _clean_leftovers, _owner
 
     if ancestor == os.path.dirname(out):  # a killed run's staging folder is its writer's, named as atomic_folder's
         _clean_leftovers(ancestor, os.path.basename(out))

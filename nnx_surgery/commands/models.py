@@ -30,7 +30,7 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
     """The prompt's token ids (BOS first, as generate adds it), checked with --max-new-tokens against the
     model's positions (config.json's max_position_embeddings) before anything is allocated: a longer prompt is
     refused, or with --truncate-prompt cut from the left (BOS kept) with a line on stderr saying so."""
-    from nnx_surgery.surgery.generate import TextCodec
+    from nnx_surgery.surgery.modeling.generation import TextCodec
 
     codec = TextCodec.of(folder)
     ids = codec.encode(prompt_text(args.prompt))
@@ -80,7 +80,7 @@ def import_gguf(args: argparse.Namespace) -> str:
 
 def export_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
-    from nnx_surgery.surgery.gguf_export import resolve_export_dtype
+    from nnx_surgery.surgery.storage.gguf_export import resolve_export_dtype
 
     folder = model_folder(args.folder, "FOLDER")
     checked("--dtype", args.dtype, resolve_export_dtype)

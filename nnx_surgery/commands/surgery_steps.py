@@ -19,7 +19,7 @@ def plan(args: argparse.Namespace) -> str:
                    inputs=input_paths(args.teacher, teacher, args.data))
     calibration = None
     if args.calibration_samples:
-        distill.data.check_vocabulary(teacher, config.vocab_size)
+        distill.check_vocabulary(teacher, config.vocab_size)
         data, description = text_batches(args, teacher)
         calibration = data.calibration_ids(args.calibration_samples, seed=args.seed)
         print(f"[plan] {len(calibration)} calibration rows of {args.seq_len} tokens from {description}", flush=True)

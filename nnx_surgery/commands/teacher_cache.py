@@ -1,5 +1,5 @@
 """`nnx-surgery cache-teacher`: the teacher's top-k distribution over the packed training rows, written once
-(distill.teacher_cache) so that later runs can train without the teacher in memory."""
+(distill.inputs.topk_cache) so that later runs can train without the teacher in memory."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,9 @@ import jax
 from nnx_surgery import distill, surgery
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
                                   text_batches)
-from nnx_surgery.distill import teacher_cache
+from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 from nnx_surgery.recipes import refusals
-from nnx_surgery.surgery.atomic import atomic_folder
+from nnx_surgery.surgery.storage.atomic import atomic_folder
 
 
 def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
@@ -24,7 +24,7 @@ def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
     if args.data.startswith("hf:"):
         return args.data
     return {os.path.abspath(path): teacher_cache.file_sha256(path)
-            for path in distill.sources.expand_paths(args.data)}
+            for path in distill.inputs.sources.expand_paths(args.data)}
 
 
 def _output(args: argparse.Namespace, inputs: list[str]) -> str:
@@ -70,7 +70,7 @@ def cache_teacher(args: argparse.Namespace) -> dict:
                                            rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size)
     tokenizer_folder = student_folder if kept is not None else teacher_folder  # a trimmed student's own tokens
     if kept is not None:
-        distill.data.check_vocabulary(tokenizer_folder, len(kept))
+        distill.inputs.batches.check_vocabulary(tokenizer_folder, len(kept))
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer_folder, batch_size=args.batch_size)
     tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     identity = {"teacher": teacher_cache.folder_identity(teacher_folder),

@@ -11,8 +11,8 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.recipes import lm_eval_scores
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
                                   staged_files, teacher_source, text_batches)
-from nnx_surgery.distill.cache_format import CacheError
-from nnx_surgery.distill.heldout import interval_text
+from nnx_surgery.distill.inputs.cache_format import CacheError
+from nnx_surgery.distill.evals.heldout_sets import interval_text
 from nnx_surgery.recipes import final_eval, model_inputs, refusals
 from nnx_surgery.recipes.config.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
@@ -35,7 +35,7 @@ def distill_student(args: argparse.Namespace) -> str:
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = kept_vocab(student_folder, "STUDENT", teacher_config)
     tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
-    distill.data.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
+    distill.inputs.batches.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
     cache = getattr(args, "teacher_cache", None)
     if cache:  # the teacher's top k from the cache: the teacher is checked against it, never loaded
@@ -78,8 +78,8 @@ def distill_student(args: argparse.Namespace) -> str:
 
 def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str) -> None:
     """The cache was written by this teacher (config and weights), with the tokenizer the data is read with (a
-    trimmed student's own); else one line. Its vocabulary is checked by the run (distill.cache_training)."""
-    from nnx_surgery.distill import teacher_cache
+    trimmed student's own); else one line. Its vocabulary is checked by the run (distill.loop.cache_replay)."""
+    from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
     tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     identity = teacher_cache.folder_identity(teacher_folder)

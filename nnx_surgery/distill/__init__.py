@@ -8,37 +8,38 @@
 
 The models are used only through the small interface of `distill.interface.DistillModel` (logits from final
 hidden states, plus requested intermediates), so the package does not depend on the surgery's models. Each loss is
-one registered object (`distill.terms`, `LossTerm`): `register_loss(term)` adds one.
+one registered object (`distill.losses.term_registry`, `LossTerm`): `register_loss(term)` adds one.
 """
-from .config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OOMConfig, OptimizerConfig, Ramp, Stage,
-                     TargetsConfig)
-from . import schedules
-from .schedules import progressive, resolve_epochs, sft_then_distil
-from .trainer import DistillResult, DivergenceError, OutOfMemoryError, run
-from . import fallbacks, oom, targets
+from .loop.run_config import (CheckpointConfig, DistillConfig, GuardConfig, LossWeights, OOMConfig, OptimizerConfig,
+                              Ramp, Stage, TargetsConfig)
+from .loop import schedules
+from .loop.schedules import progressive, resolve_epochs, sft_then_distil
+from .loop.trainer import DistillResult, DivergenceError, OutOfMemoryError, run
+from .loop import fallbacks, oom, target_monitor as targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .distributed import DistributedError, DistributedSettings  # multi-host: jax.distributed settings
 from .interface import Correspondence, DistillModel, correspondence_from_plan
 from .interface import Sampler
-from .on_policy import OnPolicyConfig
-from .freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
-from .logit_loss import LogitLossSettings, fused_logit_loss, labels_and_weights, reference_logit_loss
-from .losses import attention_transfer_loss, feature_loss, pool_features
-from .loss_term import LossTerm, ModelSide, TermInputs, TermOption
-from .terms import register as register_loss
-from . import terms
-from .metrics import MetricsLogger, make_logger, plot_history, step_flops
-from .evaluate import agreement_and_kl, heldout_loss
-from .suite import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
-                    multiple_choice_items)
-from .data import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
-from .sources import general_mix, general_prose
-from .heldout import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
-from .search import SearchCandidate, SearchResult, rank_curves, search
-from .interruption import RunInterrupted
+from .loop.on_policy import OnPolicyConfig
+from .loop.freeze import expand_braces, pattern_matches, selected_paths, split_trainable, trainable_filter
+from .losses.divergence import LogitLossSettings, fused_logit_loss, reference_logit_loss
+from .labels import labels_and_weights
+from .losses.representations import attention_transfer_loss, feature_loss, pool_features
+from .losses.term_types import LossTerm, ModelSide, TermInputs, TermOption
+from .losses.term_registry import register as register_loss
+from .losses import term_registry as terms
+from .loop.metrics import MetricsLogger, make_logger, plot_history, step_flops
+from .evals.perplexity import agreement_and_kl, heldout_loss
+from .evals.suite_scoring import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
+                                  multiple_choice_items)
+from .inputs.batches import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
+from .inputs.sources import general_mix, general_prose
+from .evals.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
+from .evals.shape_ranking import SearchCandidate, SearchResult, rank_curves, search
+from .loop.interruption import RunInterrupted
 from .fingerprints import batch_digest, compare_sequences, sequence_digest, weights_digest
-from .vocab_map import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
-from .heldout_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
+from .trimmed_vocab import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
+from .evals.cross_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",

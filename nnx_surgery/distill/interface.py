@@ -1,14 +1,14 @@
 """What distillation needs from a model, and the teacher -> student correspondence, as plain data.
 
 `distill` never imports a model class. A teacher or student is anything shaped like `DistillModel` (the NNX
-`surgery.model.Gemma` is one): a callable NNX module returning an object with `final_hidden`, and on request the
+`surgery.modeling.causal_lm.Gemma` is one): a callable NNX module returning an object with `final_hidden`, and on request the
 captures the loss terms name (`LossTerm.captures`), e.g. `residual` (embeddings, then each layer's output) and
 `attention_probs` (per layer, (B, N, T, S) probabilities), as attributes of that name.
 
 The layer map says which teacher layer output a student layer output should imitate. A student made by the
 surgery keeps teacher layers `kept_layers` in order, so student layer j is teacher layer `kept_layers[j]`; a width
 pruned student keeps the teacher hidden channels `kept_hidden`. `correspondence_from_plan` reads both from any
-object or dict that has them (duck typing: `surgery.plan.Plan` or its JSON form).
+object or dict that has them (duck typing: `surgery.planning.plan_record.Plan` or its JSON form).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from .logit_loss import labels_and_weights
+from .labels import labels_and_weights
 
 
 @runtime_checkable
@@ -55,7 +55,7 @@ class DistillModel(Protocol):
         (B, T) int: which packed document a token belongs to (0: padding), attention stays inside a document;
         `inputs_embeds` (B, T, D): replaces the embedding lookup. `positions` and `segment_ids` are passed only
         when the batch has them, `inputs_embeds` only by the train step's tied-embedding fold. Optional:
-        `remat` ("layers" or "layers_dots", `distill.step.LAYER_REMAT`), each layer rematerialised in the backward
+        `remat` ("layers" or "layers_dots", `distill.loop.train_step.LAYER_REMAT`), each layer rematerialised in the backward
         pass; passed only to a student trained with that `DistillConfig.remat`."""
         ...
 
@@ -66,7 +66,7 @@ class DistillModel(Protocol):
 
 @runtime_checkable
 class Sampler(Protocol):
-    """How on-policy distillation (`DistillConfig.on_policy`, nnx_surgery/distill/on_policy.py) gets the student's own samples:
+    """How on-policy distillation (`DistillConfig.on_policy`, nnx_surgery/distill/loop/on_policy.py) gets the student's own samples:
     a callable passed as `distill.run(..., sampler=)`, so `distill` needs no generation code of its own (the
     surgery's is `surgery.make_sampler()`, over its jitted KV-cache prefill and decode loop).
 
@@ -173,7 +173,7 @@ def correspondence_from_plan(plan: Any, *, layer_map: Sequence[tuple[int, int]] 
     """Read `kept_layers` (teacher layer index of each student layer) and `kept_hidden` from a surgery plan.
 
     Optional `kept_heads` (per student layer, the teacher query heads kept, flat or grouped per student KV head
-    as `surgery.plan.Plan` stores them) becomes `head_map`. `layer_map`
+    as `surgery.planning.plan_record.Plan` stores them) becomes `head_map`. `layer_map`
     overrides the pairs (e.g. to match only a few layers) while `kept_hidden` still comes from the plan.
     """
     kept_layers = _field(plan, "kept_layers")

@@ -90,7 +90,7 @@ def topic_docs() -> list[dict]:
     student was trained on a text it is scored on."""
     from pydoc_data.topics import topics
 
-    from nnx_surgery.distill.sources import general_prose
+    from nnx_surgery.distill.inputs.sources import general_prose
 
     trained = set(general_prose("train"))
     docs = []

@@ -20,7 +20,7 @@ from nnx_surgery.recipes.aot_report import HEADROOM, days_to, format_table, meas
 from nnx_surgery.recipes.config import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.refusals import RecipeError
-from nnx_surgery.surgery.atomic import write_json
+from nnx_surgery.surgery.storage.atomic import write_json
 
 REPORT = "aot_report.json"
 DEFAULT_MFU = 0.4

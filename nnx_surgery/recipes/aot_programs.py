@@ -1,12 +1,12 @@
 """The programs a compress run executes on its devices, built from the run's settings with abstract models (no
-weights): each a `distill.abstract_step.Program` ready to lower and compile for an `--aot` target.
+weights): each a `distill.loop.lowering.Program` ready to lower and compile for an `--aot` target.
 
     run = aot_run(config)                       # the run's settings; the teacher's config.json alone
     for entry in run_programs(run, target):     # in the order the run meets them
         program = entry.build()                 # abstract models on the target's mesh, the step with its args
 
 The list follows `compress.main`: the teacher correction's step (--teacher-correction), the teacher's calibration
-forward (activation importance, `surgery.importance`), stage A's step (staged compression), after the final cut
+forward (activation importance, `surgery.planning.importance`), stage A's step (staged compression), after the final cut
 the K/V warm-up's and each main stage's step, the held-out evaluation step, and the control's step. The students'
 shapes are the plan's (its sizes; which channels are kept changes no shape).
 """
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_surgery import surgery
-from nnx_surgery.distill import abstract_step
+from nnx_surgery.distill.loop import lowering as abstract_step
 from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
 from nnx_surgery.recipes import phase_configs, released, run_settings, shape_search
 from nnx_surgery.recipes.config import resolution
@@ -136,9 +136,9 @@ def _distinct(entries: list[Entry]) -> list[Entry]:
 
 
 def calibration_program(teacher, mesh, seq_len: int, rows: int = 8) -> abstract_step.Program:
-    """The activation-importance forward (`surgery.importance`) on one calibration batch of `rows` x `seq_len`
+    """The activation-importance forward (`surgery.planning.importance`) on one calibration batch of `rows` x `seq_len`
     (the planner's batch), on the teacher as the run places it."""
-    from nnx_surgery.surgery import importance
+    from nnx_surgery.surgery.planning import importance
     graph, state = nnx.split(teacher)
     state = abstract_step.abstract(state, mesh)
     statistics = importance._batch_stats.__wrapped__  # type: ignore[attr-defined]  # the jitted function's body, over graph + state here

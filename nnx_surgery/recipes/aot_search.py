@@ -2,7 +2,7 @@
 
 The candidates keep the tokens per optimizer step and vary what changes memory: the mesh's split of the chips
 (fsdp x tp), the micro-batch (with gradient accumulation making up the step), the remat policy, and the logit
-loss's implementation (the two-pass loss, `distill.vocab_sliced_loss`, where the run's loss is one it computes).
+loss's implementation (the two-pass loss, `distill.losses.two_pass`, where the run's loss is one it computes).
 They are ordered by an estimated cost relative to the asked settings (remat's recomputation, more micro-batches,
 tensor parallel traffic, the logits made twice), and compiled in that order on the program that needed the most memory, until one fits with
 `aot_report.HEADROOM` free: the first that does is the fastest estimate that fits. At most `MAX_COMPILES` compiles.
@@ -25,7 +25,7 @@ MAX_COMPILES = 6
 # relative step cost of the remat policies the search tries: each decoder layer's forward recomputed in the backward
 # pass, its matmul outputs kept (layers_dots) or nothing kept (layers). The whole-forward policies ("dots", "full")
 # are not tried: one checkpoint around the whole forward leaves the backward pass holding every layer's activations,
-# so they lower the peak little (tests/test_layer_remat.py) for the same recomputation.
+# so they lower the peak little (tests/surgery/modeling/test_layer_remat.py) for the same recomputation.
 REMAT_COST = {None: 1.0, "layers_dots": 1.1, "layers": 1.33}
 # relative step cost of the logit loss's implementations: the two-pass loss makes both models' logits twice, about
 # 1.5x the loss's matmuls, which are a tenth to a fifth of a distillation step's FLOPs at a 256k vocabulary

@@ -56,7 +56,7 @@ import time
 import jax
 
 from nnx_surgery import surgery
-from nnx_surgery.surgery.atomic import write_json
+from nnx_surgery.surgery.storage.atomic import write_json
 from nnx_surgery.recipes import aot, aot_targets, final_eval, multi_host, refusals, run_phases, run_settings, vocabulary
 from nnx_surgery.recipes.config import checks, files, layering, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig

@@ -11,6 +11,7 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery.recipes import refusals
+from nnx_surgery.distill.inputs import sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
         if corpus is None and data.startswith("hf:"):
             raise refusals.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
                                   "mix general text into the dataset itself instead.")
-        files = corpus if corpus is not None else distill.sources.expand_paths(data)
+        files = corpus if corpus is not None else sources.expand_paths(data)
         common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), settings.general_mix)
     if corpus is not None:
         return distill.TokenBatches.from_files(corpus, tokenizer, **common)

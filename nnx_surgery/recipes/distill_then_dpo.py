@@ -10,7 +10,7 @@
 2. preference pairs are built offline from that source: a prompt is a stretch of a file, the chosen response is
    the text that really follows it, the rejected one the same characters shuffled. Pairs from held-out files
    measure the result;
-3. Tunix's DPOTrainer trains the student (`surgery.tunix.to_tunix`; the reference is a frozen copy of the
+3. Tunix's DPOTrainer trains the student (`surgery.modeling.tunix.to_tunix`; the reference is a frozen copy of the
    distilled student) for `--dpo-steps`, and `from_tunix` hands it back;
 4. the student is saved with its plan (`--output`/student, an HF folder transformers loads) and one line sums up
    the run: held-out preference accuracy (the student's log-likelihood of the real continuation above the
@@ -35,8 +35,8 @@ from flax import nnx
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes import model_inputs, refusals, tiny_teacher
-from nnx_surgery.distill.data import stdlib_corpus
-from nnx_surgery.distill.trainer import DivergenceError
+from nnx_surgery.distill.inputs.batches import stdlib_corpus
+from nnx_surgery.distill.loop.trainer import DivergenceError
 from tokenizers import Tokenizer
 
 
@@ -140,7 +140,7 @@ def distilled_student(args, folder: str, files: list[str]):
 
 def dpo_train(student, pairs: dict[str, np.ndarray], args):
     """`--dpo-steps` of Tunix's DPO on `pairs` (cycled in batches); returns the trained student and its losses."""
-    from nnx_surgery.surgery.tunix import from_tunix, require_tunix, to_tunix
+    from nnx_surgery.surgery.modeling.tunix import from_tunix, require_tunix, to_tunix
     require_tunix()
     import optax
     from tunix.sft.dpo import dpo_trainer as dpo
@@ -160,7 +160,7 @@ def dpo_train(student, pairs: dict[str, np.ndarray], args):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        from nnx_surgery.surgery.tunix import require_tunix
+        from nnx_surgery.surgery.modeling.tunix import require_tunix
         require_tunix()
     except ImportError as error:
         raise refusals.RecipeError(str(error)) from None

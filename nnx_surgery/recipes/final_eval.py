@@ -10,7 +10,7 @@ log-likelihood, and the same prompts answered by every model (`suite.md` / `suit
 held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
 
 Students with a trimmed vocabulary (`--student ...,vocab=N`; nnx_surgery/recipes/vocabulary.py) are scored on the same
-passages in their own tokens (`distill.heldout_vocab`): KL and top-1 agreement against the teacher restricted to
+passages in their own tokens (`distill.evals.cross_vocab`): KL and top-1 agreement against the teacher restricted to
 their kept pieces, renormalised; against the teacher (another tokenizer) only CE per byte compares, so the verdicts
 and their intervals are per byte; generations and multiple choice use their own tokenizer.
 """
@@ -23,9 +23,9 @@ import sys
 from typing import Any
 
 from nnx_surgery import distill
-from nnx_surgery.surgery.checkpoint import model_tensors
+from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors
 from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
-from nnx_surgery.surgery.generate import generate
+from nnx_surgery.surgery.modeling.generation import generate
 
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",

@@ -56,7 +56,7 @@ def offline_tasks_folder() -> str:
     """The offline tasks' folder, written once per Python version under $NNX_SURGERY_CACHE (default
     ~/.cache/nnx-surgery), atomically: lm-eval's index and the datasets cache then stay valid across runs."""
     from nnx_surgery.lm_eval_tasks import write_tasks
-    from nnx_surgery.surgery.atomic import atomic_folder
+    from nnx_surgery.surgery.storage.atomic import atomic_folder
 
     root = os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
     folder = os.path.join(root, "lm_eval_tasks", f"python-{platform.python_version()}-v{TASKS_VERSION}")

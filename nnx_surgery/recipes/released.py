@@ -63,7 +63,7 @@ def teacher_config(config: RecipeConfig) -> tuple[str, str, surgery.ModelConfig]
 
 
 def _gguf_config(path: str) -> surgery.ModelConfig:
-    from nnx_surgery.surgery.gguf import GGUFFile, hf_config_dict
+    from nnx_surgery.surgery.storage.gguf_import import GGUFFile, hf_config_dict
     if not os.path.isfile(path):
         raise RecipeError(f"--teacher {path}: no such GGUF file.")
     file = GGUFFile(path)

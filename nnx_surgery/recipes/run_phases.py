@@ -84,7 +84,7 @@ def load_teacher_and_data(run: RunSettings) -> Loaded:
     training = run.config.training
     mesh = distill.make_mesh(training.mesh, devices=training.mesh_devices) if training.mesh else None
     teacher = surgery.load_pretrained(run.teacher.folder, dtype=run.teacher.dtype, mesh=mesh)
-    distill.data.check_vocabulary(run.teacher.folder, run.teacher.config.vocab_size)
+    distill.check_vocabulary(run.teacher.folder, run.teacher.config.vocab_size)
     data = corpus.load_data(run.data)
     calibration = data.calibration_ids(run.config.surgery.calibration_samples, seed=run.config.run.seed)
     return Loaded(teacher, data, mesh, calibration)

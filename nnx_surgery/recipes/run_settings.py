@@ -17,7 +17,7 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-import nnx_surgery.surgery.gguf_export  # noqa: F401  (surgery.gguf_export below)
+import nnx_surgery.surgery.storage.gguf_export  # noqa: F401  (surgery.storage.gguf_export below)
 from nnx_surgery.recipes import model_inputs, phase_configs, shape_search, tiny_teacher
 from nnx_surgery.recipes.config.layering import freeze
 from nnx_surgery.recipes.config.sections import RecipeConfig
@@ -108,7 +108,7 @@ def resolve(config: RecipeConfig) -> RunSettings:
     check_new_tokens(config, teacher, limit.get("max_positions"))
     choice = shape_search.student_choice(config, teacher.config, teacher.folder)
     if config.run.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
-        surgery.gguf_export.check_exportable(teacher.config, teacher.folder)
+        surgery.storage.gguf_export.check_exportable(teacher.config, teacher.folder)
     data = DataSettings(files=config.data.files, corpus=corpus, description=description,
                         teacher_folder=teacher.folder,
                         batch_size=config.data.batch_size, seq_len=config.data.seq_len, seed=config.run.seed,

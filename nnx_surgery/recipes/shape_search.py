@@ -1,6 +1,6 @@
 """The recipe's shape search: `--student params=0.5` (half the teacher's non-embedding parameters), `params=120M`,
 or `params=0.5,counting=total` (the whole checkpoint) chooses the student among the shapes within that budget before
-the main run, Minitron's way (nnx_surgery/distill/search.py), and the main run distils the winner.
+the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and the main run distils the winner.
 
     choice = student_choice(flags, teacher_config, tokenizer)   # an explicit --student, or a budget and shapes to try
     spec, summary = choose_student(run, teacher, data, calibration)   # the winner; results["search"]
@@ -39,7 +39,7 @@ from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.surgery.search_space import COUNTINGS, budget_target
+from nnx_surgery.surgery.planning.search_space import COUNTINGS, budget_target
 
 FOLDER = "search"
 GUESS = "uniform guess"

@@ -24,10 +24,10 @@ from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.refusals import RecipeError
-from nnx_surgery.distill.data import stdlib_corpus
-from nnx_surgery.distill.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
-from nnx_surgery.surgery.checkpoint import model_tensors, write_hf_folder
-from nnx_surgery.surgery.safetensors_io import write_json
+from nnx_surgery.distill.inputs.batches import stdlib_corpus
+from nnx_surgery.distill.inputs.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
+from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors, write_hf_folder
+from nnx_surgery.surgery.storage.safetensors_stream import write_json
 
 TEACHER_CONFIG = {
     "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": VOCAB_SIZE, "hidden_size": 48,

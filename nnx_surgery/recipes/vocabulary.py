@@ -4,14 +4,14 @@ The plan chooses the kept pieces from the calibration rows, which are in the tea
 teacher's). Once the plan fixes them:
 
   * the student's tokenizer (the teacher's tokenizer.json and configs restricted to the kept pieces and renumbered,
-    `surgery.vocab_files`) is written into the run folder, `student_tokenizer/`, atomically;
+    `surgery.storage.tokenizer_files`) is written into the run folder, `student_tokenizer/`, atomically;
   * the corpus is tokenised again with it for everything that trains the student: text made of kept pieces
     tokenises exactly as the teacher tokenised it (renumbered), other text falls back to smaller pieces and bytes.
     The distillation's phase plan carries `kept_vocab`, so `distill.run` lets the teacher read the student's ids
     mapped to its own and teach its distribution restricted to the kept pieces, renormalised. The control (the same
     pruned, trimmed student with plain CE) trains on the same student-tokenised pipeline;
   * evaluation: each model is scored on the same held-out passages in its own tokens, trimmed students against the
-    teacher restricted to their pieces (`distill.heldout_vocab`), and compared with the teacher per byte.
+    teacher restricted to their pieces (`distill.evals.cross_vocab`), and compared with the teacher per byte.
 
 Staged compression keeps the teacher's vocabulary in stage A (its spec has no vocab) and trims in the final plan,
 made on the stage-A student, whose ids are still the teacher's. Stage B's batches then start their own stream: rows
@@ -28,8 +28,8 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes.tiny_teacher import wait_for_process_0
-from nnx_surgery.surgery.atomic import atomic_folder
-from nnx_surgery.surgery.vocab_files import trimmed_tokenizer_files
+from nnx_surgery.surgery.storage.atomic import atomic_folder
+from nnx_surgery.surgery.storage.tokenizer_files import trimmed_tokenizer_files
 
 FOLDER = "student_tokenizer"
 
@@ -57,7 +57,7 @@ def student_batches(teacher_folder: str, plan: surgery.Plan, out: str, data: dis
     tokenizer = write_student_tokenizer(teacher_folder, plan, out)
     if tokenizer is None:
         return data, None
-    distill.data.check_vocabulary(tokenizer, len(plan.kept_vocab))
+    distill.check_vocabulary(tokenizer, len(plan.kept_vocab))
     trimmed = load(tokenizer)
     teacher_rows, student_rows = data.num_rows, trimmed.num_rows
     print(f"[vocab] the student keeps {len(plan.kept_vocab):,} of the teacher's {plan.teacher_config.vocab_size:,} "

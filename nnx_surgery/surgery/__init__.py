@@ -7,24 +7,24 @@ divisibility rule and GGUF conversion.
     student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
     save_student(student, plan, "out/student", source="google/gemma-7b")
 """
-from .config import ConfigError, ModelConfig
-from .model import CausalLM, ModelOutput, abstract_model, create_model
+from .modeling.model_config import ConfigError, ModelConfig
+from .modeling.causal_lm import CausalLM, ModelOutput, abstract_model, create_model
 from .families import SUPPORTED_MODEL_TYPES
-from .safetensors_io import CheckpointError
-from .checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
-from .spec import NAMED_SHAPES, SpecError, StudentSpec
-from .search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
-from .plan import Plan, PlanError
-from .planner import plan_student
-from .apply import apply_plan, compensation_effect, logit_distance, save_student
-from .prune_disk import prune_checkpoint
-from .report import format_report, plot_report
-from .hub import HubError, push_to_hub
-from .card import write_model_card
-from .gguf import cached_import, import_gguf
-from .gguf_export import export_gguf
-from .generate import Generation, generate, make_sampler
-from .tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
+from .storage.safetensors_stream import CheckpointError
+from .storage.hf_checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
+from .planning.student_spec import NAMED_SHAPES, SpecError, StudentSpec
+from .planning.search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
+from .planning.plan_record import Plan, PlanError
+from .planning.student_planner import plan_student
+from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, save_student
+from .pruning.on_disk import prune_checkpoint
+from .planning.plan_report import format_report, plot_report
+from .storage.hub import HubError, push_to_hub
+from .storage.model_card import write_model_card
+from .storage.gguf_import import cached_import, import_gguf
+from .storage.gguf_export import export_gguf
+from .modeling.generation import Generation, generate, make_sampler
+from .modeling.tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
 
 __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOutput", "SUPPORTED_MODEL_TYPES",
            "abstract_model",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 
 from nnx_surgery import distill, surgery
+from nnx_surgery.distill.inputs import sources
+from nnx_surgery.surgery.planning.search_space import parse_budget
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.refusals import RecipeError
 
@@ -17,7 +19,7 @@ def check(config: RecipeConfig) -> None:
         raise RecipeError(f"--warmup-steps {training.warmup_steps}: give from 0 to --steps {training.steps} warm-up "
                           "steps (a longer warm-up never reaches the peak learning rate).")
     if config.run.gguf is not None:
-        import nnx_surgery.surgery.gguf_export as gguf_export
+        import nnx_surgery.surgery.storage.gguf_export as gguf_export
         try:
             gguf_export.resolve_export_dtype(config.run.gguf)
         except ValueError as err:
@@ -62,11 +64,11 @@ def _check_data(data: str | None) -> None:
     if not isinstance(data, str) or not data or data.startswith("hf:"):
         return
     try:
-        files = distill.sources.expand_paths(data)
+        files = sources.expand_paths(data)
     except distill.DataError as error:
         raise RecipeError(f"--data: {error}") from None
     named_empty = os.path.isfile(data) and os.path.getsize(data) < 1 << 20 and \
-        not distill.sources.read_text(data).strip()
+        not sources.read_text(data).strip()
     if named_empty or all(os.path.getsize(path) == 0 for path in files):
         raise RecipeError(f"--data {data}: no text there (empty); pass files with text in them.")
 
@@ -77,7 +79,7 @@ def _check_budget(student: str | None) -> None:
         key, _, value = (part.strip() for part in item.partition("="))
         if key == "params":
             try:
-                surgery.search_space.parse_budget(value)
+                parse_budget(value)
             except surgery.SpecError as error:
                 raise RecipeError(f"--student {student!r}: {error}") from None
 
@@ -92,7 +94,7 @@ def _check_output(config: RecipeConfig) -> None:
     if run.output is not None:
         guard_folder(run.output, "--output", input_paths(config.teacher.model, config.data.files))
     if run.push_to_hub and not run.print_config:
-        from nnx_surgery.surgery.hub import check_push_access
+        from nnx_surgery.surgery.storage.hub import check_push_access
         check_push_access(run.push_to_hub)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from nnx_surgery.distill.config import DistillConfig
+from nnx_surgery.distill.loop.run_config import DistillConfig
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.layering import (MANAGED, PRESET_FILES, distill_fields, preset, term_option_fields,
                                                  term_weight_fields)

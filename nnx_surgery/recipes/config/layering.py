@@ -6,7 +6,7 @@ rest). Files of the first format (every setting at the top level under its flag'
 sectioned format saved them) are read as well: each key goes where its flag's declaration is. What the recipe
 manages in DistillConfig (sizes, precision, mesh, seed, run folders, the plan) is refused in the distill section
 with the setting to use instead. `--set KEY=VALUE` reaches any field by its dotted path (`training.steps`,
-`distill.guard.mse_weight`, or a DistillConfig path alone: `guard.mse_weight`). `saved_config` is the result
+`distill.loop.guard.mse_weight`, or a DistillConfig path alone: `guard.mse_weight`). `saved_config` is the result
 with every default filled in: --print-config prints it, every run saves it as resolved_config.json, and --config
 reads it back to the same settings.
 """
@@ -22,7 +22,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 from nnx_surgery.distill import terms
-from nnx_surgery.distill.config import DistillConfig, moved_options
+from nnx_surgery.distill.loop.run_config import DistillConfig, moved_options
 from nnx_surgery.field_docs import documented
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig

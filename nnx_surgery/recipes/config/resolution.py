@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from nnx_surgery.distill import terms
-from nnx_surgery.distill.config import DistillConfig
+from nnx_surgery.distill.loop.run_config import DistillConfig
 from nnx_surgery.distill.mesh import MeshError
 from nnx_surgery.recipes.config import checks, command_line, fields, layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig

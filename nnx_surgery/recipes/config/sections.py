@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from nnx_surgery.field_docs import documented
 
 if TYPE_CHECKING:
-    from nnx_surgery.distill.config import DistillConfig
+    from nnx_surgery.distill.loop.run_config import DistillConfig
 
 POSITIVE_RATE = ("a finite learning rate above 0, e.g. 3e-4", lambda v: 0 < v < math.inf)
 COUNT0 = ("0 or more", lambda v: v >= 0)
@@ -173,7 +173,7 @@ class TrainingSection:
                                "sft-then-distil (CE, ramping to alpha*KL + (1-alpha)*CE); tune with "
                                "training.schedule_options in --config", flag="--schedule", choices=SCHEDULE_NAMES)
     schedule_options: Mapping[str, Any] | None = documented(None, "the named schedule's options (any parameter of "
-                                                            "its distill.schedules function; \"epochs\" sizes it in "
+                                                            "its distill.loop.schedules function; \"epochs\" sizes it in "
                                                             "epochs)", none_means="the schedule's own")
     stages: tuple[Mapping[str, Any], ...] | None = documented(None, "the main stages written out (DistillConfig "
                                                               "Stage fields, or `fraction` of the main steps "
@@ -289,7 +289,7 @@ class MultiHostSection:
 
 
 def _default_distill() -> "DistillConfig":
-    from nnx_surgery.distill.config import DistillConfig
+    from nnx_surgery.distill.loop.run_config import DistillConfig
     return DistillConfig()
 
 

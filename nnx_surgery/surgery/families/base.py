@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ..errors import CheckpointError
+from ..storage.errors import CheckpointError
 
 # The divisibility rule a family may impose beyond the universal one (query heads a multiple of the KV heads).
 HIDDEN_MULTIPLE_OF_HEADS = "hidden_size must be a multiple of num_attention_heads"
@@ -29,7 +29,7 @@ class GGUFKeys:
 class GGUFFormat:
     """How a family's configs meet llama.cpp's GGUF files, both ways. The sizes, head counts, head_dim, RMS
     epsilon, context length, RoPE base and linear scaling, tying and special-token ids are llama.cpp's common keys
-    (gguf.py, gguf_export.py); the rest is the family's:
+    (gguf_import.py, gguf_export.py); the rest is the family's:
 
     `architectures`: llama.cpp architecture -> model_type. `read(model_type, keys, config)`: the family's keys of
     the transformers config dict the file describes (`config` holds the common ones already; `keys` a GGUFKeys).

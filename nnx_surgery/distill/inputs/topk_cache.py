@@ -1,0 +1,369 @@
+"""The teacher once: its top-k distribution over every packed training row, written to a folder that later runs
+read instead of running the teacher (issue 42).
+
+    identity = {"teacher": folder_identity(teacher_folder), "tokenizer_sha256": ..., ...}
+    write_cache(teacher, batches, "cache/", top_k=64, identity=identity)   # batches: a distill.TokenBatches
+    cache = TeacherCache.open("cache/")
+    cache.check_matches(teacher_config_hash=..., tokenizer_hash=..., seq_len=256)
+    for batch in cache.batches(8): ...   # input_ids, loss_mask, positions, segment_ids, topk_ids,
+                                         # topk_logprobs, residual: numpy, fixed shapes, ready for a jitted step
+
+What is cached is a function of the packed rows only (row r of the packing, whatever the batch size), so one cache
+serves any batch size, and `batches` replays `TokenBatches`'s order (its seed's permutation per epoch, each
+process its rows of each batch): the same rows in the same order as online training.
+
+The top k come from the teacher's final hidden states and its head in vocabulary chunks, a block of positions at
+a time (`topk_logprobs`): the running top k of the chunks seen and their running log-sum-exp, so no (B, T, V)
+array exists (the peak is one block x one chunk of logits). Storage and its encodings: `distill.inputs.cache_format`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import cache_format as fmt
+from .cache_format import CacheError
+from ..interface import forward_inputs
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+# ------------------------------------------------------------------------------------------------ the top k
+def _block_topk(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab_size: int, k: int):
+    """(ids, log-probabilities, residual) of hidden (R, D) against a head cut in chunks (n, C, D)."""
+    rows, chunk = hidden.shape[0], head_chunks.shape[1]
+    kept = min(k, chunk)
+
+    def step(carry, xs):
+        best, best_ids, lse = carry
+        index, head = xs
+        logits = logits_fn(hidden, head)
+        ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        logits = jnp.where(ids < vocab_size, logits, -jnp.inf)  # the padding of the last chunk
+        lse = jnp.logaddexp(lse, jax.nn.logsumexp(logits, axis=-1))
+        values, where = jax.lax.top_k(logits, kept)
+        merged, order = jax.lax.top_k(jnp.concatenate([best, values], -1), k)  # earlier (lower) ids win ties
+        merged_ids = jnp.take_along_axis(jnp.concatenate([best_ids, ids[where]], -1), order, -1)
+        return (merged, merged_ids, lse), None
+
+    start = (jnp.full((rows, k), -jnp.inf, jnp.float32), jnp.zeros((rows, k), jnp.int32),
+             jnp.full((rows,), -jnp.inf, jnp.float32))
+    xs = (jnp.arange(head_chunks.shape[0], dtype=jnp.int32), head_chunks)
+    (values, ids, lse), _ = jax.lax.scan(step, start, xs)
+    logprobs = values - lse[:, None]
+    mass = jnp.clip(jnp.sum(jnp.exp(logprobs), -1), 0.0, 1.0)
+    return ids, logprobs, jnp.log1p(-mass)  # -inf when the top k hold all of it
+
+
+def topk_logprobs(model: Any, batch: Mapping[str, jax.Array], k: int, *, vocab_chunk: int = 8192,
+                  block_rows: int = 512) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The teacher's top-k ids (B, T, k) int32, their log-probabilities at temperature 1 (B, T, k) float32,
+    sorted most likely first, and the log of the mass outside them (B, T), for a batch of rows. Traceable (jit
+    it with the model split, as `topk_function` does)."""
+    ids = batch["input_ids"]
+    out = model(ids, **forward_inputs(model, batch), return_logits=False)
+    hidden = out.final_hidden
+    b, t, d = hidden.shape
+    head = model.head_matrix()
+    vocab = head.shape[0]
+    chunk = min(vocab_chunk, vocab)
+    head = jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, d)
+    flat = hidden.reshape(b * t, d)
+    rows = min(block_rows, b * t)
+    blocks = jnp.pad(flat, [(0, -flat.shape[0] % rows), (0, 0)]).reshape(-1, rows, d)
+    top_ids, logprobs, residual = jax.lax.map(
+        lambda h: _block_topk(model.logits_from_hidden, h, head, vocab, k), blocks)
+    return (top_ids.reshape(-1, k)[:b * t].reshape(b, t, k), logprobs.reshape(-1, k)[:b * t].reshape(b, t, k),
+            residual.reshape(-1)[:b * t].reshape(b, t))
+
+
+def topk_function(model: Any, k: int, **settings) -> Callable[[Mapping[str, Any]], tuple[np.ndarray, ...]]:
+    """`topk_logprobs` of `model`, jitted once: batch -> host arrays."""
+    graphdef, state = nnx.split(model)
+    compiled = jax.jit(lambda s, batch: topk_logprobs(nnx.merge(graphdef, s), batch, k, **settings))
+    return lambda batch: tuple(np.asarray(x) for x in compiled(state, batch))
+
+
+# ------------------------------------------------------------------------------------------------ identities
+def file_sha256(path: str) -> str:
+    return fmt.sha256_file(path)
+
+
+def vocab_map_sha256(teacher_ids: Sequence[int] | None) -> str | None:
+    """The identity of a trimmed student's vocabulary map (the teacher id of each student id); None: none."""
+    if teacher_ids is None:
+        return None
+    return hashlib.sha256(np.asarray(teacher_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def folder_identity(folder: str) -> dict[str, str]:
+    """A model folder's identity: the sha256 of its config.json and one over its safetensors files' bytes."""
+    weights = hashlib.sha256()
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise CacheError(f"{folder}: no safetensors files to identify the teacher by; give a model folder.")
+    for path in files:
+        weights.update(f"{os.path.basename(path)}:{fmt.sha256_file(path)}\n".encode())
+    return {"config_sha256": file_sha256(os.path.join(folder, "config.json")), "weights_sha256": weights.hexdigest()}
+
+
+def packing_of(batches: Any) -> dict[str, Any]:
+    """What fixes the packed rows and their order: a TokenBatches' settings and its rows' fingerprint."""
+    return {"seq_len": batches.seq_len, "rows": batches.num_rows, "seed": batches.seed,
+            "shuffle": batches.shuffle, "restart_id": batches.restart_id, "fingerprint": batches.fingerprint,
+            "return_segments": batches.return_segments}
+
+
+def first_difference(saved: Mapping, wanted: Mapping, prefix: str = "") -> str | None:
+    """The first key (dotted) whose value differs, with both values, or None."""
+    for key in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(key), wanted.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            found = first_difference(a, b, f"{prefix}{key}.")
+            if found:
+                return found
+        elif a != b:
+            return f"{prefix}{key} is {a!r} in the cache but {b!r} here"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ writing
+@dataclasses.dataclass(frozen=True)
+class CacheSettings:
+    top_k: int
+    encoding: str = "q8"
+    rows_per_shard: int = 256
+    batch_rows: int = 8  # rows per teacher forward
+    vocab_chunk: int = 8192
+    block_rows: int = 512
+
+    def __post_init__(self):
+        if self.encoding not in fmt.ENCODINGS:
+            raise CacheError(f"encoding {self.encoding!r}: choose one of {', '.join(fmt.ENCODINGS)}.")
+        if self.top_k < 1 or self.rows_per_shard < 1 or self.batch_rows < 1:
+            raise CacheError(f"top_k {self.top_k}, rows_per_shard {self.rows_per_shard} and batch_rows "
+                             f"{self.batch_rows} must each be at least 1.")
+
+
+def shard_name(index: int, process: int) -> str:
+    return f"shard-p{process:03d}-{index:06d}.safetensors"
+
+
+def _progress_path(folder: str, process: int) -> str:
+    return os.path.join(folder, f"progress-p{process:03d}.json")
+
+
+def _settings_record(settings: CacheSettings, identity: Mapping, vocab_size: int, seq_len: int) -> dict:
+    return {"format_version": FORMAT_VERSION, "top_k": settings.top_k, "encoding": settings.encoding,
+            "rows_per_shard": settings.rows_per_shard, "vocab_size": vocab_size, "seq_len": seq_len,
+            "id_bits": fmt.id_bits(vocab_size), "token_dtype": fmt.token_dtype(vocab_size).name,
+            "logprob_temperature": 1.0, "identity": json.loads(json.dumps(identity))}
+
+
+def _finished(folder: str, process: int, record: dict, resume: bool) -> dict[int, dict]:
+    """Shards of this process already written and intact (checksum), when resuming with the same settings."""
+    path = _progress_path(folder, process)
+    if not resume or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        saved = json.load(handle)
+    difference = first_difference(saved["settings"], record)
+    if difference:
+        raise CacheError(f"--resume {folder}: the partial cache was made with other settings ({difference}); "
+                         "give the same teacher, data and settings, or write a new cache (--overwrite).")
+    return {entry["index"]: entry for entry in saved["shards"]
+            if os.path.isfile(os.path.join(folder, entry["file"]))
+            and fmt.sha256_file(os.path.join(folder, entry["file"])) == entry["sha256"]}
+
+
+def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray,
+                 settings: CacheSettings, vocab_size: int, put: Callable, return_segments: bool) -> bytes:
+    from safetensors.numpy import save
+
+    from .batches import packed_batch
+
+    parts = []
+    for lo in range(0, len(rows), settings.batch_rows):
+        sl = slice(lo, lo + settings.batch_rows)
+        batch = packed_batch(rows[sl], weights[sl], kinds[sl], return_segments)
+        batch.pop("loss_mask")
+        pad = settings.batch_rows - len(batch["input_ids"])  # one compiled shape: pad the last forward
+        batch = {key: np.pad(value, [(0, pad), (0, 0)]) for key, value in batch.items()}
+        ids, logprobs, residual = teacher_topk(put(batch))
+        parts.append((ids[:len(ids) - pad], logprobs[:len(ids) - pad], residual[:len(ids) - pad]))
+    ids, logprobs, residual = (np.concatenate(p) for p in zip(*parts))
+    stored = fmt.encode(ids, logprobs, residual, settings.encoding, vocab_size)
+    stored["input_ids"] = rows.astype(fmt.token_dtype(vocab_size))
+    stored["flags"] = (kinds.astype(np.uint8) | (weights.astype(np.uint8) << 2))
+    return save({key: np.ascontiguousarray(value) for key, value in stored.items()})
+
+
+def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings, *, identity: Mapping,
+                mesh: Any = None, resume: bool = False, process_index: int | None = None,
+                process_count: int | None = None, after_shard: Callable[[int], None] | None = None) -> dict:
+    """Run `teacher` over every packed training row of `batches` (a TokenBatches) and write the cache into
+    `folder`; returns the manifest. Shard i holds rows [i * rows_per_shard, ...) and is written by process
+    i % process_count, atomically, its checksum then recorded in the process's progress file; `resume` keeps the
+    intact shards of a partial cache with the same settings. Process 0 writes manifest.json once every shard is
+    listed. `after_shard(i)` is called after each shard (tests interrupt there)."""
+    process = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    vocab = int(teacher.head_matrix().shape[0])
+    if not 1 <= settings.top_k <= vocab:
+        raise CacheError(f"top_k {settings.top_k}: must lie in [1, {vocab:,}], the teacher's vocabulary.")
+    record = _settings_record(settings, {**identity, "packing": packing_of(batches)}, vocab, batches.seq_len)
+    os.makedirs(folder, exist_ok=True)
+    done = _finished(folder, process, record, resume)
+    if mesh is not None:
+        from ..mesh import put_batch, shard_model
+        teacher = shard_model(teacher, mesh)
+        put = lambda batch: put_batch(batch, mesh)  # noqa: E731
+    else:
+        put = lambda batch: {key: jnp.asarray(value) for key, value in batch.items()}  # noqa: E731
+    run = topk_function(teacher, settings.top_k, vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
+    rows, weights, kinds = batches.packed_rows()
+    per = settings.rows_per_shard
+    for index in range(process, -(-len(rows) // per), count):
+        if index in done:
+            continue
+        sl = slice(index * per, (index + 1) * per)
+        data = _shard_bytes(run, rows[sl], weights[sl], kinds[sl], settings, vocab, put, batches.return_segments)
+        name = shard_name(index, process)
+        fmt.atomic_bytes(os.path.join(folder, name), data)
+        done[index] = {"index": index, "file": name, "rows": len(rows[sl]), "bytes": len(data),
+                       "sha256": hashlib.sha256(data).hexdigest()}
+        fmt.atomic_json(_progress_path(folder, process),
+                        {"settings": record, "shards": [done[i] for i in sorted(done)]})
+        if after_shard is not None:
+            after_shard(index)
+    if count > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("teacher cache shards written")
+    return _write_manifest(folder, record, len(rows)) if process == 0 else record
+
+
+def _write_manifest(folder: str, record: dict, num_rows: int) -> dict:
+    shards = []
+    for path in sorted(glob.glob(os.path.join(folder, "progress-p*.json"))):
+        with open(path, encoding="utf-8") as handle:
+            shards += json.load(handle)["shards"]
+    shards.sort(key=lambda entry: entry["index"])
+    manifest = {**record, "num_rows": num_rows, "shards": shards}
+    fmt.atomic_json(os.path.join(folder, MANIFEST), manifest)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class TeacherCache:
+    """A written cache: `open` checks the manifest and every shard's checksum, `batches` replays the training
+    order with the cached top k beside each row."""
+
+    def __init__(self, folder: str, manifest: dict, shards: list[fmt.ShardReader]):
+        self.folder, self.manifest, self._shards = folder, manifest, shards
+        self.top_k, self.encoding = manifest["top_k"], manifest["encoding"]
+        self.vocab_size, self.seq_len = manifest["vocab_size"], manifest["seq_len"]
+        self.num_rows, self.rows_per_shard = manifest["num_rows"], manifest["rows_per_shard"]
+        self.packing = manifest["identity"]["packing"]
+
+    @classmethod
+    def open(cls, folder: str, *, verify: bool = True) -> "TeacherCache":
+        path = os.path.join(folder, MANIFEST)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                manifest = json.load(handle)
+        except FileNotFoundError:
+            raise CacheError(f"{folder}: no {MANIFEST}, so not a finished teacher cache; write it with "
+                             "`nnx-surgery cache-teacher` (add --resume to finish a partial one).") from None
+        except ValueError as error:
+            raise CacheError(f"{path}: not valid JSON ({error}); write the cache again.") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise CacheError(f"{path}: format version {manifest.get('format_version')!r}, this version reads "
+                             f"{FORMAT_VERSION}; write the cache again with this version.")
+        per, shards = manifest["rows_per_shard"], manifest["shards"]
+        expected = -(-manifest["num_rows"] // per)
+        if [entry["index"] for entry in shards] != list(range(expected)):
+            raise CacheError(f"{path}: lists {len(shards)} shard(s) of the {expected} its rows need; finish the "
+                             "cache with `nnx-surgery cache-teacher ... --resume`.")
+        readers = []
+        for entry in shards:
+            file = os.path.join(folder, entry["file"])
+            if verify and (not os.path.isfile(file) or fmt.sha256_file(file) != entry["sha256"]):
+                raise CacheError(f"{file}: missing, truncated or corrupted (its sha256 is not the manifest's); "
+                                 "rerun the same cache-teacher command with --resume to write it again.")
+            readers.append(fmt.ShardReader(file))
+        return cls(folder, manifest, readers)
+
+    def check_matches(self, **wanted: Any) -> None:
+        """Refuse, in one line, a cache made for another teacher, tokenizer or packing. Keys: teacher_config_hash,
+        teacher_weights_hash, tokenizer_hash, seq_len, seed, rows, fingerprint, top_k, vocab_map_hash (None: not
+        checked)."""
+        identity = self.manifest["identity"]
+        saved = {"teacher_config_hash": identity.get("teacher", {}).get("config_sha256"),
+                 "teacher_weights_hash": identity.get("teacher", {}).get("weights_sha256"),
+                 "tokenizer_hash": identity.get("tokenizer_sha256"), "vocab_map_hash": identity.get("vocab_map_sha256"),
+                 "top_k": self.top_k, **{key: self.packing.get(key) for key in ("seq_len", "seed", "rows",
+                                                                                 "fingerprint")}}
+        for key, value in wanted.items():
+            if key not in saved:
+                raise TypeError(f"check_matches({key}=...): not a cache property; give one of {sorted(saved)}.")
+            if value is not None and saved[key] != value:
+                raise CacheError(f"teacher cache {self.folder}: made for {key} {saved[key]!r}, not {value!r}; "
+                                 "write a cache for this run (`nnx-surgery cache-teacher`).")
+
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The decoded cache of packed rows `index` (any order): the batch keys of `batches`."""
+        index = np.asarray(index)
+        shard, local = index // self.rows_per_shard, index % self.rows_per_shard
+        parts: dict[str, np.ndarray] = {}
+        for s in np.unique(shard):
+            where = np.nonzero(shard == s)[0]
+            got = self._shards[s].rows(local[where])
+            for key, value in got.items():
+                parts.setdefault(key, np.empty((len(index), *value.shape[1:]), value.dtype))[where] = value
+        flags = parts.pop("flags")
+        from .batches import packed_batch
+        batch = packed_batch(parts.pop("input_ids").astype(np.int32), (flags >> 2) & 1, (flags & 3).astype(np.int8),
+                             self.packing.get("return_segments", True))
+        batch.update(fmt.decode(parts, self.encoding, self.vocab_size, self.top_k))
+        return batch
+
+    def order(self, epoch: int) -> np.ndarray:
+        """`TokenBatches.order`: the packing's seed's permutation of the rows for `epoch`."""
+        if not self.packing.get("shuffle", True):
+            return np.arange(self.num_rows)
+        return np.random.default_rng([self.packing["seed"], epoch]).permutation(self.num_rows)
+
+    def batches(self, batch_size: int, *, epochs: int | None = None, process_index: int = 0,
+                process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+        """Batches of `batch_size` rows in `TokenBatches`'s order (an epoch's last batch continues into the next
+        epoch's order, as there); each process gets its `batch_size / process_count` rows of each batch. Stops
+        after `epochs` epochs' worth of batches (None: never)."""
+        if batch_size % process_count:
+            raise CacheError(f"batch_size {batch_size} must split evenly over {process_count} processes.")
+        epoch, position, served = 0, 0, 0
+        while epochs is None or served + batch_size <= epochs * self.num_rows:
+            picked, need = [], batch_size
+            while need:
+                take = self.order(epoch)[position:position + need]
+                picked.append(take)
+                need, position = need - len(take), position + len(take)
+                if position == self.num_rows:
+                    epoch, position = epoch + 1, 0
+            index = np.concatenate(picked)
+            per = batch_size // process_count
+            served += batch_size
+            yield self.rows(index[process_index * per:(process_index + 1) * per])
+
+
+__all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
+           "write_cache", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
