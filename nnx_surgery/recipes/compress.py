@@ -10,12 +10,14 @@ The flagship is Gemma 7B -> the 2B shape.
     python recipes/gemma_7b_to_2b.py --config recipes/configs/progressive.json --output runs/progressive
     python recipes/gemma_7b_to_2b.py --config runs/tiny/resolved_config.json --output runs/again   # repeat a run
 
-Every knob is a flag or a setting of a --config file (JSON/YAML), flags winning; --print-config shows the
-resolved settings, and every run saves them in its folder (resolved_config.json). `--help` lists each knob with
-its default and why.
+Every setting is declared once, in `RecipeConfig` (nnx_surgery/recipes/config/sections.py, which reads as the
+defaults file): a flag, a key of a --config file (JSON/YAML, in sections), or a dotted --set; flags win over the
+file. --print-config shows the resolved settings, every run saves them in its folder (resolved_config.json), and
+`--help` lists each, by section, with its default and why.
 
-`main` reads as the list of phases: the settings resolved once (run_settings.py), then each phase (run_phases.py,
-the documented example of the Python API: `surgery` then `distill`) taking them and the earlier phases' outputs.
+`main` reads as the list of phases: the configuration resolved once (config/resolution.py), what follows from it
+and the teacher (run_settings.py), then each phase (run_phases.py, the documented example of the Python API:
+`surgery` then `distill`) taking them and the earlier phases' outputs.
 
 Why the defaults:
 * 7B -> 2B (28 -> 18 layers, hidden 3072 -> 2048, MLP 24576 -> 16384, 16 -> 8 query heads, 16 -> 1 KV heads)
@@ -52,6 +54,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -139,7 +142,7 @@ def record_settings(run: run_settings.RunSettings) -> None:
     run found (the teacher's folder and config, the data)."""
     files.save_resolved(run.config, run.folder)
     if jax.process_index() == 0:
-        record = {name: {field.name: layering.thaw(getattr(getattr(run.config, name), field.name))
+        record: dict[str, Any] = {name: {field.name: layering.thaw(getattr(getattr(run.config, name), field.name))
                          for field in dataclasses.fields(getattr(run.config, name))} for name in SECTIONS}
         record.update(teacher=run.teacher.source, data_description=run.data.description,
                       teacher_folder=run.teacher.folder, teacher_config=run.teacher.config,
@@ -148,7 +151,7 @@ def record_settings(run: run_settings.RunSettings) -> None:
             json.dump(record, f, indent=2, default=str)
 
 
-def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
+def evaluate(run: run_settings.RunSettings, loaded, teacher, cut, distilled, control) -> dict:
     """Every model on the held-out sets, then generations and multiple choice (final_eval.py); kept in
     OUT/phases/evaluation.json, so a resumed run whose models are all finished (say to add --push-to-hub, or
     killed while writing the student) reads the scores back instead of spending the evaluation again."""
@@ -164,7 +167,7 @@ def evaluate(run, loaded, teacher, cut, distilled, control) -> dict:
     return results
 
 
-def evaluate_models(run, loaded, teacher, cut, distilled, control) -> dict:
+def evaluate_models(run: run_settings.RunSettings, loaded, teacher, cut, distilled, control) -> dict:
     tokens = distilled.steps * run.config.tokens_per_step
     rows = [("teacher", teacher, 0)]
     if run.config.teacher.correction:  # the teacher as it was, beside the corrected one that taught
@@ -173,7 +176,7 @@ def evaluate_models(run, loaded, teacher, cut, distilled, control) -> dict:
     rows += [("pruned (before distillation)", cut.pruned, 0), ("distilled student", distilled.model, tokens)]
     pairs = [("distilled student", "teacher")]
     if control is not None:
-        name = run.config.control_name
+        name = run.config.control_name or "control"
         rows.append((name, control.model, tokens))
         pairs = [("distilled student", name)] + pairs + [(name, "teacher")]
     print(f"[eval] {len(rows)} models on the held-out sets ({run.config.evaluation.tokens:,} tokens each), then "
@@ -182,7 +185,7 @@ def evaluate_models(run, loaded, teacher, cut, distilled, control) -> dict:
     return final_eval.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
 
 
-def summarise(run, results: dict, clock, search: dict | None, distilled, control) -> dict:
+def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict | None, distilled, control) -> dict:
     """results.json: the evaluation, the run's wall times and settings, the search, the final losses, step speed
     and the recovery curves."""
     config, history = run.config, distilled.history
@@ -200,7 +203,7 @@ def summarise(run, results: dict, clock, search: dict | None, distilled, control
     return results
 
 
-def write_student(run, results: dict, first, cut, distilled, control) -> str:
+def write_student(run: run_settings.RunSettings, results: dict, first, cut, distilled, control) -> str:
     """The results table printed; the student folder (HF + plan + results + card); results.md, the curves and
     the importance plots in the run folder. Returns the student folder."""
     out, config, plan = run.folder, run.config, cut.plan
@@ -225,7 +228,7 @@ def write_student(run, results: dict, first, cut, distilled, control) -> str:
     return final
 
 
-def publish(run, final: str) -> None:
+def publish(run: run_settings.RunSettings, final: str) -> None:
     """--gguf: the student as one GGUF file beside its folder, for llama.cpp; --push-to-hub: the folder uploaded."""
     config = run.config
     if config.run.gguf and jax.process_index() == 0:

@@ -4,12 +4,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import TYPE_CHECKING
 
 import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
-from nnx_surgery.recipes.config.sections import CONTROL_NAMES
+from nnx_surgery.recipes.config.sections import CONTROL_NAMES, RecipeConfig
+
+if TYPE_CHECKING:
+    from nnx_surgery.recipes.run_settings import RunSettings
+    from nnx_surgery.recipes.shape_search import StudentChoice
 from nnx_surgery.recipes.shape_search import GUESS, eval_points
 
 BYTES = {"bf16": 2, "fp32": 4}
@@ -19,7 +24,7 @@ def _mesh_sizes(mesh: str | None) -> dict[str, int]:
     return parse_mesh_spec(mesh) if mesh else {}
 
 
-def dry_run_report(run) -> str:
+def dry_run_report(run: RunSettings) -> str:
     """Shapes, parameter counts and memory per device for the chosen mesh and precision, and the plan, from the
     run's settings (run_settings.RunSettings). With `--student params=...`, first the shapes the search would train
     and its cost; the uniform guess stands for the student below."""
@@ -76,10 +81,11 @@ def dry_run_report(run) -> str:
     return "\n".join(lines)
 
 
-def search_plan(config, search) -> list[str]:
+def search_plan(config: RecipeConfig, search: StudentChoice) -> list[str]:
     """The dry run's account of a shape search: each candidate's shape and parameter counts (the uniform guess
     and the heads-kept shape marked), and its cost in steps and tokens against the main distillation's."""
     budget = search.budget
+    assert budget is not None  # a search is planned
     width = max(len(c.text) for c in search.candidates)
     lines = [f"shape search ({budget.text}: {search.target:,} {budget.counting.replace('_', '-')} parameters "
              f"+-{config.search.tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
@@ -311,7 +317,7 @@ def plot_curves(path: str, stage_a: list[dict], stage_b: list[dict], control: li
     return path
 
 
-def card_writer(run, plan, plan_a, results: dict, tokens: int):
+def card_writer(run: RunSettings, plan, plan_a, results: dict, tokens: int):
     """A callable for `save_student(extra_files={"README.md": ...})`: the model card with the lineage. `run`: the
     run's settings (run_settings.RunSettings)."""
     config = run.config

@@ -34,11 +34,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import TYPE_CHECKING
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals
 from nnx_surgery.recipes.config.sections import RecipeConfig
+
+if TYPE_CHECKING:
+    from nnx_surgery.recipes.run_settings import RunSettings
 from nnx_surgery.surgery.planning.search_space import COUNTINGS, budget_target
 
 FOLDER = "search"
@@ -205,7 +209,7 @@ def search_config(config: RecipeConfig, out: str, data) -> distill.DistillConfig
     return dataclasses.replace(phase, eval_every=steps, targets=dataclasses.replace(phase.targets, stop_when_met=False))
 
 
-def candidate_plan(run, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
+def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
     """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it."""
     path = os.path.join(directory, "plans", candidate.text.replace(",", "_") + ".json")
     if os.path.exists(path):
@@ -217,7 +221,7 @@ def candidate_plan(run, teacher, candidate: surgery.Candidate, calibration, dire
     return plan
 
 
-def search_candidates(run, choice: StudentChoice, teacher, calibration, directory: str) -> list:
+def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str) -> list:
     """`distill.SearchCandidate`s of the chosen shapes: planned now, each student built when it trains."""
     found = []
     for candidate in choice.candidates:
@@ -229,7 +233,7 @@ def search_candidates(run, choice: StudentChoice, teacher, calibration, director
     return found
 
 
-def choose_student(run, teacher, data, calibration):
+def choose_student(run: RunSettings, teacher, data, calibration):
     """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
     or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be. `run`: the
     run's settings (run_settings.RunSettings)."""

@@ -90,8 +90,8 @@ def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: An
         keywords["type"] = reader(meta.get("kind"), item.flag or "")
         if meta.get("choices"):
             keywords["choices"] = meta["choices"]
-        if meta.get("metavar"):
-            keywords["metavar"] = meta["metavar"]
+        if meta.get("metavar") or not meta.get("choices"):  # not the dotted destination
+            keywords["metavar"] = meta.get("metavar") or item.name.lstrip("-").replace("-", "_").upper()
     if required:
         keywords["required"] = True
     group.add_argument(*(names or (item.flag, *meta.get("also", ()))), **keywords)

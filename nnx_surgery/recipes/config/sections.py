@@ -53,7 +53,7 @@ class RunSection:
                                                            lambda v: 0 <= v < 2 ** 32))
     gguf: str | None = documented(None, "also write the student as OUT/student-DTYPE.gguf for llama.cpp (f32, f16, "
                                   "bf16, q8_0, q5_1, q5_0, q4_1, q4_0; Gemma families)", flag="--gguf",
-                                  also=("--export-gguf",), metavar="DTYPE")
+                                  also=("--export-gguf",), metavar="DTYPE", none_means="no GGUF file")
     push_to_hub: str | None = documented(None, "publish the student (private unless --public)",
                                          flag="--push-to-hub", metavar="REPO_ID", saved=False)
     public: bool = documented(False, "make the pushed repo public", flag="--public", action="store_true",
@@ -207,7 +207,7 @@ class SearchSection:
     shapes: str | None = documented(None, "the shapes to try instead of --search-candidates' spread, separated by "
                                     "';' (e.g. the top of a shorter search, trained longer); each must be within "
                                     "the budget; the uniform guess is always tried first", flag="--search-shapes",
-                                    metavar="'SHAPE;SHAPE'")
+                                    metavar="'SHAPE;SHAPE'", none_means="--search-candidates' spread")
     steps: int | None = documented(None, "distillation steps per candidate (the recipe's loss weights, learning "
                                    "rate, batch and sequence, on identical batches), each scored on the held-out "
                                    "sets at a third, two thirds and the end", flag="--search-steps", kind=int,
