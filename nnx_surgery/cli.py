@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from typing import Callable
 
@@ -39,14 +38,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def _number(kind: type, low: float, high: float | None = None, *, above: bool = False) -> Callable:
-    """An argparse type: a `kind` number from `low` (excluded with `above`) up to `high`, else a one-line refusal."""
+    """An argparse type: a finite `kind` number (fields.reader) from `low` (excluded with `above`) up to `high`,
+    else a one-line refusal."""
+    read = fields.reader(kind, "")
+
     def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        value = read(text)
         if value < low or (above and value == low) or (high is not None and value > high):
             need = (f"above {low:g}" if above else f"at least {low:g}") if high is None else \
                 f"in {'(' if above else '['}{low:g}, {high:g}]"

@@ -57,7 +57,7 @@ def declared(kind: type, prefix: tuple[str, ...] = ()) -> list[Declared]:
     return out
 
 
-def reader(kind: type | None, flag: str) -> Callable[[str], Any] | None:
+def reader(kind: type | None, flag: str = "") -> Callable[[str], Any] | None:
     """argparse's `type` for a flag of `kind`: a finite int or float; the error names the text."""
     if kind not in (int, float):
         return None
