@@ -174,7 +174,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     section = EvaluationSection(tokens=args.eval_tokens, general=args.general_eval, prompts=args.eval_prompts,
                                 new_tokens=args.new_tokens, choice_items=args.choice_items, tasks=args.eval_tasks,
                                 tasks_limit=args.eval_tasks_limit)
-    settings = final_eval.EvalSettings(teacher_folder, args.seq_len, args.seed, description, section, tasks)
+    settings = final_eval.EvalSettings(teacher_folder, args.seq_len, args.seed, description, section, tasks,
+                                       tasks_batch=args.tasks_batch)
     rows = [("teacher", surgery.load_pretrained(teacher_folder, dtype="float32"), 0)]
     for name, folder in zip(names, folders):
         model = surgery.load_pretrained(folder, dtype="float32")

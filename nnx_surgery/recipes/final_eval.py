@@ -46,6 +46,7 @@ class EvalSettings:
     data_description: str
     evaluation: EvaluationSection
     tasks: Any = None
+    tasks_batch: int | None = None  # rows per lm-eval scoring batch (None: the backend's default)
 
     @classmethod
     def of(cls, config: RecipeConfig, teacher_folder: str, data_description: str) -> "EvalSettings":
@@ -132,8 +133,9 @@ def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularie
         name = row["model"]
         tokenizer = vocabularies[name].tokenizer if name in vocabularies else args.teacher_folder
         distill.distributed.say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
+        batch = {"batch_size": args.tasks_batch} if args.tasks_batch else {}
         row["lm_eval"] = scores[name] = lm_eval_scores.score_model(models[name], tokenizer, args.tasks,
-                                                                   limit=args.evaluation.tasks_limit)
+                                                                   limit=args.evaluation.tasks_limit, **batch)
     results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.evaluation.tasks_limit, "scores": scores}
     if distill.distributed.is_main_process():
         with open(os.path.join(out, "lm_eval.md"), "w", encoding="utf-8") as handle:
