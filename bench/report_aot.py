@@ -165,9 +165,9 @@ writing the cache of these 64 rows took 22 s. Not yet measured on the real Gemma
 
 
 TABLE_NOTES = """Compiled 2026-12-05 on the shared 2-core CPU: the rows whose chip memory reads 16.00 under load 6-8 (each 7B
-compile 7 to 26 minutes), those reading 15.75 later that day on a quieter machine (1 to 21 minutes); 12 of the 20
-planned configurations in all. Not compiled yet: the full loss mix on v5e-16 and at 8192 tokens, the 64-chip compile
-and the recipe's `scaled` student; `python bench/aot_table.py --run --timeout 3600` resumes from the JSON
+compile 7 to 26 minutes), those reading 15.75 later that day on a quieter machine (1 to 21 minutes); 16 of the 20
+planned configurations in all. Not compiled yet: the full loss mix at 8192 tokens on v5e-8, v5p-8 and v5e-16, and
+the 64-chip compile; `python bench/aot_table.py --run --timeout 3600` resumes from the JSON
 lines. Two caveats of the rows reading 16.00: their tokens/s were estimated before `--aot` counted the recomputed forward
 (now 8·N_student instead of 6·N_student per token: about 15% optimistic), and the chip memory in parentheses is the
 nominal HBM: XLA can use 15.75 of a v5e's 16 GiB (31.25 of a v6e's 32, 95.74 of a v5p's 95, 15.25 per v4 core, as
@@ -181,7 +181,12 @@ two-pass logit loss: our reading, the captured attention maps, not the logits, s
 (`--set logit_impl=two_pass`) takes the logit-KL row at 2048 from 13.74 to 11.85 GiB per chip (temporaries 8.16 ->
 6.27). Goal: v5e-8 at >= 32k tokens per step with logit KL: met (13.74 GiB; 11.85 with the two-pass loss; 10.00 at
 8192 tokens); >= 16k with the full loss mix: met at 6% free (fsdp=4,tp=2, 4 x 2 micro-batches), not with the
-recipe's 10% headroom."""
+recipe's 10% headroom. Later the same day: the full loss mix fits a v5e-16 at 32k tokens per step (fsdp=16, 13.00
+GiB, 17% free); at 8192 tokens it needs 68.09 GiB per v6e chip with fsdp=8 and 47.36 with fsdp=4,tp=2 (our reading:
+the attention maps captured for transfer grow with the square of the row, 8192^2 per head and layer), so attention
+transfer at 8192 tokens needs fewer captured layers or a larger slice. The recipe's `scaled` student of Gemma 7B
+(the 7B:2B ratios applied to the teacher, the tiny preset's rule) takes what `gemma-2b` takes: 13.68 GiB with logit
+KL, 16.26 (does not fit) with the full mix on a v5e-8."""
 
 
 def target_rows() -> list[tuple[str, str, bool | None]]:
