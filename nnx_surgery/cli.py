@@ -55,23 +55,12 @@ def _number(kind: type, low: float, high: float | None = None, *, above: bool = 
 POSITIVE = _number(int, 1)
 
 
-def _shared(group: argparse._ActionsContainer, path: str, **changes) -> None:
+def _shared(group: argparse._ActionsContainer, path: str, help: str | None = None) -> None:
     """The recipe's flag for the setting at `path` (its declaration in nnx_surgery/recipes/config/sections.py:
-    the same name, reading, choices, help and default), stored under its flag's name. `changes`: `help` for
-    what the setting means in this command, `required`."""
+    the same name, reading, choices, help and default), stored under its flag's name; `help`: what the setting
+    means in this command, where that differs."""
     item = SHARED[path]
-    dest = item.name.lstrip("-").replace("-", "_")
-    required = changes.pop("required", False)
-    if changes.get("help"):
-        item = fields.Declared(item.path, _with_help(item.field, changes["help"]))
-    fields.add_flag(group, item, dest=dest, default=None if required else item.default, required=required)
-
-
-def _with_help(field, text: str):
-    import dataclasses
-    copy = dataclasses.field(default=field.default, metadata={**field.metadata, "help": text})
-    copy.name = field.name
-    return copy
+    fields.add_flag(group, item, dest=item.name.lstrip("-").replace("-", "_"), default=item.default, help=help)
 
 
 def checked(args: argparse.Namespace) -> list[str]:

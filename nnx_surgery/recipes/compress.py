@@ -48,7 +48,6 @@ Why the defaults:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -142,8 +141,7 @@ def record_settings(run: run_settings.RunSettings) -> None:
     run found (the teacher's folder and config, the data)."""
     files.save_resolved(run.config, run.folder)
     if jax.process_index() == 0:
-        record: dict[str, Any] = {name: {field.name: layering.thaw(getattr(getattr(run.config, name), field.name))
-                         for field in dataclasses.fields(getattr(run.config, name))} for name in SECTIONS}
+        record: dict[str, Any] = {name: files.section_values(getattr(run.config, name)) for name in SECTIONS}
         record.update(teacher=run.teacher.source, data_description=run.data.description,
                       teacher_folder=run.teacher.folder, teacher_config=run.teacher.config,
                       halt_steps=layering.thaw(run.output.halt_steps))

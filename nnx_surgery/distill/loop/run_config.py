@@ -155,7 +155,8 @@ class DistillConfig:
                                    "recomputes each decoder layer in the backward pass, keeping only the residual "
                                    "stream between layers (layers_dots also keeps each layer's matmul outputs); "
                                    "full / dots wrap the whole forward in one checkpoint, which lowers the peak "
-                                   "little", flag="--remat", choices=("none", *REMAT), none_means="off")
+                                   "little", flag="--remat", choices=("none", *REMAT), none_means="off",
+                                   none_word="none")
     mesh: Any = documented(None, "\"fsdp=4,tp=2\", {\"fsdp\": 4, \"tp\": 2} or a jax Mesh",
                            none_means="one device")
     mesh_devices: int | None = documented(None, "run the mesh on the first N devices only",

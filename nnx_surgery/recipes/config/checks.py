@@ -31,13 +31,9 @@ def check(config: RecipeConfig) -> None:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
     from nnx_surgery.recipes import phase_configs
-    from nnx_surgery.recipes.config.resolution import flag_names
-    try:  # the stages are built once the student's depth is known (run_settings)
+    from nnx_surgery.recipes.config.resolution import named_by_flags
+    with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
-    except RecipeError:
-        raise
-    except (ValueError, TypeError, ArithmeticError) as error:
-        raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
     _check_budget(config.student.shape)
     _check_data(config.data.files)
     _check_output(config)

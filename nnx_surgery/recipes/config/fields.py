@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 FIELD_KINDS = {int: "an integer", float: "a number"}
 
@@ -75,12 +75,13 @@ def reader(kind: type | None, flag: str = "") -> Callable[[str], Any] | None:
 
 
 def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: Any = argparse.SUPPRESS,
-             help_default: str | None = None, names: Iterable[str] | None = None, required: bool = False) -> None:
+             help_default: str | None = None, help: str | None = None) -> None:
     """The flag of `item` (its declaration's name, spellings, reading, choices and action) on `group`, storing
-    into `dest` (default: the dotted path). `default` SUPPRESS: only given flags reach the namespace."""
+    into `dest` (default: the dotted path). `default` SUPPRESS: only given flags reach the namespace; `help`: what
+    the setting means in this command, instead of the declaration's."""
     meta = item.meta
     keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default,
-                                    help=help_text(item, help_default).replace("%", "%%"))
+                                    help=help_text(item, help_default, help).replace("%", "%%"))
     action = meta.get("action")
     if action == "boolean":
         keywords["action"] = argparse.BooleanOptionalAction
@@ -92,19 +93,17 @@ def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: An
             keywords["choices"] = meta["choices"]
         if meta.get("metavar") or not meta.get("choices"):  # not the dotted destination
             keywords["metavar"] = meta.get("metavar") or item.name.lstrip("-").replace("-", "_").upper()
-    if required:
-        keywords["required"] = True
-    group.add_argument(*(names or (item.flag, *meta.get("also", ()))), **keywords)
+    group.add_argument(item.flag, *meta.get("also", ()), **keywords)
     if meta.get("shortcut"):
         flag, value, why = meta["shortcut"]
         group.add_argument(flag, dest=keywords["dest"], action="store_const", const=value, default=default,
                            help=why)
 
 
-def help_text(item: Declared, default: str | None = None) -> str:
-    """The help, why the default is what it is, and the default (or `default`, e.g. a preset's)."""
+def help_text(item: Declared, default: str | None = None, help: str | None = None) -> str:
+    """The help (or `help`), why the default is what it is, and the default (or `default`, e.g. a preset's)."""
     meta = item.meta
-    text = meta.get("help", "")
+    text = help or meta.get("help", "")
     if meta.get("why"):
         text += f" ({meta['why']})"
     if default is None:

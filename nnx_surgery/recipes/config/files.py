@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 
@@ -43,9 +44,7 @@ def saved_config(config: RecipeConfig) -> dict:
     saved=False), as JSON data that --config reads back to the same settings."""
     out: dict = {"format": layering.FORMAT}
     for name in SECTIONS:
-        section = getattr(config, name)
-        values = {field.name: layering.thaw(getattr(section, field.name)) for field in
-                  dataclasses.fields(section) if field.metadata.get("saved", True)}
+        values = section_values(getattr(config, name), saved_only=True)
         if values:
             out[name] = values
     distill = {key: value for key, value in config.distill.to_dict().items()
@@ -54,6 +53,12 @@ def saved_config(config: RecipeConfig) -> dict:
         distill["checkpoint"].pop(key, None)
     out["distill"] = distill
     return out
+
+
+def section_values(section: Any, saved_only: bool = False) -> dict:
+    """A section's fields as JSON data (with `saved_only`, those declared saved)."""
+    return {field.name: layering.thaw(getattr(section, field.name)) for field in dataclasses.fields(section)
+            if not saved_only or field.metadata.get("saved", True)}
 
 
 def save_resolved(config: RecipeConfig, folder: str) -> str:
@@ -104,4 +109,4 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
-__all__ = ["load_config_file", "saved_config", "save_resolved", "check_resumable"]
+__all__ = ["load_config_file", "saved_config", "section_values", "save_resolved", "check_resumable"]

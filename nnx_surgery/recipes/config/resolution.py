@@ -3,11 +3,12 @@ settings written out, every value checked against its declaration, and built int
 run's `DistillConfig`. Nothing here touches a device (a multi-host run starts jax.distributed after it)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from nnx_surgery.distill import terms
 from nnx_surgery.distill.loop.run_config import DistillConfig
@@ -34,7 +35,8 @@ def build(tree: dict) -> RecipeConfig:
         value = lookup(tree, item.path)
         if value is not dataclasses.MISSING:
             if item.meta.get("none_word") is not None and value == item.meta["none_word"]:
-                value = None
+                value = None  # e.g. --remat none
+                layering.put(tree, item.path, value)
             why = fields.check(item, value)
             if why:
                 raise RecipeError(f"{item.name} {_shown(value)}: {why}.")
@@ -84,8 +86,6 @@ def derive(tree: dict) -> None:
     schedule = layering.SCHEDULES.get(training["schedule"])
     if schedule is not None:
         training["schedule_options"] = {**schedule["options"], **(training["schedule_options"] or {})}
-    if tree["distill"].get("remat") == "none":
-        tree["distill"]["remat"] = None
     run["cache_dir"] = run["cache_dir"] or os.environ.get("NNX_SURGERY_CACHE",
                                                           os.path.expanduser("~/.cache/nnx-surgery"))
 
@@ -130,13 +130,21 @@ def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
     from nnx_surgery.recipes import phase_configs
 
     values = {**section, **managed_values(config)}
+    with named_by_flags():
+        try:
+            return DistillConfig.from_dict({**values, "stages": [
+                phase_configs.flag_stage(config, "main", config.training.steps)]})
+        except MeshError as error:
+            raise RecipeError(f"--mesh {config.training.mesh!r}: {error}") from None
+
+
+@contextlib.contextmanager
+def named_by_flags() -> Iterator[None]:
+    """DistillConfig's refusals (ValueError, TypeError, ArithmeticError) as a RecipeError naming the flags."""
     try:
-        return DistillConfig.from_dict({**values, "stages": [
-            phase_configs.flag_stage(config, "main", config.training.steps)]})
+        yield
     except RecipeError:
         raise
-    except MeshError as error:
-        raise RecipeError(f"--mesh {config.training.mesh!r}: {error}") from None
     except (ValueError, TypeError, ArithmeticError) as error:
         raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
 
@@ -147,4 +155,5 @@ def flag_names(text: str) -> str:
     return re.sub(r"\b(\w+)=", lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), text)
 
 
-__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced", "flag_names"]
+__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced", "flag_names",
+           "named_by_flags"]
