@@ -59,7 +59,8 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.surgery.storage.atomic import write_json
-from nnx_surgery.recipes import aot, aot_targets, final_eval, multi_host, refusals, run_phases, run_settings, vocabulary
+from nnx_surgery.recipes import (aot, aot_targets, final_eval, multi_host, refusals, run_phases, run_settings,
+                                 teacher_caching, vocabulary)
 from nnx_surgery.recipes.config import checks, files, layering, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
@@ -191,6 +192,7 @@ def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict 
                    compression=config.surgery.compression, control=config.student.control, phase_times_s=clock.laps,
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
+    results["teacher_cache"] = teacher_caching.read_uses(run.folder)  # the phases that trained from a cache
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}
     control = control or run_phases.Trained(None, [], [], 0)

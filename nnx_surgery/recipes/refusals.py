@@ -18,6 +18,7 @@ from typing import Callable
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.distributed import DistributedError
+from nnx_surgery.distill.inputs.cache_format import CacheError
 from nnx_surgery.distill.mesh import MeshError
 from nnx_surgery.distill.loop.trainer import DivergenceError
 
@@ -27,8 +28,8 @@ class RecipeError(ValueError):
 
 # The toolkit's own refusals: printed as one line (exit 2); anything else is a bug and keeps its traceback.
 USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surgery.SpecError, surgery.PlanError,
-               surgery.HubError, distill.DataError, MeshError, DivergenceError, DistributedError, FileNotFoundError,
-               PermissionError)
+               surgery.HubError, distill.DataError, MeshError, DivergenceError, DistributedError, CacheError,
+               FileNotFoundError, PermissionError)
 
 
 NOTHING_WRITTEN = "nothing was written (temporary files are removed); run the same command again."

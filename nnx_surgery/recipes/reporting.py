@@ -143,6 +143,9 @@ def results_table(results: dict) -> str:
     if results.get("trimmed_vocabulary"):
         lines += ["", results["trimmed_vocabulary"]]
     lines += ["", *verdicts(results), *pairing_lines(results), *search_summary(results.get("search"))]
+    if "teacher_cache" in results:  # (older results.json files do not say)
+        from nnx_surgery.recipes.teacher_caching import summary_line
+        lines.append(summary_line(results["teacher_cache"]))
     if results.get("lm_eval"):  # --eval-tasks
         from nnx_surgery.recipes.lm_eval_scores import task_scores_text
         lines += [task_scores_text(results["lm_eval"]), ""]

@@ -27,7 +27,7 @@ from typing import Any
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import corpus, phase_configs, shape_search, vocabulary
+from nnx_surgery.recipes import corpus, phase_configs, shape_search, teacher_caching, vocabulary
 from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
 
@@ -111,7 +111,7 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
 
 def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
     """With --student params=...: each shape within the budget distilled briefly; the winner is the student."""
-    spec, search = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration)
+    spec, search = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
     return Chosen(for_student(run, spec) if search else run, search)
 
 
@@ -253,7 +253,12 @@ def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dt
     start = {"data": data.state(), "weights": start_weights or distill.weights_digest(student)}
     # on-policy distillation samples the student's continuations with generate's jitted KV-cache loop
     sampler = surgery.make_sampler() if teacher is not None and config.on_policy.fraction else None
-    result = distill.run(teacher, student, data, config, sampler=sampler)
+    cached = teacher_caching.for_phase(run, phase, teacher, data, config, mesh)  # --teacher-cache
+    if cached:
+        config = dataclasses.replace(config, teacher_cache=cached)
+    result = distill.run(None if cached else teacher, student, data, config, sampler=sampler)
+    if cached:  # the cache's stream read the rows: the data continues where it stopped, as after a teacher run
+        data.restore(result.data_state)
     if result.steps < config.total_steps:
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")

@@ -26,6 +26,9 @@ the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and t
   would each need the trimmed tokenizer's corpus and held-out sets; search first, then give the winner with vocab=).
 * Staged compression (`--compression staged`, the tiny and 7b presets): the search compares one-shot cuts; the main
   run then stages the winner exactly as it stages an explicit --student.
+* With `--teacher-cache auto` (and --top-k) the teacher's top k over the search's rows is written once
+  (OUT/teacher_cache/search) and every candidate trains from it: the teacher's forward is paid once, not once per
+  candidate, and the candidates train on the loss they would with the teacher running (recipes/teacher_caching.py).
 * Results in OUT/search/ (search.md, search.json, search.png, a folder per candidate); with --resume a finished
   candidate is read back, not trained again, and an interrupted one continues from its checkpoint.
 """
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals
+from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals, teacher_caching
 from nnx_surgery.recipes.config.sections import RecipeConfig
 
 if TYPE_CHECKING:
@@ -233,7 +236,7 @@ def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibrat
     return found
 
 
-def choose_student(run: RunSettings, teacher, data, calibration):
+def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
     """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
     or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be. `run`: the
     run's settings (run_settings.RunSettings)."""
@@ -248,9 +251,11 @@ def choose_student(run: RunSettings, teacher, data, calibration):
           f"({choice.target:,} {choice.budget.counting.replace('_', '-')} parameters "
           f"+-{config.search.tolerance:.0%}), {steps} steps each on the same batches; results in {directory}",
           flush=True)
+    cache = teacher_caching.for_phase(run, FOLDER, teacher, data, phase, mesh, readers=len(candidates))
     result = distill.search(teacher, candidates, data, phase, sets=final_eval.heldout_sets(run.evaluation, data),
                             directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
-                            sampler=surgery.make_sampler() if phase.on_policy.fraction else None)
+                            sampler=surgery.make_sampler() if phase.on_policy.fraction else None,
+                            teacher_cache=cache)
     return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result)
 
 

@@ -75,12 +75,14 @@ class SearchResult:
 def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, config: DistillConfig, *,
            sets: Sequence[HeldoutSet], directory: str, eval_at: Sequence[int] | None = None,
            rank_by: tuple[str, str] | None = None, log: Callable[[str], None] | None = None,
-           sampler: Any = None) -> SearchResult:
+           sampler: Any = None, teacher_cache: str | None = None) -> SearchResult:
     """Distil every candidate with `config` (its stages' steps are the search length) on the same batches of
     `data` (a callable returning a fresh data object, or one that `copy.deepcopy` can copy, e.g. TokenBatches),
     score each on `sets` at every step of `eval_at` (default: the last), and rank them by `rank_by` = (set name,
     metric) (default: the first set's CE). Results go to `directory` (see the module docstring). `sampler` goes
-    to `distill.run` (needed when `config.on_policy.fraction` > 0)."""
+    to `distill.run` (needed when `config.on_policy.fraction` > 0). `teacher_cache`: a teacher cache of the rows
+    the candidates read (`distill.inputs.topk_cache`): every candidate trains from it, the teacher only scores the
+    held-out sets."""
     log = log or (lambda line: print(line, flush=True))
     total = config.total_steps
     eval_at = tuple(sorted({int(s) for s in (eval_at or ())} | {total}))
@@ -104,7 +106,8 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
     for number, candidate in enumerate(candidates, start=1):
         log(f"[search] {number}/{len(candidates)} {candidate.name}")
         curve = _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at,
-                                 os.path.join(directory, _folder_name(candidate.name)), log, teacher_hidden, sampler)
+                                 os.path.join(directory, _folder_name(candidate.name)), log, teacher_hidden, sampler,
+                                 teacher_cache)
         rows.append({"name": candidate.name, "parameters": candidate.parameters,
                      "non_embedding": candidate.non_embedding, "curve": curve}
                     | ({"note": candidate.note} if candidate.note else {}))
@@ -120,7 +123,7 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
 
 
 def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, folder, log,
-                     teacher_hidden: dict, sampler: Any = None) -> list[dict]:
+                     teacher_hidden: dict, sampler: Any = None, teacher_cache: str | None = None) -> list[dict]:
     """The candidate's scores at each point of `eval_at`: from its result.json when finished, else trained (from
     its newest checkpoint when there is one) and scored point by point, each point saved as it is reached."""
     done_path, curve_path = os.path.join(folder, "result.json"), os.path.join(folder, "curve.json")
@@ -139,9 +142,10 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
         if any(point["step"] == stop for point in curve):
             continue
         started = time.perf_counter()
-        result = run(teacher, student, data, dataclasses.replace(
+        result = run(None if teacher_cache else teacher, student, data, dataclasses.replace(
             config, plan=candidate.plan if candidate.plan is not None else config.plan, halt_after=stop,
-            checkpoint=checkpoints, run_dir=None, progress=False, plots=False), sampler=sampler)
+            checkpoint=checkpoints, run_dir=None, progress=False, plots=False, teacher_cache=teacher_cache),
+            sampler=sampler)
         student = result.student
         point = {"step": stop, "train_s": round(time.perf_counter() - started, 1),
                  "tokens": stop * config.grad_accum * (config.batch_size or 0) * (config.seq_len or 0) or None}

@@ -210,9 +210,11 @@ def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, 
 
 def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings, *, identity: Mapping,
                 mesh: Any = None, resume: bool = False, process_index: int | None = None,
-                process_count: int | None = None, after_shard: Callable[[int], None] | None = None) -> dict:
-    """Run `teacher` over every packed training row of `batches` (a TokenBatches) and write the cache into
-    `folder`; returns the manifest. Shard i holds rows [i * rows_per_shard, ...) and is written by process
+                process_count: int | None = None, after_shard: Callable[[int], None] | None = None,
+                row_ids: Sequence[int] | None = None) -> dict:
+    """Run `teacher` over every packed training row of `batches` (a TokenBatches), or only the packed rows
+    `row_ids` (e.g. `rows_ahead`: those a run of some steps will read), and write the cache into `folder`; returns
+    the manifest. Shard i holds the i-th `rows_per_shard` of those rows and is written by process
     i % process_count, atomically, its checksum then recorded in the process's progress file; `resume` keeps the
     intact shards of a partial cache with the same settings. Process 0 writes manifest.json once every shard is
     listed. `after_shard(i)` is called after each shard (tests interrupt there)."""
@@ -222,6 +224,11 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     if not 1 <= settings.top_k <= vocab:
         raise CacheError(f"top_k {settings.top_k}: must lie in [1, {vocab:,}], the teacher's vocabulary.")
     record = _settings_record(settings, {**identity, "packing": packing_of(batches)}, vocab, batches.seq_len)
+    rows, weights, kinds = batches.packed_rows()
+    subset = _row_subset(row_ids, len(rows))
+    if subset is not None:
+        record["row_ids"] = subset.tolist()
+        rows, weights, kinds = rows[subset], weights[subset], kinds[subset]
     os.makedirs(folder, exist_ok=True)
     done = _finished(folder, process, record, resume)
     if mesh is not None:
@@ -231,7 +238,6 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     else:
         put = lambda batch: {key: jnp.asarray(value) for key, value in batch.items()}  # noqa: E731
     run = topk_function(teacher, settings.top_k, vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
-    rows, weights, kinds = batches.packed_rows()
     per = settings.rows_per_shard
     for index in range(process, -(-len(rows) // per), count):
         if index in done:
@@ -249,7 +255,30 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     if count > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("teacher cache shards written")
-    return _write_manifest(folder, record, len(rows)) if process == 0 else record
+    return _write_manifest(folder, record, batches.num_rows) if process == 0 else record
+
+
+def _row_subset(row_ids: Sequence[int] | None, num_rows: int) -> np.ndarray | None:
+    if row_ids is None:
+        return None
+    subset = np.unique(np.asarray(row_ids, dtype=np.int64))
+    if not len(subset) or subset[0] < 0 or subset[-1] >= num_rows:
+        raise CacheError(f"row_ids: give packed rows in [0, {num_rows}) (at least one).")
+    return subset
+
+
+def rows_ahead(batches: Any, count: int) -> np.ndarray:
+    """The packed rows (sorted, unique) that `batches` serves in its next `count` rows from where it stands (its
+    order, epoch after epoch), without moving it: what a cache for a run of `count` rows must hold."""
+    state = batches.state()
+    epoch, position, picked = int(state["epoch"]), int(state["position"]), []
+    while count > 0:
+        take = batches.order(epoch)[position:position + count]
+        picked.append(take)
+        count, epoch, position = count - len(take), epoch + 1, 0
+        if len(picked) > 1 and len(np.unique(np.concatenate(picked))) == batches.num_rows:
+            break  # every row already
+    return np.unique(np.concatenate(picked)) if picked else np.zeros(0, np.int64)
 
 
 def _write_manifest(folder: str, record: dict, num_rows: int) -> dict:
@@ -258,7 +287,7 @@ def _write_manifest(folder: str, record: dict, num_rows: int) -> dict:
         with open(path, encoding="utf-8") as handle:
             shards += json.load(handle)["shards"]
     shards.sort(key=lambda entry: entry["index"])
-    manifest = {**record, "num_rows": num_rows, "shards": shards}
+    manifest = {**record, "num_rows": num_rows, "shards": shards}  # record["row_ids"]: a subset of the rows
     fmt.atomic_json(os.path.join(folder, MANIFEST), manifest)
     return manifest
 
@@ -274,6 +303,8 @@ class TeacherCache:
         self.vocab_size, self.seq_len = manifest["vocab_size"], manifest["seq_len"]
         self.num_rows, self.rows_per_shard = manifest["num_rows"], manifest["rows_per_shard"]
         self.packing = manifest["identity"]["packing"]
+        subset = manifest.get("row_ids")  # None: every packed row, in row order
+        self.row_ids = None if subset is None else np.asarray(subset, dtype=np.int64)
 
     @classmethod
     def open(cls, folder: str, *, verify: bool = True) -> "TeacherCache":
@@ -290,7 +321,7 @@ class TeacherCache:
             raise CacheError(f"{path}: format version {manifest.get('format_version')!r}, this version reads "
                              f"{FORMAT_VERSION}; write the cache again with this version.")
         per, shards = manifest["rows_per_shard"], manifest["shards"]
-        expected = -(-manifest["num_rows"] // per)
+        expected = -(-len(manifest.get("row_ids") or range(manifest["num_rows"])) // per)
         if [entry["index"] for entry in shards] != list(range(expected)):
             raise CacheError(f"{path}: lists {len(shards)} shard(s) of the {expected} its rows need; finish the "
                              "cache with `nnx-surgery cache-teacher ... --resume`.")
@@ -322,7 +353,7 @@ class TeacherCache:
 
     def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
         """The decoded cache of packed rows `index` (any order): the batch keys of `batches`."""
-        index = np.asarray(index)
+        index = self._stored_at(np.asarray(index))
         shard, local = index // self.rows_per_shard, index % self.rows_per_shard
         parts: dict[str, np.ndarray] = {}
         for s in np.unique(shard):
@@ -336,6 +367,18 @@ class TeacherCache:
                              self.packing.get("return_segments", True))
         batch.update(fmt.decode(parts, self.encoding, self.vocab_size, self.top_k))
         return batch
+
+    def _stored_at(self, index: np.ndarray) -> np.ndarray:
+        """Where packed rows `index` are stored: the rows themselves, or their places in a subset cache."""
+        if self.row_ids is None:
+            return index
+        where = np.minimum(np.searchsorted(self.row_ids, index), len(self.row_ids) - 1)
+        missing = index[self.row_ids[where] != index]
+        if len(missing):
+            raise CacheError(f"teacher cache {self.folder}: holds {len(self.row_ids):,} of the {self.num_rows:,} "
+                             f"packed rows (those its run was to read), not row {int(missing[0])} that this run "
+                             "reads; write the cache for this run's steps and batch size.")
+        return where
 
     def order(self, epoch: int) -> np.ndarray:
         """`TokenBatches.order`: the packing's seed's permutation of the rows for `epoch`."""
@@ -366,4 +409,4 @@ class TeacherCache:
 
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
-           "write_cache", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
+           "write_cache", "rows_ahead", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]

@@ -5,6 +5,7 @@ the teacher's top k beside it, so the teacher is never loaded: `CachedTeacherDat
 cache's rows in `TokenBatches`'s order, with `topk_ids`, `topk_logprobs` and `residual` in each batch) and the
 step's logit term reads them through the same top-k loss code as an online top-k run (`distill.losses.topk_teacher`).
 
+The stream starts where the `data` given beside the cache stands (its epoch and position; the start without it).
 `prepare` checks the run against the cache before anything trains, each refusal one line: sequence length,
 vocabulary (the student's head against the cache's, and a trimmed student's map against the one the cache was
 written in: `cache-teacher --student` writes a cache in a trimmed student's tokens), the packing of the `data` given alongside (its seed, rows
@@ -141,7 +142,10 @@ def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache 
                          "served in batches of it).")
     config = dataclasses.replace(config, top_k=config.top_k or cache.top_k,
                                  seq_len=config.seq_len or cache.seq_len, batch_size=batch_size)
-    return config, CachedTeacherData(cache, batch_size, eval_source=data)
+    stream = CachedTeacherData(cache, batch_size, eval_source=data)
+    if callable(getattr(data, "state", None)) and hasattr(data, "fingerprint"):
+        stream.restore(data.state())  # read on from where the data given beside the cache stands
+    return config, stream
 
 
 __all__ = ["CachedTeacherData", "prepare"]

@@ -34,6 +34,8 @@ def check(config: RecipeConfig) -> None:
     from nnx_surgery.recipes.config.resolution import named_by_flags
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
+    from nnx_surgery.recipes import teacher_caching
+    teacher_caching.check(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
     _check_output(config)

@@ -179,6 +179,12 @@ class TrainingSection:
                                                               "Stage fields, or `fraction` of the main steps "
                                                               "instead of steps)", none_means="from the flags or "
                                                               "--schedule")
+    teacher_cache: str = documented("none", "the teacher's top k read from a cache in the steps: auto writes one "
+                                    "where rows are read more than once (the shape search's candidates, phases "
+                                    "longer than an epoch; needs --top-k; the same loss), or a folder from "
+                                    "`nnx-surgery cache-teacher` for every distillation phase",
+                                    flag="--teacher-cache", metavar="none|auto|FOLDER",
+                                    why="a search's candidates all read the same rows: the teacher runs once")
     precision: str = documented("fp32", "bf16: bf16 teacher and student compute with float32 master weights (half "
                                 "the memory; fp32 on CPU, where bf16 is slow)", flag="--precision",
                                 choices=("bf16", "fp32"))

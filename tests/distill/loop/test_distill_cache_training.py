@@ -210,3 +210,33 @@ def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
     with pytest.raises(CacheError, match="made in a trimmed student's vocabulary, but the run's student"):
         prepare(config, model)
     assert prepare(dataclasses.replace(config, vocab_map=tuple(kept)), model)[0].top_k == 8
+
+
+def test_a_cache_of_the_rows_ahead_trains_from_where_the_data_stands(tmp_path, online):
+    """A cache of only the rows a run will read (`rows_ahead`, what the recipe's --teacher-cache auto writes),
+    taken after the data was moved on, trains as the online top-k run from the same position does; the data left
+    where it stood; a run reading further than the cache holds is refused in one line."""
+    from nnx_surgery.distill.inputs.topk_cache import TeacherCache, rows_ahead
+
+    data = _data()
+    for _ in range(3):
+        data.next_batch()  # an earlier phase read these
+    start = data.state()
+    rows = rows_ahead(data, (STEPS + 1) * 4)
+    assert data.state() == start and len(rows) == (STEPS + 1) * 4 < data.num_rows
+    folder = str(tmp_path / "ahead")
+    write_cache(tiny_teacher(), data, folder, CacheSettings(top_k=K, encoding="exact", rows_per_shard=5),
+                identity={"teacher": {"config_sha256": "c"}}, row_ids=rows)
+    assert TeacherCache.open(folder).row_ids.tolist() == sorted(rows.tolist())
+    want = run(tiny_teacher(), student_from(tiny_teacher()), data, _config())
+    data.restore(start)
+    got = run(None, student_from(tiny_teacher()), data, _config(teacher_cache=folder))
+    assert data.state() == start  # the cache's own stream read the rows
+    assert got.data_state == want.data_state
+    for key in ("loss", "grad_norm", "student_ce"):
+        np.testing.assert_allclose([r[key] for r in got.history], [r[key] for r in want.history], rtol=1e-5)
+    assert [r["batch_digest"] for r in got.history] == [r["batch_digest"] for r in want.history]
+    with pytest.raises(CacheError, match=r"holds 20 of the .* packed rows .* not row") as caught:
+        run(None, student_from(tiny_teacher()), data, _config(teacher_cache=folder, stages=(
+            Stage(steps=STEPS + 3, learning_rate=LR, weights=LossWeights.mixed(0.8)),)))
+    assert "\n" not in str(caught.value)
