@@ -152,11 +152,11 @@ def phase_config(config: RecipeConfig, phase: str, stages, plan: Any, out: str, 
     (`distill.loop.schedules.resolve_epochs`)."""
     run = config.distill
     checkpoint = dataclasses.replace(run.checkpoint, directory=os.path.join(out, "checkpoints", phase), resume=True)
-    on_policy = run.on_policy
-    if phase in ("control", "teacher_correction"):  # plain CE: no teacher to score the model's samples
-        on_policy = dataclasses.replace(on_policy, fraction=0.0)
+    on_policy, top_k = run.on_policy, run.top_k
+    if phase in ("control", "teacher_correction"):  # plain CE: no teacher to score samples or give a top k
+        on_policy, top_k = dataclasses.replace(on_policy, fraction=0.0), None
     phase_run = dataclasses.replace(run, stages=tuple(stages), plan=plan, checkpoint=checkpoint, on_policy=on_policy,
-                                    run_dir=os.path.join(out, "logs", phase), halt_after=halt_after)
+                                    top_k=top_k, run_dir=os.path.join(out, "logs", phase), halt_after=halt_after)
     return schedules.resolve_epochs(phase_run, data) if data is not None else phase_run
 
 

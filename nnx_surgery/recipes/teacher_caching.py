@@ -8,6 +8,9 @@
              trains as `--top-k K` does with the teacher running (the same loss code); a resumed run keeps the
              shards already written. A phase that reads each row once runs the teacher: caching would cost the
              forward it saves.
+    always   as auto, in every distillation phase: the teacher's forward moves before the phase (to time the two
+             apart, or to keep OUT/teacher_cache/PHASE for later runs of other students on the same rows, which
+             read it as a FOLDER).
     FOLDER   a cache written by `nnx-surgery cache-teacher` over this run's data (in the student's tokens when its
              vocabulary is trimmed): every distillation phase reads it, each checked against it first (packing,
              vocabulary, k) and refused in one line when it was made for other rows.
@@ -24,15 +27,17 @@ import os
 import time
 from typing import Any
 
+import jax
+
 from nnx_surgery import distill
 from nnx_surgery.distill.inputs import topk_cache
-from nnx_surgery.distill.inputs.cache_format import CacheError, atomic_json
+from nnx_surgery.distill.inputs.cache_format import CacheError, atomic_json, bytes_per_token
 from nnx_surgery.distill.trimmed_vocab import vocab_map_of
 from nnx_surgery.recipes.refusals import RecipeError
 
 FOLDER = "teacher_cache"
 RECORD = "teacher_cache.json"
-SETTINGS = ("none", "auto")
+SETTINGS = ("none", "auto", "always")
 
 
 def check(config: Any) -> None:
@@ -44,20 +49,20 @@ def check(config: Any) -> None:
                           "give --teacher-cache (training.teacher_cache) instead.")
     if setting == "none":
         return
-    if setting == "auto" and run.top_k is None:
-        raise RecipeError("--teacher-cache auto: a cache holds the teacher's top K of each position; give --top-k K "
-                          "(the run then trains on the same loss with or without the cache).")
+    if setting in SETTINGS[1:] and run.top_k is None:
+        raise RecipeError(f"--teacher-cache {setting}: a cache holds the teacher's top K of each position; give "
+                          "--top-k K (the run then trains on the same loss with or without the cache).")
     if setting not in SETTINGS and not os.path.isfile(os.path.join(setting, topk_cache.MANIFEST)):
         raise RecipeError(f"--teacher-cache {setting}: no finished teacher cache there (no {topk_cache.MANIFEST}); "
-                          "give none, auto, or a folder written by `nnx-surgery cache-teacher`.")
+                          "give none, auto, always, or a folder written by `nnx-surgery cache-teacher`.")
     from nnx_surgery.recipes import phase_configs
     needy = sorted(name for name, weight in phase_configs.term_weights(config).items() if weight)
     if needy:  # the config file's stages are checked when their phase opens the cache (distill.loop.cache_replay)
         raise RecipeError(f"--teacher-cache {setting}: --{needy[0].replace('_', '-')}-weight weights a term that "
                           "reads the teacher's hidden states or attention maps, which a cache does not hold; set it "
                           "to 0 or use --teacher-cache none.")
-    asked = [name for name, on in (("on-policy steps", run.on_policy.fraction), ("--train-diagnostics",
-                                                                              run.train_diagnostics)) if on]
+    asked = [name for name, on in (("on-policy steps", run.on_policy.fraction),
+                                   ("train_diagnostics", run.train_diagnostics)) if on]
     if asked:
         raise RecipeError(f"--teacher-cache {setting}: {asked[0]} need the teacher itself at every step; use "
                           "--teacher-cache none.")
@@ -74,12 +79,12 @@ def for_phase(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: 
     setting = run.config.training.teacher_cache
     if setting == "none" or teacher is None:
         return None
-    if setting != "auto":
+    if setting not in SETTINGS:
         _check_teacher(setting, _teacher_folder(run))
         _record(run, phase, setting, written=False)
         return os.path.abspath(setting)
     rows = config.total_steps * config.grad_accum * (config.batch_size or data.batch_size)
-    if readers < 2 and rows <= data.num_rows:
+    if setting == "auto" and readers < 2 and rows <= data.num_rows:
         return None  # every row read once: the cache would cost the teacher's forward it saves
     folder = os.path.join(run.folder, FOLDER, phase)
     if os.path.isfile(os.path.join(folder, topk_cache.MANIFEST)):
@@ -117,21 +122,25 @@ def _write(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: Any
                 "data": run.data.description, "precision": run.config.training.precision}
     settings = topk_cache.CacheSettings(top_k=config.top_k, encoding="exact", batch_rows=data.batch_size)
     row_ids = topk_cache.rows_ahead(data, rows)
-    print(f"[{phase}] writing the teacher's top {config.top_k} over the {len(row_ids):,} rows it reads into "
-          f"{folder}", flush=True)
-    started = time.perf_counter()
     writer = teacher if kept is None else distill.TeacherInStudentVocabulary(teacher, list(kept))
+    per_token = bytes_per_token(settings.encoding, config.top_k, int(writer.head_matrix().shape[0])) or 0
+    print(f"[{phase}] writing the teacher's top {config.top_k} over the {len(row_ids):,} rows it reads into "
+          f"{folder} (about {len(row_ids) * data.seq_len * per_token / 1e6:,.1f} MB)", flush=True)
+    started = time.perf_counter()
     try:
         manifest = topk_cache.write_cache(writer, data, folder, settings, identity=identity, mesh=mesh,
                                           resume=True, row_ids=row_ids)
     except CacheError as error:
-        raise RecipeError(f"--teacher-cache auto, phase {phase}: {error}") from None
+        raise RecipeError(f"--teacher-cache {run.config.training.teacher_cache}, phase {phase}: {error}") from None
     _record(run, phase, folder, written=True, seconds=time.perf_counter() - started, manifest=manifest)
 
 
 def _record(run: Any, phase: str, folder: str, *, written: bool, seconds: float | None = None,
             manifest: dict | None = None) -> None:
-    """Add this phase's use of a cache to OUT/teacher_cache.json (what results.json and results.md report)."""
+    """Add this phase's use of a cache to OUT/teacher_cache.json (what results.json and results.md report; process
+    0 writes it on a multi-host run)."""
+    if jax.process_index() != 0:
+        return
     if manifest is None:
         with open(os.path.join(folder, topk_cache.MANIFEST), encoding="utf-8") as handle:
             manifest = json.load(handle)

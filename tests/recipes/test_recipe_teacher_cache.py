@@ -1,7 +1,8 @@
 """The recipe's --teacher-cache (nnx_surgery/recipes/teacher_caching.py) at tiny scale: a shape search whose
 candidates train from one cache written by the run gives the search (every candidate's scores at every point) and
 the student of the same run with the teacher running; a cache from `nnx-surgery cache-teacher` serves every
-distillation phase; results.json and results.md say which phases read a cache; bad settings are one line, exit 2."""
+distillation phase; the CE control pairs with cached phases; results.json and results.md say which phases read a
+cache; bad settings are one line, exit 2."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 TINY = [*TINY_TEACHER, "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0", "--control", "none",
         "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "1", "--eval-every", "3", "--eval-tokens",
         "1024", "--set", 'compiler_options={"xla_backend_optimization_level": 0}', "--feature-weight", "0",
-        "--student", "params=0.5", "--search-candidates", "2", "--search-steps", "2", "--top-k", "16"]
+        "--student", "params=0.5", "--search-candidates", "2", "--search-steps", "2", "--top-k", "16",
+        "--control", "pruned-ce"]  # the control trains with plain CE beside a --top-k distillation
 SEARCH_ROWS = 2 * 4  # search steps x batch
 
 
@@ -90,6 +92,8 @@ def test_results_say_which_phases_read_a_cache(runs):
     assert set(folder) == {"search", "stage_a", "stage_b"}
     assert {use["folder"] for use in folder.values()} == {str(given)}
     assert "search, stage_a, stage_b read " + str(given) in (outs["folder"] / "results.md").read_text()
+    for name in ("auto", "folder"):  # the control read the cached phases' batches, in their order
+        assert _json(outs[name] / "results.json")["pairing"]["batches"]["same"], name
 
 
 @pytest.mark.slow

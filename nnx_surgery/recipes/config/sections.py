@@ -181,9 +181,9 @@ class TrainingSection:
                                                               "--schedule")
     teacher_cache: str = documented("none", "the teacher's top k read from a cache in the steps: auto writes one "
                                     "where rows are read more than once (the shape search's candidates, phases "
-                                    "longer than an epoch; needs --top-k; the same loss), or a folder from "
-                                    "`nnx-surgery cache-teacher` for every distillation phase",
-                                    flag="--teacher-cache", metavar="none|auto|FOLDER",
+                                    "longer than an epoch; needs --top-k; the same loss), always (every "
+                                    "distillation phase), or a folder from `nnx-surgery cache-teacher` for every "
+                                    "distillation phase", flag="--teacher-cache", metavar="none|auto|always|FOLDER",
                                     why="a search's candidates all read the same rows: the teacher runs once")
     precision: str = documented("fp32", "bf16: bf16 teacher and student compute with float32 master weights (half "
                                 "the memory; fp32 on CPU, where bf16 is slow)", flag="--precision",

@@ -1,0 +1,106 @@
+"""The teacher cache on the real Gemma 3 270M, through the recipe (`--teacher-cache`), one run after the other:
+
+    python bench/teacher_cache_real.py --runs runs/cache-bench --out bench/results/teacher-cache-real.jsonl
+
+* Quality and step time: the demo (`--preset gemma3-270m`: MLP 2048 -> 512, vocabulary trimmed to 16,384, 24
+  steps of 4 x 256 tokens) distilled from a cache the run writes (`--teacher-cache always`, unquantised) at
+  k = 16, 64 and 128, and online at k = 64 with the teacher running; the online full-distribution student is the
+  demo's own (`--demo RUN`, a `make demo` folder); and at k = 64 with the mass outside the top k as one more
+  bucket (`top_k_mode="residual"`). Then `nnx-surgery eval` scores them all on the demo's held-out sets with
+  paired intervals against the full-distribution student.
+* A shape search with and without the cache at equal candidates and steps (`--student params=0.5`, 4 candidates,
+  3 steps each, top 64; the main run after it is one step): the search's wall time and its rankings.
+
+Each run folder is kept; a finished one is read, not rerun (delete it to measure again). One record per run (and
+one for the comparison) to --out. Run it alone on the machine: the step and phase times are the measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+
+RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
+DEMO = ["--preset", "gemma3-270m", "--control", "none"]
+SEARCH = ["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candidates", "4", "--search-steps", "3",
+          "--top-k", "64", "--steps", "1", "--warmup-steps", "0", "--control", "none", "--eval-prompts", "0",
+          "--choice-items", "0", "--eval-tokens", "2048"]
+RUNS = {f"cache-k{k}": DEMO + ["--top-k", str(k), "--teacher-cache", "always"] for k in (16, 64, 128)}
+RUNS["cache-k64-residual"] = RUNS["cache-k64"] + ["--set", "distill.top_k_mode=residual"]  # top k + a bucket
+RUNS["online-k64"] = DEMO + ["--top-k", "64"]
+RUNS.update({f"search-{mode}": SEARCH + ["--teacher-cache", mode] for mode in ("auto", "none")})
+
+
+def run(folder: str, flags: list[str]) -> float | None:
+    """The recipe into `folder` (skipped when it finished there earlier); its wall time."""
+    if os.path.isfile(os.path.join(folder, "results.json")):
+        return None
+    started = time.perf_counter()
+    with open(folder + ".log", "w") as log:
+        subprocess.run([sys.executable, RECIPE, *flags, "--output", folder], stdout=log, stderr=subprocess.STDOUT,
+                       check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    return time.perf_counter() - started
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+
+
+def run_record(name: str, folder: str) -> dict:
+    results = json.load(open(os.path.join(folder, "results.json")))
+    record = {"run": name, "phase_times_s": results["phase_times_s"], "teacher_cache": results.get("teacher_cache")}
+    history = os.path.join(folder, "phases", "stage_b", "history.json")
+    if os.path.isfile(history):
+        steps = json.load(open(history))["train"][1:]  # the first step compiles
+        record["median_step_s"] = round(_median([r["step_time_s"] for r in steps]), 3)
+    distilled = next(r for r in results["rows"] if r["model"] == "distilled student")
+    record["distilled"] = {key: distilled.get(key) for key in ("loss_per_byte", "general_loss_per_byte",
+                                                                "kl_to_teacher", "general_kl")}
+    if results.get("search"):
+        search = results["search"]
+        record["search"] = {"winner": search["winner"], "rankings": search["rankings"],
+                            "scores": {c["student"]: c["scores"] for c in search["candidates"]}}
+    return record
+
+
+def compare(runs: str, demo: str, out: str | None) -> None:
+    """nnx-surgery eval of the full-distribution student and the cache-trained ones, paired against it."""
+    folder = os.path.join(runs, "eval")
+    students = {"full": os.path.join(demo, "student")} | {
+        name: os.path.join(runs, name, "student") for name in RUNS if not name.startswith("search")}
+    if not os.path.isfile(os.path.join(folder, "results.json")):
+        full = students["full"]  # every folder is named student/: the table names them by their paths
+        compares = [arg for name, path in students.items() if name != "full" for arg in ("--compare", f"{path}:{full}")]
+        subprocess.run([sys.executable, "-m", "nnx_surgery.cli", "eval", "--teacher", "gguf:gemma3-270m",
+                        *students.values(), *compares, "--eval-tokens", "8192", "--corpus-bytes", "4000000",
+                        "--seed", "0", "--eval-prompts", "0", "--choice-items", "0", "--output", folder,
+                        "--overwrite"], check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    common.emit({"run": "eval", "students": students,
+                 "results": json.load(open(os.path.join(folder, "results.json")))}, out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=os.path.join(ROOT, "runs", "cache-bench"), help="where the runs go")
+    parser.add_argument("--demo", default=os.path.join(ROOT, "runs", "gemma3-270m"), help="a `make demo` folder")
+    parser.add_argument("--out", help="append the records to this JSONL file")
+    args = parser.parse_args(argv)
+    os.makedirs(args.runs, exist_ok=True)
+    for name, flags in RUNS.items():
+        seconds = run(os.path.join(args.runs, name), flags)
+        record = run_record(name, os.path.join(args.runs, name))
+        common.emit({**record, "wall_s": None if seconds is None else round(seconds, 1)}, args.out)
+    compare(args.runs, args.demo, args.out)
+
+
+if __name__ == "__main__":
+    main()
