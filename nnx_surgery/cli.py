@@ -200,8 +200,9 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", metavar="STUDENT", help="a student folder with a trimmed vocabulary (its plan.json's "
                    "kept pieces): the cache is then in its tokens, the teacher's top K over its pieces, for "
                    "`distill TEACHER STUDENT --teacher-cache`")
-    p.add_argument("--encoding", choices=("q8", "q16", "float16", "exact"), default="q8",
-                   help="how log-probabilities are stored (default q8; BENCHMARKS.md has bytes and errors)")
+    p.add_argument("--encoding", choices=("q8z", "q8", "q16", "float16", "exact"), default="q8z",
+                   help="how the top k are stored: q8z (q8's values, ids as sorted gaps, compressed row by row: "
+                   "the smallest), q8, q16, float16 or exact (default q8z; BENCHMARKS.md has bytes and errors)")
     p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
                    "%(default)s)")
     _shared(p, "training.precision", help="the teacher's weights and compute")

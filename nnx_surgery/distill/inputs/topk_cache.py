@@ -141,7 +141,7 @@ def first_difference(saved: Mapping, wanted: Mapping, prefix: str = "") -> str |
 @dataclasses.dataclass(frozen=True)
 class CacheSettings:
     top_k: int
-    encoding: str = "q8"
+    encoding: str = "q8z"
     rows_per_shard: int = 256
     batch_rows: int = 8  # rows per teacher forward
     vocab_chunk: int = 8192

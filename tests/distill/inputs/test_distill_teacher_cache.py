@@ -22,7 +22,7 @@ K = 7
 # the compressed encodings' stated tolerances: max |decoded - exact| log-probability over the top k, on entries
 # within 12 nats of the top 1 (bench/teacher_cache_encoding.py measures them on the real Gemma 3 270M, below these;
 # float16's absolute error grows with the magnitude, which this random teacher's log-probabilities reach)
-TOLERANCE = {"exact": 0.0, "float16": 2e-2, "q16": 1e-3, "q8": 8e-2}
+TOLERANCE = {"exact": 0.0, "float16": 2e-2, "q16": 1e-3, "q8": 8e-2, "q8z": 8e-2}
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +77,48 @@ def test_reader_replays_the_training_order(data, exact_cache):
     assert len(list(cache.batches(4, epochs=1))) == cache.num_rows // 4
 
 
-@pytest.mark.parametrize("encoding", ["float16", "q16", "q8"])
+def _by_id(rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(rows["topk_ids"], axis=-1, kind="stable")
+    return (np.take_along_axis(rows["topk_ids"], order, -1), np.take_along_axis(rows["topk_logprobs"], order, -1))
+
+
+@pytest.mark.parametrize("encoding", ["float16", "q16", "q8", "q8z"])
 def test_compressed_encodings_within_their_tolerance(teacher, data, exact_cache, encoding, tmp_path):
+    """The same ids per token (q8z may order two ids of one quantised value either way), each log-probability
+    within the tolerance, the most likely first."""
     folder = str(tmp_path / encoding)
     write_cache(teacher, data, folder, _settings(encoding), identity={})
-    exact, packed = TeacherCache.open(exact_cache).rows(np.arange(10)), TeacherCache.open(folder).rows(np.arange(10))
-    np.testing.assert_array_equal(packed["topk_ids"], exact["topk_ids"])
-    near = exact["topk_logprobs"] > exact["topk_logprobs"][..., :1] - 12
-    error = np.abs(packed["topk_logprobs"] - exact["topk_logprobs"])[near]
+    index = np.array([7, 0, 3, 9, 1, 2, 4, 5, 6, 8])  # across shards, in any order
+    exact, packed = TeacherCache.open(exact_cache).rows(index), TeacherCache.open(folder).rows(index)
+    (exact_ids, exact_values), (ids, values) = _by_id(exact), _by_id(packed)
+    np.testing.assert_array_equal(ids, exact_ids)
+    near = exact_values > exact["topk_logprobs"][..., :1] - 12
+    error = np.abs(values - exact_values)[near]
     assert error.max() <= TOLERANCE[encoding], error.max()
+    assert np.all(packed["topk_logprobs"][..., :1] >= packed["topk_logprobs"])
     assert np.allclose(packed["residual"], exact["residual"], atol=2e-2, rtol=2e-3)
+    for key in ("input_ids", "loss_mask", "positions", "segment_ids"):
+        np.testing.assert_array_equal(packed[key], exact[key], err_msg=key)
+
+
+def test_q8z_holds_q8s_values_in_less_space_on_a_clustered_top_k():
+    """Ids drawn as a real top k is (most from a few thousand common pieces of 262,144): q8z decodes to q8's ids
+    and values and takes far less space than q8's fixed 18-bit ids."""
+    rng = np.random.default_rng(0)
+    rows, tokens, k, vocab = 3, 64, 128, 262144
+    common = rng.choice(vocab, size=4000, replace=False)
+    ids = np.stack([np.stack([rng.choice(np.where(rng.random(200) < 0.8, rng.choice(common, 200),
+                                                  rng.integers(0, vocab, 200)), k, replace=False)
+                              for _ in range(tokens)]) for _ in range(rows)])
+    logprobs = -np.sort(rng.exponential(3.0, size=(rows, tokens, k)), -1).astype(np.float32) - 0.1
+    residual = np.full((rows, tokens), -4.0, np.float32)
+    q8, q8z = (fmt.encode(ids, logprobs, residual, name, vocab) for name in ("q8", "q8z"))
+    want, got = fmt.decode(q8, "q8", vocab, k), fmt.decode(q8z, "q8z", vocab, k)
+    (want_ids, want_values), (got_ids, got_values) = _by_id(want), _by_id(got)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_values, want_values)
+    np.testing.assert_array_equal(got["residual"], want["residual"])
+    assert sum(a.nbytes for a in q8z.values()) < 0.8 * sum(a.nbytes for a in q8.values())
 
 
 def test_ids_pack_at_their_bit_width():

@@ -46,7 +46,7 @@ def _cache(folder: str, encoding: str) -> str:
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("caches")
-    return {encoding: _cache(str(root / encoding), encoding) for encoding in ("exact", "q8")}
+    return {encoding: _cache(str(root / encoding), encoding) for encoding in ("exact", "q8", "q8z")}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,16 @@ def test_the_q8_cache_stays_within_its_tolerance(caches, online):
     loss_error = max(abs(a - b) / abs(b) for a, b in zip([r["loss"] for r in result.history], losses))
     param_error = _update_difference(got, params)
     assert 0 < loss_error < Q8_LOSS_TOLERANCE and param_error < Q8_PARAM_TOLERANCE, (loss_error, param_error)
+
+
+def test_the_q8z_cache_trains_as_the_q8_cache(caches):
+    """q8z stores q8's values (compressed): the same losses, to float32 rounding (two ids of one quantised value
+    may come back in either order, which only reorders a sum)."""
+    q8, _ = _from_cache(caches["q8"])
+    q8z, _ = _from_cache(caches["q8z"])
+    for key in ("loss", "grad_norm", "student_ce"):
+        np.testing.assert_allclose([r[key] for r in q8z.history], [r[key] for r in q8.history], rtol=1e-6,
+                                   err_msg=key)
 
 
 def test_resume_continues_at_the_cache_row(caches, tmp_path):
