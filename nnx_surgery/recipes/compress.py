@@ -48,6 +48,7 @@ Why the defaults:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -94,8 +95,16 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
         print(dry_run_report(run))
         return {}
     files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
+    created = new_folders(run.folder)
     prepare_output(run)
-    loaded = run_phases.load_teacher_and_data(run)
+    try:
+        loaded = run_phases.load_teacher_and_data(run)
+    except BaseException:  # refused data or teacher: no empty run folder left behind
+        if jax.process_index() == 0:
+            for folder in created:  # deepest first; only those still empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+        raise
     record_settings(run)  # `--config OUT/resolved_config.json` repeats this run (after the data is known good)
     clock.lap("teacher and data")
     teacher = loaded.teacher
@@ -123,6 +132,15 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     final = write_student(run, results, first, cut, distilled, control)
     publish(run, final)
     return results
+
+
+def new_folders(path: str) -> list[str]:
+    """`path` and its parents that do not exist yet, deepest first (what making it would create)."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def prepare_output(run: run_settings.RunSettings) -> None:

@@ -211,7 +211,17 @@ def written_on_refusal_cases(w: dict) -> list[tuple[list[str], str]]:
         (["export-gguf", t, " "], "empty path"),
         (["prune", t, w["plan"], ""], "empty path"),
         (["export-gguf", t, os.path.join(w["plan"], "x.gguf")], "is a file, not a folder"),
+        (["compress", "--teacher", t, "--student", SPEC, "--data", _one_line(w), "--seq-len", "64", "--output",
+          nested], "row(s)"),
     ]
+
+
+def _one_line(w: dict) -> str:
+    """Text the early checks pass (a file with text in it) but too short for one row: refused once it is read."""
+    path = os.path.join(w["base"], "one_line.py")
+    with open(path, "w") as handle:
+        handle.write("x = 1\n")
+    return path
 
 
 def secret_cases(w: dict) -> list[tuple[list[str], str]]:
@@ -229,7 +239,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 39, "accepted": 53, "written": 16, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 39, "accepted": 53, "written": 17, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])

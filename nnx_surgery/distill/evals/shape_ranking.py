@@ -26,6 +26,7 @@ import shutil
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from ..inputs.cache_format import atomic_bytes
 from ..loop.run_config import CheckpointConfig, DistillConfig
 from .heldout_sets import HeldoutSet, score_heldout, summarise
 from ..loop.trainer import run
@@ -242,7 +243,5 @@ def _folder_name(name: str) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Written beside `path`, flushed to disk, then renamed onto it: a kill or a full disk leaves the old file."""
+    atomic_bytes(path, text.encode())
