@@ -1,6 +1,7 @@
 """The teacher cache (issue 42, distill.inputs.topk_cache): the cached top k equal the full logits' top k and
 log-softmax, each encoding within its stated tolerance; shards are checksummed, resume is byte-identical, the
-reader replays TokenBatches's order; `nnx-surgery cache-teacher` refuses bad input in one line."""
+reader replays TokenBatches's order; two processes write the one-process cache and read its batches; a cache
+written on a mesh holds what one device writes; `nnx-surgery cache-teacher` refuses bad input in one line."""
 from __future__ import annotations
 
 import json
@@ -245,3 +246,68 @@ def test_overwrite_replaces_the_cache_only_once_the_new_one_is_complete(w, monke
     monkeypatch.setattr(teacher_cache, "write_cache", real_write)
     assert run(*_cache_args(w, out, "--top-k", "4", "--overwrite"))[0] == 0
     assert TeacherCache.open(out).manifest["top_k"] == 4 and tree(out) != before
+
+
+def test_two_processes_write_the_cache_of_one_and_read_its_batches(teacher, data, exact_cache, tmp_path):
+    """Each process writes its own shards (shard i by process i % 2) and process 0 the manifest: the cache holds
+    the rows of the one-process cache, byte for byte; read back by two processes, each gets its half of every
+    batch, and the halves together are the one-process batch."""
+    from nnx_surgery.distill.loop.cache_replay import CachedTeacherData
+
+    folder = str(tmp_path / "two")
+    for process in (1, 0):  # process 0 last: it lists every process's shards in the manifest
+        write_cache(teacher, data, folder, _settings("exact"), identity={"teacher": {"config_sha256": "c"}},
+                    process_index=process, process_count=2)
+    one, two = TeacherCache.open(exact_cache), TeacherCache.open(folder)
+    assert {s["file"][:10] for s in two.manifest["shards"]} == {"shard-p000", "shard-p001"}
+    assert [s["sha256"] for s in two.manifest["shards"]] == [s["sha256"] for s in one.manifest["shards"]]
+    alone = CachedTeacherData(one, 4, process_index=0, process_count=1)
+    halves = [CachedTeacherData(two, 4, process_index=p, process_count=2) for p in (0, 1)]
+    for _ in range(one.num_rows // 4 + 2):  # into the second epoch
+        whole, parts = alone.next_batch(), [h.next_batch() for h in halves]
+        for key, value in whole.items():
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), value, err_msg=key)
+
+
+MESH_SCRIPT = """
+import sys, tempfile
+import numpy as np
+import jax
+from distill_fixtures import VOCAB, tiny_teacher
+from nnx_surgery.distill import TokenBatches, make_mesh
+from nnx_surgery.distill.inputs.topk_cache import CacheSettings, TeacherCache, write_cache
+
+assert jax.device_count() == 4, jax.devices()
+rng = np.random.default_rng(0)
+docs = [rng.integers(3, VOCAB, size=int(n)) for n in rng.integers(5, 40, size=24)]
+data = TokenBatches.from_arrays(docs, eos_id=1, bos_id=2, seq_len=16, batch_size=4, seed=3)
+settings = CacheSettings(top_k=7, encoding="exact", rows_per_shard=5, batch_rows=4)
+root = tempfile.mkdtemp()
+for name, mesh in (("one", None), ("mesh", make_mesh("fsdp=2,tp=2"))):
+    write_cache(tiny_teacher(seed=1), data, f"{root}/{name}", settings, identity={}, mesh=mesh)
+one, sharded = TeacherCache.open(f"{root}/one"), TeacherCache.open(f"{root}/mesh")
+rows = np.arange(one.num_rows)
+a, b = one.rows(rows), sharded.rows(rows)
+for key in a:
+    if key == "topk_logprobs" or key == "residual":
+        np.testing.assert_allclose(b[key], a[key], atol=1e-5, err_msg=key)
+    else:
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+print("same", len(rows))
+"""
+
+
+def test_a_cache_written_on_a_mesh_holds_the_rows_and_top_k_of_one_device():
+    """Written over a 2 x 2 mesh of CPU devices: the same rows, the same top-k ids, the log-probabilities to float
+    rounding (a sharded matmul sums in another order). Runs in a subprocess: the device count is fixed when jax
+    starts."""
+    import subprocess
+    import sys
+
+    from recipe_env import with_host_devices
+
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
