@@ -171,7 +171,61 @@ Step time (`python bench/teacher_cache_training.py`: a 6-layer teacher of width 
 | cache, q8 | 2.94 |
 
 From the cache: 27-32% less per step than the online top-k run (the teacher's forward and logits are gone);
-writing the cache of these 64 rows took 22 s. Not yet measured on the real Gemma 3 270M.
+writing the cache of these 64 rows took 22 s.
+
+### The teacher cache on the real Gemma 3 270M (`python bench/teacher_cache_real.py`, 2026-12-05)
+
+Through the recipe, one run at a time on the 2-core CPU (records: bench/results/teacher-cache-real.jsonl). The
+demo's student (`--preset gemma3-270m`: MLP 2048 -> 512, vocabulary trimmed to 16,384, 24 steps of 4 x 256
+tokens, forward KL at temperature 1) distilled from a cache the run wrote (`--teacher-cache always`, unquantised,
+in the student's 16k pieces) at k = 16, 64 and 128, online at k = 64, and at k = 64 with the residual bucket
+(`--set distill.top_k_mode=residual`); each against the demo's full-distribution student, all scored by one
+`nnx-surgery eval --eval-tokens 8192 --corpus-bytes 4000000 --seed 0` (the demo's held-out passages), paired
+differences (student - full distribution) with 95% intervals over documents, nats per byte:
+
+| teacher | cache write | bytes/token | median step | in-domain gap closed | in-domain CE/byte vs full | general gap closed | general CE/byte vs full | general KL vs full |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|
+| online, full distribution (the demo) | - | - | 3.8 s (another session) | 48% | (reference) | 57% | (reference) | (reference) |
+| online, top 64 | - | - | 3.67 s | 46% | +0.0084 [+0.0076, +0.0091] | 55% | +0.0083 [+0.0062, +0.0106] | +0.0096 [+0.0073, +0.0120] |
+| cache, top 16 | 28 s | 135 | 2.63 s | 42% | +0.0215 [+0.0196, +0.0234] | 52% | +0.0234 [+0.0197, +0.0279] | +0.0515 [+0.0467, +0.0561] |
+| cache, top 64 | 28 s | 519 | 2.67 s | 46% | +0.0084 [+0.0076, +0.0091] | 55% | +0.0083 [+0.0062, +0.0106] | +0.0096 [+0.0073, +0.0120] |
+| cache, top 128 | 37 s | 1,031 | 2.51 s | 47% | +0.0048 [+0.0043, +0.0053] | 56% | +0.0044 [+0.0031, +0.0059] | +0.0023 [+0.0009, +0.0039] |
+| cache, top 64 + residual bucket | 28 s | 519 | - | 47% | +0.0052 [+0.0042, +0.0060] | 56% | +0.0036 [+0.0024, +0.0047] | +0.0110 [+0.0088, +0.0134] |
+
+* **The cache trains as the teacher does at the same k**: the top-64 cache and the online top-64 run give the same
+  per-step losses (0.8909 at step 24 in both) and the same student to every printed digit.
+* **Steps**: 27% less time per step from the cache (2.67 s against 3.67 s, medians of steps 2-24: the teacher's
+  forward and its 262k-wide head are gone). Writing the 96 rows the run reads (24,576 tokens) took 28 s with
+  compilation, about what the 24 steps saved: the distillation phase took 122 s with the write against 148 s
+  online. One reading of the rows gains little; every further reading (another student, epoch or seed) saves the
+  teacher's share of each step.
+* **Quality against the full distribution**: at no k is the cached (or online) top-k student within the noise of
+  the full-distribution student on these paired sets: top 128 costs 0.005 nats/byte on both sets (1.3% of the
+  pruned-to-teacher gap), top 64 0.008, top 16 0.02-0.023. The residual bucket halves top 64's CE cost (0.005 /
+  0.004, as good as top 128) but moves KL to the teacher the other way; renormalised stays the default (the
+  objective is the teacher's distribution; the tiny model's gradients agree), residual is the choice when
+  held-out CE is what counts. The issue's goal for k = 64 (within the paired interval of the full-distribution
+  student) is not met.
+* **Bytes**: in the student's 16k pieces the unquantised cache takes 135 / 519 / 1,031 bytes per token; in the
+  teacher's 262k pieces q8z takes 47 / 135 / 244 (the encoding table above).
+
+**A shape search with and without the cache** (`--student params=0.5 --search-candidates 4 --search-steps 3
+--top-k 64`, the teacher's full 262k vocabulary, 4 x 256 tokens per step; `--teacher-cache auto` against
+`none`): the same candidates, every candidate's CE and KL at every scored step equal to every printed digit, the
+same rankings at steps 1, 2 and 3 and the same winner (`layers=14,hidden=512,mlp=1536,heads=4,kv_heads=1`).
+
+| | training the 4 candidates (12 steps) | cache write | whole search | run |
+|---|---:|---:|---:|---:|
+| teacher running | 419 s | - | 946 s | 1,279 s |
+| from the cache | 279 s | 12 s | 834 s | 1,177 s |
+| speed-up | 1.44x (with the write) | | 1.13x | |
+
+The candidates' training is 1.44x faster, but the search is 1.13x: more than half of it (about 530 s either way)
+is planning each candidate and scoring it on both held-out sets at three points, where the KL to the teacher
+needs the teacher's whole 262k-wide distribution (recomputed from its cached hidden states at each scoring),
+which a top-k cache cannot replace without changing the metric. The issue's 1.5x goal for the search is not met;
+the training part reaches it only as the candidates or steps per candidate grow (it tends to about 1.5x here,
+the teacher's share of a step).
 """
 
 
