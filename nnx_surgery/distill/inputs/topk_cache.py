@@ -226,8 +226,8 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     record = _settings_record(settings, {**identity, "packing": packing_of(batches)}, vocab, batches.seq_len)
     rows, weights, kinds = batches.packed_rows()
     subset = _row_subset(row_ids, len(rows))
-    if subset is not None:
-        record["row_ids"] = subset.tolist()
+    if subset is not None:  # progress files keep its digest; the manifest, written once, the rows themselves
+        record["row_ids_sha256"] = hashlib.sha256(subset.astype("<i8").tobytes()).hexdigest()
         rows, weights, kinds = rows[subset], weights[subset], kinds[subset]
     os.makedirs(folder, exist_ok=True)
     done = _finished(folder, process, record, resume)
@@ -255,7 +255,9 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     if count > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("teacher cache shards written")
-    return _write_manifest(folder, record, batches.num_rows) if process == 0 else record
+    if process != 0:
+        return record
+    return _write_manifest(folder, record, batches.num_rows, None if subset is None else subset.tolist())
 
 
 def _row_subset(row_ids: Sequence[int] | None, num_rows: int) -> np.ndarray | None:
@@ -281,13 +283,15 @@ def rows_ahead(batches: Any, count: int) -> np.ndarray:
     return np.unique(np.concatenate(picked)) if picked else np.zeros(0, np.int64)
 
 
-def _write_manifest(folder: str, record: dict, num_rows: int) -> dict:
+def _write_manifest(folder: str, record: dict, num_rows: int, row_ids: list[int] | None) -> dict:
     shards = []
     for path in sorted(glob.glob(os.path.join(folder, "progress-p*.json"))):
         with open(path, encoding="utf-8") as handle:
             shards += json.load(handle)["shards"]
     shards.sort(key=lambda entry: entry["index"])
-    manifest = {**record, "num_rows": num_rows, "shards": shards}  # record["row_ids"]: a subset of the rows
+    manifest = {**record, "num_rows": num_rows, "shards": shards}
+    if row_ids is not None:  # a cache of these packed rows only
+        manifest["row_ids"] = row_ids
     fmt.atomic_json(os.path.join(folder, MANIFEST), manifest)
     return manifest
 
