@@ -272,15 +272,24 @@ def _row_subset(row_ids: Sequence[int] | None, num_rows: int) -> np.ndarray | No
 def rows_ahead(batches: Any, count: int) -> np.ndarray:
     """The packed rows (sorted, unique) that `batches` serves in its next `count` rows from where it stands (its
     order, epoch after epoch), without moving it: what a cache for a run of `count` rows must hold."""
-    state = batches.state()
-    epoch, position, picked = int(state["epoch"]), int(state["position"]), []
+    state = batches.state()  # past the rest of this epoch and one whole epoch, every row has been read
+    index, _, _ = next_rows(batches.order, batches.num_rows, int(state["epoch"]), int(state["position"]),
+                            min(count, 2 * batches.num_rows))
+    return np.unique(index)
+
+
+def next_rows(order: Callable[[int], np.ndarray], num_rows: int, epoch: int, position: int, count: int
+              ) -> tuple[np.ndarray, int, int]:
+    """The next `count` packed rows of a stream at (`epoch`, `position`) in `order(epoch)`'s permutations (an
+    epoch's last rows continue into the next epoch's order), and the (epoch, position) after them."""
+    picked = []
     while count > 0:
-        take = batches.order(epoch)[position:position + count]
+        take = order(epoch)[position:position + count]
         picked.append(take)
-        count, epoch, position = count - len(take), epoch + 1, 0
-        if len(picked) > 1 and len(np.unique(np.concatenate(picked))) == batches.num_rows:
-            break  # every row already
-    return np.unique(np.concatenate(picked)) if picked else np.zeros(0, np.int64)
+        count, position = count - len(take), position + len(take)
+        if position == num_rows:
+            epoch, position = epoch + 1, 0
+    return (np.concatenate(picked) if picked else np.zeros(0, np.int64)), epoch, position
 
 
 def _write_manifest(folder: str, record: dict, num_rows: int, row_ids: list[int] | None) -> dict:
@@ -399,18 +408,11 @@ class TeacherCache:
             raise CacheError(f"batch_size {batch_size} must split evenly over {process_count} processes.")
         epoch, position, served = 0, 0, 0
         while epochs is None or served + batch_size <= epochs * self.num_rows:
-            picked, need = [], batch_size
-            while need:
-                take = self.order(epoch)[position:position + need]
-                picked.append(take)
-                need, position = need - len(take), position + len(take)
-                if position == self.num_rows:
-                    epoch, position = epoch + 1, 0
-            index = np.concatenate(picked)
+            index, epoch, position = next_rows(self.order, self.num_rows, epoch, position, batch_size)
             per = batch_size // process_count
             served += batch_size
             yield self.rows(index[process_index * per:(process_index + 1) * per])
 
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
-           "write_cache", "rows_ahead", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
+           "write_cache", "rows_ahead", "next_rows", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]

@@ -25,7 +25,7 @@ from ..losses import term_registry as terms
 from ..inputs.cache_format import CacheError
 from ..inputs.batches import RowStream, changed_identity
 from ..losses.logit_term import LOGIT
-from ..inputs.topk_cache import TeacherCache, vocab_map_sha256
+from ..inputs.topk_cache import TeacherCache, next_rows, vocab_map_sha256
 from ..trimmed_vocab import vocab_map_of
 
 
@@ -53,14 +53,8 @@ class CachedTeacherData(RowStream):
         return self._orders[epoch]
 
     def next_batch(self) -> dict[str, np.ndarray]:
-        picked, need = [], self.batch_size
-        while need:
-            take = self._order(self.epoch)[self.position:self.position + need]
-            picked.append(take)
-            need, self.position = need - len(take), self.position + len(take)
-            if self.position == self.num_rows:
-                self.epoch, self.position = self.epoch + 1, 0
-        index = np.concatenate(picked)
+        index, self.epoch, self.position = next_rows(self._order, self.num_rows, self.epoch, self.position,
+                                                     self.batch_size)
         per = self.batch_size // self.process_count
         return self.cache.rows(index[self.process_index * per:(self.process_index + 1) * per])
 
