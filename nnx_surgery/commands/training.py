@@ -82,11 +82,8 @@ def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str)
     from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
     tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
-    identity = teacher_cache.folder_identity(teacher_folder)
     try:
-        teacher_cache.TeacherCache.open(cache, verify=False).check_matches(
-            teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"],
-            tokenizer_hash=teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None)
+        teacher_cache.check_written_by(cache, teacher_folder, tokenizer if os.path.isfile(tokenizer) else None)
     except teacher_cache.CacheError as error:
         raise refusals.RecipeError(f"--teacher-cache: {error}") from None
 

@@ -107,10 +107,8 @@ def _check_teacher(cache: str, teacher_folder: str) -> None:
     """A given cache was written by this run's teacher (its config.json and weights' hashes), else one line."""
     if (cache, teacher_folder) in _CHECKED:
         return
-    identity = topk_cache.folder_identity(teacher_folder)
     try:
-        topk_cache.TeacherCache.open(cache, verify=False).check_matches(
-            teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"])
+        topk_cache.check_written_by(cache, teacher_folder)
     except CacheError as error:
         raise RecipeError(f"--teacher-cache {cache}: {error}") from None
     _CHECKED.add((cache, teacher_folder))

@@ -117,6 +117,15 @@ def folder_identity(folder: str) -> dict[str, str]:
     return {"config_sha256": file_sha256(os.path.join(folder, "config.json")), "weights_sha256": weights.hexdigest()}
 
 
+def check_written_by(cache: str, teacher_folder: str, tokenizer_file: str | None = None) -> None:
+    """CacheError (one line) unless the cache in `cache` was written by the teacher in `teacher_folder` (its
+    config.json and weights' hashes) and, when given, with `tokenizer_file`."""
+    identity = folder_identity(teacher_folder)
+    TeacherCache.open(cache, verify=False).check_matches(
+        teacher_config_hash=identity["config_sha256"], teacher_weights_hash=identity["weights_sha256"],
+        tokenizer_hash=file_sha256(tokenizer_file) if tokenizer_file else None)
+
+
 def packing_of(batches: Any) -> dict[str, Any]:
     """What fixes the packed rows and their order: a TokenBatches' settings and its rows' fingerprint."""
     return {"seq_len": batches.seq_len, "rows": batches.num_rows, "seed": batches.seed,
@@ -415,4 +424,4 @@ class TeacherCache:
 
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
-           "write_cache", "rows_ahead", "next_rows", "folder_identity", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
+           "write_cache", "rows_ahead", "next_rows", "folder_identity", "check_written_by", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]
