@@ -104,22 +104,43 @@ def _window(lines: list[str], end: int, tok: TextTokenizer, max_tokens: int) -> 
 
 def heldout_prompts(documents: Sequence[str], tokenizer: Any, *, count: int = 8, max_tokens: int = 96,
                     min_tokens: int = 16, seed: int = 0) -> list[Prompt]:
-    """Up to `count` prompts, one per document in an order drawn from `seed`: whole lines ending at a random line
-    boundary followed by a non-blank line, at most `max_tokens` and at least `min_tokens` tokens."""
+    """Up to `count` prompts: whole lines ending at a random line boundary followed by a non-blank line, at most
+    `max_tokens` and at least `min_tokens` tokens. The documents are visited in an order drawn from `seed`, one
+    prompt each; when they give fewer than `count`, further passes take more from them at other lines (a held-out
+    set of a few long modules still gives enough continuations to measure how often a model loops). The first pass
+    is the same whatever `count`, so asking for more prompts only adds some."""
     tok = load_tokenizer(tokenizer)
     rng = np.random.default_rng([seed, 0x9E7])
     prompts: list[Prompt] = []
-    for index in rng.permutation(len(documents)):
-        lines = documents[index].splitlines(keepends=True)
-        cuts = [c for c in range(1, len(lines)) if lines[c].strip()]
-        for cut in rng.permutation(cuts)[:4] if cuts else []:
-            text, ids = _window(lines, int(cut), tok, max_tokens)
-            if len(ids) >= min_tokens and text.strip():
-                prompts.append(Prompt(text, _prefix(tok) + ids, int(index), int(cut)))
-                break
-        if len(prompts) == count:
-            break
+    cuts_left: dict[int, list[int]] = {}  # document -> its line boundaries not yet tried, in a drawn order
+    order = [int(index) for index in rng.permutation(len(documents))]
+    while order and len(prompts) < count:
+        giving = []
+        for index in order:
+            if index not in cuts_left:
+                lines = documents[index].splitlines(keepends=True)
+                cuts = [c for c in range(1, len(lines)) if lines[c].strip()]
+                cuts_left[index] = [int(c) for c in rng.permutation(cuts)] if cuts else []
+            prompt = _next_prompt(documents[index], index, cuts_left[index], tok, max_tokens, min_tokens)
+            if prompt is not None:
+                prompts.append(prompt)
+                giving.append(index)
+                if len(prompts) == count:
+                    break
+        order = giving  # a document that gave no prompt in 4 tries is not asked again
     return prompts
+
+
+def _next_prompt(document: str, index: int, cuts: list[int], tok: TextTokenizer, max_tokens: int,
+                 min_tokens: int) -> Prompt | None:
+    """A prompt from the first of up to 4 of `cuts` (consumed) that gives one, else None."""
+    lines = document.splitlines(keepends=True)
+    for _ in range(min(4, len(cuts))):
+        cut = cuts.pop(0)
+        text, ids = _window(lines, cut, tok, max_tokens)
+        if len(ids) >= min_tokens and text.strip():
+            return Prompt(text, _prefix(tok) + ids, index, cut)
+    return None
 
 
 def _candidate_lines(documents: Sequence[str], chosen: Sequence[int], tok: TextTokenizer,

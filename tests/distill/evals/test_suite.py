@@ -149,6 +149,23 @@ def test_prompts_are_whole_held_out_lines(tokenizer_folder):
     assert prompts == heldout_prompts(DOCUMENTS, tok, count=3, max_tokens=40, min_tokens=8, seed=0)
 
 
+def test_more_prompts_than_documents_come_from_other_lines_of_them(tokenizer_folder):
+    """Asking for more prompts than there are documents takes further ones from other lines of the same
+    documents (so a few long held-out modules still give enough continuations to count loops); the first pass,
+    one per document, is the same prompts in the same order whatever the count."""
+    tok = load_tokenizer(tokenizer_folder)
+    first = heldout_prompts(DOCUMENTS, tok, count=len(DOCUMENTS), max_tokens=40, min_tokens=8, seed=1)
+    more = heldout_prompts(DOCUMENTS, tok, count=3 * len(DOCUMENTS), max_tokens=40, min_tokens=8, seed=1)
+    assert more[:len(first)] == first and len({p.document for p in first}) == len(first)
+    assert len(more) > len(first) and len({(p.document, p.line) for p in more}) == len(more)
+    for prompt in more:
+        lines = DOCUMENTS[prompt.document].splitlines(keepends=True)
+        assert "".join(lines[:prompt.line]).endswith(prompt.text) and lines[prompt.line].strip()
+        assert 8 <= len(prompt.ids) - 1 <= 40
+    short = ["a = 1\n", "", "no newline"]  # no line boundary with a prompt of 8+ tokens: nothing, and it stops
+    assert heldout_prompts(short, tok, count=5, max_tokens=40, min_tokens=8, seed=0) == []
+
+
 def _lcs(a, b):
     table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
     for i, x in enumerate(a):
