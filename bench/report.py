@@ -297,6 +297,7 @@ def section_targets(records: list[dict]) -> list[str]:
                      f"{quality['distilled_minus_scratch_ce']:+.3f} nats/token",
                      quality.get("distilled_beats_scratch")))
     rows += report_aot.target_rows()
+    rows += report_real.sweep_target_rows()
     _, gpu_events = gpu_run(records)
     gpu_steps = [e for e in gpu_events if e.get("event") == "distill" and e.get("peer") == "ours" and e.get("mfu")]
     if gpu_steps:

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import common  # noqa: E402
 
 REAL_RESULTS = os.path.join(common.BENCH, "results", "real-270m.jsonl")
+SWEEP_RESULTS = os.path.join(common.BENCH, "results", "student-sweep.jsonl")  # bench/student_sweep.py
+SWEEP_LOOPS = os.path.join(common.BENCH, "results", "student-sweep-loops.json")
 GGUF_EXPORT_RESULTS = os.path.join(common.BENCH, "results", "gguf-export.jsonl")  # bench/gguf_export.py
 VOCAB, HIDDEN = 262_144, 640  # Gemma 3 270M
 CPU_PEAK_GFLOPS = 180.0  # measured fp32 matmul peak of the 2-core development machine (bench/flops.py)
@@ -111,11 +113,20 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
             # distill.step_flops counts a trained head; the demo freezes the tied embedding, so the step skips the
             # head-gradient matmul (2 * V * D FLOPs per token, V the student's vocabulary): count only what runs.
             executed = stats["tflops_per_s"] * 1e3 - 2 * vocab * HIDDEN * stats["tokens_per_s"] / 1e9
+            skipped = "the skipped head gradient"
+            if phase != "control" and vocab < VOCAB:  # the teacher of a trimmed student computes its kept columns
+                executed -= 2 * (VOCAB - vocab) * HIDDEN * stats["tokens_per_s"] / 1e9
+                skipped += " and the teacher's head columns of the trimmed pieces"
             lines.append(f"- {phase} phase step: {stats['step_time_s']:.2f} s median ({stats['tokens_per_s']:.0f} "
-                         f"tokens/s; {executed:.0f} GFLOP/s by `distill.step_flops`' count less the skipped head gradient = "
-                         f"{executed / CPU_PEAK_GFLOPS:.0%} of the "
-                         f"{CPU_PEAK_GFLOPS:.0f} GFLOP/s matmul peak) over {stats['steps']} steps")
+                         f"tokens/s; {executed:.0f} GFLOP/s by `distill.step_flops`' count less {skipped} = "
+                         f"{executed / CPU_PEAK_GFLOPS:.0%} of the {CPU_PEAK_GFLOPS:.0f} GFLOP/s matmul peak) over "
+                         f"{stats['steps']} steps")
     lines.append(f"- wall time of the run (install excluded): {demo.get('wall_time_s', 0):.0f} s")
+    parts = demo.get("evaluation_parts_s")  # the evaluation's own lines, "[eval ...] ... (N s)", summed by part
+    if parts:
+        teacher = demo.get("evaluation_teacher_s")
+        lines.append("- the evaluation's parts: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in parts.items())
+                     + ("" if teacher is None else f"; of all these, the teacher's own passes {teacher:.0f} s"))
     curves = {k: v for k, v in (demo.get("recovery_curves") or {}).items() if v}
     if curves:
         steps = sorted({p["step"] for curve in curves.values() for p in curve})
@@ -137,10 +148,11 @@ def _demo_table_both_sets(demo: dict) -> list[str]:
     top-1 agreement with the teacher), as the recipe's results table has them."""
     keys = (("loss", "{:.4f}"), ("loss_per_byte", "{:.4f}"), ("top1_agreement", "{:.1%}"), ("kl_to_teacher", "{:.3f}"),
             ("general_loss", "{:.4f}"), ("general_loss_per_byte", "{:.4f}"), ("general_top1_agreement", "{:.1%}"),
-            ("general_kl", "{:.3f}"), ("bleu", "{:.1f}"), ("rouge_l", "{:.1f}"), ("multiple_choice", "{:.1%}"))
+            ("general_kl", "{:.3f}"), ("bleu", "{:.1f}"), ("rouge_l", "{:.1f}"), ("multiple_choice", "{:.1%}"),
+            ("loop_share", "{:.0%}"), ("distinct_2", "{:.3f}"))
     lines = ["| model | parameters (non-embedding) | tokens | in-domain CE | in-domain CE/byte | in-domain top-1 | "
              "in-domain KL | general CE | general CE/byte | general top-1 | general KL | BLEU | ROUGE-L | "
-             "next-line MC |", "|---" * 14 + "|"]
+             "next-line MC | looping | distinct-2 |", "|---" * 16 + "|"]
     for row in demo["rows"]:
         cells = ["-" if row.get(key) is None else spec.format(row[key]) for key, spec in keys]
         lines.append(f"| {row['model']} | {row['parameters'] / 1e6:.1f}M ({row['non_embedding_parameters'] / 1e6:.1f}M)"
@@ -300,8 +312,54 @@ def section_gguf_export(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -> list[str]:
+    """The demo's size-quality trade-off at its wall time (bench/student_sweep.py's records), with the loop
+    shares over more prompts where they were measured."""
+    import student_sweep
+
+    if not os.path.exists(path):
+        return []
+    records = sorted(read(path), key=lambda r: r["share"])
+    teacher = student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
+    kept = [r["student"] for r in records if r["meets_goal"]]
+    lines = ["### The demo's student: size against quality at the demo's wall time (`python bench/student_sweep.py`)",
+             "", "Each row is `make demo`'s recipe with `--student SHAPE --steps STEPS`: the same teacher, data, "
+             "batches, evaluation and paired control; a larger student's steps cost more, so it gets fewer, for "
+             "about the same wall time (one run at a time on the 2-core machine). Goal: at most 40% of the "
+             "teacher, at least 65% of the pruned-to-teacher gap closed per byte on both held-out sets, loops no "
+             "more often than 1.5x the teacher. Met by: " + (", ".join(f"`{k}`" for k in kept) or "none") + ".", "",
+             student_sweep.table(records, teacher), "",
+             "![gap closed and distance to the teacher against size](bench/results/student-sweep.png)", ""]
+    return lines
+
+
+def sweep_target_rows(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -> list[tuple[str, str, bool]]:
+    """The targets-at-a-glance row of the demo's student (the gemma3-270m preset's shape in the sweep)."""
+    import student_sweep
+
+    preset = os.path.join(os.path.dirname(common.BENCH), "nnx_surgery", "recipes", "config", "presets",
+                          "gemma3-270m.json")
+    if not os.path.exists(path) or not os.path.exists(preset):
+        return []
+    with open(preset, encoding="utf-8") as handle:
+        shape = json.load(handle)["student"]["shape"]
+    records = read(path)
+    teacher = student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
+    demo = next((r for r in records if r["student"] == shape), None)
+    if demo is None:
+        return []
+    d = demo["distilled"]
+    loops_text = (f"loops {d['loop_share']:.0%} (teacher {demo['teacher']['loop_share']:.0%})" if teacher is None
+                  or "loops_more" not in demo else
+                  f"loops {demo['loops_more']:.0%} over more prompts (teacher {teacher['loop_share']:.0%})")
+    value = (f"`{shape}`, {demo['share']:.1%} of the teacher: {d['in-domain']['closure']:.0%} / "
+             f"{d['general']['closure']:.0%} closed, {loops_text}")
+    return [("Demo student at the demo's wall time: <= 40% of the teacher, >= 65% of the gap closed per byte on "
+             "both sets, loops <= 1.5x the teacher", value, demo["meets_goal"])]
+
+
 def render(records: list[dict]) -> list[str]:
-    body = (section_demo(records) + section_recovery_sets(records) + section_recovery(records)
+    body = (section_demo(records) + section_student_sweep() + section_recovery_sets(records) + section_recovery(records)
             + section_import(records) + section_generate(records) + section_gguf_export(records))
     return ["## Real Gemma 3 270M (offline, CPU)", ""] + body if body else []
 

@@ -81,6 +81,7 @@ def record(name: str, shape: str, steps: int, folder: str) -> dict:
            "teacher": {"loop_share": teacher["loop_share"], "distinct_2": teacher["distinct_2"]},
            "pruned": {"loop_share": pruned["loop_share"], "distinct_2": pruned["distinct_2"]},
            "teacher_ce_per_byte": {set_name: teacher[key] for set_name, key, _ in SETS},
+           "pruned_ce_per_byte": {set_name: pruned[key] for set_name, key, _ in SETS},
            "same_batches": results.get("pairing", {}).get("batches", {}).get("same")}
     for label, row in models.items():
         entry = {"loop_share": row["loop_share"], "distinct_2": row["distinct_2"]}
@@ -125,13 +126,19 @@ def table(records: list[dict], loops_teacher: dict | None = None) -> str:
     """The Markdown table of BENCHMARKS.md: one row per shape, distilled (control) where both are shown."""
     base = records[0]["wall_time_s"]  # the smallest student's: the demo's shape before the sweep
     more = "" if loops_teacher is None else " | loops, more prompts"
-    lines = ["| student | params (share) | safetensors / q8_0 GGUF | steps | wall time | gap closed in-domain | "
+    lines = ["| student | params (share) | safetensors / q8_0 GGUF | steps | wall time | above the teacher per byte, "
+             "in / gen: pruned -> distilled (control) | gap closed in-domain | "
              f"gap closed general | KL in / gen | distilled - control per byte, in / gen | loops | distinct-2{more} | "
-             "meets the goal |", "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if more else "")]
+             "meets the goal |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if more else "")]
     for r in records:
         d, c = r["distilled"], r["control"]
         flag = "" if abs(r["wall_time_s"] / base - 1) <= 0.10 else " (over 10% off)"
         gguf = f"{r['gguf_q8_0_bytes'] / 2**20:.0f} MiB" if r["gguf_q8_0_bytes"] else "-"
+
+        def above(s):
+            t = r["teacher_ce_per_byte"][s]
+            return (f"{r['pruned_ce_per_byte'][s] - t:.3f} -> {d[s]['ce_per_byte'] - t:.3f} "
+                    f"({c[s]['ce_per_byte'] - t:.3f})")
 
         def pair(s):
             p = d[s]["minus_control"]
@@ -140,6 +147,7 @@ def table(records: list[dict], loops_teacher: dict | None = None) -> str:
         lines.append(
             f"| `{r['student']}` | {r['parameters'] / 1e6:.1f}M ({100 * r['share']:.1f}%) | "
             f"{r['safetensors_bytes'] / 2**20:.0f} MiB / {gguf} | {r['steps']} | {r['wall_time_s']:.0f} s{flag} | "
+            f"{above('in-domain')} / {above('general')} | "
             f"{100 * d['in-domain']['closure']:.0f}% ({100 * c['in-domain']['closure']:.0f}%) | "
             f"{100 * d['general']['closure']:.0f}% ({100 * c['general']['closure']:.0f}%) | "
             f"{d['in-domain']['kl']:.3f} / {d['general']['kl']:.3f} | {pair('in-domain')} / {pair('general')} | "

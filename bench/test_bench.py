@@ -292,6 +292,7 @@ def test_student_sweep_records_gap_closure_and_the_goal(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| `layers=2` | 0.0M (30.0%) |" in table and "70% (60%)" in table and "40% (30%)" in table
     assert "more prompts" not in table and table.count("| yes |") == 1
+    assert "| 1.000 -> 0.300 (0.400) / 1.000 -> 0.300 (0.400) |" in table  # above the teacher: pruned -> students
     assert (tmp_path / "sweep.png").stat().st_size > 0
     # --loops: an `nnx-surgery eval` of the runs' students over more prompts, matched by run folder
     loops = tmp_path / "loops.json"
