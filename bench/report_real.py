@@ -125,7 +125,8 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
     parts = demo.get("evaluation_parts_s")  # the evaluation's own lines, "[eval ...] ... (N s)", summed by part
     if parts:
         teacher = demo.get("evaluation_teacher_s")
-        lines.append("- the evaluation's parts: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in parts.items())
+        listed = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in parts.items())
+        lines.append("- the evaluation's parts: " + listed
                      + ("" if teacher is None else f"; of all these, the teacher's own passes {teacher:.0f} s"))
     curves = {k: v for k, v in (demo.get("recovery_curves") or {}).items() if v}
     if curves:

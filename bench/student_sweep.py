@@ -4,7 +4,8 @@
     python bench/student_sweep.py --report bench/results/student-sweep.jsonl                   # table and plot
 
 Each shape (SHAPES: MLP width 512 / 768 / 1024 / 1536, vocabulary 16k / 32k) is the gemma3-270m preset with
-`--student SHAPE --steps STEPS`: the same teacher, data, batches, evaluation and paired control as `make demo`.
+`--student SHAPE --steps STEPS --eval-prompts 8`: the same teacher, data, batches, evaluation (the 8 held-out
+prompts the preset had when the sweep ran; it now has 16) and paired control as `make demo`.
 A larger student's steps cost more, so it gets fewer of them: STEPS is chosen so that the whole run takes about
 the demo's wall time on a quiet 2-core machine (the record keeps the measured wall time; the report flags a run
 more than 10% off the first shape's). A run folder that already holds results.json is read, not rerun.
@@ -44,6 +45,7 @@ SHAPES = {
     "mlp512-v32k": ("layers=18,mlp=512,vocab=32768", 20),
     "mlp1024-v32k": ("layers=18,mlp=1024,vocab=32768", 16),
 }
+PROMPTS = 8  # the preset's held-out prompts when the sweep ran (the demo now has 16): the steps fit that wall time
 SETS = (("in-domain", "loss_per_byte", "kl_to_teacher"), ("general", "general_loss_per_byte", "general_kl"))
 GOAL = {"max_share": 0.40, "min_closure": 0.65, "max_loop_ratio": 1.5}
 
@@ -54,7 +56,7 @@ def run_shape(name: str, shape: str, steps: int, runs: str, extra: list[str]) ->
     if os.path.exists(os.path.join(folder, "results.json")):
         return folder
     command = [sys.executable, RECIPE, "--preset", "gemma3-270m", "--student", shape, "--steps", str(steps),
-               "--output", folder, "--resume", *extra]
+               "--eval-prompts", str(PROMPTS), "--output", folder, "--resume", *extra]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(folder + ".log", "w", encoding="utf-8") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
