@@ -114,7 +114,8 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
             # head-gradient matmul (2 * V * D FLOPs per token, V the student's vocabulary): count only what runs.
             executed = stats["tflops_per_s"] * 1e3 - 2 * vocab * HIDDEN * stats["tokens_per_s"] / 1e9
             skipped = "the skipped head gradient"
-            if phase != "control" and vocab < VOCAB:  # the teacher of a trimmed student computes its kept columns
+            counted_whole = stats.get("teacher_head_counted") != "kept pieces"  # runs before 2026-12-05
+            if phase != "control" and vocab < VOCAB and counted_whole:  # the trimmed teacher computes kept columns
                 executed -= 2 * (VOCAB - vocab) * HIDDEN * stats["tokens_per_s"] / 1e9
                 skipped += " and the teacher's head columns of the trimmed pieces"
             lines.append(f"- {phase} phase step: {stats['step_time_s']:.2f} s median ({stats['tokens_per_s']:.0f} "

@@ -53,6 +53,12 @@ class TeacherInStudentVocabulary(nnx.Module):
     def head_matrix(self) -> jax.Array:
         return self.teacher.head_matrix()[self.teacher_ids[...]]
 
+    def unused_head_parameters(self) -> int:
+        """The teacher's head rows of pieces the student does not have, times the width: weights this wrapper's
+        forward never multiplies (`distill.loop.metrics.step_flops` leaves them out)."""
+        width = getattr(self.config, "hidden_size", None) or self.teacher.head_matrix().shape[1]
+        return (vocab_rows(self.teacher) - int(self.teacher_ids[...].shape[0])) * int(width)
+
     def logits_from_hidden(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         return self.teacher.logits_from_hidden(hidden, self.head_matrix() if head is None else head)
 

@@ -195,7 +195,9 @@ def sample_section(results: dict, limit: int = 3) -> str:
 
 
 def step_stats(history: list[dict]) -> dict | None:
-    """Median step time, tokens/s and TFLOP/s of a training phase, compilation steps left out."""
+    """Median step time, tokens/s and TFLOP/s of a training phase, compilation steps left out. The TFLOP/s count
+    the teacher of a trimmed student at its kept pieces (`teacher_head_counted`; runs before 2026-12-05 counted
+    its whole head)."""
     steady = [r for r in history if not r.get("warmup") and "step_time_s" in r]
     if not steady:
         return None
@@ -205,4 +207,4 @@ def step_stats(history: list[dict]) -> dict | None:
         return round(values[len(values) // 2], 4)
 
     return {"steps": len(steady), "step_time_s": median("step_time_s"), "tokens_per_s": median("tokens_per_s"),
-            "tflops_per_s": median("tflops_per_s")}
+            "tflops_per_s": median("tflops_per_s"), "teacher_head_counted": "kept pieces"}

@@ -50,10 +50,18 @@ def attention_flops_per_token(model: Any, seq_len: int) -> float:
         return 0.0
 
 
+def unused_head_parameters(model: Any) -> int:
+    """Head weights a forward never multiplies: a teacher seen in a trimmed student's vocabulary
+    (`TeacherInStudentVocabulary`) computes its logits at the kept pieces only."""
+    count = getattr(model, "unused_head_parameters", None)
+    return int(count()) if callable(count) else 0
+
+
 def step_flops(student: nnx.Module, teacher: nnx.Module | None, tokens: int, seq_len: int) -> float:
     per_token = 6 * matrix_parameters(student) + 3 * attention_flops_per_token(student, seq_len)
     if teacher is not None:
-        per_token += 2 * matrix_parameters(teacher) + attention_flops_per_token(teacher, seq_len)
+        per_token += (2 * (matrix_parameters(teacher) - unused_head_parameters(teacher))
+                      + attention_flops_per_token(teacher, seq_len))
     return float(tokens) * per_token
 
 

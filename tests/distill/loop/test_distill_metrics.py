@@ -28,6 +28,19 @@ def test_step_flops_count_matrices_and_attention():
     assert step_flops(student, teacher, tokens=32, seq_len=t) == expected
 
 
+def test_a_trimmed_students_teacher_is_counted_at_the_kept_pieces():
+    """The teacher of a trimmed student multiplies only the head rows of the kept pieces: 2 x (V - kept) x D
+    FLOPs per token fewer than the whole teacher; the student's own count is unchanged."""
+    from nnx_surgery.distill.trimmed_vocab import TeacherInStudentVocabulary
+
+    d, v, kept, t = 8, 50, 20, 16
+    teacher, student = _model(3), _model(1)
+    whole = step_flops(student, teacher, tokens=32, seq_len=t)
+    wrapped = TeacherInStudentVocabulary(teacher, list(range(kept)))
+    assert wrapped.unused_head_parameters() == (v - kept) * d
+    assert step_flops(student, wrapped, tokens=32, seq_len=t) == whole - 32 * 2 * (v - kept) * d
+
+
 def test_peak_flops_configured_or_unknown_on_cpu():
     assert device_peak_flops(1e12) == 1e12
     assert device_peak_flops(None) is None  # CPU: no MFU unless a peak is configured
