@@ -327,8 +327,8 @@ def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -
     lines = ["### The demo's student: size against quality at the demo's wall time (`python bench/student_sweep.py`)",
              "", "Each row is `make demo`'s recipe with `--student SHAPE --steps STEPS --eval-prompts 8`: the same "
              "teacher, data, batches, evaluation and paired control; a larger student's steps cost more, so it "
-             "gets fewer, for about the same wall time (one run at a time on the 2-core machine). Goal: at most 40% of the "
-             "teacher, at least 65% of the pruned-to-teacher gap closed per byte on both held-out sets, loops no "
+             "gets fewer, for about the same wall time (one run at a time on the 2-core machine). Goal: at most "
+             "40% of the teacher, at least 65% of the pruned-to-teacher gap closed per byte on both held-out sets, loops no "
              "more often than 1.5x the teacher. Met by: " + (", ".join(f"`{k}`" for k in kept) or "none") + ".", "",
              student_sweep.table(records, teacher), "",
              "![gap closed and distance to the teacher against size](bench/results/student-sweep.png)", ""]
