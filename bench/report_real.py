@@ -325,11 +325,12 @@ def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -
     teacher = student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
     kept = [r["student"] for r in records if r["meets_goal"]]
     lines = ["### The demo's student: size against quality at the demo's wall time (`python bench/student_sweep.py`)",
-             "", "Each row is `make demo`'s recipe with `--student SHAPE --steps STEPS --eval-prompts 8`: the same "
-             "teacher, data, batches, evaluation and paired control; a larger student's steps cost more, so it "
-             "gets fewer, for about the same wall time (one run at a time on the 2-core machine). Goal: at most "
-             "40% of the teacher, at least 65% of the pruned-to-teacher gap closed per byte on both held-out sets, loops no "
-             "more often than 1.5x the teacher. Met by: " + (", ".join(f"`{k}`" for k in kept) or "none") + ".", "",
+             "", "Each row is `make demo`'s recipe with `--student SHAPE --steps STEPS --eval-prompts 8`: the "
+             "same teacher, data, batches, evaluation and paired control; a larger student's steps cost more, so "
+             "it gets fewer, for about the same wall time (one run at a time on the 2-core machine). Goal: at "
+             "most 40% of the teacher, at least 65% of the pruned-to-teacher gap closed per byte on both held-out "
+             "sets, loops no more often than 1.5x the teacher. Met by: "
+             + (", ".join(f"`{k}`" for k in kept) or "none") + ".", "",
              student_sweep.table(records, teacher), "",
              "![gap closed and distance to the teacher against size](bench/results/student-sweep.png)", ""]
     return lines
