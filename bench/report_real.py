@@ -314,6 +314,15 @@ def section_gguf_export(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _sweep_records(path: str, loops: str) -> tuple[list[dict], dict | None]:
+    """The sweep's records by size, with the loop shares over more prompts (and that run's teacher row) when
+    measured."""
+    import student_sweep
+
+    records = sorted(read(path), key=lambda r: r["share"])
+    return records, student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
+
+
 def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -> list[str]:
     """The demo's size-quality trade-off at its wall time (bench/student_sweep.py's records), with the loop
     shares over more prompts where they were measured."""
@@ -321,8 +330,7 @@ def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -
 
     if not os.path.exists(path):
         return []
-    records = sorted(read(path), key=lambda r: r["share"])
-    teacher = student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
+    records, teacher = _sweep_records(path, loops)
     kept = [r["student"] for r in records if r["meets_goal"]]
     lines = ["### The demo's student: size against quality at the demo's wall time (`python bench/student_sweep.py`)",
              "", "Each row is `make demo`'s recipe with `--student SHAPE --steps STEPS --eval-prompts 8`: the "
@@ -338,16 +346,13 @@ def section_student_sweep(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -
 
 def sweep_target_rows(path: str = SWEEP_RESULTS, loops: str = SWEEP_LOOPS) -> list[tuple[str, str, bool]]:
     """The targets-at-a-glance row of the demo's student (the gemma3-270m preset's shape in the sweep)."""
-    import student_sweep
-
     preset = os.path.join(os.path.dirname(common.BENCH), "nnx_surgery", "recipes", "config", "presets",
                           "gemma3-270m.json")
     if not os.path.exists(path) or not os.path.exists(preset):
         return []
     with open(preset, encoding="utf-8") as handle:
         shape = json.load(handle)["student"]["shape"]
-    records = read(path)
-    teacher = student_sweep.add_loops(records, loops) if os.path.exists(loops) else None
+    records, teacher = _sweep_records(path, loops)
     demo = next((r for r in records if r["student"] == shape), None)
     if demo is None:
         return []

@@ -112,16 +112,16 @@ def heldout_prompts(documents: Sequence[str], tokenizer: Any, *, count: int = 8,
     tok = load_tokenizer(tokenizer)
     rng = np.random.default_rng([seed, 0x9E7])
     prompts: list[Prompt] = []
-    cuts_left: dict[int, list[int]] = {}  # document -> its line boundaries not yet tried, in a drawn order
+    left: dict[int, tuple[list[str], list[int]]] = {}  # document -> (its lines, boundaries not yet tried)
     order = [int(index) for index in rng.permutation(len(documents))]
     while order and len(prompts) < count:
         giving = []
         for index in order:
-            if index not in cuts_left:
+            if index not in left:
                 lines = documents[index].splitlines(keepends=True)
                 cuts = [c for c in range(1, len(lines)) if lines[c].strip()]
-                cuts_left[index] = [int(c) for c in rng.permutation(cuts)] if cuts else []
-            prompt = _next_prompt(documents[index], index, cuts_left[index], tok, max_tokens, min_tokens)
+                left[index] = (lines, [int(c) for c in rng.permutation(cuts)] if cuts else [])
+            prompt = _next_prompt(*left[index], index, tok, max_tokens, min_tokens)
             if prompt is not None:
                 prompts.append(prompt)
                 giving.append(index)
@@ -131,10 +131,10 @@ def heldout_prompts(documents: Sequence[str], tokenizer: Any, *, count: int = 8,
     return prompts
 
 
-def _next_prompt(document: str, index: int, cuts: list[int], tok: TextTokenizer, max_tokens: int,
+def _next_prompt(lines: list[str], cuts: list[int], index: int, tok: TextTokenizer, max_tokens: int,
                  min_tokens: int) -> Prompt | None:
-    """A prompt from the first of up to 4 of `cuts` (consumed) that gives one, else None."""
-    lines = document.splitlines(keepends=True)
+    """A prompt of document `index` (its `lines`) from the first of up to 4 of `cuts` (consumed) that gives one,
+    else None."""
     for _ in range(min(4, len(cuts))):
         cut = cuts.pop(0)
         text, ids = _window(lines, cut, tok, max_tokens)
