@@ -57,12 +57,14 @@ class Setting:
 @dataclasses.dataclass(frozen=True)
 class Config:
     key: str
-    group: str  # "main" (the 4 targets x 2 lengths x 2 mixes) or "scaling" (fixed rows per chip, more chips)
+    group: str  # "main" (the 4 targets x 2 lengths x 2 mixes), "scaling" (fixed rows per chip, more chips) or
+    # "teachers" (the other families' released pairs)
     target: str
     seq: int
     loss: str
     ladder: tuple
     student: str = "gemma-2b"
+    teacher: str = "gemma-7b"
 
 
 def S(mesh, batch, accum, remat, logit_impl="fused"):
@@ -77,7 +79,8 @@ CONFIGS = [
                                                                 S("fsdp=8", 8, 1, L, TP))),
     Config("v5e-8/8192/logit", "main", "v5e:2x4", 8192, "logit", (S("fsdp=8", 8, 1, L), S("fsdp=8", 8, 1, L, TP),
                                                                   S("fsdp=4,tp=2", 4, 1, L))),
-    Config("v5e-8/8192/full", "main", "v5e:2x4", 8192, "full", (S("fsdp=8", 8, 1, L), S("fsdp=4,tp=2", 4, 1, L))),
+    Config("v5e-8/8192/full", "main", "v5e:2x4", 8192, "full", (S("fsdp=8", 8, 1, L), S("fsdp=4,tp=2", 4, 1, L),
+                                                                 S("fsdp=2,tp=4", 2, 1, L), S("fsdp=1,tp=8", 1, 1, L))),
     # the other targets at 2048: one guess each (the fastest remat expected to fit), a fallback when it does not
     Config("v6e-8/2048/logit", "main", "v6e:2x4", 2048, "logit", (S("fsdp=8", 16, 1, LD), S("fsdp=8", 16, 1, L))),
     Config("v5p-8/2048/logit", "main", "v5p:2x2x1", 2048, "logit", (S("fsdp=4", 16, 1, NONE), S("fsdp=4", 16, 1, LD))),
@@ -89,8 +92,11 @@ CONFIGS = [
     Config("v5p-8/8192/logit", "main", "v5p:2x2x1", 8192, "logit", (S("fsdp=4", 4, 1, LD), S("fsdp=4", 4, 1, L))),
     Config("v5e-16/8192/logit", "main", "v5e:4x4", 8192, "logit", (S("fsdp=16", 16, 1, L), S("fsdp=8,tp=2", 8, 1, L))),
     Config("v6e-8/8192/full", "main", "v6e:2x4", 8192, "full", (S("fsdp=8", 8, 1, L), S("fsdp=4,tp=2", 4, 1, L))),
-    Config("v5p-8/8192/full", "main", "v5p:2x2x1", 8192, "full", (S("fsdp=4", 4, 1, LD), S("fsdp=4", 4, 1, L))),
-    Config("v5e-16/8192/full", "main", "v5e:4x4", 8192, "full", (S("fsdp=16", 16, 1, L), S("fsdp=8,tp=2", 8, 1, L))),
+    Config("v5p-8/8192/full", "main", "v5p:2x2x1", 8192, "full", (S("fsdp=4", 4, 1, LD), S("fsdp=4", 4, 1, L),
+                                                                   S("fsdp=2,tp=2", 2, 2, L))),
+    Config("v5e-16/8192/full", "main", "v5e:4x4", 8192, "full", (S("fsdp=16", 16, 1, L), S("fsdp=8,tp=2", 8, 1, L),
+                                                                  S("fsdp=4,tp=4", 4, 1, L),
+                                                                  S("fsdp=2,tp=8", 2, 1, L))),
     # per-device bytes against chips, 2 rows of 2048 per chip, logit KL, remat layers (8 and 16 chips: the rows
     # v5e-8/2048/logit and v5e-16/2048/logit above)
     Config("scaling/v5e-64/2048/logit", "scaling", "v5e:8x8", 2048, "logit", (S("fsdp=64", 128, 1, L),)),
@@ -100,13 +106,21 @@ CONFIGS = [
     Config("scaled/v5e-8/2048/logit", "main", "v5e:2x4", 2048, "logit", (S("fsdp=8", 16, 1, L),), "scaled"),
     Config("scaled/v5e-8/2048/full", "main", "v5e:2x4", 2048, "full", (S("fsdp=8", 8, 1, L),), "scaled"),
 ]
+# the other families' released pairs the surgery can make (Gemma 3 27B -> 4B cannot: the 4B's head_dim is 256, the
+# 27B's 128, and a student keeps its teacher's head_dim), logit KL at 2048 on the smallest target expected to fit
+CONFIGS += [
+    Config("9b/v5e-8/2048/logit", "teachers", "v5e:2x4", 2048, "logit", (S("fsdp=8", 16, 1, L), S("fsdp=8", 8, 2, L)),
+           "gemma-2-2b", "gemma-2-9b"),
+    Config("12b/v5e-8/2048/logit", "teachers", "v5e:2x4", 2048, "logit", (S("fsdp=8", 16, 1, L), S("fsdp=8", 8, 2, L)),
+           "gemma-3-1b", "gemma-3-12b"),
+]
 BY_KEY = {config.key: config for config in CONFIGS}
 
 
 def flags_for(config: Config, setting: Setting, output: str = "OUT") -> list[str]:
     """The recipe's flags for one compile (remat is applied on the resolved flags: the command line also takes
     --remat layers; layers_dots through --set remat=\"layers_dots\")."""
-    return ["--teacher", "gemma-7b", "--student", config.student, "--precision", "bf16", "--seq-len",
+    return ["--teacher", config.teacher, "--student", config.student, "--precision", "bf16", "--seq-len",
             str(config.seq), "--batch-size", str(setting.batch), "--grad-accum", str(setting.accum), "--mesh",
             setting.mesh, *LOSSES[config.loss], "--aot", config.target, "--aot-tokens", "94e9", "--output", output]
 
@@ -289,21 +303,25 @@ def _tried_text(line: dict) -> str:
     return "; ".join(parts)
 
 
-def table(lines: dict[str, dict]) -> str:
-    out = ["| target | seq | loss | student | fits | GiB/device (of) | setting (mesh, micro x accum, remat) | "
+def table(lines: dict[str, dict], group: str = "main") -> str:
+    """The configurations of `group` ("teachers": a teacher column first)."""
+    lead = "| teacher " if group == "teachers" else ""
+    out = [lead + "| target | seq | loss | student | fits | GiB/device (of) | setting (mesh, micro x accum, remat) | "
            "tokens/step (micro) | tokens/s | days for 94B | compile s | tried |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---" * (12 + bool(lead)) + "|"]
     for config in CONFIGS:
         line = lines.get(config.key)
-        if config.group != "main" or line is None:
+        if config.group != group or line is None:
             continue
+        prefix = f"| {config.teacher} " if lead else ""
         best = line["best"]
-        shown = best or next((r for r in reversed(line["tried"]) if "bytes" in r and "total" in r["bytes"]), None)
+        shown = best or next((r for r in line["tried"] if r.get("fits")), None) or \
+            next((r for r in reversed(line["tried"]) if "bytes" in r and "total" in r["bytes"]), None)
         loss = "logit KL" if config.loss == "logit" else "full mix"
         if best is not None:
             b = best["bytes"]
             rate = best.get("tokens_per_s")
-            out.append(f"| {config.target} | {config.seq} | {loss} | {config.student} | yes | "
+            out.append(prefix + f"| {config.target} | {config.seq} | {loss} | {config.student} | yes | "
                        f"{_gib(b['total'])} ({_gib(best['memory_per_device'])}) | {_setting(best)} | "
                        f"{best['step_tokens'] // 1024}k ({best['micro_tokens'] // 1024}k) | "
                        f"{rate:,.0f} | {BUDGET / rate / 86400:.1f} | {best['compile_s']:.0f} | "
@@ -311,8 +329,10 @@ def table(lines: dict[str, dict]) -> str:
         else:
             total = _gib(shown["bytes"]["total"]) if shown else ""
             compile_s = "/".join(f"{r['compile_s']:.0f}" for r in line["tried"] if "compile_s" in r)
-            verdict_text = "not finished" if line.get("partial") else "**no**"
-            out.append(f"| {config.target} | {config.seq} | {loss} | {config.student} | {verdict_text} | {total} | "
+            tight = any(r.get("fits") for r in line["tried"])  # fits XLA's HBM, not the recipe's headroom
+            verdict_text = "not finished" if line.get("partial") else "under 10% free" if tight else "**no**"
+            out.append(prefix + f"| {config.target} | {config.seq} | {loss} | {config.student} | {verdict_text} | "
+                       f"{total} | "
                        f"| | | | {compile_s} | {_tried_text(line)} |")
     return "\n".join(out)
 
@@ -386,7 +406,8 @@ def ooms(lines: dict[str, dict]) -> str:
 def report(lines: dict[str, dict]) -> str:
     missing = [c.key for c in CONFIGS if c.key not in lines]
     return "\n\n".join(["### Gemma 7B -> 2B per target (main train step, --precision bf16, --aot-tokens 94e9, "
-                        "40% MFU)", table(lines), "### Bytes per device", breakdown(lines),
+                        "40% MFU)", table(lines), "### Other teachers (their released student shapes, the same "
+                        "settings)", table(lines, "teachers"), "### Bytes per device", breakdown(lines),
                         "### Per-device bytes against chips (2 rows of 2048 per chip, logit KL, remat layers)",
                         scaling(lines), "### What XLA said", ooms(lines) or "(nothing refused)",
                         "Not compiled: " + (", ".join(missing) if missing else "none")])

@@ -9,7 +9,8 @@ Requests come from the offline tasks (nnx_surgery.lm_eval_tasks): `loglikelihood
 peers get the same requests, batch size and float32 weights, `--passes` times: the first pass is cold (our
 compilations, torch's first calls), the last warm; both are reported. Peers run one after the other in this process
 (never side by side), so the machine's noise shows as run-to-run spread: quote ratios from one run. One JSON line
-per (peer, kind), then a markdown table. The answers are compared too (`max_abs_diff`, `same_text`).
+per (peer, kind), then a markdown table. The answers are compared too (`max_abs_diff`, `same_text`). `--record
+PATH` appends the run's summary (rates, ratios, agreement) as one JSON line.
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2, help="passes over the requests; the first is cold")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--peers", default="nnx-surgery,hf")
+    parser.add_argument("--record", default="", help="append the run's summary to this JSONL (e.g. "
+                        "bench/results/lm-eval-speed.jsonl, which BENCHMARKS.md's section reads)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work_dir:
         folder = model_folder(args.model, work_dir)
@@ -96,24 +99,51 @@ def main() -> None:
     report(results, args)
 
 
-def report(results: dict, args) -> None:
+def summary(results: dict, args) -> dict:
+    """Per kind: both peers' request rates, ours over the last peer's (warm, cold), and how their answers agree."""
     peers = list(results)
-    print(f"\n{args.model} model, batch {args.batch}, float32, {os.cpu_count()} CPUs\n")
-    print("| requests | " + " | ".join(f"{p} req/s cold / warm" for p in peers) +
-          " | ratio warm (cold) | agreement |")
-    print("|---|" + "---|" * (len(peers) + 2))
+    kinds = []
     for index, line in enumerate(results[peers[0]]["lines"]):
         kind = line["kind"]
         rows = [results[p]["lines"][index] for p in peers]
         a, b = (results[p]["answers"][kind] for p in (peers[0], peers[-1]))
         if kind == "loglikelihood":
-            agreement = f"max |dlogp| {max(abs(x[0] - y[0]) for x, y in zip(a, b)):.1e}, " \
-                        f"greedy flags {'equal' if [x[1] for x in a] == [y[1] for y in b] else 'DIFFER'}"
+            agreement = {"max_abs_diff": max(abs(x[0] - y[0]) for x, y in zip(a, b)),
+                         "greedy_flags_equal": [x[1] for x in a] == [y[1] for y in b]}
         else:
-            agreement = f"{sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal"
-        warm, cold = (rows[0][key] / rows[-1][key] for key in ("warm_per_s", "cold_per_s"))
-        rates = " | ".join(f"{r['cold_per_s']:.2f} / {r['warm_per_s']:.2f}" for r in rows)
-        print(f"| {line['requests']} {kind} | {rates} | {warm:.2f}x ({cold:.2f}x) | {agreement} |")
+            agreement = {"same_text": sum(x == y for x, y in zip(a, b)), "of": len(a)}
+        kinds.append({"kind": kind, "requests": line["requests"], "peers": rows, "agreement": agreement,
+                      "ratio_warm": rows[0]["warm_per_s"] / rows[-1]["warm_per_s"],
+                      "ratio_cold": rows[0]["cold_per_s"] / rows[-1]["cold_per_s"]})
+    return {"bench": "lm_eval_speed", "model": args.model, "batch": args.batch, "passes": args.passes,
+            "peers": peers, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "kinds": kinds}
+
+
+def table(record: dict) -> list[str]:
+    """The Markdown table of one `summary` record (BENCHMARKS.md prints it the same way)."""
+    peers = record["peers"]
+    out = ["| requests | " + " | ".join(f"{p} req/s cold / warm" for p in peers) + " | ratio warm (cold) | agreement |",
+           "|---|" + "---|" * (len(peers) + 2)]
+    for entry in record["kinds"]:
+        agree = entry["agreement"]
+        if entry["kind"] == "loglikelihood":
+            text = (f"max abs(d logp) {agree['max_abs_diff']:.1e}, greedy flags "
+                    f"{'equal' if agree['greedy_flags_equal'] else 'DIFFER'}")
+        else:
+            text = f"{agree['same_text']}/{agree['of']} texts equal"
+        rates = " | ".join(f"{r['cold_per_s']:.2f} / {r['warm_per_s']:.2f}" for r in entry["peers"])
+        out.append(f"| {entry['requests']} {entry['kind']} | {rates} | {entry['ratio_warm']:.2f}x "
+                   f"({entry['ratio_cold']:.2f}x) | {text} |")
+    return out
+
+
+def report(results: dict, args) -> None:
+    record = summary(results, args)
+    print(f"\n{args.model} model, batch {args.batch}, float32, {os.cpu_count()} CPUs\n")
+    print("\n".join(table(record)))
+    if args.record:
+        with open(args.record, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import common  # noqa: E402
 from common import fmt, latest  # noqa: E402
 from report_gpu import GPU_MFU_TARGET, GPU_RESULTS, gpu_run, section_gpu  # noqa: E402
 import report_aot  # noqa: E402
+import report_lm_eval  # noqa: E402
 import report_real  # noqa: E402
 
 PEER_NAMES = {"ours": "ours (`load_pretrained` / `distill.run`)",
@@ -298,6 +299,7 @@ def section_targets(records: list[dict]) -> list[str]:
                      quality.get("distilled_beats_scratch")))
     rows += report_aot.target_rows()
     rows += report_real.sweep_target_rows()
+    rows += report_lm_eval.target_rows()
     _, gpu_events = gpu_run(records)
     gpu_steps = [e for e in gpu_events if e.get("event") == "distill" and e.get("peer") == "ours" and e.get("mfu")]
     if gpu_steps:
@@ -336,6 +338,7 @@ def render(records: list[dict]) -> str:
     lines += section_gpu(records)
     lines += report_real.render(report_real.read(report_real.REAL_RESULTS)  # committed real-270M records
                                 + report_real.read(report_real.GGUF_EXPORT_RESULTS))
+    lines += report_lm_eval.render()  # committed records: lm-eval requests/s against the hf backend
     if os.path.exists(NOTES_FILE):
         with open(NOTES_FILE) as f:
             lines += [f.read().rstrip(), ""]

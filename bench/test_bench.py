@@ -304,3 +304,53 @@ def test_student_sweep_records_gap_closure_and_the_goal(tmp_path, capsys):
     assert lines[0].endswith("| loops, more prompts | meets the goal |") and lines[2].endswith(" 22% | no |")
     assert lines[3].endswith(" 50% | no |") and lines[4].endswith(" - | no |")
     assert "(over the more prompts: loops 12%)" in lines[-1]
+
+
+def test_aot_goal_rows_read_the_latest_compiles_and_the_margin():
+    import report_aot
+
+    def tried(fits, headroom, tokens=16384, total=14.84):
+        return {"fits": fits, "headroom": headroom, "tokens_per_step": tokens, "bytes": {"total": total * 2 ** 30},
+                "setting": {"mesh": "fsdp=4,tp=2", "batch": 4, "accum": 2}}
+
+    name, text, met = report_aot.full_mix_row({"tried": [tried(False, -0.03), tried(True, 0.06)]})
+    assert met is True and "14.84 GiB" in text and "6% free: under the recipe's 10% margin" in text
+    assert report_aot.full_mix_row({"tried": [tried(True, 0.2, tokens=8192)]})[2] is False  # fits, below 16k
+    assert report_aot.full_mix_row({"tried": [tried(False, -0.5)]})[1:] == ("does not fit in any setting tried",
+                                                                            False)
+    rows = {row[0]: row for row in report_aot.target_rows()}  # the committed records: one row per goal
+    assert len([n for n in rows if "full loss mix" in n]) == 1
+    assert rows[next(n for n in rows if "Liger" in n)][2] is False
+
+
+@pytest.mark.slow
+def test_lm_eval_speed_bench_records_rates_and_agreement(tmp_path):
+    """bench/lm_eval_speed.py on the tiny model, both peers, one pass: its record (rates, ratios, answers
+    compared) and BENCHMARKS.md's rendering of it (the target row is the real model's only)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("torch")
+    import report_lm_eval
+
+    out = tmp_path / "speed.jsonl"
+    root = os.path.dirname(BENCH)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "lm_eval_speed.py"), "--loglikelihood", "8",
+                           "--generate", "2", "--passes", "1", "--batch", "4", "--record", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["model"] == "tiny" and record["peers"] == ["nnx-surgery", "hf"]
+    kinds = {k["kind"]: k for k in record["kinds"]}
+    assert kinds["loglikelihood"]["requests"] == 8 and kinds["generate_until"]["requests"] == 2
+    assert kinds["loglikelihood"]["agreement"]["max_abs_diff"] < 1e-4
+    assert kinds["loglikelihood"]["agreement"]["greedy_flags_equal"] is True
+    assert kinds["generate_until"]["agreement"] == {"same_text": 2, "of": 2}
+    for entry in kinds.values():
+        ours, theirs = entry["peers"]
+        assert entry["ratio_warm"] == pytest.approx(ours["warm_per_s"] / theirs["warm_per_s"])
+    text = "\n".join(report_lm_eval.render([record]))
+    assert "| 8 loglikelihood |" in text and "2/2 texts equal" in text
+    assert report_lm_eval.target_rows([record]) == []  # the goal is stated on the real model
+    real = dict(record, model="real")
+    (name, measured, met), = report_lm_eval.target_rows([real])
+    assert met == (min(k["ratio_warm"] for k in record["kinds"]) >= 2.0) and "loglikelihood" in measured

@@ -1,0 +1,65 @@
+"""BENCHMARKS.md's lm-eval section from bench/results/lm-eval-speed.jsonl (bench/lm_eval_speed.py --record): our
+lm-eval backend against lm-eval's own `hf` backend, requests per second on the same folder and CPU.
+
+`render()` returns Markdown lines (bench/report.py appends them); `python bench/report_lm_eval.py` prints them.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEED_RESULTS = os.path.join(HERE, "results", "lm-eval-speed.jsonl")
+SPEED_GOAL = 2.0  # ours at least twice the hf backend's warm requests per second on the same CPU
+
+
+def read(path: str = SPEED_RESULTS) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def latest_real(records: list[dict]) -> dict | None:
+    real = [r for r in records if r.get("model") == "real"]
+    return real[-1] if real else None
+
+
+def target_rows(records: list[dict] | None = None) -> list[tuple[str, str, bool]]:
+    """"Targets at a glance": the real 270M's warm ratio per request type (the slower type decides)."""
+    record = latest_real(read() if records is None else records)
+    if record is None:
+        return []
+    worst = min(record["kinds"], key=lambda k: k["ratio_warm"])
+    text = ", ".join(f"{k['kind']} {k['ratio_warm']:.2f}x" for k in record["kinds"])
+    return [(f"lm-eval on the 270M (CPU): >= {SPEED_GOAL:g}x the hf backend's requests/s", text,
+             worst["ratio_warm"] >= SPEED_GOAL)]
+
+
+def render(records: list[dict] | None = None) -> list[str]:
+    from lm_eval_speed import table
+
+    records = read() if records is None else records
+    if not records:
+        return []
+    lines = ["## lm-eval: our backend against lm-eval's `hf` backend (CPU)", "",
+             "`python bench/lm_eval_speed.py --model real --record bench/results/lm-eval-speed.jsonl`: the same "
+             "requests (the offline tasks' next-line (context, choice) pairs for `loglikelihood`; their line "
+             "completions for `generate_until`, greedy, until a newline, at most 24 new tokens), the same float32 "
+             "folder (the real Gemma 3 270M imported from the GGUF) and batch size, one peer after the other in one "
+             "process; the first pass is cold (our compilations, torch's first calls), the last warm. Ratios are "
+             "ours over hf within one run.", ""]
+    for record in records:
+        lines += [f"Run {record['date']}: {record['model']} model, batch {record['batch']}, {record['passes']} "
+                  f"passes, {record['cpus']} CPUs.", ""] + table(record) + [""]
+    rows = target_rows(records)
+    if rows:
+        name, text, met = rows[0]
+        lines += [f"**Target ({name}):** {'met' if met else 'not met'} ({text}, warm).", ""]
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+    sys.path.insert(0, HERE)
+    print("\n".join(render()))
