@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 
 # The real Gemma 3 270M (installed by the package in the test extra), the standard library as corpus, offline.
 # --resume: a second `make demo` finishes or re-reports the run in runs/gemma3-270m instead of refusing it.
+# Every model is also scored on the three offline lm-eval tasks (the lm-eval extra, in the test extra), 20
+# documents each: the preset leaves them out, so that it runs without lm-eval installed.
 demo: $(STAMP)
-	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume
+	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume \
+		--eval-tasks nnx_offline --eval-tasks-limit 20
 
 # Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one).
 # `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs.

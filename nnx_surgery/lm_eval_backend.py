@@ -52,6 +52,7 @@ from flax import nnx
 DEFAULT_BATCH = 16
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config.json nor the tokenizer states a length
 SMALLEST_BUCKET = 16
+HEAD_ELEMENTS = 2 ** 26  # logits the scorer holds at once (256 MiB in float32): 256 positions of a 262k vocabulary
 TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
 
 
@@ -100,14 +101,27 @@ def _score(graphdef, state, ids, scored, targets, weights):
     """Per row: the summed log-probability of `targets` at positions `scored` (B, K) where `weights` is 1, and
     whether each of those targets is the argmax. Only the K scored positions go through the LM head: in a small
     Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice continuation
-    is a few tokens after a long context. Right padding needs no mask: a causal model's earlier positions never
-    see it."""
+    is a few tokens after a long context. The head runs over at most HEAD_ELEMENTS logits at a time (a rolling
+    window scores every position: 16 rows of 1,536 positions over 262k pieces would be 26 GB of logits at once).
+    Right padding needs no mask: a causal model's earlier positions never see it."""
     model = nnx.merge(graphdef, state)
     hidden = model(ids, return_logits=False).final_hidden
-    logits = model.logits_from_hidden(jnp.take_along_axis(hidden, scored[..., None], axis=1))
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
-    greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
+    picked_hidden = jnp.take_along_axis(hidden, scored[..., None], axis=1)  # (B, K, D)
+    (batch, k, width), vocab = picked_hidden.shape, model.config.vocab_size
+    rows, chunk = batch * k, max(1, min(batch * k, HEAD_ELEMENTS // vocab))
+    pad = -rows % chunk
+    flat_hidden = jnp.pad(picked_hidden.reshape(rows, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
+    flat_targets = jnp.pad(targets.reshape(rows), (0, pad)).reshape(-1, chunk)
+
+    def head(part):
+        part_hidden, part_targets = part
+        logits = model.logits_from_hidden(part_hidden)
+        picked = jnp.take_along_axis(logits, part_targets[:, None], axis=-1)[:, 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == part_targets
+
+    logprobs, hits = jax.lax.map(head, (flat_hidden, flat_targets))
+    logprobs, hits = (a.reshape(-1)[:rows].reshape(batch, k) for a in (logprobs, hits))
+    greedy = hits | (weights == 0)
     return jnp.sum(logprobs * weights, axis=-1), jnp.all(greedy, axis=-1)
 
 

@@ -143,6 +143,27 @@ def test_requests_compile_once_per_bucket(lm_eval, tiny_folder):
         assert abs(a - b) < 1e-5 and greedy_a == greedy_b
 
 
+def test_the_head_runs_in_chunks_of_bounded_logits(lm_eval, tiny_folder, monkeypatch):
+    """A rolling window scores every position: the head runs over HEAD_ELEMENTS logits at a time (the real 270M
+    would need 26 GB for 16 rows of 1,536 positions at once). Chunks of 5 positions (the last one padded) give the
+    log-likelihoods and greedy flags of one chunk."""
+    from lm_eval.api.instance import Instance
+    import nnx_surgery.lm_eval_backend as backend
+
+    lm = _ours(tiny_folder)
+    text = stdlib_text("bisect.py")
+    requests = [Instance("loglikelihood_rolling", {}, (text[:n],), i) for i, n in enumerate((300, 450, 700))]
+    pieces = [Instance("loglikelihood", {}, (text[:n], text[n:n + 40]), i) for i, n in enumerate((60, 90, 200))]
+    whole = lm.loglikelihood_rolling(requests), lm.loglikelihood(pieces)
+    monkeypatch.setattr(backend, "HEAD_ELEMENTS", 5 * lm.model.config.vocab_size)
+    backend._score.clear_cache()
+    chunked = lm.loglikelihood_rolling(requests), lm.loglikelihood(pieces)
+    backend._score.clear_cache()
+    assert np.allclose(whole[0], chunked[0], atol=1e-4) and len(chunked[0]) == 3
+    assert [flag for _, flag in whole[1]] == [flag for _, flag in chunked[1]]
+    assert np.allclose([v for v, _ in whole[1]], [v for v, _ in chunked[1]], atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def trimmed_student(tiny_folder, tmp_path_factory) -> str:
     """A student of the tiny teacher with 3 of its 4 layers and 450 of its vocabulary's pieces, cut from disk with
