@@ -16,8 +16,9 @@ the same tokenization (lm-eval's `TemplateLM` splits context and continuation; B
 same left truncation to `max_length`, the same rolling windows (lm-eval's own `get_rolling_token_windows`), and
 greedy generation with stop strings cut as lm-eval cuts them. What differs is the engine: requests of similar length
 are sorted by length, batched and padded to a few bucket shapes, so each (batch, bucket) compiles once, and one
-jitted function scores a batch: only the continuation's positions go through the LM head, and log-probabilities and
-greedy flags come back, never the logits.
+jitted function scores a batch (nnx_surgery/lm_eval_scoring.py): only the continuation's positions go through the
+LM head, and log-probabilities and greedy flags come back, never the logits. Requests that share their context (the
+choices of a multiple-choice question) run the context once into a KV cache and each continuation from it.
 
 lm-eval is an optional dependency (`pip install 'nnx-surgery[lm-eval]'`); nothing else in the package imports it.
 lm-eval's command line has no way to load a model class from another package (its `--include_path` adds tasks only),
@@ -27,11 +28,10 @@ so `python -m nnx_surgery.lm_eval_backend ARGS` runs lm-eval's own command line 
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any
 
 try:
     # lm-eval's own backends first: its registry fills itself only while it is empty
@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_surgery.lm_eval_scoring import score_batch, score_shared_contexts, bucket_for, length_buckets, scoring_rows
+
 DEFAULT_BATCH = 16
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config.json nor the tokenizer states a length
-SMALLEST_BUCKET = 16
-HEAD_ELEMENTS = 2 ** 26  # logits the scorer holds at once (256 MiB in float32): 256 positions of a 262k vocabulary
 TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
 
 
@@ -95,58 +95,6 @@ def _json(path: str) -> dict:
         return json.load(f)
 
 
-# ------------------------------------------------------------------------------------------------ scoring
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score(graphdef, state, ids, scored, targets, weights):
-    """Per row: the summed log-probability of `targets` at positions `scored` (B, K) where `weights` is 1, and
-    whether each of those targets is the argmax. Only the K scored positions go through the LM head: in a small
-    Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice continuation
-    is a few tokens after a long context. The head runs over at most HEAD_ELEMENTS logits at a time (a rolling
-    window scores every position: 16 rows of 1,536 positions over 262k pieces would be 26 GB of logits at once).
-    Right padding needs no mask: a causal model's earlier positions never see it."""
-    model = nnx.merge(graphdef, state)
-    hidden = model(ids, return_logits=False).final_hidden
-    picked_hidden = jnp.take_along_axis(hidden, scored[..., None], axis=1)  # (B, K, D)
-    (batch, k, width), vocab = picked_hidden.shape, model.config.vocab_size
-    rows, chunk = batch * k, max(1, min(batch * k, HEAD_ELEMENTS // vocab))
-    pad = -rows % chunk
-    flat_hidden = jnp.pad(picked_hidden.reshape(rows, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
-    flat_targets = jnp.pad(targets.reshape(rows), (0, pad)).reshape(-1, chunk)
-
-    def head(part):
-        part_hidden, part_targets = part
-        logits = model.logits_from_hidden(part_hidden)
-        picked = jnp.take_along_axis(logits, part_targets[:, None], axis=-1)[:, 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == part_targets
-
-    logprobs, hits = jax.lax.map(head, (flat_hidden, flat_targets))
-    logprobs, hits = (a.reshape(-1)[:rows].reshape(batch, k) for a in (logprobs, hits))
-    greedy = hits | (weights == 0)
-    return jnp.sum(logprobs * weights, axis=-1), jnp.all(greedy, axis=-1)
-
-
-def length_buckets(max_length: int) -> list[int]:
-    """Padded lengths a batch may take: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times them: at most a
-    third of a batch is padding), and `max_length` itself."""
-    buckets, size = [], SMALLEST_BUCKET
-    while size < max_length:
-        buckets += [size] + ([size * 3 // 2] if size * 3 // 2 < max_length else [])
-        size *= 2
-    return buckets + [max_length]
-
-
-def bucket_for(length: int, buckets: Sequence[int]) -> int:
-    return next(b for b in buckets if b >= length)
-
-
-def scoring_rows(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:
-    """The model's input (context + continuation without its last token, cut from the left to `max_length`, as
-    the hf backend cuts it) and how many of its last positions predict the continuation."""
-    tokens = (list(context) + list(continuation))[-(max_length + 1):]
-    return tokens, len(continuation)
-
-
-# ------------------------------------------------------------------------------------------------ the model
 def _register_once(cls):
     """`register_model("nnx-surgery")`, once: `python -m nnx_surgery.lm_eval_backend` runs this file as __main__,
     and a later `import nnx_surgery.lm_eval_backend` would otherwise register the class again (an error in lm-eval)."""
@@ -238,18 +186,65 @@ class NNXSurgeryLM(TemplateLM):
                               ) -> list[tuple[float, bool]]:
         """(request, context ids, continuation ids) -> (log-probability of the continuation, is it greedy)."""
         started = time.perf_counter()
-        rows = [scoring_rows(context, continuation, self.max_length) for _, context, continuation in requests]
-        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), rows[i][0]))
-        results: list[tuple[float, bool] | None] = [None] * len(rows)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        groups = self._shared_contexts(requests)
+        for start in range(0, len(groups), self.batch_size):
+            chunk = groups[start:start + self.batch_size]
+            totals, greedy = self._score_shared_batch([[requests[i] for i in group] for group in chunk])
+            for group, group_totals, group_greedy in zip(chunk, totals, greedy):
+                for i, total, flag in zip(group, group_totals, group_greedy):
+                    results[i] = (float(total), bool(flag))
+        alone = [i for i in range(len(requests)) if results[i] is None]
+        rows = {i: scoring_rows(requests[i][1], requests[i][2], self.max_length) for i in alone}
+        order = sorted(alone, key=lambda i: (-len(rows[i][0]), rows[i][0]))
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             totals, greedy = self._score_batch([rows[i] for i in chunk])
             for i, total, flag in zip(chunk, totals, greedy):
                 results[i] = (float(total), bool(flag))
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+        for request, result in zip(requests, results):
+            if request[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", request[0], result)
         self.timings["loglikelihood_s"] += time.perf_counter() - started
         return results
+
+    def _shared_contexts(self, requests) -> list[list[int]]:
+        """Indices of requests grouped by their context (2 or more with the same context ids), longest contexts
+        first, where context and continuation fit untruncated in the model's positions (sliding-window layers keep
+        a ring in the cache, which a continuation of several tokens continues as a chunk); every other request is
+        scored alone."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, context, continuation) in enumerate(requests):
+            if context and continuation and len(context) + len(continuation) <= self.max_length:
+                groups.setdefault(tuple(context), []).append(i)
+        shared = [group for group in groups.values() if len(group) >= 2]
+        return sorted(shared, key=lambda group: (-len(requests[group[0]][1]), group))
+
+    def _score_shared_batch(self, groups) -> tuple[list, list]:
+        """One `score_shared_contexts` call: `groups` (at most batch_size lists of (request, context,
+        continuation) with one context each) as (batch_size, W) left-padded contexts and (batch_size, C, K)
+        continuations, W and K length buckets, C the most choices of a group; unused rows and choices weigh
+        nothing."""
+        width = bucket_for(max(len(group[0][1]) for group in groups), self.buckets)
+        k = bucket_for(max(len(c) for group in groups for _, _, c in group), self.buckets)
+        choices = max(len(group) for group in groups)
+        contexts, mask = np.zeros((self.batch_size, width), np.int32), np.zeros((self.batch_size, width), np.int32)
+        inputs = np.zeros((self.batch_size, choices, max(k - 1, 1)), np.int32)
+        targets = np.zeros((self.batch_size, choices, k), np.int32)
+        weights = np.zeros((self.batch_size, choices, k), np.float32)
+        mask[len(groups):, -1] = 1  # unused rows: one real token, so that no position attends to nothing
+        for r, group in enumerate(groups):
+            context = group[0][1]
+            contexts[r, width - len(context):], mask[r, width - len(context):] = context, 1
+            for c, (_, _, continuation) in enumerate(group):
+                inputs[r, c, :len(continuation) - 1] = continuation[:-1]
+                targets[r, c, :len(continuation)] = continuation
+                weights[r, c, :len(continuation)] = 1.0
+        arrays = [self._place(a) for a in (contexts, mask, inputs, targets, weights)]
+        totals, greedy = score_shared_contexts(self.graphdef, self.state, *arrays)
+        totals, greedy = np.asarray(totals), np.asarray(greedy)
+        return ([totals[r, :len(group)] for r, group in enumerate(groups)],
+                [greedy[r, :len(group)] for r, group in enumerate(groups)])
 
     def _score_batch(self, rows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
         """One padded (batch_size, bucket) call: inputs are tokens[:-1]; the last `scored` positions of each row
@@ -268,7 +263,7 @@ class NNXSurgeryLM(TemplateLM):
             targets[r, :scored] = tokens[n - scored + 1:]
             weights[r, :scored] = 1.0
         arrays = [self._place(a) for a in (ids, scored_at, targets, weights)]
-        totals, greedy = _score(self.graphdef, self.state, *arrays)
+        totals, greedy = score_batch(self.graphdef, self.state, *arrays)
         return np.asarray(totals)[:len(rows)], np.asarray(greedy)[:len(rows)]
 
     def _place(self, array: np.ndarray):

@@ -125,19 +125,19 @@ def test_requests_compile_once_per_bucket(lm_eval, tiny_folder):
     """Contexts of many lengths: one compilation per (batch, length bucket), and batches that are not full are
     padded with rows that change nothing."""
     from lm_eval.api.instance import Instance
-    from nnx_surgery.lm_eval_backend import _score, length_buckets
+    from nnx_surgery.lm_eval_scoring import length_buckets, score_batch
 
     lm = _ours(tiny_folder)
     assert length_buckets(lm.max_length) == [16, 24, 32, 48, 64, 96, 128] and lm.max_length == 128
     text = stdlib_text("bisect.py")
     requests = [Instance("loglikelihood", {}, (text[:n], text[n:n + 9]), i) for i, n in enumerate(range(40, 400, 30))]
-    before = _score._cache_size()
+    before = score_batch._cache_size()
     scored = lm.loglikelihood(requests)
     widths = {min(b for b in lm.buckets if b >= min(len(lm.tok_encode(r.args[0] + r.args[1])) - 1, 128))
               for r in requests}
-    compiled = _score._cache_size() - before
+    compiled = score_batch._cache_size() - before
     assert len(widths) >= 3 and 2 <= compiled <= len(widths)  # batches of 4 rows sorted by length share buckets
-    assert lm.loglikelihood(requests[::-1]) == scored[::-1] and _score._cache_size() == before + compiled
+    assert lm.loglikelihood(requests[::-1]) == scored[::-1] and score_batch._cache_size() == before + compiled
     alone = [lm.loglikelihood([request])[0] for request in requests[:3]]
     for (a, greedy_a), (b, greedy_b) in zip(scored[:3], alone):
         assert abs(a - b) < 1e-5 and greedy_a == greedy_b
@@ -146,22 +146,53 @@ def test_requests_compile_once_per_bucket(lm_eval, tiny_folder):
 def test_the_head_runs_in_chunks_of_bounded_logits(lm_eval, tiny_folder, monkeypatch):
     """A rolling window scores every position: the head runs over HEAD_ELEMENTS logits at a time (the real 270M
     would need 26 GB for 16 rows of 1,536 positions at once). Chunks of 5 positions (the last one padded) give the
-    log-likelihoods and greedy flags of one chunk."""
+    log-likelihoods and greedy flags of one chunk, for rows scored alone and for choices sharing a context."""
     from lm_eval.api.instance import Instance
-    import nnx_surgery.lm_eval_backend as backend
+    from nnx_surgery import lm_eval_scoring
 
     lm = _ours(tiny_folder)
     text = stdlib_text("bisect.py")
     requests = [Instance("loglikelihood_rolling", {}, (text[:n],), i) for i, n in enumerate((300, 450, 700))]
     pieces = [Instance("loglikelihood", {}, (text[:n], text[n:n + 40]), i) for i, n in enumerate((60, 90, 200))]
-    whole = lm.loglikelihood_rolling(requests), lm.loglikelihood(pieces)
-    monkeypatch.setattr(backend, "HEAD_ELEMENTS", 5 * lm.model.config.vocab_size)
-    backend._score.clear_cache()
-    chunked = lm.loglikelihood_rolling(requests), lm.loglikelihood(pieces)
-    backend._score.clear_cache()
+    pieces += [Instance("loglikelihood", {}, (text[:150], text[m:m + 30]), 3 + i) for i, m in enumerate((150, 400))]
+
+    def scores():
+        for jitted in (lm_eval_scoring.score_batch, lm_eval_scoring.score_shared_contexts):
+            jitted.clear_cache()
+        return lm.loglikelihood_rolling(requests), lm.loglikelihood(pieces)
+
+    whole = scores()
+    monkeypatch.setattr(lm_eval_scoring, "HEAD_ELEMENTS", 5 * lm.model.config.vocab_size)
+    chunked = scores()
+    monkeypatch.undo()
     assert np.allclose(whole[0], chunked[0], atol=1e-4) and len(chunked[0]) == 3
     assert [flag for _, flag in whole[1]] == [flag for _, flag in chunked[1]]
     assert np.allclose([v for v, _ in whole[1]], [v for v, _ in chunked[1]], atol=1e-5)
+
+
+def test_choices_of_one_context_share_its_pass(lm_eval, tiny_folder):
+    """Requests with the same context (a multiple-choice question) run the context once into a KV cache and each
+    continuation from it (through the ring of the sliding-window layers: the tiny model's window is 5 tokens): the
+    same log-likelihoods (1e-5) and greedy flags as each request scored alone, one context pass per question; a
+    context the model's positions cannot hold with its continuation is scored alone."""
+    from lm_eval.api.instance import Instance
+    from nnx_surgery import lm_eval_scoring
+
+    lm = _ours(tiny_folder)
+    text = stdlib_text("bisect.py")
+    questions = [(text[s:s + 120], [text[s + 120:s + 120 + n] for n in (1, 9, 30, 4)]) for s in (0, 300, 900)]
+    requests = [Instance("loglikelihood", {}, (context, choice), i)
+                for i, (context, choice) in enumerate((c, x) for c, choices in questions for x in choices)]
+    single_token = [Instance("loglikelihood", {}, (text[:80], choice), i) for i, choice in enumerate(("x", "y"))]
+    before = lm_eval_scoring.score_shared_contexts._cache_size()
+    assert len(lm._shared_contexts([(None, *lm._encode_pair(*r.args)) for r in requests])) == 3
+    together = lm.loglikelihood(requests) + lm.loglikelihood(single_token)
+    assert lm_eval_scoring.score_shared_contexts._cache_size() > before
+    alone = [lm.loglikelihood([r])[0] for r in requests + single_token]
+    assert [flag for _, flag in together] == [flag for _, flag in alone]
+    assert np.allclose([v for v, _ in together], [v for v, _ in alone], atol=1e-5)
+    long_context = [(None, list(range(3, 3 + lm.max_length)), [5, 6]), (None, list(range(3, 3 + lm.max_length)), [7])]
+    assert lm._shared_contexts(long_context) == []
 
 
 @pytest.fixture(scope="module")

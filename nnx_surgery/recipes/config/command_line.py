@@ -52,7 +52,7 @@ def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argp
 
 
 def preset_default(item: fields.Declared, presets: dict[str, dict]) -> str | None:
-    """"default by preset: 7b 20000, gemma3-270m 24, tiny 240; otherwise ..." where a preset sets the field."""
+    """"default by preset: 7b 20000, gemma3-270m 20, tiny 240; otherwise ..." where a preset sets the field."""
     by_preset = {}
     for name, values in presets.items():
         value: Any = values
