@@ -117,6 +117,8 @@ def child_sweep(args) -> dict:
         stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         if stats and "peak_bytes_in_use" in stats:
             record["peak_device_bytes"] = stats["peak_bytes_in_use"]
+        if not done:  # the first point: the device's peak so far is this step's (later points only raise it)
+            record.update(compiled_step_bytes(teacher, student, config, record.get("peak_device_bytes")))
         common.emit(common.round_floats(record, 6), args.out)
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
@@ -126,6 +128,28 @@ def child_sweep(args) -> dict:
     if args.trace_steps and done and time.perf_counter() + 0.8 * last_cost < deadline:
         trace_point(teacher, student, best_point, args)
     return {"points_done": done, **best, "peak_rss_bytes": common.peak_rss_bytes()}
+
+
+def compiled_step_bytes(teacher, student, config, peak: int | None) -> dict:
+    """What `--aot` would say of this point's train step: XLA's memory analysis of the same step compiled apart for
+    this device (abstract arguments, `distill.loop.lowering`), beside the device's measured peak (which also holds
+    the loaded models' copies the step does not use, so it reads at or above the compiled total)."""
+    from nnx_surgery.distill.loop.lowering import train_step_program
+    from nnx_surgery.distill.mesh import make_mesh
+
+    began = time.perf_counter()
+    try:
+        program = train_step_program(teacher, student, config, make_mesh("fsdp=1", devices=1), 0)
+        analysis = program.lower().compile().memory_analysis()
+    except Exception as error:  # noqa: BLE001  (the timed point stands without it)
+        return {"compiled_error": f"{type(error).__name__}: {error}"[:500]}
+    total = (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+             - analysis.alias_size_in_bytes)
+    found = {"compiled_total_bytes": int(total), "compiled_temp_bytes": int(analysis.temp_size_in_bytes),
+             "compile_for_analysis_s": round(time.perf_counter() - began, 1)}
+    if peak:
+        found["peak_to_compiled"] = round(peak / total, 4)
+    return found
 
 
 def point_config(point: dict, seq: int, dtype: str, steps: int):

@@ -60,6 +60,13 @@ def section_gpu(records: list[dict]) -> list[str]:
         out += ["", f"Ours vs the PyTorch step at batch {torch_run['batch']}: "
                 f"{fmt(torch_run['median_step_s'] / min(e['median_step_s'] for e in same_batch), 2, 'x')} "
                 "its tokens/s."]
+    compiled = next((e for e in distills if e.get("compiled_total_bytes")), None)
+    if compiled:  # the first point's step compiled apart, as --aot would report it
+        peak = compiled.get("peak_device_bytes")
+        out += ["", f"Compiled against measured (batch {compiled['batch']}, the first point): XLA's memory analysis "
+                f"of the same step, {fmt(compiled['compiled_total_bytes'] / common.GIB, 2)} GiB"
+                + (f"; the device's peak {fmt(peak / common.GIB, 2)} GiB ({fmt(compiled['peak_to_compiled'], 3)}x, "
+                   "the loaded models' copies included)." if peak else ".")]
     loads = [e for e in events if e.get("event") == "load" and "load_s" in e]
     if loads:
         out += ["", "Load onto the GPU (`load_pretrained`, teacher, fresh process): " + "; ".join(
