@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--peers", default="nnx-surgery,hf")
     parser.add_argument("--record", default="", help="append the run's summary to this JSONL (e.g. "
                         "bench/results/lm-eval-speed.jsonl, which BENCHMARKS.md's section reads)")
+    parser.add_argument("--scoring", default="", help="a note on our scoring code for the record (what changed)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work_dir:
         folder = model_folder(args.model, work_dir)
@@ -115,8 +116,9 @@ def summary(results: dict, args) -> dict:
         kinds.append({"kind": kind, "requests": line["requests"], "peers": rows, "agreement": agreement,
                       "ratio_warm": rows[0]["warm_per_s"] / rows[-1]["warm_per_s"],
                       "ratio_cold": rows[0]["cold_per_s"] / rows[-1]["cold_per_s"]})
-    return {"bench": "lm_eval_speed", "model": args.model, "batch": args.batch, "passes": args.passes,
-            "peers": peers, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "kinds": kinds}
+    record = {"bench": "lm_eval_speed", "model": args.model, "batch": args.batch, "passes": args.passes,
+              "peers": peers, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "kinds": kinds}
+    return {**record, "scoring": args.scoring} if getattr(args, "scoring", "") else record
 
 
 def table(record: dict) -> list[str]:

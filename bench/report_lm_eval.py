@@ -50,8 +50,9 @@ def render(records: list[dict] | None = None) -> list[str]:
              "process; the first pass is cold (our compilations, torch's first calls), the last warm. Ratios are "
              "ours over hf within one run.", ""]
     for record in records:
+        scoring = f" Our scoring then: {record['scoring']}." if record.get("scoring") else ""
         lines += [f"Run {record['date']}: {record['model']} model, batch {record['batch']}, {record['passes']} "
-                  f"passes, {record['cpus']} CPUs.", ""] + table(record) + [""]
+                  f"passes, {record['cpus']} CPUs.{scoring}", ""] + table(record) + [""]
     rows = target_rows(records)
     if rows:
         name, text, met = rows[0]
@@ -60,22 +61,16 @@ def render(records: list[dict] | None = None) -> list[str]:
     return lines
 
 
-# What the quiet run of 2026-12-06 shows, and the profile behind it (one batch of 8 rows, the real 270M, float32)
+# What the quiet runs of 2026-12-06 show, and the profile behind them (one batch of 8 rows, the real 270M, float32)
 WHY = """Why, on this CPU (a profile of one batch of 8 x 128 tokens, the same weights, quiet machine): the two
 decoder stacks run at the same speed (ours 0.99 s, transformers 0.96 s; at 8 x 1024 ours is slower, 16.6 s against
-11.5 s: its attention is not fused like torch's SDPA). Our lead in `loglikelihood` comes only from sending the
-continuation's positions alone through the 262k-piece LM head, which the `hf` backend applies at every position
-(1.38 s of its 2.34 s for that batch, against 0.31 s of our 1.30 s); padding to length buckets (at most 1.5x) gives
-part of it back, hence 1.35x over the task's requests. Greedy generation decodes one token per step for the whole
-batch, and each step reads every weight once (about 1.1 GB in float32, two thirds of it the head): both backends
-are bound by the same bytes at the same batch, hence parity. An earlier run on a loaded machine gave 2.6x / 2.3x:
-torch's threads lose more to other work than XLA's do, which is not a speed of ours. What would reach 2x on
-`loglikelihood`: scoring the choices of one context from one pass over the context (its KV cache reused for each
-continuation; multiple-choice contexts are most of the tokens), and a fused attention for long rows. Generation at
-equal batch stays bound by weight reads on a CPU."""
-
-
-if __name__ == "__main__":
-    import sys
-    sys.path.insert(0, HERE)
-    print("\n".join(render()))
+11.5 s: its attention is not fused like torch's SDPA). Our lead in `loglikelihood` comes from doing less work: the
+`hf` backend runs context + continuation once per choice and applies the 262k-piece LM head at every position
+(1.38 s of its 2.34 s for that batch); ours runs a question's shared context once into a KV cache that every
+choice continues, and applies the head only at the continuations' real positions (not their padding to a length
+bucket). The first run of the day, without either (the head at every padded continuation position, the context
+once per choice), measured 1.35x; sharing the context alone, 1.50x. Greedy generation decodes one token per step
+for the whole batch, and each step reads every weight once (about 1.1 GB in float32, two thirds of it the head):
+both backends are bound by the same bytes at the same batch, hence parity, and no 2x without a larger batch. An
+earlier run on a loaded machine gave 2.6x / 2.3x: torch's threads lose more to other work than XLA's do, which is
+not a speed of ours."""

@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_surgery.lm_eval_scoring import score_batch, score_shared_contexts, bucket_for, length_buckets, scoring_rows
+from nnx_surgery.lm_eval_scoring import (bucket_for, length_buckets, picks_of, score_batch, score_shared_contexts,
+                                         scoring_rows)
 
 DEFAULT_BATCH = 16
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config.json nor the tokenizer states a length
@@ -240,8 +241,9 @@ class NNXSurgeryLM(TemplateLM):
                 inputs[r, c, :len(continuation) - 1] = continuation[:-1]
                 targets[r, c, :len(continuation)] = continuation
                 weights[r, c, :len(continuation)] = 1.0
-        arrays = [self._place(a) for a in (contexts, mask, inputs, targets, weights)]
-        totals, greedy = score_shared_contexts(self.graphdef, self.state, *arrays)
+        arrays = [self._place(a) for a in (contexts, mask, inputs, targets)]
+        picks = [self._place(a, replicated=True) for a in picks_of(weights)]
+        totals, greedy = score_shared_contexts(self.graphdef, self.state, *arrays, *picks)
         totals, greedy = np.asarray(totals), np.asarray(greedy)
         return ([totals[r, :len(group)] for r, group in enumerate(groups)],
                 [greedy[r, :len(group)] for r, group in enumerate(groups)])
@@ -262,17 +264,20 @@ class NNXSurgeryLM(TemplateLM):
             scored_at[r, :scored] = np.arange(n - scored, n)
             targets[r, :scored] = tokens[n - scored + 1:]
             weights[r, :scored] = 1.0
-        arrays = [self._place(a) for a in (ids, scored_at, targets, weights)]
-        totals, greedy = score_batch(self.graphdef, self.state, *arrays)
+        arrays = [self._place(a) for a in (ids, scored_at, targets)]
+        picks = [self._place(a, replicated=True) for a in picks_of(weights)]
+        totals, greedy = score_batch(self.graphdef, self.state, *arrays, *picks)
         return np.asarray(totals)[:len(rows)], np.asarray(greedy)[:len(rows)]
 
-    def _place(self, array: np.ndarray):
+    def _place(self, array: np.ndarray, replicated: bool = False):
+        """On the mesh: split over its data axes by the first dimension (rows), or `replicated`."""
         if self.mesh is None:
             return jnp.asarray(array)
         from jax.sharding import NamedSharding, PartitionSpec
         from nnx_surgery.distill.mesh import data_split
         axes, _ = data_split(self.mesh)
-        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec(tuple(axes) or None)))
+        spec = PartitionSpec() if replicated else PartitionSpec(tuple(axes) or None)
+        return jax.device_put(array, NamedSharding(self.mesh, spec))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-probability over windows of the model's context, lm-eval's own windows (the first

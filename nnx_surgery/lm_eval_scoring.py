@@ -16,7 +16,7 @@ HEAD_ELEMENTS = 2 ** 26  # logits the scorer holds at once (256 MiB in float32):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def score_batch(graphdef, state, ids, scored, targets, weights):
+def score_batch(graphdef, state, ids, scored, targets, picks, valid):
     """Per row: the summed log-probability of `targets` at positions `scored` (B, K) where `weights` is 1, and
     whether each of those targets is the argmax. Only the K scored positions go through the LM head: in a small
     Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice continuation
@@ -24,44 +24,44 @@ def score_batch(graphdef, state, ids, scored, targets, weights):
     see it."""
     model = nnx.merge(graphdef, state)
     hidden = model(ids, return_logits=False).final_hidden
-    return head_scores(model, jnp.take_along_axis(hidden, scored[..., None], axis=1), targets, weights)
+    return head_scores(model, jnp.take_along_axis(hidden, scored[..., None], axis=1), targets, picks, valid)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def score_shared_contexts(graphdef, state, contexts, context_mask, inputs, targets, weights):
+def score_shared_contexts(graphdef, state, contexts, context_mask, inputs, targets, picks, valid):
     """Requests that share their context (a multiple-choice question's choices): each context (B, W, left-padded,
-    `context_mask`) runs once into a KV cache, then each of C continuations continues that cache; `inputs`
-    (B, C, K - 1) are a continuation's tokens but its last (right-padded), `targets`/`weights` (B, C, K) what is
-    scored. The context's last position predicts a continuation's first token, the continuation's own positions
-    the rest. Per (row, choice): the summed log-probability and the greedy flag, as `score_batch` gives them for
-    context + continuation in one row, for a fraction of the decoder's work when contexts are long."""
+    `context_mask`) runs once into a KV cache, then its C continuations continue copies of it in one call; `inputs`
+    (B, C, K - 1) are a continuation's tokens but its last (right-padded), `targets` (B, C, K) what is scored
+    (`picks`/`valid` as `head_scores` takes them, over the (B * C, K) positions). The context's last position
+    predicts a continuation's first token, the continuation's own positions the rest. Per (row, choice): the
+    summed log-probability and the greedy flag, as `score_batch` gives them for context + continuation in one row,
+    for a fraction of the decoder's work when contexts are long."""
     model = nnx.merge(graphdef, state)
     (batch, width), (_, choices, k) = contexts.shape, targets.shape
     out = model(contexts, attention_mask=context_mask, cache=model.init_cache(batch, width + k),
                 return_logits=False)
-    last = out.final_hidden[:, -1:]
-
-    def one_choice(choice_inputs):
-        if k == 1:  # one-token continuations: the context alone predicts them
-            return last
-        tail = model(choice_inputs, cache=out.cache, return_logits=False).final_hidden
-        return jnp.concatenate([last, tail], axis=1)
-
-    hidden = jnp.moveaxis(jax.lax.map(one_choice, jnp.moveaxis(inputs, 1, 0)), 0, 1)  # (B, C, K, D)
-    totals, greedy = head_scores(model, hidden.reshape(batch * choices, k, -1), targets.reshape(-1, k),
-                                  weights.reshape(-1, k))
+    last = jnp.repeat(out.final_hidden[:, -1:], choices, axis=0)  # (B * C, 1, D), row b's choices together
+    if k == 1:  # one-token continuations: the context alone predicts them
+        hidden = last
+    else:  # every choice of every row in one call: the cache's rows repeated once per choice
+        cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, choices, axis=0) if leaf.ndim else leaf, out.cache)
+        tail = model(inputs.reshape(batch * choices, k - 1), cache=cache, return_logits=False).final_hidden
+        hidden = jnp.concatenate([last, tail], axis=1)
+    totals, greedy = head_scores(model, hidden, targets.reshape(-1, k), picks, valid)
     return totals.reshape(batch, choices), greedy.reshape(batch, choices)
 
 
-def head_scores(model, picked_hidden, targets, weights):
-    """(B, K, D) hidden states at the scored positions -> per row the summed log-probability of `targets` where
-    `weights` is 1 and whether each is the argmax. The head runs over at most HEAD_ELEMENTS logits at a time (a
+def head_scores(model, picked_hidden, targets, picks, valid):
+    """(R, K, D) hidden states at the positions that predict `targets` (R, K) -> per row the summed
+    log-probability of its targets and whether each is the argmax, over the positions `picks` (N,) of the
+    flattened (R * K) grid where `valid` (N,) is 1: the real ones (`picks_of`), so the padding of short
+    continuations to K never goes through the head. The head runs over at most HEAD_ELEMENTS logits at a time (a
     rolling window scores every position: 16 rows of 1,536 positions over 262k pieces would be 26 GB of logits)."""
-    (batch, k, width), vocab = picked_hidden.shape, model.config.vocab_size
-    rows, chunk = batch * k, max(1, min(batch * k, HEAD_ELEMENTS // vocab))
-    pad = -rows % chunk
-    flat_hidden = jnp.pad(picked_hidden.reshape(rows, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
-    flat_targets = jnp.pad(targets.reshape(rows), (0, pad)).reshape(-1, chunk)
+    (rows, k, width), vocab, count = picked_hidden.shape, model.config.vocab_size, picks.shape[0]
+    chunk = max(1, min(count, HEAD_ELEMENTS // vocab))
+    pad = -count % chunk
+    flat_hidden = jnp.pad(picked_hidden.reshape(rows * k, width)[picks], ((0, pad), (0, 0))).reshape(-1, chunk, width)
+    flat_targets = jnp.pad(targets.reshape(rows * k)[picks], (0, pad)).reshape(-1, chunk)
 
     def head(part):
         part_hidden, part_targets = part
@@ -69,9 +69,33 @@ def head_scores(model, picked_hidden, targets, weights):
         picked = jnp.take_along_axis(logits, part_targets[:, None], axis=-1)[:, 0]
         return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == part_targets
 
-    logprobs, hits = jax.lax.map(head, (flat_hidden, flat_targets))
-    logprobs, hits = (a.reshape(-1)[:rows].reshape(batch, k) for a in (logprobs, hits))
-    return jnp.sum(logprobs * weights, axis=-1), jnp.all(hits | (weights == 0), axis=-1)
+    logprobs, hits = (a.reshape(-1)[:count] for a in jax.lax.map(head, (flat_hidden, flat_targets)))
+    owners = picks // k
+    totals = jax.ops.segment_sum(logprobs * valid, owners, num_segments=rows)
+    misses = jax.ops.segment_sum(jnp.where(valid > 0, ~hits, False).astype(jnp.int32), owners, num_segments=rows)
+    return totals, misses == 0
+
+
+def picks_of(weights) -> tuple:
+    """The flat indices of `weights`' ones (numpy, any shape), padded with index 0 and `valid` 0 to a length
+    bucket (`count_bucket`), so that few shapes compile: (picks int32, valid float32)."""
+    import numpy as np
+
+    found = np.flatnonzero(np.asarray(weights).reshape(-1) > 0).astype(np.int32)
+    size = count_bucket(len(found))
+    picks, valid = np.zeros(size, np.int32), np.zeros(size, np.float32)
+    picks[:len(found)], valid[:len(found)] = found, 1.0
+    return picks, valid
+
+
+def count_bucket(count: int) -> int:
+    """16, 24, 32, 48, 64, 96, ...: the smallest at or above `count` (at most a third of it padding)."""
+    size = SMALLEST_BUCKET
+    while True:
+        for bucket in (size, size * 3 // 2):
+            if bucket >= count:
+                return bucket
+        size *= 2
 
 
 def length_buckets(max_length: int) -> list[int]:
