@@ -9,6 +9,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 SMALLEST_BUCKET = 16
@@ -17,11 +18,11 @@ HEAD_ELEMENTS = 2 ** 26  # logits the scorer holds at once (256 MiB in float32):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def score_batch(graphdef, state, ids, scored, targets, picks, valid):
-    """Per row: the summed log-probability of `targets` at positions `scored` (B, K) where `weights` is 1, and
-    whether each of those targets is the argmax. Only the K scored positions go through the LM head: in a small
-    Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice continuation
-    is a few tokens after a long context. Right padding needs no mask: a causal model's earlier positions never
-    see it."""
+    """Per row: the summed log-probability of `targets` (B, K) predicted at positions `scored` (B, K), over the
+    real ones (`picks`/`valid`, `head_scores`), and whether each is the argmax. Only those go through the LM head:
+    in a small Gemma the head is most of the work (Gemma 3 270M: 168M of 268M parameters), and a multiple-choice
+    continuation is a few tokens after a long context. Right padding needs no mask: a causal model's earlier
+    positions never see it."""
     model = nnx.merge(graphdef, state)
     hidden = model(ids, return_logits=False).final_hidden
     return head_scores(model, jnp.take_along_axis(hidden, scored[..., None], axis=1), targets, picks, valid)
@@ -79,8 +80,6 @@ def head_scores(model, picked_hidden, targets, picks, valid):
 def picks_of(weights) -> tuple:
     """The flat indices of `weights`' ones (numpy, any shape), padded with index 0 and `valid` 0 to a length
     bucket (`count_bucket`), so that few shapes compile: (picks int32, valid float32)."""
-    import numpy as np
-
     found = np.flatnonzero(np.asarray(weights).reshape(-1) > 0).astype(np.int32)
     size = count_bucket(len(found))
     picks, valid = np.zeros(size, np.int32), np.zeros(size, np.float32)
@@ -117,6 +116,3 @@ def scoring_rows(context: list[int], continuation: list[int], max_length: int) -
     the hf backend cuts it) and how many of its last positions predict the continuation."""
     tokens = (list(context) + list(continuation))[-(max_length + 1):]
     return tokens, len(continuation)
-
-
-# ------------------------------------------------------------------------------------------------ the model

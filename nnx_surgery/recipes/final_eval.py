@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from typing import Any
 
 from nnx_surgery import distill
@@ -128,15 +129,18 @@ def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularie
     """Every model scored on the lm-eval tasks (our backend, in memory; a trimmed student with its own tokenizer),
     in each results row's `lm_eval`, in results["lm_eval"] and in `out`/lm_eval.md."""
     from nnx_surgery.recipes import lm_eval_scores
-    scores = {}
+    scores, seconds = {}, {}
     for row in results["rows"]:
         name = row["model"]
         tokenizer = vocabularies[name].tokenizer if name in vocabularies else args.teacher_folder
-        distill.distributed.say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name}")
+        started = time.perf_counter()
         batch = {"batch_size": args.tasks_batch} if args.tasks_batch else {}
         row["lm_eval"] = scores[name] = lm_eval_scores.score_model(models[name], tokenizer, args.tasks,
                                                                    limit=args.evaluation.tasks_limit, **batch)
-    results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.evaluation.tasks_limit, "scores": scores}
+        seconds[name] = round(time.perf_counter() - started, 1)
+        distill.distributed.say(f"[eval] lm-eval tasks {', '.join(args.tasks.names)}: {name} ({seconds[name]:.0f} s)")
+    results["lm_eval"] = {"tasks": list(args.tasks.names), "limit": args.evaluation.tasks_limit, "scores": scores,
+                          "seconds": seconds}
     if distill.distributed.is_main_process():
         with open(os.path.join(out, "lm_eval.md"), "w", encoding="utf-8") as handle:
             handle.write(lm_eval_scores.task_scores_text(results["lm_eval"]) + "\n")

@@ -163,10 +163,12 @@ def metrics_of(results: dict) -> dict:
 
 
 def task_scores_text(entry: dict) -> str:
-    """results["lm_eval"] ({"tasks", "limit", "scores"}) as a sentence and a Markdown table."""
+    """results["lm_eval"] ({"tasks", "limit", "scores"}, and "seconds" per model where the run timed them) as a
+    sentence and a Markdown table."""
     limit = f", at most {entry['limit']} documents each" if entry.get("limit") else ""
+    took = f" in {sum(entry['seconds'].values()):.0f} s" if entry.get("seconds") else ""
     return (f"lm-evaluation-harness tasks {', '.join(entry['tasks'])}{limit}, scored through nnx-surgery's lm-eval "
-            f"backend (value ± standard error):\n\n" + scores_table(entry["scores"]))
+            f"backend{took} (value ± standard error):\n\n" + scores_table(entry["scores"]))
 
 
 def scores_table(scores: dict[str, dict]) -> str:

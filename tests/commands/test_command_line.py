@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -235,7 +236,8 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
         assert 0 <= scores[name]["nnx_stdlib_next_line"]["acc"]["value"] <= 1
         assert scores[name]["nnx_stdlib_next_line"]["acc"]["stderr"] is not None
         assert scores[name]["nnx_pydoc_perplexity"]["bits_per_byte"]["value"] > 0
-    assert "scored through nnx-surgery's lm-eval backend (value ± standard error)" in printed
+    assert re.search(r"scored through nnx-surgery's lm-eval backend in \d+ s \(value ± standard error\)", printed)
+    assert list(results["lm_eval"]["seconds"]) == names and all(s > 0 for s in results["lm_eval"]["seconds"].values())
     assert "| model | nnx_pydoc_perplexity bits_per_byte |" in printed  # the table, a column per task and metric
     with open(os.path.join(out, "lm_eval.md")) as f:
         assert "| distilled |" in f.read()

@@ -121,6 +121,7 @@ def test_results_table_compares_all_four_models(runs):
         assert (base / "full" / png).stat().st_size > 1000
     # --eval-tasks: every model, in memory, on the lm-eval task, with a standard error; in results.md too
     assert results["lm_eval"]["tasks"] == ["nnx_stdlib_next_line"] and list(results["lm_eval"]["scores"]) == names
+    assert list(results["lm_eval"]["seconds"]) == names  # each model's scoring timed
     for row in results["rows"]:
         accuracy = row["lm_eval"]["nnx_stdlib_next_line"]["acc"]
         assert accuracy["value"] in (0.0, 0.5, 1.0) and accuracy["stderr"] is not None
