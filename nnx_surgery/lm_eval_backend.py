@@ -18,7 +18,8 @@ greedy generation with stop strings cut as lm-eval cuts them. What differs is th
 are sorted by length, batched and padded to a few bucket shapes, so each (batch, bucket) compiles once, and one
 jitted function scores a batch (nnx_surgery/lm_eval_scoring.py): only the continuation's positions go through the
 LM head, and log-probabilities and greedy flags come back, never the logits. Requests that share their context (the
-choices of a multiple-choice question) run the context once into a KV cache and each continuation from it.
+choices of a multiple-choice question) run the context once into a KV cache and each continuation from it (on one
+device; a call holds at most batch_size continuations; rolling windows are scored alone).
 
 lm-eval is an optional dependency (`pip install 'nnx-surgery[lm-eval]'`); nothing else in the package imports it.
 lm-eval's command line has no way to load a model class from another package (its `--include_path` adds tasks only),
@@ -183,14 +184,13 @@ class NNXSurgeryLM(TemplateLM):
     def tok_decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None,
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None, share: bool = True,
                               ) -> list[tuple[float, bool]]:
-        """(request, context ids, continuation ids) -> (log-probability of the continuation, is it greedy)."""
+        """(request, context ids, continuation ids) -> (log-probability of the continuation, is it greedy).
+        `share`: score the choices of one context from one pass over it (`_shared_contexts`)."""
         started = time.perf_counter()
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        groups = self._shared_contexts(requests)
-        for start in range(0, len(groups), self.batch_size):
-            chunk = groups[start:start + self.batch_size]
+        for chunk in self._shared_calls(self._shared_contexts(requests) if share and self.mesh is None else []):
             totals, greedy = self._score_shared_batch([[requests[i] for i in group] for group in chunk])
             for group, group_totals, group_greedy in zip(chunk, totals, greedy):
                 for i, total, flag in zip(group, group_totals, group_greedy):
@@ -218,21 +218,33 @@ class NNXSurgeryLM(TemplateLM):
         for i, (_, context, continuation) in enumerate(requests):
             if context and continuation and len(context) + len(continuation) <= self.max_length:
                 groups.setdefault(tuple(context), []).append(i)
-        shared = [group for group in groups.values() if len(group) >= 2]
+        pieces = [group[start:start + self.batch_size] for group in groups.values()  # a call's rows: batch_size
+                  for start in range(0, len(group), self.batch_size)]
+        shared = [piece for piece in pieces if len(piece) >= 2]
         return sorted(shared, key=lambda group: (-len(requests[group[0]][1]), group))
 
+    def _shared_calls(self, groups: list[list[int]]) -> list[list[list[int]]]:
+        """Groups packed into calls of at most batch_size continuations: contexts x their most choices."""
+        calls: list[list[list[int]]] = []
+        for group in groups:
+            if calls and (len(calls[-1]) + 1) * max(len(group), *map(len, calls[-1])) <= self.batch_size:
+                calls[-1].append(group)
+            else:
+                calls.append([group])
+        return calls
+
     def _score_shared_batch(self, groups) -> tuple[list, list]:
-        """One `score_shared_contexts` call: `groups` (at most batch_size lists of (request, context,
-        continuation) with one context each) as (batch_size, W) left-padded contexts and (batch_size, C, K)
-        continuations, W and K length buckets, C the most choices of a group; unused rows and choices weigh
-        nothing."""
+        """One `score_shared_contexts` call: `groups` (lists of (request, context, continuation) with one context
+        each, `_shared_calls`) as (R, W) left-padded contexts and (R, C, K) continuations, W and K length buckets,
+        C the most choices of a group, R = batch_size // C; unused rows and choices weigh nothing."""
         width = bucket_for(max(len(group[0][1]) for group in groups), self.buckets)
         k = bucket_for(max(len(c) for group in groups for _, _, c in group), self.buckets)
         choices = max(len(group) for group in groups)
-        contexts, mask = np.zeros((self.batch_size, width), np.int32), np.zeros((self.batch_size, width), np.int32)
-        inputs = np.zeros((self.batch_size, choices, max(k - 1, 1)), np.int32)
-        targets = np.zeros((self.batch_size, choices, k), np.int32)
-        weights = np.zeros((self.batch_size, choices, k), np.float32)
+        rows = self.batch_size // choices  # contexts per call: rows x choices continuations, at most batch_size
+        contexts, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+        inputs = np.zeros((rows, choices, max(k - 1, 1)), np.int32)
+        targets = np.zeros((rows, choices, k), np.int32)
+        weights = np.zeros((rows, choices, k), np.float32)
         mask[len(groups):, -1] = 1  # unused rows: one real token, so that no position attends to nothing
         for r, group in enumerate(groups):
             context = group[0][1]
@@ -290,7 +302,8 @@ class NNXSurgeryLM(TemplateLM):
                 windows.append((None, context, predicted))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+        # a document's windows never share a context worth a pass (the first ones share the prefix token alone)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, share=False)):
             totals[owner] += logprob
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)

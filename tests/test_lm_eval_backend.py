@@ -193,6 +193,9 @@ def test_choices_of_one_context_share_its_pass(lm_eval, tiny_folder):
     assert np.allclose([v for v, _ in together], [v for v, _ in alone], atol=1e-5)
     long_context = [(None, list(range(3, 3 + lm.max_length)), [5, 6]), (None, list(range(3, 3 + lm.max_length)), [7])]
     assert lm._shared_contexts(long_context) == []
+    # a call holds at most batch_size continuations (here 4): a larger group is cut, groups are packed by size
+    assert lm._shared_contexts([(None, [3, 4, 5], [6])] * 9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lm._shared_calls([[0, 1], [2, 3], [4, 5, 6], [7, 8]]) == [[[0, 1], [2, 3]], [[4, 5, 6]], [[7, 8]]]
 
 
 @pytest.fixture(scope="module")
