@@ -2,12 +2,13 @@
 
     python bench/teacher_cache_real.py --runs runs/cache-bench --out bench/results/teacher-cache-real.jsonl
 
-* Quality and step time: the demo (`--preset gemma3-270m`: MLP 2048 -> 512, vocabulary trimmed to 16,384, 24
-  steps of 4 x 256 tokens) distilled from a cache the run writes (`--teacher-cache always`, unquantised) at
-  k = 16, 64 and 128, and online at k = 64 with the teacher running; the online full-distribution student is the
-  demo's own (`--demo RUN`, a `make demo` folder); and at k = 64 with the mass outside the top k as one more
-  bucket (`top_k_mode="residual"`). Then `nnx-surgery eval` scores them all on the demo's held-out sets with
-  paired intervals against the full-distribution student.
+* Quality and step time: the demo (`--preset gemma3-270m`: the preset's student and steps, MLP 2048 -> 512 and 24
+  steps of 4 x 256 tokens when the first records were taken, MLP 768 and 20 steps since) distilled from a cache the
+  run writes (`--teacher-cache always`, unquantised) at k = 16, 64 and 128, and online at k = 64 with the teacher
+  running; the online full-distribution student is the demo's own (`--demo RUN`, a `make demo` folder); at k = 64
+  with the mass outside the top k as one more bucket (`top_k_mode="residual"`); and from caches of k stratified
+  draws of the teacher's distribution (`--cache-selection sampled`). Then `nnx-surgery eval` scores them on the
+  demo's held-out sets with paired intervals against the full-distribution student (`--only` a subset).
 * A shape search with and without the cache at equal candidates and steps (`--student params=0.5`, 4 candidates,
   3 steps each, top 64; the main run after it is one step): the search's wall time and its rankings.
 
@@ -36,6 +37,9 @@ SEARCH = ["--preset", "gemma3-270m", "--student", "params=0.5", "--search-candid
 RUNS = {f"cache-k{k}": DEMO + ["--top-k", str(k), "--teacher-cache", "always"] for k in (16, 64, 128)}
 RUNS["cache-k64-residual"] = RUNS["cache-k64"] + ["--set", "distill.top_k_mode=residual"]  # top k + a bucket
 RUNS["online-k64"] = DEMO + ["--top-k", "64"]
+# k stratified draws of the teacher's distribution instead of its top k (--cache-selection sampled)
+RUNS.update({f"sampled-k{k}": DEMO + ["--top-k", str(k), "--teacher-cache", "always", "--cache-selection", "sampled"]
+             for k in (16, 64, 128)})
 RUNS.update({f"search-{mode}": SEARCH + ["--teacher-cache", mode] for mode in ("auto", "none")})
 
 
@@ -72,11 +76,12 @@ def run_record(name: str, folder: str) -> dict:
     return record
 
 
-def compare(runs: str, demo: str, out: str | None) -> None:
-    """nnx-surgery eval of the full-distribution student and the cache-trained ones, paired against it."""
-    folder = os.path.join(runs, "eval")
+def compare(runs: str, demo: str, out: str | None, names: list[str]) -> None:
+    """nnx-surgery eval of the full-distribution student and the cache-trained ones (`names`), paired against it
+    (into RUNS/eval, or RUNS/eval-NAME-NAME... for a subset)."""
+    folder = os.path.join(runs, "eval" if names == list(RUNS) else "eval-" + "-".join(names))
     students = {"full": os.path.join(demo, "student")} | {
-        name: os.path.join(runs, name, "student") for name in RUNS if not name.startswith("search")}
+        name: os.path.join(runs, name, "student") for name in names if not name.startswith("search")}
     if not os.path.isfile(os.path.join(folder, "results.json")):
         full = students["full"]  # every folder is named student/: the table names them by their paths
         compares = [arg for name, path in students.items() if name != "full" for arg in ("--compare", f"{path}:{full}")]
@@ -93,13 +98,19 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", default=os.path.join(ROOT, "runs", "cache-bench"), help="where the runs go")
     parser.add_argument("--demo", default=os.path.join(ROOT, "runs", "gemma3-270m"), help="a `make demo` folder")
     parser.add_argument("--out", help="append the records to this JSONL file")
+    parser.add_argument("--only", help="these runs only, comma-separated (e.g. cache-k64,sampled-k64); their "
+                        "comparison goes to RUNS/eval-NAME-...")
     args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else list(RUNS)
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        parser.error(f"--only {unknown}: not runs of this bench; choose from {', '.join(RUNS)}")
     os.makedirs(args.runs, exist_ok=True)
-    for name, flags in RUNS.items():
-        seconds = run(os.path.join(args.runs, name), flags)
+    for name in names:
+        seconds = run(os.path.join(args.runs, name), RUNS[name])
         record = run_record(name, os.path.join(args.runs, name))
         common.emit({**record, "wall_s": None if seconds is None else round(seconds, 1)}, args.out)
-    compare(args.runs, args.demo, args.out)
+    compare(args.runs, args.demo, args.out, names)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def cache_teacher(args: argparse.Namespace) -> dict:
         raise refusals.RecipeError(f"--top-k {args.top_k}: {whose} has {pieces:,} pieces; give at most that many.")
     out = _output(args, input_paths(args.teacher, teacher_folder, args.student, args.data))
     settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
-                                           rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size)
+                                           rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size,
+                                           selection=args.selection, sample_seed=args.seed)
     tokenizer_folder = student_folder if kept is not None else teacher_folder  # a trimmed student's own tokens
     if kept is not None:
         distill.inputs.batches.check_vocabulary(tokenizer_folder, len(kept))
@@ -81,7 +82,8 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     if kept is not None:  # the teacher seen in the student's ids: its logits at the kept pieces, renormalised
         teacher = distill.TeacherInStudentVocabulary(teacher, kept)
     mesh = distill.make_mesh(args.mesh) if args.mesh else None
-    print(f"[cache-teacher] top {args.top_k} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
+    what = f"{args.top_k} draws" if args.selection == "sampled" else f"top {args.top_k}"
+    print(f"[cache-teacher] {what} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
     try:
         with _writing_into(out, args.overwrite) as folder:

@@ -90,7 +90,8 @@ def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str)
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.1%}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
-           ("general_kl", "general KL", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
+           ("general_kl", "general KL", "{:.4f}"), ("far_loss_per_byte", "far-domain CE/byte", "{:.4f}"),
+           ("far_kl", "far-domain KL", "{:.4f}"), ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"),
            ("multiple_choice", "next-line MC", "{:.1%}"), ("loop_share", "looping", "{:.0%}"),
            ("distinct_2", "distinct-2", "{:.3f}"))
 
@@ -149,7 +150,7 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
-    --no-general-eval, general prose), with generations and multiple choice; write suite.md/json and results.json."""
+    --no-general-eval, general prose near and far from the training text), with generations and multiple choice; write suite.md/json and results.json."""
     teacher_folder = teacher_source(args.teacher, "--teacher")
     folders = [model_folder(path, "FOLDER") for path in args.folders]
     names = _names(folders, args.folders)

@@ -33,7 +33,7 @@ from .evals.perplexity import agreement_and_kl, heldout_loss
 from .evals.suite_scoring import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
                                   multiple_choice_items)
 from .inputs.batches import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
-from .inputs.sources import general_mix, general_prose
+from .inputs.sources import far_prose, general_mix, general_prose
 from .evals.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
 from .evals.shape_ranking import SearchCandidate, SearchResult, rank_curves, search
 from .loop.interruption import RunInterrupted
@@ -50,7 +50,7 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "HeldoutSet", "heldout_report", "paired_interval",
+           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "HeldoutSet", "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
 __all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across", "batch_digest",

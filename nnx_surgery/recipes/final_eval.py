@@ -31,7 +31,7 @@ from nnx_surgery.surgery.modeling.generation import generate
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
               "mc_accuracy": "multiple_choice", "loop_share": "loop_share", "distinct_2": "distinct_2"}
-IN_DOMAIN, GENERAL = "in-domain", "general"
+IN_DOMAIN, GENERAL, FAR = "in-domain", "general", "far-domain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +60,11 @@ class EvalSettings:
         return cls(teacher_folder, config.data.seq_len, config.run.seed, data_description, config.evaluation, tasks)
 
 
-def heldout_sets(args: EvalSettings, data) -> list:
+def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
     """The final held-out sets: the corpus's held-out documents (in-domain) and, unless --no-general-eval,
-    English prose no training corpus contains (general), each cut to --eval-tokens scored tokens."""
+    English prose no training corpus contains: the held-out pydoc topics (general: near the prose a general mix
+    trains on) and, with `far`, prose from files no training text comes from (far-domain), each cut to
+    --eval-tokens scored tokens."""
     common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens, seed=args.seed)
     sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, data.eval_texts(), description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
@@ -71,6 +73,11 @@ def heldout_sets(args: EvalSettings, data) -> list:
         sets.append(distill.HeldoutSet.from_texts(GENERAL, distill.general_prose("heldout"), description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
+    if args.evaluation.general and far:
+        sets.append(distill.HeldoutSet.from_texts(FAR, distill.far_prose(), description=(
+            "English prose from files of the Python install that no training text comes from: its license and "
+            "history, IDLE's change logs and notes, the email package's design notes "
+            f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))
     return sets
 
 
@@ -109,11 +116,12 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
                "loss_per_byte": in_domain["ce_per_byte"], "trimmed_vocabulary": name in vocabularies}
         if name != rows[0][0]:
             row.update(top1_agreement=in_domain["top1_agreement"], kl_to_teacher=in_domain["kl"])
-        if GENERAL in scores["sets"]:
-            general = scores["sets"][GENERAL]
-            row.update(general_loss=general["ce"], general_loss_per_byte=general["ce_per_byte"])
-            if name != rows[0][0]:
-                row.update(general_kl=general["kl"], general_top1_agreement=general["top1_agreement"])
+        for set_name, prefix in ((GENERAL, "general"), (FAR, "far")):
+            if set_name in scores["sets"]:
+                held = scores["sets"][set_name]
+                row.update({f"{prefix}_loss": held["ce"], f"{prefix}_loss_per_byte": held["ce_per_byte"]})
+                if name != rows[0][0]:
+                    row.update({f"{prefix}_kl": held["kl"], f"{prefix}_top1_agreement": held["top1_agreement"]})
         row.update({ours: scores[theirs] for theirs, ours in SUITE_KEYS.items()
                     if theirs not in ("top1_agreement", "kl") and scores.get(theirs) is not None})
         results["rows"].append(row)

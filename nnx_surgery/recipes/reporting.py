@@ -120,6 +120,8 @@ COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/b
            ("top1_agreement", "in-domain top-1", "{:.1%}"), ("kl_to_teacher", "in-domain KL", "{:.3f}"),
            ("general_loss", "general CE", "{:.4f}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
            ("general_top1_agreement", "general top-1", "{:.1%}"), ("general_kl", "general KL", "{:.3f}"),
+           ("far_loss", "far-domain CE", "{:.4f}"), ("far_loss_per_byte", "far-domain CE/byte", "{:.4f}"),
+           ("far_top1_agreement", "far-domain top-1", "{:.1%}"), ("far_kl", "far-domain KL", "{:.3f}"),
            ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"), ("multiple_choice", "next-line MC", "{:.1%}"),
            ("loop_share", "looping", "{:.0%}"), ("distinct_2", "distinct-2", "{:.3f}"))
 
@@ -189,7 +191,7 @@ def verdicts(results: dict) -> list[str]:
     pruned = by_name.get("pruned (before distillation)")
     control = next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)
     lines = []
-    for key, title in (("loss", "in-domain"), ("general_loss", "general")):
+    for key, title in (("loss", "in-domain"), ("general_loss", "general"), ("far_loss", "far-domain")):
         key = f"{key}_per_byte" if per_byte else key
         if not (distilled and teacher and pruned and key in distilled):
             continue
@@ -336,9 +338,10 @@ def card_writer(run: RunSettings, plan, plan_a, results: dict, tokens: int):
         evaluation = {"held-out loss": {r["model"]: round(r["loss"], 4) for r in results["rows"]},
                       "held-out loss per byte": {r["model"]: round(r["loss_per_byte"], 4) for r in results["rows"]},
                       "perplexity": {r["model"]: round(r["perplexity"], 3) for r in results["rows"]}}
-        if any("general_loss" in r for r in results["rows"]):
-            evaluation["general-domain held-out loss (English prose)"] = {
-                r["model"]: round(r["general_loss"], 4) for r in results["rows"] if "general_loss" in r}
+        for key, title in (("general_loss", "general-domain held-out loss (pydoc prose)"),
+                           ("far_loss", "far-domain held-out loss (prose no training text comes from)")):
+            if any(key in r for r in results["rows"]):
+                evaluation[title] = {r["model"]: round(r[key], 4) for r in results["rows"] if key in r}
         surgery.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
                                  teacher_revision=config.teacher.revision, plan_summary=summary,
                                  data_description=" ".join([run.data.description, *pairing_lines(results)]),

@@ -252,7 +252,8 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
           f"+-{config.search.tolerance:.0%}), {steps} steps each on the same batches; results in {directory}",
           flush=True)
     cache = teacher_caching.for_phase(run, FOLDER, teacher, data, phase, mesh, readers=len(candidates))
-    result = distill.search(teacher, candidates, data, phase, sets=final_eval.heldout_sets(run.evaluation, data),
+    sets = final_eval.heldout_sets(run.evaluation, data, far=False)  # the far-domain set judges the run's students
+    result = distill.search(teacher, candidates, data, phase, sets=sets,
                             directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
                             sampler=surgery.make_sampler() if phase.on_policy.fraction else None,
                             teacher_cache=cache)

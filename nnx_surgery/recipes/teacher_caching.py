@@ -8,6 +8,10 @@
              trains as `--top-k K` does with the teacher running (the same loss code); a resumed run keeps the
              shards already written. A phase that reads each row once runs the teacher: caching would cost the
              forward it saves.
+    sampled  (--cache-selection sampled, with auto or always) the cache holds k stratified draws of the
+             teacher's distribution per token instead of its top k (distill.inputs.teacher_samples): the full
+             distribution in expectation, so not the loss of a --top-k run with the teacher running; auto then
+             caches every distillation phase (the draws exist only in a cache).
     always   as auto, in every distillation phase: the teacher's forward moves before the phase (to time the two
              apart, or to keep OUT/teacher_cache/PHASE for later runs of other students on the same rows, which
              read it as a FOLDER).
@@ -47,6 +51,11 @@ def check(config: Any) -> None:
     if run.teacher_cache is not None:
         raise RecipeError(f"distill.teacher_cache={run.teacher_cache!r}: the recipe sets each phase's cache itself; "
                           "give --teacher-cache (training.teacher_cache) instead.")
+    selection = config.training.cache_selection
+    if selection != "top" and setting not in SETTINGS[1:]:
+        raise RecipeError(f"--cache-selection {selection}: the draws are written into the cache the run makes; "
+                          "give --teacher-cache auto or always (a cache-teacher folder holds what its --selection "
+                          "wrote).")
     if setting == "none":
         return
     if setting in SETTINGS[1:] and run.top_k is None:
@@ -84,7 +93,8 @@ def for_phase(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: 
         _record(run, phase, setting, written=False)
         return os.path.abspath(setting)
     rows = config.total_steps * config.grad_accum * (config.batch_size or data.batch_size)
-    if setting == "auto" and readers < 2 and rows <= data.num_rows:
+    sampled = run.config.training.cache_selection == "sampled"
+    if setting == "auto" and readers < 2 and rows <= data.num_rows and not sampled:
         return None  # every row read once: the cache would cost the teacher's forward it saves
     folder = os.path.join(run.folder, FOLDER, phase)
     if os.path.isfile(os.path.join(folder, topk_cache.MANIFEST)):
@@ -118,11 +128,14 @@ def _write(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: Any
     kept = vocab_map_of(config)  # a trimmed student: the cache in its token ids
     identity = {"teacher": topk_cache.folder_identity(_teacher_folder(run)), "vocab_map_sha256": topk_cache.vocab_map_sha256(kept),
                 "data": run.data.description, "precision": run.config.training.precision}
-    settings = topk_cache.CacheSettings(top_k=config.top_k, encoding="exact", batch_rows=data.batch_size)
+    settings = topk_cache.CacheSettings(top_k=config.top_k, encoding="exact", batch_rows=data.batch_size,
+                                        selection=run.config.training.cache_selection,
+                                        sample_seed=run.config.run.seed)
     row_ids = topk_cache.rows_ahead(data, rows)
     writer = teacher if kept is None else distill.TeacherInStudentVocabulary(teacher, list(kept))
     per_token = bytes_per_token(settings.encoding, config.top_k, int(writer.head_matrix().shape[0])) or 0
-    print(f"[{phase}] writing the teacher's top {config.top_k} over the {len(row_ids):,} rows it reads into "
+    what = f"{config.top_k} draws" if settings.selection == "sampled" else f"top {config.top_k}"
+    print(f"[{phase}] writing the teacher's {what} over the {len(row_ids):,} rows it reads into "
           f"{folder} (about {len(row_ids) * data.seq_len * per_token / 1e6:,.1f} MB)", flush=True)
     started = time.perf_counter()
     try:
@@ -146,6 +159,7 @@ def _record(run: Any, phase: str, folder: str, *, written: bool, seconds: float 
     size = sum(entry["bytes"] for entry in manifest.get("shards", []))
     entry = {"folder": os.path.relpath(folder, run.folder) if written else os.path.abspath(folder),
              "written_by_run": written, "top_k": manifest["top_k"], "encoding": manifest["encoding"],
+             "selection": manifest.get("selection", "top"),
              "rows": cached_rows, "bytes": size,
              "bytes_per_token": round(size / max(1, cached_rows * manifest["seq_len"]), 1)}
     if seconds is not None:
@@ -177,7 +191,8 @@ def summary_line(uses: dict[str, dict]) -> str:
         made = (f"written by this run in {use['write_s']:.0f} s" if use.get("write_s") is not None
                 else "written by this run" if use["written_by_run"] else "given with --teacher-cache")
         size = f"{use['bytes'] / 1e6:.1f} MB" if use["bytes"] >= 1e5 else f"{use['bytes'] / 1e3:.1f} kB"
-        parts.append(f"{', '.join(phases)} read {folder} (top {use['top_k']}, {use['encoding']}, {use['rows']:,} "
+        what = f"{use['top_k']} draws" if use.get("selection") == "sampled" else f"top {use['top_k']}"
+        parts.append(f"{', '.join(phases)} read {folder} ({what}, {use['encoding']}, {use['rows']:,} "
                      f"rows, {size}, {use['bytes_per_token']:g} bytes per token; {made})")
     return "Teacher cache: " + "; ".join(parts) + ". Other phases ran the teacher."
 

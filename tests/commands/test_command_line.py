@@ -208,17 +208,18 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
         results = json.load(f)
     names = ["teacher", "student", "distilled"]
     assert [row["model"] for row in results["rows"]] == names
-    assert set(results["sets"]) == {"in-domain", "general"}  # the general-prose held-out set too
+    assert set(results["sets"]) == {"in-domain", "general", "far-domain"}  # the general-prose sets too
     for name in names:
         assert f"| {name} |" in suite and f"| {name} |" in printed
     assert "### general" in suite and "## Sample generations" in suite
     assert [row["vocab_size"] for row in results["rows"]] == [results["rows"][0]["vocab_size"], 600, 600]
-    assert all(row["general_loss_per_byte"] > 0 for row in results["rows"])
+    assert all(row["general_loss_per_byte"] > 0 and row["far_loss_per_byte"] > 0 for row in results["rows"])
     # --compare: the paired difference of two students (same tokens, same passages) is the difference of their
     # rows' per-byte CE, with an interval around it, in results.json and printed
     rows = {row["model"]: row for row in results["rows"]}
     assert results["sets"]["general"]["documents"] > 1  # so an interval is checked
-    for part, key in (("in-domain", "loss_per_byte"), ("general", "general_loss_per_byte")):
+    for part, key in (("in-domain", "loss_per_byte"), ("general", "general_loss_per_byte"),
+                      ("far-domain", "far_loss_per_byte")):
         (pair,) = [c for c in results["sets"][part]["comparisons"] if (c["a"], c["b"]) == ("distilled", "student")]
         difference = pair["ce_per_byte"]
         assert difference["difference"] == pytest.approx(rows["distilled"][key] - rows["student"][key], abs=1e-6)

@@ -96,25 +96,29 @@ def test_results_table_compares_all_four_models(runs):
     # Distillation must improve on the pruned starting point.
     assert by["distilled student"]["loss"] < by["pruned (before distillation)"]["loss"]
     assert "| distilled student |" in full.stdout
-    # judged on two held-out sets: in-domain (the corpus's held-out files) and general (prose no corpus contains)
-    assert set(results["sets"]) == {"in-domain", "general"}
+    # judged on three held-out sets: in-domain (the corpus's held-out files), general (held-out pydoc topics) and
+    # far-domain (prose from files no training text comes from)
+    assert set(results["sets"]) == {"in-domain", "general", "far-domain"}
     for name, report in results["sets"].items():
         assert report["tokens"] >= 1000, (name, report["tokens"])
         pairs = {(c["a"], c["b"]): c for c in report["comparisons"]}
         versus = pairs[("distilled student", "scratch student (same shape)")]["ce"]
-        key = "loss" if name == "in-domain" else "general_loss"
+        key = {"in-domain": "loss", "general": "general_loss", "far-domain": "far_loss"}[name]
         gap = by["distilled student"][key] - by["scratch student (same shape)"][key]
         assert versus["difference"] == pytest.approx(gap, abs=1e-9)
         if report["documents"] >= 2:  # the test corpus holds out one module: no interval in-domain
             assert versus["low"] <= gap <= versus["high"]
         else:
             assert versus["low"] is None and "no interval" in full.stdout
-    assert results["sets"]["general"]["documents"] >= 16
-    for row in results["rows"]:
-        assert 0 < row["general_loss"] < 10 and row["general_loss_per_byte"] == pytest.approx(
-            row["general_loss"] * results["sets"]["general"]["tokens"] / results["sets"]["general"]["bytes"])
-    assert "kl_to_teacher" not in by["teacher"] and by["distilled student"]["general_kl"] > 0
-    assert "General held-out set:" in full.stdout and "95% interval" in full.stdout
+    for name, prefix in (("general", "general"), ("far-domain", "far")):
+        held = results["sets"][name]
+        assert held["documents"] >= 16
+        for row in results["rows"]:
+            assert 0 < row[f"{prefix}_loss"] < 10 and row[f"{prefix}_loss_per_byte"] == pytest.approx(
+                row[f"{prefix}_loss"] * held["tokens"] / held["bytes"])
+        assert "kl_to_teacher" not in by["teacher"] and by["distilled student"][f"{prefix}_kl"] > 0
+    assert "General held-out set:" in full.stdout and "Far-domain held-out set:" in full.stdout
+    assert "95% interval" in full.stdout and "far-domain CE" in full.stdout
     assert "Wall time: teacher and data" in full.stdout and "evaluation" in results["phase_times_s"]
     assert "[eval general]" in full.stdout  # progress while the evaluation runs
     for png in ("training_curves.png", "layer_importance.png"):

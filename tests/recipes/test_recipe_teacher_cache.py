@@ -121,12 +121,28 @@ def test_a_cache_of_another_teacher_is_refused_in_one_line(runs, tiny_teacher_ca
     assert len(lines) == 1 and "teacher_weights_hash" in lines[0] and str(other) in lines[0], done.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_cache_of_draws_serves_every_distillation_phase(tiny_teacher_cache, tmp_path):
+    """--cache-selection sampled with auto: every distillation phase (not only the search) trains from draws the
+    run wrote, and results.json / results.md say so."""
+    out = tmp_path / "sampled"
+    done = run_recipe(tiny_teacher_cache, "--teacher-cache", "auto", "--cache-selection", "sampled", "--output",
+                      str(out))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    uses = _json(out / "results.json")["teacher_cache"]
+    assert set(uses) == {"search", "stage_a", "stage_b"}
+    assert all(use["selection"] == "sampled" and use["written_by_run"] for use in uses.values())
+    assert _json(out / "teacher_cache" / "stage_a" / "manifest.json")["selection"] == "sampled"
+    assert "search read teacher_cache/search (16 draws, exact" in (out / "results.md").read_text()
+
+
 REFUSALS = [
     (["--teacher-cache", "auto", "--set", "distill.top_k=null"], "give --top-k K"),
     (["--teacher-cache", "auto", "--feature-weight", "0.5"], "--feature-weight"),
     (["--teacher-cache", "no/such/cache"], "no finished teacher cache there"),
     (["--teacher-cache", "auto", "--set", "distill.teacher_cache=x"], "give --teacher-cache"),
     (["--teacher-cache", "auto", "--set", "distill.train_diagnostics=true"], "need the teacher itself"),
+    (["--cache-selection", "sampled"], "give --teacher-cache auto or always"),
 ]
 
 

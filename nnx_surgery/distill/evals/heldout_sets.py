@@ -173,8 +173,14 @@ def _row_scores(model, reference, batch, ref_hidden, vocab_chunk: int, row_chunk
     if hidden is None:
         hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
     flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
-    blocks = (row_blocks(flat[0], row_chunk), row_blocks(flat[1], row_chunk), row_blocks(labels.reshape(-1), row_chunk))
-    per = jax.lax.map(lambda b: _online_compare(model, reference, b[0], b[1], vocab_chunk, targets=b[2]), blocks)
+    targets = row_blocks(labels.reshape(-1), row_chunk)
+    if hidden is ref_hidden:  # the reference scored alone: one block array, so XLA computes its logits once
+        per = jax.lax.map(lambda b: _online_compare(model, reference, b[0], b[0], vocab_chunk, targets=b[1]),
+                          (row_blocks(flat[0], row_chunk), targets))
+    else:
+        blocks = (row_blocks(flat[0], row_chunk), row_blocks(flat[1], row_chunk), targets)
+        per = jax.lax.map(lambda b: _online_compare(model, reference, b[0], b[1], vocab_chunk, targets=b[2]),
+                          blocks)
     size = weights.size
     per = {k: v.reshape(-1)[:size].reshape(weights.shape) for k, v in per.items()}
     scored = weights > 0

@@ -16,6 +16,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import sysconfig
 import zlib
 from typing import Any, Iterable, Sequence
@@ -265,6 +266,41 @@ def general_mix(corpus_bytes: int, fraction: float) -> list[str]:
     size = sum(len(text.encode("utf-8")) for text in prose)
     copies = max(1, round(fraction / (1.0 - fraction) * corpus_bytes / size))
     return prose * copies
+
+
+# prose files of a Python install that are neither .py source, pydoc topics nor Python's language reference: its
+# license and history, IDLE's change logs and notes, the email package's design notes
+FAR_FILES = ("LICENSE.txt", "email/architecture.rst", "idlelib/NEWS.txt", "idlelib/NEWS2x.txt",
+             "idlelib/HISTORY.txt", "idlelib/README.txt", "idlelib/TODO.txt", "idlelib/CREDITS.txt",
+             "idlelib/extend.txt")
+
+
+def far_prose(document_bytes: int = 2048) -> list[str]:
+    """Prose from a source no training text of this package touches (`FAR_FILES`; `stdlib_corpus` reads .py files
+    outside idlelib, `general_prose` the pydoc topics): the far-domain evaluation set. Each file is cut at blank
+    lines into documents of about `document_bytes` (paired intervals come from documents, and nine files would be
+    too few). Files a Python install lacks (a distribution may strip idlelib) are skipped; none at all is a
+    DataError."""
+    root = sysconfig.get_paths()["stdlib"]
+    documents = []
+    for name in FAR_FILES:
+        path = os.path.join(root, *name.split("/"))
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            paragraphs = re.split(r"\n\s*\n", handle.read())
+        current = ""
+        for paragraph in paragraphs:
+            if current and len(current.encode("utf-8")) + len(paragraph.encode("utf-8")) > document_bytes:
+                documents.append(current)
+                current = ""
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+        if current.strip():
+            documents.append(current)
+    documents = [text for text in documents if text.strip()]
+    if not documents:
+        raise DataError(f"far_prose: none of {', '.join(FAR_FILES)} is in {root}; pass far-domain text of your own.")
+    return documents
 
 
 def _has_text(path: str) -> bool:

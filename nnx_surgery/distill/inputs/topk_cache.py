@@ -36,6 +36,7 @@ from ..interface import forward_inputs
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+SELECTIONS = ("top", "sampled")  # what a token's k slots hold: the teacher's top k, or k draws of it
 
 
 # ------------------------------------------------------------------------------------------------ the top k
@@ -155,8 +156,12 @@ class CacheSettings:
     batch_rows: int = 8  # rows per teacher forward
     vocab_chunk: int = 8192
     block_rows: int = 512
+    selection: str = "top"  # or "sampled": k stratified draws of the teacher's distribution (teacher_samples)
+    sample_seed: int = 0
 
     def __post_init__(self):
+        if self.selection not in SELECTIONS:
+            raise CacheError(f"selection {self.selection!r}: choose {' or '.join(SELECTIONS)}.")
         if self.encoding not in fmt.ENCODINGS:
             raise CacheError(f"encoding {self.encoding!r}: choose one of {', '.join(fmt.ENCODINGS)}.")
         if self.top_k < 1 or self.rows_per_shard < 1 or self.batch_rows < 1:
@@ -173,10 +178,13 @@ def _progress_path(folder: str, process: int) -> str:
 
 
 def _settings_record(settings: CacheSettings, identity: Mapping, vocab_size: int, seq_len: int) -> dict:
-    return {"format_version": FORMAT_VERSION, "top_k": settings.top_k, "encoding": settings.encoding,
-            "rows_per_shard": settings.rows_per_shard, "vocab_size": vocab_size, "seq_len": seq_len,
-            "id_bits": fmt.id_bits(vocab_size), "token_dtype": fmt.token_dtype(vocab_size).name,
-            "logprob_temperature": 1.0, "identity": json.loads(json.dumps(identity))}
+    record = {"format_version": FORMAT_VERSION, "top_k": settings.top_k, "encoding": settings.encoding,
+              "rows_per_shard": settings.rows_per_shard, "vocab_size": vocab_size, "seq_len": seq_len,
+              "id_bits": fmt.id_bits(vocab_size), "token_dtype": fmt.token_dtype(vocab_size).name,
+              "logprob_temperature": 1.0, "identity": json.loads(json.dumps(identity))}
+    if settings.selection != "top":  # a top-k cache's manifest is as it always was
+        record.update(selection=settings.selection, sample_seed=settings.sample_seed)
+    return record
 
 
 def _finished(folder: str, process: int, record: dict, resume: bool) -> dict[int, dict]:
@@ -196,7 +204,8 @@ def _finished(folder: str, process: int, record: dict, resume: bool) -> dict[int
 
 
 def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, kinds: np.ndarray,
-                 settings: CacheSettings, vocab_size: int, put: Callable, return_segments: bool) -> bytes:
+                 row_index: np.ndarray, settings: CacheSettings, vocab_size: int, put: Callable,
+                 return_segments: bool) -> bytes:
     from safetensors.numpy import save
 
     from .batches import packed_batch
@@ -208,7 +217,7 @@ def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, 
         batch.pop("loss_mask")
         pad = settings.batch_rows - len(batch["input_ids"])  # one compiled shape: pad the last forward
         batch = {key: np.pad(value, [(0, pad), (0, 0)]) for key, value in batch.items()}
-        ids, logprobs, residual = teacher_topk(put(batch))
+        ids, logprobs, residual = teacher_topk(put(batch), np.pad(row_index[sl], [(0, pad)]))
         parts.append((ids[:len(ids) - pad], logprobs[:len(ids) - pad], residual[:len(ids) - pad]))
     ids, logprobs, residual = (np.concatenate(p) for p in zip(*parts))
     stored = fmt.encode(ids, logprobs, residual, settings.encoding, vocab_size)
@@ -246,13 +255,15 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
         put = lambda batch: put_batch(batch, mesh)  # noqa: E731
     else:
         put = lambda batch: {key: jnp.asarray(value) for key, value in batch.items()}  # noqa: E731
-    run = topk_function(teacher, settings.top_k, vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
+    run = _teacher_function(teacher, settings)
+    packed_index = np.arange(len(rows)) if subset is None else subset
     per = settings.rows_per_shard
     for index in range(process, -(-len(rows) // per), count):
         if index in done:
             continue
         sl = slice(index * per, (index + 1) * per)
-        data = _shard_bytes(run, rows[sl], weights[sl], kinds[sl], settings, vocab, put, batches.return_segments)
+        data = _shard_bytes(run, rows[sl], weights[sl], kinds[sl], packed_index[sl], settings, vocab, put,
+                            batches.return_segments)
         name = shard_name(index, process)
         fmt.atomic_bytes(os.path.join(folder, name), data)
         done[index] = {"index": index, "file": name, "rows": len(rows[sl]), "bytes": len(data),
@@ -267,6 +278,16 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     if process != 0:
         return record
     return _write_manifest(folder, record, batches.num_rows, None if subset is None else subset.tolist())
+
+
+def _teacher_function(teacher: Any, settings: CacheSettings) -> Callable:
+    """(batch, the rows' packed indices) -> the k slots of every token: the top k, or k draws (teacher_samples)."""
+    chunks = dict(vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
+    if settings.selection == "sampled":
+        from .teacher_samples import sampled_function
+        return sampled_function(teacher, settings.top_k, settings.sample_seed, **chunks)
+    top = topk_function(teacher, settings.top_k, **chunks)
+    return lambda batch, row_index: top(batch)
 
 
 def _row_subset(row_ids: Sequence[int] | None, num_rows: int) -> np.ndarray | None:
@@ -322,6 +343,7 @@ class TeacherCache:
     def __init__(self, folder: str, manifest: dict, shards: list[fmt.ShardReader]):
         self.folder, self.manifest, self._shards = folder, manifest, shards
         self.top_k, self.encoding = manifest["top_k"], manifest["encoding"]
+        self.selection = manifest.get("selection", "top")
         self.vocab_size, self.seq_len = manifest["vocab_size"], manifest["seq_len"]
         self.num_rows, self.rows_per_shard = manifest["num_rows"], manifest["rows_per_shard"]
         self.packing = manifest["identity"]["packing"]

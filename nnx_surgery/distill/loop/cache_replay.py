@@ -8,10 +8,12 @@ step's logit term reads them through the same top-k loss code as an online top-k
 The stream starts where the `data` given beside the cache stands (its epoch and position; the start without it).
 `prepare` checks the run against the cache before anything trains, each refusal one line: sequence length,
 vocabulary (the student's head against the cache's, and a trimmed student's map against the one the cache was
-written in: `cache-teacher --student` writes a cache in a trimmed student's tokens), the packing of the `data` given alongside (its seed, rows
-and their fingerprint), k (`top_k` None takes the cache's k; a smaller `top_k` reads the first k of the cached
-ones, which are sorted; a larger one is refused), and the terms: only the logit term's kinds can be computed,
-as the cache holds no hidden states or attention maps (and no full logits: `train_diagnostics` is refused).
+written in: `cache-teacher --student` writes a cache in a trimmed student's tokens), the packing of the `data`
+given alongside (its seed, rows and their fingerprint), k (`top_k` None takes the cache's k; a smaller `top_k`
+reads the first k of the cached ones, which are sorted; a larger one is refused; a cache of draws,
+`selection="sampled"`, is read whole and renormalised), and the terms: only the logit term's kinds can be
+computed, as the cache holds no hidden states or attention maps (and no full logits: `train_diagnostics` is
+refused).
 """
 from __future__ import annotations
 
@@ -109,6 +111,17 @@ def _check_vocabulary(cache: TeacherCache, config: Any, student_rows: int) -> No
                          "(`nnx-surgery cache-teacher TEACHER --student STUDENT`).")
 
 
+def _check_sampled(cache: TeacherCache, config: Any) -> None:
+    """A cache of k draws (`teacher_samples`) is read whole and renormalised: its shares are the target."""
+    if config.top_k is not None and config.top_k != cache.top_k:
+        raise CacheError(f"teacher cache {cache.folder}: holds {cache.top_k} draws of the teacher's distribution, "
+                         f"not its top k; the run asks top_k={config.top_k}, and the most drawn {config.top_k} "
+                         f"would no longer average to the teacher: give top_k={cache.top_k} (or None).")
+    if getattr(config, "top_k_mode", "renormalised") != "renormalised":
+        raise CacheError(f"teacher cache {cache.folder}: holds draws whose shares sum to 1, so top_k_mode="
+                         f"{config.top_k_mode!r} has no residual to read; set top_k_mode='renormalised'.")
+
+
 def _check_packing(cache: TeacherCache, data: Any) -> None:
     """The data given beside the cache (its held-out batches and batch size) must be the packing it was made of."""
     if data is None or not hasattr(data, "fingerprint"):
@@ -128,6 +141,8 @@ def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache 
     if config.top_k is not None and config.top_k > cache.top_k:
         raise CacheError(f"teacher cache {cache.folder}: holds the top {cache.top_k}, the run asks top_k="
                          f"{config.top_k}; give top_k <= {cache.top_k} (or None) or write a cache with more.")
+    if cache.selection == "sampled":
+        _check_sampled(cache, config)
     cache.check_matches(seq_len=config.seq_len, tokenizer_hash=tokenizer_hash)
     _check_packing(cache, data)
     batch_size = config.batch_size or getattr(data, "batch_size", None)

@@ -185,6 +185,13 @@ class TrainingSection:
                                     "distillation phase), or a folder from `nnx-surgery cache-teacher` for every "
                                     "distillation phase", flag="--teacher-cache", metavar="none|auto|always|FOLDER",
                                     why="a search's candidates all read the same rows: the teacher runs once")
+    cache_selection: str = documented("top", "what a teacher cache the run writes holds per token: top (the "
+                                      "teacher's top k, trained on as --top-k trains with the teacher running) or "
+                                      "sampled (k stratified draws of its distribution, each piece with its share "
+                                      "of the draws: the full distribution in expectation; auto then caches every "
+                                      "distillation phase)", flag="--cache-selection", choices=("top", "sampled"),
+                                      why="a top-k cache teaches the student to give the rest of the vocabulary "
+                                      "no mass; draws do not")
     precision: str = documented("fp32", "bf16: bf16 teacher and student compute with float32 master weights (half "
                                 "the memory; fp32 on CPU, where bf16 is slow)", flag="--precision",
                                 choices=("bf16", "fp32"))
@@ -232,12 +239,16 @@ class EvaluationSection:
     batches: int = documented(8, "held-out batches per evaluation during training", flag="--eval-batches",
                               kind=int, check=("at least 1", lambda v: v >= 1))
     tokens: int = documented(4096, "scored tokens of each final held-out set (in-domain: the corpus's held-out "
-                             "documents; general: English prose no training corpus contains), reported per token "
+                             "documents; general: held-out pydoc topics; far-domain: prose from files no training "
+                             "text comes from), reported per token "
                              "and per byte with 95% intervals; more tokens, narrower intervals, longer evaluation",
                              flag="--eval-tokens", kind=int, check=("at least 64 scored tokens (thousands to "
                                                                     "decide between students)", lambda v: v >= 64))
-    general: bool = documented(True, "also judge every model on the general-domain set (what compression must keep "
-                               "beyond the training domain)", flag="--general-eval", action="boolean")
+    general: bool = documented(True, "also judge every model on the general-domain sets, near (held-out pydoc "
+                               "topics, the source of --general-mix's prose) and far (the install's license, IDLE's "
+                               "change logs, the email package's notes: no training text comes from them): what "
+                               "compression must keep beyond the training domain", flag="--general-eval",
+                               action="boolean")
     prompts: int = documented(8, "held-out prompts continued greedily, for generations and BLEU/ROUGE",
                               flag="--eval-prompts", kind=int, check=("0 or more prompts", COUNT0[1]))
     new_tokens: int = documented(48, "tokens generated per prompt in the evaluation", flag="--new-tokens",

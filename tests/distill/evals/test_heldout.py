@@ -133,6 +133,27 @@ def test_general_prose_is_english_disjoint_and_never_training_text():
         distill.general_prose("test")
 
 
+def test_far_prose_comes_from_no_training_source_and_spans_many_documents(monkeypatch, tmp_path):
+    """The far-domain set: English prose in enough documents for intervals, no line of it in the stdlib corpus's
+    files or the pydoc topics (training text and the general mix's source); an install without the files is one
+    DataError."""
+    far = distill.far_prose()
+    assert len(far) >= 32 and sum(len(t) for t in far) > 50_000
+    assert " ".join(far).count(" the ") > 500
+    lines = {line.strip() for text in far for line in text.splitlines() if len(line.split()) >= 8}  # sentences
+    pydoc = {line.strip() for text in distill.general_prose("train") + distill.general_prose("heldout")
+             for line in text.splitlines()}
+    assert len(lines) > 300 and not lines & pydoc
+    for path in distill.stdlib_corpus():
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            source = handle.read()
+        assert not any(line in source for line in list(lines)[::25]), path
+    import sysconfig
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    with pytest.raises(DataError, match="far_prose: none of LICENSE.txt"):
+        distill.far_prose()
+
+
 def test_general_mix_trains_only_and_keeps_the_held_out_split(folder):
     records = [f"document {i}\n" + "line of code\n" * (5 + i) for i in range(40)]
     alone = distill.TokenBatches.from_records(records, folder, seq_len=32, batch_size=2, seed=3)

@@ -221,6 +221,12 @@ def test_command_writes_resumes_and_refuses(w):
                         str(w["base"] / "n3")), "TEACHER")
     assert_refused(*run(*_cache_args(w, str(w["base"] / "n4"), "--resume")), "--resume")
     assert not any(os.path.exists(w["base"] / name) for name in ("n1", "n2", "n3", "n4"))
+    # --selection sampled: k draws of the distribution, resumed under the same settings only
+    drawn = str(w["base"] / "drawn")
+    code, printed, err = run(*_cache_args(w, drawn, "--selection", "sampled"))
+    assert code == 0 and "8 draws of" in printed, err
+    assert TeacherCache.open(drawn).selection == "sampled"
+    assert_refused(*run(*_cache_args(w, drawn, "--resume")), "in the cache but None here", started=True)
 
 
 def test_overwrite_replaces_the_cache_only_once_the_new_one_is_complete(w, monkeypatch):

@@ -1,0 +1,132 @@
+"""A teacher cache of k stratified draws (distill.inputs.teacher_samples): the shares average to the teacher's full
+distribution (where the renormalised top k does not), every piece of probability p is drawn within 2 of k p
+times, the draws of a row do not depend on the batch or on which rows are cached, and a run trains from such a
+cache only whole and renormalised."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_surgery.distill import TokenBatches
+from nnx_surgery.distill.inputs.cache_format import CacheError
+from nnx_surgery.distill.inputs.teacher_samples import counted, sampled_logprobs
+from nnx_surgery.distill.inputs.topk_cache import CacheSettings, TeacherCache, write_cache
+from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
+from nnx_surgery.distill.loop.trainer import run
+from distill_fixtures import FAST_COMPILE, VOCAB, student_from, tiny_teacher
+
+K = 8
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return tiny_teacher(seed=1)
+
+
+def _data(batch_size: int = 4) -> TokenBatches:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, VOCAB, size=int(n)) for n in rng.integers(5, 40, size=24)]
+    return TokenBatches.from_arrays(docs, eos_id=1, bos_id=2, seq_len=16, batch_size=batch_size, seed=3)
+
+
+def _batch():
+    return {key: jnp.asarray(value) for key, value in next(iter(_data())).items() if key != "loss_mask"}
+
+
+def _dense(ids: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
+    """(..., k) ids and log shares -> (..., VOCAB) probabilities (a repeated id's shares added)."""
+    dense = np.zeros(ids.shape[:-1] + (VOCAB,))
+    np.add.at(dense.reshape(-1, VOCAB), (np.arange(dense.size // VOCAB)[:, None], ids.reshape(-1, ids.shape[-1])),
+              np.exp(logprobs.reshape(-1, ids.shape[-1])))
+    return dense
+
+
+def test_counted_merges_repeated_draws_most_drawn_first():
+    ids, logprobs = counted(jnp.array([[5, 3, 1, 3], [2, 2, 2, 2], [9, 4, 7, 0]], jnp.int32))
+    np.testing.assert_array_equal(ids, [[3, 1, 5, 3], [2, 2, 2, 2], [0, 4, 7, 9]])
+    np.testing.assert_allclose(np.exp(logprobs), [[0.5, 0.25, 0.25, 0], [1, 0, 0, 0], [0.25] * 4])
+
+
+def test_draws_average_to_the_teacher_and_the_top_k_does_not(teacher):
+    """Over 300 draws of every position the mean share of each piece is its probability within 4.5 standard
+    errors of independent draws (stratified ones vary less); the renormalised top k misses some piece by more."""
+    batch = _batch()
+    p = np.asarray(jax.nn.softmax(teacher(batch["input_ids"], positions=batch["positions"],
+                                          segment_ids=batch["segment_ids"]).logits.astype(jnp.float32), -1))
+    graph, state = nnx.split(teacher)
+    draw = jax.jit(lambda s, rows: sampled_logprobs(nnx.merge(graph, s), batch, rows, K, seed=7, vocab_chunk=40,
+                                                    block_rows=24)[:2])
+    rounds = 300
+    mean = sum(_dense(*map(np.asarray, draw(state, jnp.arange(4) + 4 * r))) for r in range(rounds)) / rounds
+    bound = 4.5 * np.sqrt(p * (1 - p) / (K * rounds)) + 1e-6
+    assert np.all(np.abs(mean - p) <= bound), np.max(np.abs(mean - p) - bound)
+    values, ids = jax.lax.top_k(jnp.asarray(np.log(p)), K)
+    top = _dense(np.asarray(ids), np.asarray(jax.nn.log_softmax(values, -1)))
+    assert np.any(np.abs(top - p) > bound)
+
+
+def test_every_piece_of_probability_p_is_drawn_within_2_of_k_p_times(teacher):
+    batch = _batch()
+    p = np.asarray(jax.nn.softmax(teacher(batch["input_ids"], positions=batch["positions"],
+                                          segment_ids=batch["segment_ids"]).logits.astype(jnp.float32), -1))
+    graph, state = nnx.split(teacher)
+    ids, logprobs, residual = jax.jit(lambda s: sampled_logprobs(nnx.merge(graph, s), batch, jnp.arange(4), K,
+                                                                 seed=0))(state)
+    shares = _dense(np.asarray(ids), np.asarray(logprobs))
+    np.testing.assert_allclose(shares.sum(-1), 1.0, rtol=1e-6)
+    counts = np.rint(shares * K)
+    assert np.all(np.abs(counts - K * p) < 2 + 1e-4)
+    assert np.any(np.abs(counts - K * p) > 0.5)  # random, not rounded
+    assert np.all(np.asarray(residual) == -np.inf)
+
+
+def _settings(**extra) -> CacheSettings:
+    return CacheSettings(top_k=K, encoding="exact", rows_per_shard=5, vocab_chunk=40, block_rows=24,
+                         selection="sampled", sample_seed=11, **extra)
+
+
+def test_a_rows_draws_do_not_depend_on_the_batch_or_the_rows_cached(teacher, tmp_path):
+    data = _data()
+    write_cache(teacher, data, str(tmp_path / "a"), _settings(batch_rows=4), identity={})
+    write_cache(teacher, data, str(tmp_path / "b"), _settings(batch_rows=3), identity={})
+    write_cache(teacher, data, str(tmp_path / "c"), _settings(batch_rows=2), identity={}, row_ids=[6, 2, 9])
+    a, b, c = (TeacherCache.open(str(tmp_path / name)) for name in "abc")
+    assert a.selection == "sampled" and a.manifest["sample_seed"] == 11
+    index = np.arange(a.num_rows)
+    for key, value in a.rows(index).items():
+        np.testing.assert_array_equal(b.rows(index)[key], value, err_msg=key)
+        np.testing.assert_array_equal(c.rows(np.array([2, 6, 9]))[key], value[[2, 6, 9]], err_msg=key)
+    other = write_cache(teacher, data, str(tmp_path / "d"), _settings(batch_rows=4).__class__(
+        **{**_settings(batch_rows=4).__dict__, "sample_seed": 12}), identity={})
+    assert other["sample_seed"] == 12
+    assert not np.array_equal(TeacherCache.open(str(tmp_path / "d")).rows(index)["topk_ids"],
+                              a.rows(index)["topk_ids"])
+
+
+def test_a_top_k_cache_manifest_names_no_selection(teacher, tmp_path):
+    manifest = write_cache(teacher, _data(), str(tmp_path / "top"), CacheSettings(top_k=K, encoding="exact"),
+                           identity={})
+    assert "selection" not in manifest and TeacherCache.open(str(tmp_path / "top")).selection == "top"
+    with pytest.raises(CacheError, match="selection 'random'"):
+        CacheSettings(top_k=K, selection="random")
+
+
+def _config(**changes) -> DistillConfig:
+    base = dict(stages=(Stage(steps=3, learning_rate=5e-3, weights=LossWeights.mixed(0.8)),), batch_size=4,
+                seq_len=16, progress=False, plots=False, logit_chunk=16, compiler_options=FAST_COMPILE)
+    return DistillConfig(**{**base, **changes})
+
+
+def test_a_run_trains_from_draws_whole_and_renormalised(teacher, tmp_path):
+    folder = str(tmp_path / "sampled")
+    write_cache(teacher, _data(), folder, _settings(batch_rows=4), identity={})
+    result = run(None, student_from(teacher), _data(), _config(teacher_cache=folder))
+    assert result.steps == 3 and all(np.isfinite(r["loss"]) for r in result.history)
+    for changes, message in ((dict(top_k=4), "holds 8 draws of the teacher's distribution"),
+                             (dict(top_k_mode="residual"), "has no residual to read")):
+        with pytest.raises(CacheError, match=message) as error:
+            run(None, student_from(teacher), _data(), _config(teacher_cache=folder, **changes))
+        assert "\n" not in str(error.value)
