@@ -9,7 +9,8 @@ chunks; smaller k are its prefixes, with the residual of that k) and each encodi
 bytes per token (the top k and residual, plus the row's own id and flags that every encoding stores), the max
 absolute error of the decoded log-probabilities (all k, and those within 12 nats of the top 1), the max error of
 the residual, and the KL between the exact top-k-renormalised distribution and the decoded one (mean and max
-over tokens). DistillKit's published sizes to compare: about 300 bytes/token at k=128, 114 at k=50.
+over tokens). `--selection sampled`: the same for caches of k stratified draws (their own k each; the KL of the
+decoded shares against the exact ones). DistillKit's published sizes to compare: about 300 bytes/token at k=128, 114 at k=50.
 """
 from __future__ import annotations
 
@@ -43,6 +44,50 @@ def exact_topk(folder: str, rows: int, seq_len: int, k: int):
     ids, logprobs, _ = topk_function(teacher, k, vocab_chunk=16384, block_rows=256)(batch)
     seconds = time.perf_counter() - start
     return ids, logprobs, int(teacher.head_matrix().shape[0]), seconds  # (rows, seq_len, k)
+
+
+def drawn(folder: str, rows: int, seq_len: int, k: int):
+    """As `exact_topk`, with the k slots holding k stratified draws of the teacher's distribution
+    (`CacheSettings(selection="sampled")`, seed 0)."""
+    import jax.numpy as jnp
+
+    from nnx_surgery import distill, surgery
+    from nnx_surgery.distill.inputs.teacher_samples import sampled_function
+
+    files = [os.path.join(sysconfig.get_paths()["stdlib"], name) for name in FILES]
+    data = distill.TokenBatches.from_files(files, folder, seq_len=seq_len, batch_size=rows, seed=0)
+    batch = {key: jnp.asarray(value) for key, value in data.next_batch().items() if key != "loss_mask"}
+    teacher = surgery.load_pretrained(folder, dtype="float32")
+    start = time.perf_counter()
+    ids, logprobs, _ = sampled_function(teacher, k, 0, vocab_chunk=16384, block_rows=256)(batch, np.arange(rows))
+    return ids, logprobs, int(teacher.head_matrix().shape[0]), time.perf_counter() - start
+
+
+def measure_draws(ids, logprobs, vocab: int, k: int, encoding: str) -> dict:
+    """Bytes per token of a cache of k draws in `encoding`, the distinct pieces per token, and the KL between the
+    exact shares and the decoded ones (a token's unused slots repeat its first id with share 0)."""
+    from nnx_surgery.distill.inputs import cache_format as fmt
+
+    residual = np.full(ids.shape[:-1], -np.inf, np.float32)
+    stored = fmt.encode(ids, logprobs, residual, encoding, vocab)
+    decoded = fmt.decode(stored, encoding, vocab, k)
+    flat_ids, want = ids.reshape(-1, k), np.exp(logprobs.reshape(-1, k).astype(np.float64))
+    got_ids = decoded["topk_ids"].reshape(-1, k)
+    got = np.exp(decoded["topk_logprobs"].reshape(-1, k).astype(np.float64))
+    kls = []
+    for token in range(len(flat_ids)):
+        p, q = {}, {}
+        for piece, share in zip(flat_ids[token], want[token]):
+            p[piece] = p.get(piece, 0.0) + share
+        for piece, share in zip(got_ids[token], got[token]):
+            q[piece] = q.get(piece, 0.0) + share
+        total = sum(q.values())
+        kls.append(sum(v * np.log(v / (q[piece] / total)) for piece, v in p.items() if v > 0))
+    own = fmt.token_dtype(vocab).itemsize + 1
+    return {"k": k, "encoding": encoding, "vocab": vocab, "selection": "sampled",
+            "bytes_per_token": sum(a.nbytes for a in stored.values()) / len(flat_ids) + own,
+            "distinct_per_token": float(np.mean(np.isfinite(logprobs.reshape(-1, k)).sum(-1))),
+            "kl_mean": float(f"{np.mean(kls):.3g}"), "kl_max": float(f"{np.max(kls):.3g}")}
 
 
 def _renormalised(logprobs: np.ndarray) -> np.ndarray:
@@ -94,7 +139,19 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--out", help="append the records to this JSONL file")
+    parser.add_argument("--selection", choices=("top", "sampled"), default="top",
+                        help="sampled: caches of k stratified draws instead of the top k (bytes, distinct pieces "
+                        "per token, KL of the decoded shares)")
     args = parser.parse_args(argv)
+    if args.selection == "sampled":
+        for k in (16, 64, 128):
+            ids, logprobs, vocab, seconds = drawn(args.teacher, args.rows, args.seq_len, k)
+            for encoding in ("exact", "q8", "q8z"):
+                record = measure_draws(ids, logprobs, vocab, k, encoding)
+                record.update(tokens=ids.shape[0] * ids.shape[1], rows=ids.shape[0], draw_s=round(seconds, 1),
+                              teacher=os.path.basename(os.path.normpath(args.teacher)))
+                common.emit(record, args.out)
+        return
     ids, logprobs, vocab, seconds = exact_topk(args.teacher, args.rows, args.seq_len, 128)
     print(f"[bench] top 128 of {vocab:,} over {ids.shape[0] * ids.shape[1]} tokens in {seconds:.1f} s (with "
           "compilation)", flush=True)

@@ -5,7 +5,8 @@ shapes few (each (batch, bucket) compiles once).
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import itertools
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,24 +88,23 @@ def picks_of(weights) -> tuple:
     return picks, valid
 
 
-def count_bucket(count: int) -> int:
-    """16, 24, 32, 48, 64, 96, ...: the smallest at or above `count` (at most a third of it padding)."""
+def _bucket_sizes() -> Iterator[int]:
+    """16, 24, 32, 48, 64, 96, ...: powers of two and 1.5 times them (at most a third of a bucket is padding)."""
     size = SMALLEST_BUCKET
     while True:
-        for bucket in (size, size * 3 // 2):
-            if bucket >= count:
-                return bucket
+        yield size
+        yield size * 3 // 2
         size *= 2
+
+
+def count_bucket(count: int) -> int:
+    """The smallest bucket size at or above `count`."""
+    return next(bucket for bucket in _bucket_sizes() if bucket >= count)
 
 
 def length_buckets(max_length: int) -> list[int]:
-    """Padded lengths a batch may take: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times them: at most a
-    third of a batch is padding), and `max_length` itself."""
-    buckets, size = [], SMALLEST_BUCKET
-    while size < max_length:
-        buckets += [size] + ([size * 3 // 2] if size * 3 // 2 < max_length else [])
-        size *= 2
-    return buckets + [max_length]
+    """Padded lengths a batch may take: the bucket sizes below `max_length`, and `max_length` itself."""
+    return list(itertools.takewhile(lambda bucket: bucket < max_length, _bucket_sizes())) + [max_length]
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
