@@ -150,7 +150,8 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
-    --no-general-eval, general prose near and far from the training text), with generations and multiple choice; write suite.md/json and results.json."""
+    --no-general-eval, general prose near and far from the training text), with generations and multiple choice;
+    write suite.md/json and results.json."""
     teacher_folder = teacher_source(args.teacher, "--teacher")
     folders = [model_folder(path, "FOLDER") for path in args.folders]
     names = _names(folders, args.folders)

@@ -50,7 +50,8 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
            "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
            "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "HeldoutSet", "heldout_report", "paired_interval",
+           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "HeldoutSet",
+           "heldout_report", "paired_interval",
            "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
 __all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across", "batch_digest",

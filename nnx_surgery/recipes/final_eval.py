@@ -73,12 +73,22 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
         sets.append(distill.HeldoutSet.from_texts(GENERAL, distill.general_prose("heldout"), description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
-    if args.evaluation.general and far:
-        sets.append(distill.HeldoutSet.from_texts(FAR, distill.far_prose(), description=(
+    texts = _far_texts() if args.evaluation.general and far else []
+    if texts:
+        sets.append(distill.HeldoutSet.from_texts(FAR, texts, description=(
             "English prose from files of the Python install that no training text comes from: its license and "
             "history, IDLE's change logs and notes, the email package's design notes "
             f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))
     return sets
+
+
+def _far_texts() -> list[str]:
+    """The far-domain documents, or none (one printed line) on a Python install without their files."""
+    try:
+        return distill.far_prose()
+    except distill.DataError as error:
+        print(f"[eval] no far-domain set: {error}", flush=True)
+        return []
 
 
 def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: str, pairs=(),

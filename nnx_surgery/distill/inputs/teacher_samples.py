@@ -10,10 +10,11 @@ path's, renormalised (it gives exactly the shares).
 
 The draws are stratified: draw i is the piece at cumulative probability (i + u_i) / k, one uniform u_i per stratum.
 Every piece's expected count is still k p, and its count lies within 2 of k p (independent draws spread
-binomially: a piece of p = 1/2 would be drawn anywhere from 0 to k times). Like the top k, the draws stream over the head's vocabulary chunks: a first pass
-gives the log-normaliser, a second the cumulative probabilities chunk by chunk, where each draw finds its piece,
-so no (B, T, V) array exists. The uniforms come from the seed folded with the packed row's index, so a row's draws
-do not depend on the batch, the mesh, the process count or a resume.
+binomially: a piece of p = 1/2 could be drawn anywhere from 0 to k times). Like the top k, the draws stream over
+the head's vocabulary chunks: a first pass gives the log-normaliser, a second the cumulative probabilities chunk
+by chunk, where each draw finds its piece, so no (B, T, V) array exists. The uniforms come from the seed folded
+with the packed row's index, so a row's draws do not depend on the batch, the mesh, the process count or a
+resume.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _draws(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab
     rows, k = uniforms.shape
     start = (jnp.zeros((rows,), jnp.float32), jnp.full((rows, k), -1, jnp.int32))
     (_, drawn), _ = jax.lax.scan(step, start, (jnp.arange(head_chunks.shape[0], dtype=jnp.int32), head_chunks))
-    # a draw past the summed probabilities' rounding (about 1e-6 of them) takes the most likely piece
+    # a draw above the chunks' summed probabilities (their float32 total may round below 1) takes the likeliest
     return jnp.where(drawn < 0, best_id[:, None], drawn)
 
 
