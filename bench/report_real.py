@@ -145,20 +145,12 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
     return lines + [""]
 
 
-DEMO_COLUMNS = (("loss", "in-domain CE", "{:.4f}"), ("loss_per_byte", "in-domain CE/byte", "{:.4f}"),
-                ("top1_agreement", "in-domain top-1", "{:.1%}"), ("kl_to_teacher", "in-domain KL", "{:.3f}"),
-                ("general_loss", "general CE", "{:.4f}"), ("general_loss_per_byte", "general CE/byte", "{:.4f}"),
-                ("general_top1_agreement", "general top-1", "{:.1%}"), ("general_kl", "general KL", "{:.3f}"),
-                ("far_loss", "far-domain CE", "{:.4f}"), ("far_loss_per_byte", "far-domain CE/byte", "{:.4f}"),
-                ("far_top1_agreement", "far-domain top-1", "{:.1%}"), ("far_kl", "far-domain KL", "{:.3f}"),
-                ("bleu", "BLEU", "{:.1f}"), ("rouge_l", "ROUGE-L", "{:.1f}"), ("multiple_choice", "next-line MC", "{:.1%}"),
-                ("loop_share", "looping", "{:.0%}"), ("distinct_2", "distinct-2", "{:.3f}"))
-
-
 def _demo_table_both_sets(demo: dict) -> list[str]:
     """The demo's rows on its held-out sets (in-domain, general and, in records from 2026-12-06 on, far-domain: CE
     per token and per byte, KL and top-1 agreement with the teacher), as the recipe's results table has them."""
-    columns = [c for c in DEMO_COLUMNS if c[0] in ("loss", "loss_per_byte") or any(c[0] in r for r in demo["rows"])]
+    from nnx_surgery.recipes.reporting import COLUMNS  # the recipe's own results table's columns
+
+    columns = [c for c in COLUMNS if c[0] in ("loss", "loss_per_byte") or any(c[0] in r for r in demo["rows"])]
     lines = ["| model | parameters (non-embedding) | tokens | " + " | ".join(c[1] for c in columns) + " |",
              "|---" * (3 + len(columns)) + "|"]
     for row in demo["rows"]:

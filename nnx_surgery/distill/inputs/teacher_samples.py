@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..interface import forward_inputs
+from .topk_cache import final_hidden_and_head
+
 
 
 def _normaliser(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab_size: int):
@@ -105,13 +106,8 @@ def sampled_logprobs(model: Any, batch: Mapping[str, jax.Array], row_index: jax.
     """As `topk_cache.topk_logprobs`, with the k slots holding the teacher's stratified draws (module docstring):
     ids (B, T, k) int32, log shares (B, T, k) float32, most drawn first, residual (B, T) -inf. `row_index` (B,):
     each row's packed index (its draws' key)."""
-    out = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False)
-    hidden = out.final_hidden
+    hidden, head, vocab = final_hidden_and_head(model, batch, vocab_chunk)
     b, t, d = hidden.shape
-    head = model.head_matrix()
-    vocab = head.shape[0]
-    chunk = min(vocab_chunk, vocab)
-    head = jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, d)
     uniforms = stratified_uniforms(seed, row_index, t, k).reshape(b * t, k)
     rows = min(block_rows, b * t)
     fill = -(b * t) % rows

@@ -66,19 +66,23 @@ def _block_topk(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, 
     return ids, logprobs, jnp.log1p(-mass)  # -inf when the top k hold all of it
 
 
+def final_hidden_and_head(model: Any, batch: Mapping[str, jax.Array], vocab_chunk: int):
+    """(the final hidden states (B, T, D), the head cut in chunks of `vocab_chunk` rows (n, C, D), zero-padded, and
+    the vocabulary size) of the teacher on a batch: what the top k and the draws stream over."""
+    hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
+    head = model.head_matrix()
+    vocab = head.shape[0]
+    chunk = min(vocab_chunk, vocab)
+    return hidden, jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, hidden.shape[-1]), vocab
+
+
 def topk_logprobs(model: Any, batch: Mapping[str, jax.Array], k: int, *, vocab_chunk: int = 8192,
                   block_rows: int = 512) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The teacher's top-k ids (B, T, k) int32, their log-probabilities at temperature 1 (B, T, k) float32,
     sorted most likely first, and the log of the mass outside them (B, T), for a batch of rows. Traceable (jit
     it with the model split, as `topk_function` does)."""
-    ids = batch["input_ids"]
-    out = model(ids, **forward_inputs(model, batch), return_logits=False)
-    hidden = out.final_hidden
+    hidden, head, vocab = final_hidden_and_head(model, batch, vocab_chunk)
     b, t, d = hidden.shape
-    head = model.head_matrix()
-    vocab = head.shape[0]
-    chunk = min(vocab_chunk, vocab)
-    head = jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, d)
     flat = hidden.reshape(b * t, d)
     rows = min(block_rows, b * t)
     blocks = jnp.pad(flat, [(0, -flat.shape[0] % rows), (0, 0)]).reshape(-1, rows, d)
