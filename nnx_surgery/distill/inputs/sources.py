@@ -268,16 +268,19 @@ def general_mix(corpus_bytes: int, fraction: float) -> list[str]:
     return prose * copies
 
 
-# prose files of a Python install that are neither .py source, pydoc topics nor Python's language reference: its
-# license and history, IDLE's change logs and notes, the email package's design notes
+# prose files of a Python install that are neither .py source, pydoc topics nor Python's language reference: the
+# history of Python, IDLE's change logs and notes, the email package's design notes
 FAR_FILES = ("LICENSE.txt", "email/architecture.rst", "idlelib/NEWS.txt", "idlelib/NEWS2x.txt",
              "idlelib/HISTORY.txt", "idlelib/README.txt", "idlelib/TODO.txt", "idlelib/CREDITS.txt",
              "idlelib/extend.txt")
+# LICENSE.txt is read up to its license terms: their permission notices also head some standard-library modules
+FAR_ENDS = {"LICENSE.txt": "B. TERMS AND CONDITIONS"}
 
 
 def far_prose(document_bytes: int = 2048) -> list[str]:
-    """Prose from a source no training text of this package touches (`FAR_FILES`; `stdlib_corpus` reads .py files
-    outside idlelib, `general_prose` the pydoc topics): the far-domain evaluation set. Each file is cut at blank
+    """Prose from a source no training text of this package touches (`FAR_FILES`, LICENSE.txt without its license
+    terms; `stdlib_corpus` reads .py files outside idlelib, `general_prose` the pydoc topics): the far-domain
+    evaluation set. Each file is cut at blank
     lines into documents of about `document_bytes` (paired intervals come from documents, and nine files would be
     too few). Files a Python install lacks (a distribution may strip idlelib) are skipped; none at all is a
     DataError."""
@@ -288,7 +291,10 @@ def far_prose(document_bytes: int = 2048) -> list[str]:
         if not os.path.isfile(path):
             continue
         with open(path, encoding="utf-8", errors="replace") as handle:
-            paragraphs = re.split(r"\n\s*\n", handle.read())
+            text = handle.read()
+        if name in FAR_ENDS:
+            text = text.split(FAR_ENDS[name])[0]
+        paragraphs = re.split(r"\n\s*\n", text)
         current = ""
         for paragraph in paragraphs:
             if current and len(current.encode("utf-8")) + len(paragraph.encode("utf-8")) > document_bytes:
