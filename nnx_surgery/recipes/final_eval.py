@@ -76,8 +76,8 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
     texts = _far_texts() if args.evaluation.general and far else []
     if texts:
         sets.append(distill.HeldoutSet.from_texts(FAR, texts, description=(
-            "English prose from files of the Python install that no training text comes from: its license and "
-            "history, IDLE's change logs and notes, the email package's design notes "
+            "English prose from files of the Python install that no training text comes from: the history of "
+            "Python (LICENSE.txt without its terms), IDLE's change logs and notes, the email package's design notes "
             f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))
     return sets
 

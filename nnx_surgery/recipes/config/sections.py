@@ -245,7 +245,7 @@ class EvaluationSection:
                              flag="--eval-tokens", kind=int, check=("at least 64 scored tokens (thousands to "
                                                                     "decide between students)", lambda v: v >= 64))
     general: bool = documented(True, "also judge every model on the general-domain sets, near (held-out pydoc "
-                               "topics, the source of --general-mix's prose) and far (the install's license, IDLE's "
+                               "topics, the source of --general-mix's prose) and far (Python's history, IDLE's "
                                "change logs, the email package's notes: no training text comes from them): what "
                                "compression must keep beyond the training domain", flag="--general-eval",
                                action="boolean")
