@@ -174,7 +174,7 @@ def _row_scores(model, reference, batch, ref_hidden, vocab_chunk: int, row_chunk
         hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
     flat = [h.reshape(-1, h.shape[-1]) for h in (hidden, ref_hidden)]
     targets = row_blocks(labels.reshape(-1), row_chunk)
-    if hidden is ref_hidden:  # the reference scored alone: one block array, so XLA computes its logits once
+    if model is reference:  # the reference scored alone: one block array, so XLA computes its logits once
         per = jax.lax.map(lambda b: _online_compare(model, reference, b[0], b[0], vocab_chunk, targets=b[1]),
                           (row_blocks(flat[0], row_chunk), targets))
     else:

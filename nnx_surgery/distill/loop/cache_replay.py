@@ -117,7 +117,7 @@ def _check_sampled(cache: TeacherCache, config: Any) -> None:
         raise CacheError(f"teacher cache {cache.folder}: holds {cache.top_k} draws of the teacher's distribution, "
                          f"not its top k; the run asks top_k={config.top_k}, and the most drawn {config.top_k} "
                          f"would no longer average to the teacher: give top_k={cache.top_k} (or None).")
-    if getattr(config, "top_k_mode", "renormalised") != "renormalised":
+    if config.top_k_mode != "renormalised":
         raise CacheError(f"teacher cache {cache.folder}: holds draws whose shares sum to 1, so top_k_mode="
                          f"{config.top_k_mode!r} has no residual to read; set top_k_mode='renormalised'.")
 
