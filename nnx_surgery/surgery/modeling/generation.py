@@ -81,6 +81,8 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
     text = None if tokenizer is None else TextCodec.of(tokenizer)
     rows = _prompt_rows(prompts, text, model.config.vocab_size)
     stop_ids, stop_strings = _stops(stop, model.config, text)
+    string_ids, strings_in_tokens = (text.ids_showing(stop_strings, model.config.vocab_size) if stop_strings
+                                     else ((), True))
     count, width = len(rows), _fixed_width(rows, pad_to)
     pad_id = text.pad_id if text is not None else _config_id(model.config, "pad", 0)
     rows += [np.asarray([pad_id], np.int32)] * _filler_rows(count, batch_rows)
@@ -92,7 +94,7 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
                          f"max_new_tokens={max_new_tokens}; raise max_len to at least {width + max_new_tokens}.")
     ids, mask = _left_pad(rows, width, pad_id)
     graphdef, state = nnx.split(model)
-    key, stops = jax.random.key(seed), jnp.asarray(stop_ids or [-1], jnp.int32)
+    key, stops = jax.random.key(seed), _stop_mask([*stop_ids, *string_ids], model.config.vocab_size)
     started = time.perf_counter()
     carry = _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p or 1.0, max_len=max_len,
                      max_new_tokens=max_new_tokens, sampling=sampling)
@@ -100,18 +102,18 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
         carry = dataclasses.replace(carry, done=carry.done | (jnp.arange(len(rows)) >= count))
     jax.block_until_ready(carry)
     prefill_s, started = time.perf_counter() - started, time.perf_counter()
-    chunk = 16 if stop_strings else max_new_tokens
-    string_stopped = np.zeros(len(rows), bool)
+    checked = bool(stop_strings) and not strings_in_tokens  # a stop string may span tokens: look every 16 steps
+    chunk = 16 if checked else max_new_tokens
     while int(carry.step) < max_new_tokens and not bool(np.all(np.asarray(carry.done))):
         limit = jnp.asarray(min(int(carry.step) + chunk, max_new_tokens), jnp.int32)
         carry = _decode(graphdef, state, carry, limit, key, stops, temperature, top_p or 1.0, sampling=sampling)
-        if stop_strings:
-            string_stopped |= _hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], text, stop_strings,
-                                                np.asarray(carry.done))
-            carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(string_stopped))
+        if checked:
+            hits = _hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], text, stop_strings,
+                                     np.asarray(carry.done))
+            carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(hits))
     tokens, steps = np.asarray(carry.tokens)[:count], int(carry.step)
     decode_s = time.perf_counter() - started
-    kept, reasons = _finished_rows(tokens[:, :steps], stop_ids, stop_strings, string_stopped[:count], text)
+    kept, reasons = _finished_rows(tokens[:, :steps], stop_ids, stop_strings, text)
     texts = None if text is None else [text.decode(row) for row in kept]
     return Generation(tokens=kept, texts=texts, finish_reasons=reasons, prompt_lengths=[len(r) for r in rows[:count]],
                       padded_length=width, decode_steps=steps - 1, prefill_s=prefill_s, decode_s=decode_s)
@@ -134,7 +136,7 @@ def make_sampler(*, stop: Stop = None, top_k: int | None = None, top_p: float | 
                key: jax.Array) -> tuple[np.ndarray, np.ndarray]:
         sampling = _check_sampling(max_new_tokens, temperature, top_k, top_p)
         stop_ids = _stops(stop, model.config, None)[0]
-        stops = jnp.asarray(stop_ids or [-1], jnp.int32)
+        stops = _stop_mask(stop_ids, model.config.vocab_size)
         ids, mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
         graphdef, state = nnx.split(model)
         carry = _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p or 1.0,
@@ -184,7 +186,7 @@ def _prefill(graphdef, state, ids, mask, key, stops, temperature, top_p, *, max_
     token = _choose(model.logits_from_hidden(out.final_hidden[:, -1]), jax.random.fold_in(key, 0), temperature,
                     top_p, sampling)
     tokens = jnp.zeros((ids.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(token)
-    return _Carry(out.cache, tokens, jnp.isin(token, stops), jnp.ones((), jnp.int32))
+    return _Carry(out.cache, tokens, stops[token], jnp.ones((), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("carry",))
@@ -199,7 +201,7 @@ def _decode(graphdef, state, carry: _Carry, limit, key, stops, temperature, top_
                         temperature, top_p, sampling)
         token = jnp.where(c.done, 0, token)
         tokens = jax.lax.dynamic_update_slice_in_dim(c.tokens, token[:, None], c.step, axis=1)
-        return _Carry(out.cache, tokens, c.done | jnp.isin(token, stops), c.step + 1)
+        return _Carry(out.cache, tokens, c.done | stops[token], c.step + 1)
 
     return jax.lax.while_loop(lambda c: (c.step < limit) & ~jnp.all(c.done), step, carry)
 
@@ -258,6 +260,7 @@ class TextCodec:
                                          for name in ("bos", "eos", "pad"))
         self.pad_id = 0 if pad is None else pad
         self.add_bos = bool(config.get("add_bos_token")) and self.bos_id is not None
+        self._showing: dict = {}  # ids_showing's answers
 
     @classmethod
     def of(cls, tokenizer) -> "TextCodec":
@@ -297,6 +300,27 @@ class TextCodec:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def ids_showing(self, strings: Sequence[str], vocab_size: int) -> tuple[tuple[int, ...], bool]:
+        """(the ids below `vocab_size` whose own text holds one of `strings`, whether every occurrence of the
+        strings must lie inside one token). Such a token completes a stop string wherever it comes (a token's
+        text in context holds its text alone: decoders strip only a leading space at the very start), so the
+        decode loop stops its row at once, without looking at the text. When each string is one ASCII character
+        other than a space, no occurrence can span two tokens, and the ids are the whole answer (no look at the
+        text is needed at all). Computed once per codec and strings."""
+        key = (tuple(strings), int(vocab_size))
+        if key not in self._showing:
+            counted = getattr(self.tokenizer, "get_vocab_size", None)
+            size = int(vocab_size) if counted is None else min(int(vocab_size), counted(with_added_tokens=True))
+            pieces = [[i] for i in range(size)]
+            batch = getattr(self.tokenizer, "decode_batch", None)
+            texts = (batch(pieces, skip_special_tokens=True) if batch is not None
+                     else [self.tokenizer.decode(p, skip_special_tokens=True) for p in pieces])
+            usable = [s for s in strings if "\ufffd" not in s]
+            ids = tuple(i for i, piece in enumerate(texts) if any(s in piece for s in usable))
+            whole = all(len(s) == 1 and s.isascii() and s != " " for s in strings)
+            self._showing[key] = (ids, whole)
+        return self._showing[key]
 
 
 def _prompt_rows(prompts, text: TextCodec | None, vocab_size: int) -> list[np.ndarray]:
@@ -353,17 +377,29 @@ def _stops(stop, config, text: TextCodec | None) -> tuple[list[int], list[str]]:
     return ids, strings
 
 
+def _stop_mask(ids, vocab_size: int) -> jax.Array:
+    """(vocab_size,) bool: True at the ids that end a row. A mask of the vocabulary's width, not a list of ids,
+    so any set of stops runs the same compiled prefill and decode loop."""
+    mask = np.zeros(vocab_size, bool)
+    mask[[i for i in ids if 0 <= i < vocab_size]] = True
+    return jnp.asarray(mask)
+
+
 def _hits_stop_string(tokens: np.ndarray, text: TextCodec, strings: list[str], done: np.ndarray) -> np.ndarray:
     return np.array([not d and any(s in text.decode(row) for s in strings) for row, d in zip(tokens, done)])
 
 
-def _finished_rows(tokens: np.ndarray, stop_ids, strings, string_stopped, text) -> tuple[list[list[int]], list[str]]:
-    """Each row's tokens through its stop (the first stop id, or the shortest prefix holding a stop string)."""
+def _finished_rows(tokens: np.ndarray, stop_ids, strings, text) -> tuple[list[list[int]], list[str]]:
+    """Each row's tokens through its stop: the first stop id, or the end of the shortest prefix holding a stop
+    string, whichever comes first (a row may run on past a stop string until the next look at the text; what
+    follows it is dropped here)."""
     kept, reasons = [], []
-    for row, by_string in zip(tokens.tolist(), string_stopped):
+    for row in tokens.tolist():
         hit = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        upto = row if hit is None else row[:hit]  # a stop id ends its row, whatever its own text holds
+        by_string = bool(strings) and any(s in text.decode(upto) for s in strings)
         if by_string:
-            hit = next(n for n in range(1, len(row) + 1) if any(s in text.decode(row[:n]) for s in strings)) - 1
+            hit = next(n for n in range(1, len(upto) + 1) if any(s in text.decode(upto[:n]) for s in strings)) - 1
         kept.append(row if hit is None else row[:hit + 1])
         reasons.append("length" if hit is None else "stop_string" if by_string else "stop")
     return kept, reasons

@@ -197,6 +197,50 @@ def test_text_prompts_stop_ids_and_stop_strings(tiny):
     assert by_string.texts[0].endswith(piece)
 
 
+def test_a_one_character_stop_string_ends_rows_inside_the_decode_loop(tiny, monkeypatch):
+    """One ASCII character cannot span two tokens: the tokens whose text holds it end their row inside the jitted
+    loop (the text is never looked at), the loop ends with the last row's stop, and every row is the free run's
+    tokens through the first token holding the character."""
+    _, model, folder = tiny["gemma2"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = ["t5 t17 t33 t60 t8 t71 t40", "t90 t12", "t44 t9 t23", "t61"]
+    free = generate(model, texts, max_new_tokens=NEW_TOKENS, tokenizer=folder, stop=())
+    assert free.finish_reasons == ["length"] * len(texts)
+
+    def through(row, char):
+        hit = next((i for i, t in enumerate(row) if char in tokenizer.decode([t])), None)
+        return None if hit is None else row[:hit + 1]
+
+    chosen = [c for c in "0123456789" if all(through(r, c) for r in free.tokens)
+              and max(len(through(r, c)) for r in free.tokens) < NEW_TOKENS]
+    assert chosen, "no digit stops every row early; pick other prompts"
+    module = importlib.import_module("nnx_surgery.surgery.modeling.generation")
+
+    def never(*args):
+        raise AssertionError("a one-character stop string needs no look at the text")
+
+    monkeypatch.setattr(module, "_hits_stop_string", never)
+    for char in chosen[:3]:
+        want = [through(row, char) for row in free.tokens]
+        got = generate(model, texts, max_new_tokens=NEW_TOKENS, tokenizer=folder, stop=[char])
+        assert got.tokens == want and got.finish_reasons == ["stop_string"] * len(texts)
+        assert got.decode_steps == max(map(len, want)) - 1  # not a step after the last row stopped
+        assert all(text.endswith(tokenizer.decode([row[-1]])) and char in text for text, row in zip(got.texts, want))
+
+
+def test_ids_showing_a_stop_string_are_every_id_whose_text_holds_it(tiny):
+    from nnx_surgery.surgery.modeling.generation import TextCodec
+    _, model, folder = tiny["gemma2"]
+    codec = TextCodec.of(folder)
+    size = model.config.vocab_size
+    texts = [codec.decode([i]) for i in range(size)]
+    for strings, whole in ((["7"], True), (["7", "t1"], False), ([" "], False), (["\u00e9"], False)):
+        ids, complete = codec.ids_showing(strings, size)
+        assert ids == tuple(i for i, text in enumerate(texts) if any(s in text for s in strings))
+        assert complete == whole
+    assert codec.ids_showing(["7"], size)[0] and codec.ids_showing(["7"], size) is codec.ids_showing(["7"], size)
+
+
 def test_the_loop_ends_when_every_row_has_stopped(tiny):
     _, model, _ = tiny["gemma"]
     out = generate(model, _prompts(seed=5), max_new_tokens=NEW_TOKENS, stop=list(range(96)))
