@@ -7,7 +7,8 @@
   run writes (`--teacher-cache always`, unquantised) at k = 16, 64 and 128, and online at k = 64 with the teacher
   running; the online full-distribution student is the demo's own (`--demo RUN`, a `make demo` folder); at k = 64
   with the mass outside the top k as one more bucket (`top_k_mode="residual"`); and from caches of k stratified
-  draws of the teacher's distribution (`--cache-selection sampled`). Then `nnx-surgery eval` scores them on the
+  draws of the teacher's distribution (`--cache-selection sampled`), or of its top k / 2 and draws of the rest
+  (`--cache-selection mixed`). Then `nnx-surgery eval` scores them on the
   demo's held-out sets with paired intervals against the full-distribution student (`--only` a subset).
 * A shape search with and without the cache at equal candidates and steps (`--student params=0.5`, 4 candidates,
   3 steps each, top 64; the main run after it is one step): the search's wall time and its rankings.
@@ -39,6 +40,9 @@ RUNS["cache-k64-residual"] = RUNS["cache-k64"] + ["--set", "distill.top_k_mode=r
 RUNS["online-k64"] = DEMO + ["--top-k", "64"]
 # k stratified draws of the teacher's distribution instead of its top k (--cache-selection sampled)
 RUNS.update({f"sampled-k{k}": DEMO + ["--top-k", str(k), "--teacher-cache", "always", "--cache-selection", "sampled"]
+             for k in (16, 64, 128)})
+# the top k // 2 exactly and k - k // 2 draws of the rest (--cache-selection mixed)
+RUNS.update({f"mixed-k{k}": DEMO + ["--top-k", str(k), "--teacher-cache", "always", "--cache-selection", "mixed"]
              for k in (16, 64, 128)})
 RUNS.update({f"search-{mode}": SEARCH + ["--teacher-cache", mode] for mode in ("auto", "none")})
 

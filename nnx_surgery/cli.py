@@ -203,10 +203,11 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", choices=("q8z", "q8", "q16", "float16", "exact"), default="q8z",
                    help="how the top k are stored: q8z (q8's values, ids as sorted gaps, compressed row by row: "
                    "the smallest), q8, q16, float16 or exact (default q8z; BENCHMARKS.md has bytes and errors)")
-    p.add_argument("--selection", choices=("top", "sampled"), default="top",
-                   help="what the K slots of a token hold: top (the teacher's K most likely pieces) or sampled (K "
+    p.add_argument("--selection", choices=("top", "sampled", "mixed"), default="top",
+                   help="what the K slots of a token hold: top (the teacher's K most likely pieces), sampled (K "
                    "stratified draws of its distribution, each piece with its share of the draws: the full "
-                   "distribution in expectation; drawn with --seed) (default top)")
+                   "distribution in expectation; drawn with --seed) or mixed (its top K/2 exactly and K/2 draws "
+                   "of the rest: also the full distribution in expectation, nearer it per token) (default top)")
     p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
                    "%(default)s)")
     _shared(p, "training.precision", help="the teacher's weights and compute")

@@ -82,7 +82,7 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     if kept is not None:  # the teacher seen in the student's ids: its logits at the kept pieces, renormalised
         teacher = distill.TeacherInStudentVocabulary(teacher, kept)
     mesh = distill.make_mesh(args.mesh) if args.mesh else None
-    what = f"{args.top_k} draws" if args.selection == "sampled" else f"top {args.top_k}"
+    what = teacher_cache.slots_text(args.selection, args.top_k)
     print(f"[cache-teacher] {what} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
     try:

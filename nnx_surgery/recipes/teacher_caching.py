@@ -93,7 +93,7 @@ def for_phase(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: 
         _record(run, phase, setting, written=False)
         return os.path.abspath(setting)
     rows = config.total_steps * config.grad_accum * (config.batch_size or data.batch_size)
-    sampled = run.config.training.cache_selection == "sampled"
+    sampled = run.config.training.cache_selection in topk_cache.DRAWN
     if setting == "auto" and readers < 2 and rows <= data.num_rows and not sampled:
         return None  # every row read once: the cache would cost the teacher's forward it saves
     folder = os.path.join(run.folder, FOLDER, phase)
@@ -134,7 +134,7 @@ def _write(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: Any
     row_ids = topk_cache.rows_ahead(data, rows)
     writer = teacher if kept is None else distill.TeacherInStudentVocabulary(teacher, list(kept))
     per_token = bytes_per_token(settings.encoding, config.top_k, int(writer.head_matrix().shape[0])) or 0
-    what = f"{config.top_k} draws" if settings.selection == "sampled" else f"top {config.top_k}"
+    what = topk_cache.slots_text(settings.selection, config.top_k)
     print(f"[{phase}] writing the teacher's {what} over the {len(row_ids):,} rows it reads into "
           f"{folder} (about {len(row_ids) * data.seq_len * per_token / 1e6:,.1f} MB)", flush=True)
     started = time.perf_counter()
@@ -191,7 +191,7 @@ def summary_line(uses: dict[str, dict]) -> str:
         made = (f"written by this run in {use['write_s']:.0f} s" if use.get("write_s") is not None
                 else "written by this run" if use["written_by_run"] else "given with --teacher-cache")
         size = f"{use['bytes'] / 1e6:.1f} MB" if use["bytes"] >= 1e5 else f"{use['bytes'] / 1e3:.1f} kB"
-        what = f"{use['top_k']} draws" if use.get("selection") == "sampled" else f"top {use['top_k']}"
+        what = topk_cache.slots_text(use.get("selection", "top"), use["top_k"])
         parts.append(f"{', '.join(phases)} read {folder} ({what}, {use['encoding']}, {use['rows']:,} "
                      f"rows, {size}, {use['bytes_per_token']:g} bytes per token; {made})")
     return "Teacher cache: " + "; ".join(parts) + ". Other phases ran the teacher."

@@ -118,12 +118,95 @@ def sampled_logprobs(model: Any, batch: Mapping[str, jax.Array], row_index: jax.
     return ids.reshape(b, t, k), logprobs.reshape(b, t, k), jnp.full((b, t), -jnp.inf, jnp.float32)
 
 
-def sampled_function(model: Any, k: int, seed: int, **settings) -> Callable[..., tuple[np.ndarray, ...]]:
-    """`sampled_logprobs` of `model`, jitted once: (batch, row_index) -> host arrays."""
+# ------------------------------------------------------------------------------------------------ mixed
+def _head(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab_size: int, m: int):
+    """(the m + 1 largest logits (R, m + 1), their ids, log-sum-exp (R,)) of hidden (R, D): the first pass."""
+    chunk = head_chunks.shape[1]
+
+    def step(carry, xs):
+        best, best_ids, lse = carry
+        index, head = xs
+        ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        logits = jnp.where(ids < vocab_size, logits_fn(hidden, head), -jnp.inf)
+        lse = jnp.logaddexp(lse, jax.nn.logsumexp(logits, axis=-1))
+        values, where = jax.lax.top_k(logits, min(m + 1, chunk))
+        merged, order = jax.lax.top_k(jnp.concatenate([best, values], -1), m + 1)  # lower ids win ties
+        return (merged, jnp.take_along_axis(jnp.concatenate([best_ids, ids[where]], -1), order, -1), lse), None
+
+    rows = hidden.shape[0]
+    start = (jnp.full((rows, m + 1), -jnp.inf, jnp.float32), jnp.zeros((rows, m + 1), jnp.int32),
+             jnp.full((rows,), -jnp.inf, jnp.float32))
+    (values, ids, lse), _ = jax.lax.scan(step, start, (jnp.arange(head_chunks.shape[0], dtype=jnp.int32),
+                                                       head_chunks))
+    return values, ids, lse
+
+
+def _tail_draws(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab_size: int, m: int,
+                uniforms: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(the top m's ids and log-probabilities (R, m), the ids drawn from the rest (R, n), the rest's mass (R,)):
+    `uniforms` (R, n) are cumulative shares of the rest, in [0, 1)."""
+    chunk = head_chunks.shape[1]
+    values, top_ids, lse = _head(logits_fn, hidden, head_chunks, vocab_size, m)
+    threshold = values[:, m - 1]  # the m-th largest logit; of the pieces tied with it the top m hold the lower ids
+    last_tied = jnp.max(jnp.where(values[:, :m] == threshold[:, None], top_ids[:, :m], -1), axis=-1)
+    logprobs = values[:, :m] - lse[:, None]
+    rest = jnp.clip(1.0 - jnp.sum(jnp.exp(logprobs), axis=-1), 0.0, 1.0)
+    targets = uniforms * rest[:, None]
+
+    def step(carry, xs):
+        start, drawn = carry
+        index, head = xs
+        ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        logits = logits_fn(hidden, head)
+        outside = (logits < threshold[:, None]) | ((logits == threshold[:, None]) & (ids > last_tied[:, None]))
+        probs = jnp.where((ids < vocab_size) & outside, jnp.exp(logits - lse[:, None]), 0.0)
+        cumulative = jnp.cumsum(probs, axis=-1)
+        local = targets - start[:, None]
+        here = (local >= 0.0) & (local < cumulative[:, -1:]) & (drawn < 0)
+        found = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cumulative, local)
+        drawn = jnp.where(here, index * chunk + jnp.minimum(found, chunk - 1).astype(jnp.int32), drawn)
+        return (start + cumulative[:, -1], drawn), None
+
+    rows, n = uniforms.shape
+    start = (jnp.zeros((rows,), jnp.float32), jnp.full((rows, n), -1, jnp.int32))
+    (_, drawn), _ = jax.lax.scan(step, start, (jnp.arange(head_chunks.shape[0], dtype=jnp.int32), head_chunks))
+    # a draw past the rest's float32 total takes the likeliest piece outside the top m
+    return top_ids[:, :m], logprobs, jnp.where(drawn < 0, top_ids[:, m:], drawn), rest
+
+
+def mixed_logprobs(model: Any, batch: Mapping[str, jax.Array], row_index: jax.Array, k: int, seed: int, *,
+                   vocab_chunk: int = 8192, block_rows: int = 512) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As `sampled_logprobs`, with the first k // 2 slots holding the teacher's top k // 2 at their exact
+    log-probabilities and the other slots the pieces that k - k // 2 stratified draws from the rest of the
+    distribution landed on, each with the rest's mass times its share of those draws. The target's expectation is
+    still the full distribution, and only the rest is random: the likeliest pieces, which carry most of the
+    gradient, are exact (the variance of pure draws is in them)."""
+    m = k // 2
+    hidden, head, vocab = final_hidden_and_head(model, batch, vocab_chunk)
+    b, t, d = hidden.shape
+    uniforms = stratified_uniforms(seed, row_index, t, k - m).reshape(b * t, k - m)
+    rows = min(block_rows, b * t)
+    fill = -(b * t) % rows
+    blocks = jnp.pad(hidden.reshape(b * t, d), [(0, fill), (0, 0)]).reshape(-1, rows, d)
+    u_blocks = jnp.pad(uniforms, [(0, fill), (0, 0)]).reshape(-1, rows, k - m)
+    top_ids, top_logprobs, drawn, rest = jax.lax.map(
+        lambda x: _tail_draws(model.logits_from_hidden, x[0], head, vocab, m, x[1]), (blocks, u_blocks))
+    drawn_ids, shares = counted(drawn.reshape(-1, k - m)[:b * t])
+    rest = rest.reshape(-1)[:b * t, None]
+    ids = jnp.concatenate([top_ids.reshape(-1, m)[:b * t], drawn_ids], axis=-1)
+    logprobs = jnp.concatenate([top_logprobs.reshape(-1, m)[:b * t],
+                                jnp.where(rest > 0, shares + jnp.log(jnp.maximum(rest, 1e-30)), -jnp.inf)], axis=-1)
+    return ids.reshape(b, t, k), logprobs.reshape(b, t, k), jnp.full((b, t), -jnp.inf, jnp.float32)
+
+
+def sampled_function(model: Any, k: int, seed: int, mixed: bool = False,
+                     **settings) -> Callable[..., tuple[np.ndarray, ...]]:
+    """`sampled_logprobs` of `model` (`mixed_logprobs` when `mixed`), jitted once: (batch, row_index) -> host
+    arrays."""
     graphdef, state = nnx.split(model)
-    compiled = jax.jit(lambda s, batch, rows: sampled_logprobs(nnx.merge(graphdef, s), batch, rows, k, seed,
-                                                               **settings))
+    slots = mixed_logprobs if mixed else sampled_logprobs
+    compiled = jax.jit(lambda s, batch, rows: slots(nnx.merge(graphdef, s), batch, rows, k, seed, **settings))
     return lambda batch, rows: tuple(np.asarray(x) for x in compiled(state, batch, jnp.asarray(rows, jnp.int32)))
 
 
-__all__ = ["counted", "sampled_function", "sampled_logprobs", "stratified_uniforms"]
+__all__ = ["counted", "mixed_logprobs", "sampled_function", "sampled_logprobs", "stratified_uniforms"]

@@ -36,7 +36,8 @@ from ..interface import forward_inputs
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SELECTIONS = ("top", "sampled")  # what a token's k slots hold: the teacher's top k, or k draws of it
+SELECTIONS = ("top", "sampled", "mixed")  # what a token's k slots hold: the teacher's top k, k draws of it, or
+# its top k // 2 and draws of the rest (teacher_samples)
 
 
 # ------------------------------------------------------------------------------------------------ the top k
@@ -151,6 +152,18 @@ def first_difference(saved: Mapping, wanted: Mapping, prefix: str = "") -> str |
     return None
 
 
+DRAWN = ("sampled", "mixed")  # selections whose slots hold draws: read whole and renormalised
+
+
+def slots_text(selection: str, k: int) -> str:
+    """What a token's k slots hold, for progress lines and summaries."""
+    if selection == "sampled":
+        return f"{k} draws"
+    if selection == "mixed":
+        return f"top {k // 2} and {k - k // 2} draws of the rest"
+    return f"top {k}"
+
+
 # ------------------------------------------------------------------------------------------------ writing
 @dataclasses.dataclass(frozen=True)
 class CacheSettings:
@@ -168,6 +181,9 @@ class CacheSettings:
             raise CacheError(f"selection {self.selection!r}: choose {' or '.join(SELECTIONS)}.")
         if self.encoding not in fmt.ENCODINGS:
             raise CacheError(f"encoding {self.encoding!r}: choose one of {', '.join(fmt.ENCODINGS)}.")
+        if self.selection == "mixed" and self.top_k < 2:
+            raise CacheError(f"selection 'mixed' with top_k {self.top_k}: it keeps the top k // 2 and draws the "
+                             "rest, so give top_k >= 2.")
         if self.top_k < 1 or self.rows_per_shard < 1 or self.batch_rows < 1:
             raise CacheError(f"top_k {self.top_k}, rows_per_shard {self.rows_per_shard} and batch_rows "
                              f"{self.batch_rows} must each be at least 1.")
@@ -287,9 +303,10 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
 def _teacher_function(teacher: Any, settings: CacheSettings) -> Callable:
     """(batch, the rows' packed indices) -> the k slots of every token: the top k, or k draws (teacher_samples)."""
     chunks = dict(vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
-    if settings.selection == "sampled":
+    if settings.selection in DRAWN:
         from .teacher_samples import sampled_function
-        return sampled_function(teacher, settings.top_k, settings.sample_seed, **chunks)
+        return sampled_function(teacher, settings.top_k, settings.sample_seed, mixed=settings.selection == "mixed",
+                                **chunks)
     top = topk_function(teacher, settings.top_k, **chunks)
     return lambda batch, row_index: top(batch)
 

@@ -27,7 +27,7 @@ from ..losses import term_registry as terms
 from ..inputs.cache_format import CacheError
 from ..inputs.batches import RowStream, changed_identity
 from ..losses.logit_term import LOGIT
-from ..inputs.topk_cache import TeacherCache, next_rows, vocab_map_sha256
+from ..inputs.topk_cache import DRAWN, TeacherCache, next_rows, slots_text, vocab_map_sha256
 from ..trimmed_vocab import vocab_map_of
 
 
@@ -114,9 +114,10 @@ def _check_vocabulary(cache: TeacherCache, config: Any, student_rows: int) -> No
 def _check_sampled(cache: TeacherCache, config: Any) -> None:
     """A cache of k draws (`teacher_samples`) is read whole and renormalised: its shares are the target."""
     if config.top_k is not None and config.top_k != cache.top_k:
-        raise CacheError(f"teacher cache {cache.folder}: holds {cache.top_k} draws of the teacher's distribution, "
-                         f"not its top k; the run asks top_k={config.top_k}, and the most drawn {config.top_k} "
-                         f"would no longer average to the teacher: give top_k={cache.top_k} (or None).")
+        raise CacheError(f"teacher cache {cache.folder}: holds {slots_text(cache.selection, cache.top_k)} of "
+                         f"the teacher's distribution, not its top k; the run asks top_k={config.top_k}, and the "
+                         f"first {config.top_k} slots would no longer average to the teacher: give "
+                         f"top_k={cache.top_k} (or None).")
     if config.top_k_mode != "renormalised":
         raise CacheError(f"teacher cache {cache.folder}: holds draws whose shares sum to 1, so top_k_mode="
                          f"{config.top_k_mode!r} has no residual to read; set top_k_mode='renormalised'.")
@@ -141,7 +142,7 @@ def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache 
     if config.top_k is not None and config.top_k > cache.top_k:
         raise CacheError(f"teacher cache {cache.folder}: holds the top {cache.top_k}, the run asks top_k="
                          f"{config.top_k}; give top_k <= {cache.top_k} (or None) or write a cache with more.")
-    if cache.selection == "sampled":
+    if cache.selection in DRAWN:
         _check_sampled(cache, config)
     cache.check_matches(seq_len=config.seq_len, tokenizer_hash=tokenizer_hash)
     _check_packing(cache, data)

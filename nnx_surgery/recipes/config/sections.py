@@ -186,10 +186,11 @@ class TrainingSection:
                                     "distillation phase", flag="--teacher-cache", metavar="none|auto|always|FOLDER",
                                     why="a search's candidates all read the same rows: the teacher runs once")
     cache_selection: str = documented("top", "what a teacher cache the run writes holds per token: top (the "
-                                      "teacher's top k, trained on as --top-k trains with the teacher running) or "
+                                      "teacher's top k, trained on as --top-k trains with the teacher running), "
                                       "sampled (k stratified draws of its distribution, each piece with its share "
-                                      "of the draws: the full distribution in expectation; auto then caches every "
-                                      "distillation phase)", flag="--cache-selection", choices=("top", "sampled"),
+                                      "of the draws: the full distribution in expectation) or mixed (its top k/2 "
+                                      "exactly and k/2 draws of the rest); auto caches every distillation phase "
+                                      "with draws", flag="--cache-selection", choices=("top", "sampled", "mixed"),
                                       why="a top-k cache teaches the student to give the rest of the vocabulary "
                                       "no mass; draws do not")
     precision: str = documented("fp32", "bf16: bf16 teacher and student compute with float32 master weights (half "

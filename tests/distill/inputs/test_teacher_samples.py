@@ -12,7 +12,7 @@ from flax import nnx
 
 from nnx_surgery.distill import TokenBatches
 from nnx_surgery.distill.inputs.cache_format import CacheError
-from nnx_surgery.distill.inputs.teacher_samples import counted, sampled_logprobs
+from nnx_surgery.distill.inputs.teacher_samples import counted, mixed_logprobs, sampled_logprobs
 from nnx_surgery.distill.inputs.topk_cache import CacheSettings, TeacherCache, write_cache
 from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
 from nnx_surgery.distill.loop.trainer import run
@@ -68,6 +68,61 @@ def test_draws_average_to_the_teacher_and_the_top_k_does_not(teacher):
     assert np.any(np.abs(top - p) > bound)
 
 
+def _slot_functions(model, batch):
+    graph, state = nnx.split(model)
+    return state, {name: jax.jit(lambda s, rows, f=f: f(nnx.merge(graph, s), batch, rows, K, seed=7, vocab_chunk=40,
+                                                         block_rows=24)[:2])
+                   for name, f in (("mixed", mixed_logprobs), ("sampled", sampled_logprobs))}
+
+
+def _probabilities(model, batch) -> np.ndarray:
+    return np.asarray(jax.nn.softmax(model(batch["input_ids"], positions=batch["positions"],
+                                           segment_ids=batch["segment_ids"]).logits.astype(jnp.float32), -1))
+
+
+def test_mixed_slots_hold_the_exact_top_half_and_average_to_the_teacher(teacher):
+    """selection "mixed": the first k // 2 slots are the teacher's top k // 2 at their exact log-probabilities, the
+    drawn slots never repeat them, the shares sum to 1, and their mean over 300 rounds is the teacher's
+    distribution within 4.5 standard errors of the rest's draws."""
+    batch = _batch()
+    p = _probabilities(teacher, batch)
+    state, slots = _slot_functions(teacher, batch)
+    ids, logprobs = map(np.asarray, slots["mixed"](state, jnp.arange(4)))
+    values, top = jax.lax.top_k(jnp.asarray(np.log(p)), K // 2)
+    np.testing.assert_array_equal(ids[..., :K // 2], np.asarray(top))
+    np.testing.assert_allclose(logprobs[..., :K // 2], np.asarray(values), rtol=1e-5, atol=1e-5)
+    in_top = (ids[..., K // 2:, None] == np.asarray(top)[..., None, :]).any(-1)  # per position
+    assert not np.any(in_top & np.isfinite(logprobs[..., K // 2:]))
+    np.testing.assert_allclose(np.exp(logprobs).sum(-1), 1.0, rtol=1e-5)
+    rounds = 300
+    mean = sum(_dense(*map(np.asarray, slots["mixed"](state, jnp.arange(4) + 4 * r))) for r in range(rounds)) / rounds
+    bound = 4.5 * np.sqrt(p * (1 - p) / ((K - K // 2) * rounds)) + 2e-5  # + the exact slots' float error
+    assert np.all(np.abs(mean - p) <= bound), np.max(np.abs(mean - p) - bound)
+
+
+def test_mixed_slots_are_nearer_a_peaked_teacher_than_draws_and_not_a_flat_one(teacher):
+    """Squared error to the teacher's distribution (summed over the vocabulary, averaged over positions and 30
+    rounds): on a teacher as peaked as a trained LM (its logits 8x sharper: the top k // 2 hold three quarters of the mass)
+    the mixed slots are at most half as far as k pure draws; on the fixture's flat teacher, where the rest holds
+    most of the mass and only k - k // 2 draws share it, they are not nearer (`mixed` pays where teachers are
+    peaked)."""
+    batch = _batch()
+    peaked = nnx.clone(teacher)
+    peaked.norm.scale[...] = (1.0 + peaked.norm.scale[...]) * 8.0 - 1.0
+    errors = {}
+    for label, model in (("flat", teacher), ("peaked", peaked)):
+        p = _probabilities(model, batch)
+        top_mass = np.sort(p, -1)[..., -(K // 2):].sum(-1).mean()
+        state, slots = _slot_functions(model, batch)
+        for name, draw in slots.items():
+            errors[label, name] = np.mean([np.mean(np.sum((_dense(*map(np.asarray, draw(state, jnp.arange(4) + 4 * r)))
+                                                            - p) ** 2, -1)) for r in range(30)])
+        errors[label, "top mass"] = top_mass
+    assert errors["peaked", "top mass"] > 0.7 > 0.5 > errors["flat", "top mass"], errors
+    assert errors["peaked", "mixed"] < 0.5 * errors["peaked", "sampled"], errors
+    assert errors["flat", "mixed"] > 0.7 * errors["flat", "sampled"], errors
+
+
 def test_every_piece_of_probability_p_is_drawn_within_2_of_k_p_times(teacher):
     batch = _batch()
     p = np.asarray(jax.nn.softmax(teacher(batch["input_ids"], positions=batch["positions"],
@@ -112,6 +167,8 @@ def test_a_top_k_cache_manifest_names_no_selection(teacher, tmp_path):
     assert "selection" not in manifest and TeacherCache.open(str(tmp_path / "top")).selection == "top"
     with pytest.raises(CacheError, match="selection 'random'"):
         CacheSettings(top_k=K, selection="random")
+    with pytest.raises(CacheError, match="give top_k >= 2"):
+        CacheSettings(top_k=1, selection="mixed")
 
 
 def _config(**changes) -> DistillConfig:
