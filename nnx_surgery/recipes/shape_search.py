@@ -13,8 +13,8 @@ the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and t
   and spread over the whole list, not its largest few, so different mixes of depth and width are tried). Or the
   shapes of `--search-shapes 'A;B'` after the guess (each within the budget): Minitron's second step, the top few
   of a short search trained longer to see whether their order holds.
-* Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses (plans cached
-  in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
+* Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses, all from one
+  calibration pass (`surgery.score_teacher`; plans cached in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
   stage's settings (loss weights, learning rate, warm-up scaled to the search's length, temperature, trainable and
   frozen patterns, batch, sequence, precision, mesh) on identical batches: copies of the run's batches as they
   stand before the main distillation, which therefore sees the batches a run with `--student WINNER` would. With
@@ -212,23 +212,36 @@ def search_config(config: RecipeConfig, out: str, data) -> distill.DistillConfig
     return dataclasses.replace(phase, eval_every=steps, targets=dataclasses.replace(phase.targets, stop_when_met=False))
 
 
-def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, calibration, directory: str) -> surgery.Plan:
-    """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it."""
+def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, calibration, directory: str,
+                   scored=None) -> surgery.Plan:
+    """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it.
+    `scored`: a callable giving the teacher's `surgery.TeacherScores` on `calibration` (measured once for every
+    candidate)."""
     path = os.path.join(directory, "plans", candidate.text.replace(",", "_") + ".json")
     if os.path.exists(path):
         return surgery.Plan.load(path)
     plan = surgery.plan_student(teacher, candidate.spec, calibration=calibration, source=run.teacher.source,
-                                revision=run.config.teacher.revision, seed=run.config.run.seed)
+                                revision=run.config.teacher.revision, seed=run.config.run.seed,
+                                scored=None if scored is None else scored())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     plan.save(path)
     return plan
 
 
 def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str) -> list:
-    """`distill.SearchCandidate`s of the chosen shapes: planned now, each student built when it trains."""
+    """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher (its
+    scores do not depend on the shape), each student built when it trains."""
+    measured: list = []
+
+    def scored() -> surgery.TeacherScores:
+        if not measured:
+            measured.append(surgery.score_teacher(teacher, calibration=calibration, seed=run.config.run.seed,
+                                                  revision=run.config.teacher.revision))
+        return measured[0]
+
     found = []
     for candidate in choice.candidates:
-        plan = candidate_plan(run, teacher, candidate, calibration, directory)
+        plan = candidate_plan(run, teacher, candidate, calibration, directory, scored)
         found.append(distill.SearchCandidate(
             candidate.text, build=lambda plan=plan: surgery.apply_plan(teacher, plan), plan=plan,
             parameters=candidate.parameters, non_embedding=candidate.non_embedding,

@@ -15,7 +15,7 @@ from .storage.hf_checkpoint import load_pretrained, resolve_dtype, save_pretrain
 from .planning.student_spec import NAMED_SHAPES, SpecError, StudentSpec
 from .planning.search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
 from .planning.plan_record import Plan, PlanError
-from .planning.student_planner import plan_student
+from .planning.student_planner import TeacherScores, plan_student, score_teacher
 from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, save_student
 from .pruning.on_disk import prune_checkpoint
 from .planning.plan_report import format_report, plot_report
@@ -30,7 +30,8 @@ __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOu
            "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
            "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
-           "Plan", "PlanError", "plan_student", "apply_plan", "compensation_effect",
+           "Plan", "PlanError", "plan_student", "score_teacher", "TeacherScores", "apply_plan",
+           "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
            "push_to_hub", "write_model_card", "import_gguf", "cached_import", "export_gguf", "Generation",
            "generate", "make_sampler", "to_tunix", "from_tunix", "tunix_sampler"]

@@ -27,6 +27,7 @@ random teachers it raised the starting KL slightly (mostly through the final nor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -54,7 +55,8 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
                  mlp: Sequence | None = None, heads: Sequence | None = None, kv_groups: Sequence | None = None,
                  compensate: bool = True, norm_correction: bool = False, measure_compensation: bool = False,
                  source: str | None = None, revision: str | None = None, mesh=None,
-                 tokenizer: str | os.PathLike | None = None, vocab_calibration=None) -> Plan:
+                 tokenizer: str | os.PathLike | None = None, vocab_calibration=None,
+                 scored: TeacherScores | None = None) -> Plan:
     """Decide a student of shape `spec` (a StudentSpec or a named shape such as "gemma-2b") for `teacher`.
 
     `teacher` is an NNX model or an HF folder / repo id. From a folder without calibration data, scores are
@@ -72,6 +74,8 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     spec with `vocab_size`; default: the teacher's folder, else `source` when it is a folder.
     `vocab_calibration`: token ids (like `calibration`) whose piece counts choose a trimmed vocabulary, e.g. the
     whole training corpus while the model passes score a few rows of it; default: all of `calibration`.
+    `scored`: `score_teacher`'s measurements of this teacher on the same calibration rows and methods, used instead
+    of measuring again (plans of many shapes from one calibration pass; ValueError if they were made otherwise).
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
     every = calibration_batches(calibration, batch_size) if calibration is not None else None
@@ -88,7 +92,9 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
         if tokenizer is None and spec.vocab_size is not None:
             tokenizer = _tokenizer_folder(teacher, source, revision)
         kept_vocab, vocab_record = _vocabulary(spec, config, counted, tokenizer)  # before the long scoring passes
-        scores, stats = _scores(model, config, read, batches, depth if layers is None else "explicit", width)
+        methods = (depth if layers is None else "explicit", width)
+        scores, stats = (_scores(model, config, read, batches, *methods) if scored is None else
+                         scored.reuse(*methods, _calibration_record(batches, batch_size, num_samples, seed)))
         fingerprint = teacher_fingerprint(config, read)
 
     kept_layers = _choose_layers(config, spec, depth, layers, scores)
@@ -120,6 +126,42 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
         effect = compensation_effect(model, plan, batches)
         plan.scores["compensation"] = {k: {m: _rounded(v) for m, v in d.items()} for k, d in effect.items()}
     return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherScores:
+    """What `plan_student` measures on a teacher before it chooses anything: the scores of its depth and width
+    methods on the calibration rows, and the rows' activation statistics. No student shape changes them, so
+    `score_teacher` measures them once and `plan_student(..., scored=)` plans any number of shapes from them
+    (the shape search's candidates), to the same plans."""
+
+    depth: str
+    width: str
+    calibration: dict | None  # _calibration_record of the rows measured
+    scores: dict[str, Any]
+    stats: Any
+
+    def reuse(self, depth: str, width: str, calibration: dict | None) -> tuple[dict[str, Any], Any]:
+        """(scores, stats) for a plan with these methods and calibration rows, or ValueError."""
+        if (depth, width, calibration) != (self.depth, self.width, self.calibration):
+            raise ValueError(f"scored= holds depth {self.depth!r} / width {self.width!r} on calibration "
+                             f"{self.calibration}, but this plan uses depth {depth!r} / width {width!r} on "
+                             f"{calibration}; call score_teacher with the plan's calibration and methods.")
+        return self.scores, self.stats
+
+
+def score_teacher(teacher: CausalLM | str | os.PathLike, *, calibration=None, batch_size: int = 8,
+                  num_samples: int | None = None, seed: int = 0, depth: str = "auto", width: str = "auto",
+                  revision: str | None = None, mesh=None) -> TeacherScores:
+    """The teacher's measurements (`TeacherScores`) that `plan_student` with the same arguments would make."""
+    every = calibration_batches(calibration, batch_size) if calibration is not None else None
+    batches = every if every is None or num_samples is None else \
+        calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
+    depth, width = _methods(depth, width, KV_MERGES[0], batches, explicit_layers=False, norm_correction=False)
+    with contextlib.ExitStack() as stack:
+        model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
+        scores, stats = _scores(model, config, read, batches, depth, width)
+    return TeacherScores(depth, width, _calibration_record(batches, batch_size, num_samples, seed), scores, stats)
 
 
 def _methods(depth: str, width: str, kv_merge: str, batches, *, explicit_layers: bool,
@@ -371,4 +413,4 @@ def _rounded(value):
     return [_rounded(v) for v in value]
 
 
-__all__ = ["plan_student", "PlanError"]
+__all__ = ["plan_student", "score_teacher", "TeacherScores", "PlanError"]

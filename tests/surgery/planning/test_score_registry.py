@@ -41,3 +41,24 @@ def test_unknown_scores_are_refused_with_the_registered_names(registered):
         plan_student(create_model(CONFIG), StudentSpec(2, 24, 32, 4, 2), depth="nope")
     with pytest.raises(ValueError, match="ranks_by"):
         register_score(Score("bad", "depth", lambda inputs: {}, needs_calibration=False))
+
+
+def test_plans_from_one_scoring_of_the_teacher_equal_plans_that_measure_it(monkeypatch):
+    """score_teacher measures the teacher once (one set of calibration passes for any number of shapes) and
+    plan_student(scored=) gives the plans it gives when it measures; other calibration rows are refused."""
+    from nnx_surgery.surgery.planning import student_planner
+    teacher = create_model(CONFIG, seed=3)
+    calibration = np.random.default_rng(0).integers(0, 64, size=(6, 12))
+    shapes = [StudentSpec(3, 24, 32, 4, 2), StudentSpec(2, 32, 24, 2, 1), StudentSpec(4, 16, 48, 4, 2)]
+    measured = [plan_student(teacher, spec, calibration=calibration, seed=1) for spec in shapes]
+    passes = []
+    original = student_planner._scores
+    monkeypatch.setattr(student_planner, "_scores", lambda *a: passes.append(1) or original(*a))
+    scored = student_planner.score_teacher(teacher, calibration=calibration, seed=1)
+    reused = [plan_student(teacher, spec, calibration=calibration, seed=1, scored=scored) for spec in shapes]
+    assert len(passes) == 1 and scored.depth == "block_influence" and scored.width == "activation"
+    assert [p.to_dict() for p in reused] == [p.to_dict() for p in measured]
+    with pytest.raises(ValueError, match="call score_teacher with the plan's calibration"):
+        plan_student(teacher, shapes[0], calibration=calibration[:4], seed=1, scored=scored)
+    with pytest.raises(ValueError, match="width 'magnitude'"):
+        plan_student(teacher, shapes[0], calibration=calibration, seed=1, width="magnitude", scored=scored)
