@@ -10,7 +10,9 @@ bytes per token (the top k and residual, plus the row's own id and flags that ev
 absolute error of the decoded log-probabilities (all k, and those within 12 nats of the top 1), the max error of
 the residual, and the KL between the exact top-k-renormalised distribution and the decoded one (mean and max
 over tokens). `--selection sampled`: the same for caches of k stratified draws (their own k each; the KL of the
-decoded shares against the exact ones). DistillKit's published sizes to compare: about 300 bytes/token at k=128, 114 at k=50.
+decoded shares against the exact ones), and how far a token's shares are from the teacher's distribution (squared
+error summed over the vocabulary, mean over tokens); `--selection mixed`: the same for the top k/2 and k/2 draws of
+the rest. DistillKit's published sizes to compare: about 300 bytes/token at k=128, 114 at k=50.
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def exact_topk(folder: str, rows: int, seq_len: int, k: int):
     return ids, logprobs, int(teacher.head_matrix().shape[0]), seconds  # (rows, seq_len, k)
 
 
-def drawn(folder: str, rows: int, seq_len: int, k: int):
+def drawn(folder: str, rows: int, seq_len: int, k: int, mixed: bool = False):
     """As `exact_topk`, with the k slots holding k stratified draws of the teacher's distribution
-    (`CacheSettings(selection="sampled")`, seed 0)."""
+    (`CacheSettings(selection="sampled")`, seed 0; `mixed`: its top k/2 and draws of the rest), and each token's
+    squared error to the teacher's distribution."""
     import jax.numpy as jnp
 
     from nnx_surgery import distill, surgery
@@ -59,11 +62,31 @@ def drawn(folder: str, rows: int, seq_len: int, k: int):
     batch = {key: jnp.asarray(value) for key, value in data.next_batch().items() if key != "loss_mask"}
     teacher = surgery.load_pretrained(folder, dtype="float32")
     start = time.perf_counter()
-    ids, logprobs, _ = sampled_function(teacher, k, 0, vocab_chunk=16384, block_rows=256)(batch, np.arange(rows))
-    return ids, logprobs, int(teacher.head_matrix().shape[0]), time.perf_counter() - start
+    ids, logprobs, _ = sampled_function(teacher, k, 0, mixed=mixed, vocab_chunk=16384, block_rows=256)(
+        batch, np.arange(rows))
+    seconds = time.perf_counter() - start
+    return ids, logprobs, int(teacher.head_matrix().shape[0]), seconds, target_error(teacher, batch, ids, logprobs)
 
 
-def measure_draws(ids, logprobs, vocab: int, k: int, encoding: str) -> dict:
+def target_error(teacher, batch, ids, logprobs) -> float:
+    """Mean over tokens of sum_v (share_v - p_v)^2, the slots' shares against the teacher's distribution p, one row
+    of full logits at a time: sum p^2 - 2 sum share p + sum share^2 (a token's slots hold distinct ids)."""
+    import jax
+    import jax.numpy as jnp
+
+    total, count = 0.0, 0
+    for row in range(ids.shape[0]):
+        one = {key: value[row:row + 1] for key, value in batch.items()}
+        logits = teacher(one["input_ids"], positions=one.get("positions"), segment_ids=one.get("segment_ids")).logits
+        p = np.asarray(jax.nn.softmax(logits[0].astype(jnp.float32), -1), np.float64)
+        shares = np.exp(logprobs[row].astype(np.float64))
+        at = np.take_along_axis(p, ids[row].astype(np.int64), -1)
+        total += float(np.sum((p * p).sum(-1) - 2 * (shares * at).sum(-1) + (shares * shares).sum(-1)))
+        count += p.shape[0]
+    return total / count
+
+
+def measure_draws(ids, logprobs, vocab: int, k: int, encoding: str, selection: str = "sampled") -> dict:
     """Bytes per token of a cache of k draws in `encoding`, the distinct pieces per token, and the KL between the
     exact shares and the decoded ones (a token's unused slots repeat its first id with share 0)."""
     from nnx_surgery.distill.inputs import cache_format as fmt
@@ -84,7 +107,7 @@ def measure_draws(ids, logprobs, vocab: int, k: int, encoding: str) -> dict:
         total = sum(q.values())
         kls.append(sum(v * np.log(v / (q[piece] / total)) for piece, v in p.items() if v > 0))
     own = fmt.token_dtype(vocab).itemsize + 1
-    return {"k": k, "encoding": encoding, "vocab": vocab, "selection": "sampled",
+    return {"k": k, "encoding": encoding, "vocab": vocab, "selection": selection,
             "bytes_per_token": sum(a.nbytes for a in stored.values()) / len(flat_ids) + own,
             "distinct_per_token": float(np.mean(np.isfinite(logprobs.reshape(-1, k)).sum(-1))),
             "kl_mean": float(f"{np.mean(kls):.3g}"), "kl_max": float(f"{np.max(kls):.3g}")}
@@ -139,16 +162,19 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--out", help="append the records to this JSONL file")
-    parser.add_argument("--selection", choices=("top", "sampled"), default="top",
-                        help="sampled: caches of k stratified draws instead of the top k (bytes, distinct pieces "
-                        "per token, KL of the decoded shares)")
+    parser.add_argument("--selection", choices=("top", "sampled", "mixed"), default="top",
+                        help="sampled: caches of k stratified draws instead of the top k; mixed: the top k/2 and "
+                        "k/2 draws of the rest (bytes, distinct pieces per token, KL of the decoded shares, squared "
+                        "error to the teacher's distribution)")
     args = parser.parse_args(argv)
-    if args.selection == "sampled":
+    if args.selection != "top":
         for k in (16, 64, 128):
-            ids, logprobs, vocab, seconds = drawn(args.teacher, args.rows, args.seq_len, k)
+            ids, logprobs, vocab, seconds, error = drawn(args.teacher, args.rows, args.seq_len, k,
+                                                         mixed=args.selection == "mixed")
             for encoding in ("exact", "q8", "q8z"):
-                record = measure_draws(ids, logprobs, vocab, k, encoding)
+                record = measure_draws(ids, logprobs, vocab, k, encoding, args.selection)
                 record.update(tokens=ids.shape[0] * ids.shape[1], rows=ids.shape[0], draw_s=round(seconds, 1),
+                              target_sq_error=float(f"{error:.4g}"),
                               teacher=os.path.basename(os.path.normpath(args.teacher)))
                 common.emit(record, args.out)
         return

@@ -86,6 +86,8 @@ def compare(runs: str, demo: str, out: str | None, names: list[str]) -> None:
     folder = os.path.join(runs, "eval" if names == list(RUNS) else "eval-" + "-".join(names))
     students = {"full": os.path.join(demo, "student")} | {
         name: os.path.join(runs, name, "student") for name in names if not name.startswith("search")}
+    if len(students) == 1:
+        return  # searches only: their records hold their rankings and times, no student to compare
     if not os.path.isfile(os.path.join(folder, "results.json")):
         full = students["full"]  # every folder is named student/: the table names them by their paths
         compares = [arg for name, path in students.items() if name != "full" for arg in ("--compare", f"{path}:{full}")]

@@ -15,6 +15,11 @@ the head's vocabulary chunks: a first pass gives the log-normaliser, a second th
 by chunk, where each draw finds its piece, so no (B, T, V) array exists. The uniforms come from the seed folded
 with the packed row's index, so a row's draws do not depend on the batch, the mesh, the process count or a
 resume.
+
+`selection="mixed"` (`mixed_logprobs`) keeps the top k // 2 at their exact probabilities and draws the other slots
+from the rest of the distribution (scaled by the rest's mass): still the full distribution in expectation, with the
+randomness confined to the rest, which holds little of a trained LM's mass, so each token's target is nearer the
+teacher than k pure draws (on a flat teacher it is not).
 """
 from __future__ import annotations
 

@@ -227,6 +227,10 @@ def test_command_writes_resumes_and_refuses(w):
     assert code == 0 and "8 draws of" in printed, err
     assert TeacherCache.open(drawn).selection == "sampled"
     assert_refused(*run(*_cache_args(w, drawn, "--resume")), "in the cache but None here", started=True)
+    mixed = str(w["base"] / "mixed")  # --selection mixed: the top k/2 and draws of the rest
+    code, printed, err = run(*_cache_args(w, mixed, "--selection", "mixed"))
+    assert code == 0 and "top 4 and 4 draws of the rest of" in printed, err
+    assert TeacherCache.open(mixed).selection == "mixed"
 
 
 def test_overwrite_replaces_the_cache_only_once_the_new_one_is_complete(w, monkeypatch):

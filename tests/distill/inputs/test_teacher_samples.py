@@ -139,8 +139,8 @@ def test_every_piece_of_probability_p_is_drawn_within_2_of_k_p_times(teacher):
 
 
 def _settings(**extra) -> CacheSettings:
-    return CacheSettings(top_k=K, encoding="exact", rows_per_shard=5, vocab_chunk=40, block_rows=24,
-                         selection="sampled", sample_seed=11, **extra)
+    return CacheSettings(**{**dict(top_k=K, encoding="exact", rows_per_shard=5, vocab_chunk=40, block_rows=24,
+                                   selection="sampled", sample_seed=11), **extra})
 
 
 def test_a_rows_draws_do_not_depend_on_the_batch_or_the_rows_cached(teacher, tmp_path):
@@ -177,12 +177,13 @@ def _config(**changes) -> DistillConfig:
     return DistillConfig(**{**base, **changes})
 
 
-def test_a_run_trains_from_draws_whole_and_renormalised(teacher, tmp_path):
-    folder = str(tmp_path / "sampled")
-    write_cache(teacher, _data(), folder, _settings(batch_rows=4), identity={})
+@pytest.mark.parametrize("selection, held", [("sampled", "8 draws"), ("mixed", "top 4 and 4 draws of the rest")])
+def test_a_run_trains_from_draws_whole_and_renormalised(teacher, tmp_path, selection, held):
+    folder = str(tmp_path / selection)
+    write_cache(teacher, _data(), folder, _settings(batch_rows=4, selection=selection), identity={})
     result = run(None, student_from(teacher), _data(), _config(teacher_cache=folder))
     assert result.steps == 3 and all(np.isfinite(r["loss"]) for r in result.history)
-    for changes, message in ((dict(top_k=4), "holds 8 draws of the teacher's distribution"),
+    for changes, message in ((dict(top_k=4), f"holds {held} of the teacher's distribution"),
                              (dict(top_k_mode="residual"), "has no residual to read")):
         with pytest.raises(CacheError, match=message) as error:
             run(None, student_from(teacher), _data(), _config(teacher_cache=folder, **changes))
