@@ -62,23 +62,34 @@ def _draws(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab
     chunk = head_chunks.shape[1]
     lse, best_id = _normaliser(logits_fn, hidden, head_chunks, vocab_size)
 
+    def probabilities(index, head):
+        ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        return jnp.where(ids < vocab_size, jnp.exp(logits_fn(hidden, head) - lse[:, None]), 0.0)
+
+    drawn = _inverse_cdf(probabilities, head_chunks, uniforms)
+    # a draw above the chunks' summed probabilities (their float32 total may round below 1) takes the likeliest
+    return jnp.where(drawn < 0, best_id[:, None], drawn)
+
+
+def _inverse_cdf(probabilities: Callable, head_chunks: jax.Array, targets: jax.Array) -> jax.Array:
+    """The ids (R, n) where the running sum of `probabilities(chunk index, head chunk)` ((R, C) per chunk, over the
+    chunks in order) passes each of `targets` (R, n); -1 where a target lies past their total."""
+    chunk = head_chunks.shape[1]
+
     def step(carry, xs):
         start, drawn = carry
         index, head = xs
-        ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        probs = jnp.where(ids < vocab_size, jnp.exp(logits_fn(hidden, head) - lse[:, None]), 0.0)
-        cumulative = jnp.cumsum(probs, axis=-1)
-        local = uniforms - start[:, None]
+        cumulative = jnp.cumsum(probabilities(index, head), axis=-1)
+        local = targets - start[:, None]
         here = (local >= 0.0) & (local < cumulative[:, -1:]) & (drawn < 0)
         found = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cumulative, local)
         drawn = jnp.where(here, index * chunk + jnp.minimum(found, chunk - 1).astype(jnp.int32), drawn)
         return (start + cumulative[:, -1], drawn), None
 
-    rows, k = uniforms.shape
-    start = (jnp.zeros((rows,), jnp.float32), jnp.full((rows, k), -1, jnp.int32))
+    rows, n = targets.shape
+    start = (jnp.zeros((rows,), jnp.float32), jnp.full((rows, n), -1, jnp.int32))
     (_, drawn), _ = jax.lax.scan(step, start, (jnp.arange(head_chunks.shape[0], dtype=jnp.int32), head_chunks))
-    # a draw above the chunks' summed probabilities (their float32 total may round below 1) takes the likeliest
-    return jnp.where(drawn < 0, best_id[:, None], drawn)
+    return drawn
 
 
 def counted(drawn: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -156,25 +167,14 @@ def _tail_draws(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, 
     last_tied = jnp.max(jnp.where(values[:, :m] == threshold[:, None], top_ids[:, :m], -1), axis=-1)
     logprobs = values[:, :m] - lse[:, None]
     rest = jnp.clip(1.0 - jnp.sum(jnp.exp(logprobs), axis=-1), 0.0, 1.0)
-    targets = uniforms * rest[:, None]
 
-    def step(carry, xs):
-        start, drawn = carry
-        index, head = xs
+    def rest_probabilities(index, head):
         ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
         logits = logits_fn(hidden, head)
         outside = (logits < threshold[:, None]) | ((logits == threshold[:, None]) & (ids > last_tied[:, None]))
-        probs = jnp.where((ids < vocab_size) & outside, jnp.exp(logits - lse[:, None]), 0.0)
-        cumulative = jnp.cumsum(probs, axis=-1)
-        local = targets - start[:, None]
-        here = (local >= 0.0) & (local < cumulative[:, -1:]) & (drawn < 0)
-        found = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cumulative, local)
-        drawn = jnp.where(here, index * chunk + jnp.minimum(found, chunk - 1).astype(jnp.int32), drawn)
-        return (start + cumulative[:, -1], drawn), None
+        return jnp.where((ids < vocab_size) & outside, jnp.exp(logits - lse[:, None]), 0.0)
 
-    rows, n = uniforms.shape
-    start = (jnp.zeros((rows,), jnp.float32), jnp.full((rows, n), -1, jnp.int32))
-    (_, drawn), _ = jax.lax.scan(step, start, (jnp.arange(head_chunks.shape[0], dtype=jnp.int32), head_chunks))
+    drawn = _inverse_cdf(rest_probabilities, head_chunks, uniforms * rest[:, None])
     # a draw past the rest's float32 total takes the likeliest piece outside the top m
     return top_ids[:, :m], logprobs, jnp.where(drawn < 0, top_ids[:, m:], drawn), rest
 
