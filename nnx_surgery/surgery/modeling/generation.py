@@ -71,7 +71,9 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
     `temperature` 0 is greedy (argmax); above 0 samples from softmax(logits / temperature) after `top_k`, then
     `top_p` (nucleus) filtering, in transformers' order; draws depend only on `seed` (and the batch).
     `stop`: token ids and/or strings that end a row; None means the model config's eos ids, `()` never stops
-    early. Stop strings are checked on the host every 16 steps (ids inside the jitted loop at every step).
+    early. Stop ids, and every token whose own text holds a stop string, end their row inside the jitted loop at
+    every step; a stop string that can span tokens (longer than one ASCII character, or a space) is also looked
+    for in the text on the host every 16 steps.
 
     Fixed shapes, so that many calls share one compilation (e.g. an evaluation harness's length buckets): `pad_to`
     left pads every prompt to that width (at least the longest prompt), `batch_rows` fills the batch up to that
