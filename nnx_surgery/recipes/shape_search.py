@@ -14,10 +14,11 @@ the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and t
   shapes of `--search-shapes 'A;B'` after the guess (each within the budget): Minitron's second step, the top few
   of a short search trained longer to see whether their order holds.
 * Each candidate is planned from the teacher in one shot on the calibration rows the main plan uses, all from one
-  calibration pass (`surgery.score_teacher`; plans cached in OUT/search/plans/), built from its plan only when it trains, and distilled for `--search-steps` with the main
-  stage's settings (loss weights, learning rate, warm-up scaled to the search's length, temperature, trainable and
-  frozen patterns, batch, sequence, precision, mesh) on identical batches: copies of the run's batches as they
-  stand before the main distillation, which therefore sees the batches a run with `--student WINNER` would. With
+  calibration pass (`surgery.score_teacher`; plans cached in OUT/search/plans/), built from its plan only when it
+  trains, and distilled for `--search-steps` with the main stage's settings (loss weights, learning rate, warm-up
+  scaled to the search's length, temperature, trainable and frozen patterns, batch, sequence, precision, mesh) on
+  identical batches: copies of the run's batches as they stand before the main distillation, which therefore sees
+  the batches a run with `--student WINNER` would. With
   --schedule or the config file's stages the search still trains that one stage (a schedule is sized for the main
   run); students are built in memory (`apply_plan`), --from-disk or not.
 * Scored at a third, two thirds and the end on the recipe's held-out sets (`final_eval.heldout_sets`: in-domain and,
@@ -35,6 +36,7 @@ the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import TYPE_CHECKING
@@ -231,14 +233,9 @@ def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, cali
 def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str) -> list:
     """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher (its
     scores do not depend on the shape), each student built when it trains."""
-    measured: list = []
-
-    def scored() -> surgery.TeacherScores:
-        if not measured:
-            measured.append(surgery.score_teacher(teacher, calibration=calibration, seed=run.config.run.seed,
-                                                  revision=run.config.teacher.revision))
-        return measured[0]
-
+    scored = functools.cache(lambda: surgery.score_teacher(teacher, calibration=calibration,
+                                                            seed=run.config.run.seed,
+                                                            revision=run.config.teacher.revision))
     found = []
     for candidate in choice.candidates:
         plan = candidate_plan(run, teacher, candidate, calibration, directory, scored)

@@ -93,8 +93,8 @@ def for_phase(run: Any, phase: str, teacher: Any, data: Any, config: Any, mesh: 
         _record(run, phase, setting, written=False)
         return os.path.abspath(setting)
     rows = config.total_steps * config.grad_accum * (config.batch_size or data.batch_size)
-    sampled = run.config.training.cache_selection in topk_cache.DRAWN
-    if setting == "auto" and readers < 2 and rows <= data.num_rows and not sampled:
+    drawn = run.config.training.cache_selection in topk_cache.DRAWN
+    if setting == "auto" and readers < 2 and rows <= data.num_rows and not drawn:
         return None  # every row read once: the cache would cost the teacher's forward it saves
     folder = os.path.join(run.folder, FOLDER, phase)
     if os.path.isfile(os.path.join(folder, topk_cache.MANIFEST)):

@@ -78,10 +78,8 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
     of measuring again (plans of many shapes from one calibration pass; ValueError if they were made otherwise).
     """
     spec = StudentSpec.named(spec) if isinstance(spec, str) else spec
-    every = calibration_batches(calibration, batch_size) if calibration is not None else None
+    every, batches = _calibration(calibration, batch_size, num_samples, seed)
     counted = every if vocab_calibration is None else calibration_batches(vocab_calibration, batch_size)
-    batches = every if every is None or num_samples is None else \
-        calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
     depth, width = _methods(depth, width, kv_merge, batches, explicit_layers=layers is not None,
                             norm_correction=norm_correction)
     if source is None and not isinstance(teacher, CausalLM):
@@ -154,14 +152,21 @@ def score_teacher(teacher: CausalLM | str | os.PathLike, *, calibration=None, ba
                   num_samples: int | None = None, seed: int = 0, depth: str = "auto", width: str = "auto",
                   revision: str | None = None, mesh=None) -> TeacherScores:
     """The teacher's measurements (`TeacherScores`) that `plan_student` with the same arguments would make."""
-    every = calibration_batches(calibration, batch_size) if calibration is not None else None
-    batches = every if every is None or num_samples is None else \
-        calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
+    batches = _calibration(calibration, batch_size, num_samples, seed)[1]
     depth, width = _methods(depth, width, KV_MERGES[0], batches, explicit_layers=False, norm_correction=False)
     with contextlib.ExitStack() as stack:
         model, config, read = _teacher(teacher, calibration, revision, mesh, stack)
         scores, stats = _scores(model, config, read, batches, depth, width)
     return TeacherScores(depth, width, _calibration_record(batches, batch_size, num_samples, seed), scores, stats)
+
+
+def _calibration(calibration, batch_size: int, num_samples: int | None, seed: int) -> tuple[Any, Any]:
+    """(every calibration batch, the batches the model passes score: a `seed`ed subset of `num_samples` rows), or
+    (None, None) without calibration data."""
+    every = calibration_batches(calibration, batch_size) if calibration is not None else None
+    batches = every if every is None or num_samples is None else \
+        calibration_batches(np.concatenate(every), batch_size, num_samples, seed)
+    return every, batches
 
 
 def _methods(depth: str, width: str, kv_merge: str, batches, *, explicit_layers: bool,
