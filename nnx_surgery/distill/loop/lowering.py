@@ -130,7 +130,7 @@ def train_step_program(teacher, student, config: DistillConfig, mesh, stage_inde
     runner = _runner(teacher, student, config, mesh)
     stage = config.stages[stage_index]
     graph, trainable, frozen = freeze.split_trainable(student, stage.trainable, stage.frozen)
-    params = abstract({"student": trainable, "proj": runner.projections}, mesh)
+    params = freeze.master_weights(abstract({"student": trainable, "proj": runner.projections}, mesh))
     opt = like_parameters(jax.eval_shape(runner.adam.init, params), params, mesh)
     frozen = abstract(frozen, mesh)
     out = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt), replicated(mesh))

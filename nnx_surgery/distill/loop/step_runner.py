@@ -7,7 +7,8 @@ enter a stage, checkpoint or roll back; the runner does it.
 Buffer ownership: the step donates the trainable parameters; on entering a stage, those not made by the step are
 replaced by XLA-made copies (in the student module too: see `_donatable`), which the first step consumes; the
 module is written back (`sync_student`) at stage switches, checkpoints and the end of the run, also when the run
-stops with an error.
+stops with an error. The trainable parameters are float32 master weights whatever the student's dtype
+(`freeze.master_weights`); the run gives the student back in its own dtypes (`give_back`).
 """
 from __future__ import annotations
 
@@ -47,27 +48,38 @@ def _shardings(tree: Any, mesh) -> Any:
                         else replicated(mesh), tree)
 
 
-def _put_like(values: Any, template: Any) -> Any:
+def _put_like(values: Any, template: Any, *, keep_wider: bool = False) -> Any:
     """Host or device values onto the dtypes and shardings of `template` (same structure); host arrays go
-    straight to their shards, never through one device."""
+    straight to their shards, never through one device. `keep_wider`: a floating value wider than the
+    template's dtype keeps its own (float32 master weights saved from a bfloat16 student)."""
     def put(value, like):
+        dtype = like.dtype
+        if keep_wider and _wider_float(np.dtype(value.dtype), np.dtype(dtype)):
+            dtype = value.dtype
         if isinstance(value, jax.Array):
-            value = value if value.dtype == like.dtype else value.astype(like.dtype)
+            value = value if value.dtype == dtype else value.astype(dtype)
         else:
-            value = np.asarray(value, dtype=like.dtype)
+            value = np.asarray(value, dtype=dtype)
         return jax.device_put(value, like.sharding)
     return jax.tree.map(put, values, template)
 
 
 def _donatable(tree: Any, stepped: set[int]) -> Any:
-    """`tree` with every leaf that is not a step output (ids in `stepped`) replaced by an XLA-made copy.
+    """`tree` with every leaf that is not a step output (ids in `stepped`) replaced by an XLA-made copy, in
+    float32 where it was narrower (`freeze.master_weights`).
 
     XLA:CPU adopts host buffers without copying (the loader's aligned reads, `device_put` of numpy), and such a
     buffer is never reused for the donated step's outputs: the step then allocates every output anew while the
     inputs stay alive, one extra copy of the trainable parameters at the peak. A copy costs one memcpy per stage
     entry, leaf by leaf. It also keeps teacher buffers the student shares (tied or copied layers) out of the
     donation."""
-    return jax.tree.map(lambda x: x if id(x) in stepped else jnp.copy(x), tree)
+    widened = freeze.master_weights(tree)  # float32 master copies (XLA-made too) of narrower floating leaves
+    return jax.tree.map(lambda x, w: x if id(x) in stepped else (w if w is not x else jnp.copy(x)), tree, widened)
+
+
+def _wider_float(value, like) -> bool:
+    return (jnp.issubdtype(value, jnp.floating) and jnp.issubdtype(like, jnp.floating)
+            and value.itemsize > like.itemsize)
 
 
 class StepRunner:
@@ -77,6 +89,7 @@ class StepRunner:
 
     def __init__(self, teacher, student, config: DistillConfig, mesh, correspondence, projections):
         self.config, self.mesh, self.student = config, mesh, student
+        self.given_dtypes = freeze.floating_dtypes(student)  # trained in float32, given back in these
         self.correspondence = correspondence
         self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
         opt = config.optimizer
@@ -119,6 +132,12 @@ class StepRunner:
         """Write the current trainable values back into the student module."""
         if self.params is not None:
             nnx.update(self.student, self.params["student"])
+
+    def give_back(self) -> None:
+        """The end of the run: the student module holds its trained values in the dtypes it came in (a bfloat16
+        student trains float32 master weights and is given back in bfloat16)."""
+        self.sync_student()
+        freeze.cast_back(self.student, self.given_dtypes)
 
     def enter_stage(self, index: int, *, carry: bool) -> int:
         """Split the student for stage `index`; returns how many optimizer-state leaves were carried over."""
@@ -199,7 +218,7 @@ class StepRunner:
     def load(self, stage_index: int, student_state: Any, opt_state: Any, projections: dict) -> None:
         """Install saved values (host or device) for stage `stage_index`, on the current devices."""
         self.sync_student()
-        nnx.update(self.student, _put_like(student_state, nnx.state(self.student)))
+        nnx.update(self.student, _put_like(student_state, nnx.state(self.student), keep_wider=True))
         self.params = None
         if projections:
             self.projections = _put_like(projections, self.projections)

@@ -257,7 +257,7 @@ def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConf
         with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
             loop.run()
     finally:
-        runner.sync_student()
+        runner.give_back()
         loop.close()
     return DistillResult(student=student, history=loop.history, evals=loop.evals, events=loop.events,
                          projections=runner.params["proj"] if runner.params else projections,

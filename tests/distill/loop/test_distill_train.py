@@ -174,6 +174,42 @@ def test_without_a_teacher_the_student_trains_on_hard_labels(corpus):
         run(None, student, corpus["train"], _short_config())
 
 
+def test_a_bfloat16_student_trains_float32_master_weights_in_one_compiled_step(corpus):
+    """A student that comes in bfloat16 (the recipe's --precision bf16 cuts it from a bfloat16 teacher) trains
+    float32 master copies: its result is the float32 student's, trained from the same values, rounded once at
+    the end (not an update rounded away at every step); it comes back in bfloat16; and its train step compiles
+    once (bfloat16 Adam moments that turned float32 after the first step recompiled it)."""
+    from jax._src import dispatch, monitoring
+
+    teacher = tiny_teacher()
+    wide = student_from(teacher)
+    narrow = student_from(teacher)
+    state = nnx.state(narrow, nnx.Param)
+    nnx.update(narrow, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
+    nnx.update(wide, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(narrow, nnx.Param)))
+    config = _short_config(stages=(Stage(steps=4, learning_rate=1e-4),), compute_dtype="bfloat16")
+    compiled = []
+
+    def listen(event, seconds, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == "jit(step)":
+            compiled.append(seconds)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run(teacher, narrow, corpus["train"][:4], config)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    run(teacher, wide, corpus["train"][:4], config)
+    assert len(compiled) == 1, compiled
+    trained, reference = params_numpy(narrow), params_numpy(wide)
+    assert all(v.dtype == jnp.bfloat16 for v in trained.values())
+    for path in trained:
+        np.testing.assert_array_equal(trained[path], reference[path].astype(jnp.bfloat16), err_msg=path)
+    changed = [path for path in trained if not np.array_equal(trained[path], params_numpy(student_from(teacher))[
+        path].astype(jnp.bfloat16))]
+    assert changed, "a learning rate of 1e-4 moved no bfloat16 weight"
+
+
 def test_stage_entry_makes_loaded_parameters_donatable_in_place(tmp_path):
     """XLA:CPU adopts the loader's aligned host buffers uncopied, and never aliases such a buffer to a donated
     step's output (one more copy of the trainable parameters at the peak); `_donatable` copies them so the step writes in
