@@ -48,18 +48,14 @@ def _shardings(tree: Any, mesh) -> Any:
                         else replicated(mesh), tree)
 
 
-def _put_like(values: Any, template: Any, *, keep_wider: bool = False) -> Any:
+def _put_like(values: Any, template: Any) -> Any:
     """Host or device values onto the dtypes and shardings of `template` (same structure); host arrays go
-    straight to their shards, never through one device. `keep_wider`: a floating value wider than the
-    template's dtype keeps its own (float32 master weights saved from a bfloat16 student)."""
+    straight to their shards, never through one device."""
     def put(value, like):
-        dtype = like.dtype
-        if keep_wider and _wider_float(np.dtype(value.dtype), np.dtype(dtype)):
-            dtype = value.dtype
         if isinstance(value, jax.Array):
-            value = value if value.dtype == dtype else value.astype(dtype)
+            value = value if value.dtype == like.dtype else value.astype(like.dtype)
         else:
-            value = np.asarray(value, dtype=dtype)
+            value = np.asarray(value, dtype=like.dtype)
         return jax.device_put(value, like.sharding)
     return jax.tree.map(put, values, template)
 
@@ -75,11 +71,6 @@ def _donatable(tree: Any, stepped: set[int]) -> Any:
     donation."""
     widened = freeze.master_weights(tree)  # float32 master copies (XLA-made too) of narrower floating leaves
     return jax.tree.map(lambda x, w: x if id(x) in stepped else (w if w is not x else jnp.copy(x)), tree, widened)
-
-
-def _wider_float(value, like) -> bool:
-    return (jnp.issubdtype(value, jnp.floating) and jnp.issubdtype(like, jnp.floating)
-            and value.itemsize > like.itemsize)
 
 
 class StepRunner:
@@ -218,7 +209,7 @@ class StepRunner:
     def load(self, stage_index: int, student_state: Any, opt_state: Any, projections: dict) -> None:
         """Install saved values (host or device) for stage `stage_index`, on the current devices."""
         self.sync_student()
-        nnx.update(self.student, _put_like(student_state, nnx.state(self.student), keep_wider=True))
+        nnx.update(self.student, _put_like(student_state, nnx.state(self.student)))
         self.params = None
         if projections:
             self.projections = _put_like(projections, self.projections)

@@ -76,21 +76,29 @@ def _short_config(**changes):
     return DistillConfig(**{**base, **changes})
 
 
-def test_resume_from_checkpoint_is_bit_exact(corpus, tmp_path):
-    reference = student_from(tiny_teacher())
+def _in(dtype, student):
+    nnx.update(student, jax.tree.map(lambda x: x.astype(dtype), nnx.state(student, nnx.Param)))
+    return student
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_resume_from_checkpoint_is_bit_exact(corpus, tmp_path, dtype):
+    """Also for a bfloat16 student: the checkpoint holds its float32 master weights, and the resume reads them
+    back (rounding them to the student's bfloat16 would change every later step)."""
+    reference = _in(dtype, student_from(tiny_teacher()))
     full = run(tiny_teacher(), reference, ArrayBatches(corpus["train"]),
                _short_config(checkpoint=CheckpointConfig(str(tmp_path / "a"), every=2)))
-    interrupted = student_from(tiny_teacher())
+    interrupted = _in(dtype, student_from(tiny_teacher()))
     halted = run(tiny_teacher(), interrupted, ArrayBatches(corpus["train"]),
                  _short_config(checkpoint=CheckpointConfig(str(tmp_path / "b"), every=2), halt_after=3))
     assert halted.steps == 3
-    fresh = student_from(tiny_teacher(seed=5))  # other weights: everything must come from the checkpoint
+    fresh = _in(dtype, student_from(tiny_teacher(seed=5)))  # other weights: everything from the checkpoint
     resumed = run(tiny_teacher(), fresh, ArrayBatches(corpus["train"]),
                   _short_config(checkpoint=CheckpointConfig(str(tmp_path / "b"), every=2)))
     assert resumed.events[0]["event"] == "resume" and resumed.steps == 6
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[3:]]
     want, got = params_numpy(reference), params_numpy(fresh)
-    assert all(np.array_equal(want[k], got[k]) for k in want)
+    assert all(np.array_equal(want[k], got[k]) and got[k].dtype == dtype for k in want)
 
 
 def test_divergence_guard_rolls_back_and_lowers_the_learning_rate(corpus):
