@@ -17,12 +17,15 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 LAYOUTS = {"NT": ((1,), (1,)), "NN": ((1,), (0,)), "TN": ((0,), (0,))}
 
@@ -40,16 +43,6 @@ def transposed_copy(a):
     return jnp.reshape(jnp.swapaxes(a.reshape(rows, cols, 1), 0, 1), (cols, rows))
 
 
-def seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(m: int, k: int, n: int, repeats: int) -> list[dict]:
     rows = []
     for layout, contract in LAYOUTS.items():
@@ -62,7 +55,7 @@ def measure(m: int, k: int, n: int, repeats: int) -> list[dict]:
             ways["bf16 -> f32, transposed copy"] = (jnp.bfloat16, lambda a, b: lax.dot_general(
                 transposed_copy(a), b, (LAYOUTS["NN"], ((), ())), preferred_element_type=jnp.float32))
         for way, (dtype, fn) in ways.items():
-            took = seconds(jax.jit(fn), operands(layout, m, k, n, dtype), repeats)
+            took = common.median_seconds(jax.jit(fn), *operands(layout, m, k, n, dtype), repeats=repeats)
             rows.append({"layout": layout, "way": way, "m": m, "k": k, "n": n, "ms": round(took * 1e3, 3),
                          "gflop_per_s": round(2 * m * k * n / took / 1e9, 1)})
             print(json.dumps(rows[-1]), flush=True)
