@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .model_config import FULL, SLIDING, ModelConfig
-from .cpu_matmul import on_cpu_target, projection_matmul
+from .cpu_matmul import projection_product
 from .activations import batch_sharded
 from .kv_cache import KVCache
 from .layer_remat import check_remat, checkpointed_layer
@@ -129,10 +129,7 @@ class Projection(nnx.Module):
         weight, k = self.weight[...].astype(x.dtype), self.num_in_axes
         out_shape, lead = weight.shape[:-k], x.shape[:x.ndim - k]
         matrix = weight.reshape(math.prod(out_shape), -1)
-        if on_cpu_target(x.dtype):  # bfloat16 on a CPU: the fast library's layouts (cpu_matmul.py)
-            out = projection_matmul(x.reshape(-1, matrix.shape[1]), matrix).reshape(*lead, *out_shape)
-        else:
-            out = jnp.einsum("...I,OI->...O", x.reshape(*lead, -1), matrix).reshape(*lead, *out_shape)
+        out = projection_product(x.reshape(*lead, -1), matrix).reshape(*lead, *out_shape)
         return out + self.bias[...].astype(x.dtype) if hasattr(self, "bias") else out
 
 

@@ -32,6 +32,14 @@ def on_cpu_target(dtype) -> bool:
     return (device.platform if device is not None else jax.default_backend()) == "cpu"
 
 
+def projection_product(x: jax.Array, matrix: jax.Array) -> jax.Array:
+    """x (..., I) @ matrix (O, I).T, a projection's product: `projection_matmul` for bfloat16 on a CPU target,
+    else the einsum."""
+    if not on_cpu_target(x.dtype):
+        return jnp.einsum("...I,OI->...O", x, matrix)
+    return projection_matmul(x.reshape(-1, x.shape[-1]), matrix).reshape(*x.shape[:-1], matrix.shape[0])
+
+
 def transposed_copy(a: jax.Array) -> jax.Array:
     """`a.T` materialised: through a trailing axis of 1, which XLA does not fold back into the next product's
     dimension numbers (a plain transpose, even behind an optimization barrier, is folded)."""

@@ -8,7 +8,7 @@ from flax import nnx
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh, AxisType
 
-from nnx_surgery.surgery.modeling import causal_lm
+from nnx_surgery.surgery.modeling import cpu_matmul
 from nnx_surgery.surgery.modeling.causal_lm import create_model
 from nnx_surgery.surgery.modeling.cpu_matmul import on_cpu_target, projection_matmul, transposed_copy
 
@@ -68,7 +68,7 @@ def test_a_bfloat16_model_trains_the_same_through_it(monkeypatch):
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, tiny_config(2).vocab_size)
     (loss, grads), program = _model_loss_and_grads(model, ids)
     assert program.count("custom_vjp_call") == 2 * 7  # seven projections in each of the two layers
-    monkeypatch.setattr(causal_lm, "on_cpu_target", lambda dtype: False)
+    monkeypatch.setattr(cpu_matmul, "on_cpu_target", lambda dtype: False)
     (plain_loss, plain_grads), plain_program = _model_loss_and_grads(model, ids)
     assert "custom_vjp_call" not in plain_program
     assert float(loss) == pytest.approx(float(plain_loss), rel=1e-2)
