@@ -132,33 +132,24 @@ def split_trainable(model: nnx.Module, trainable: Filter = None, frozen: Filter 
     return graphdef, train_state, rest
 
 
+def master_dtype(dtype) -> Any:
+    """float32 for a floating dtype narrower than it (bfloat16, float16), else `dtype`: the dtype of the master
+    copy the step updates, whatever the compute dtype. Adam's steps at small learning rates are below bfloat16's
+    resolution (8 bits of mantissa) and would round away, and the step would recompile after its first call (its
+    float32 moments no longer match)."""
+    narrow = jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+    return jnp.dtype(jnp.float32) if narrow else dtype
+
+
 def master_weights(tree: Any) -> Any:
-    """`tree` with every floating leaf narrower than float32 (a bfloat16 or float16 student) as float32: the
-    master copy the step updates, whatever the compute dtype. Adam's steps at small learning rates are below
-    bfloat16's resolution (8 bits of mantissa) and would round away, and the step would recompile after its
-    first call (its float32 moments no longer match). Abstract leaves (ShapeDtypeStruct) keep their sharding."""
-    def widen(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize >= 4:
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding)
-        return x.astype(jnp.float32)
-    return jax.tree.map(widen, tree)
+    """`tree`'s abstract leaves (ShapeDtypeStruct, their shardings kept) in their `master_dtype`."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, master_dtype(x.dtype), sharding=x.sharding), tree)
 
 
-def floating_dtypes(model: nnx.Module) -> dict[str, Any]:
-    """{key path: dtype} of the model's floating parameters (to give a trained student back in its own dtypes)."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
-    return {jax.tree_util.keystr(path): leaf.dtype for path, leaf in leaves
-            if jnp.issubdtype(leaf.dtype, jnp.floating)}
-
-
-def cast_back(model: nnx.Module, dtypes: dict[str, Any]) -> None:
-    """Cast the model's parameters to `dtypes` (`floating_dtypes` of the model before training), in place."""
+def cast_back(model: nnx.Module, dtypes: Any) -> None:
+    """Cast the model's parameters, in place, to `dtypes` (the tree of their dtypes before training)."""
     state = nnx.state(model, nnx.Param)
-    cast = jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(dtypes.get(jax.tree_util.keystr(path), x.dtype)), state)
-    nnx.update(model, cast)
+    nnx.update(model, jax.tree.map(lambda x, dtype: x.astype(dtype), state, dtypes))
 
 
 def count_parameters(state: Any) -> int:

@@ -8,7 +8,7 @@ Buffer ownership: the step donates the trainable parameters; on entering a stage
 replaced by XLA-made copies (in the student module too: see `_donatable`), which the first step consumes; the
 module is written back (`sync_student`) at stage switches, checkpoints and the end of the run, also when the run
 stops with an error. The trainable parameters are float32 master weights whatever the student's dtype
-(`freeze.master_weights`); the run gives the student back in its own dtypes (`give_back`).
+(`freeze.master_dtype`); the run gives the student back in its own dtypes (`give_back`).
 """
 from __future__ import annotations
 
@@ -62,15 +62,15 @@ def _put_like(values: Any, template: Any) -> Any:
 
 def _donatable(tree: Any, stepped: set[int]) -> Any:
     """`tree` with every leaf that is not a step output (ids in `stepped`) replaced by an XLA-made copy, in
-    float32 where it was narrower (`freeze.master_weights`).
+    float32 where it was narrower (`freeze.master_dtype`).
 
     XLA:CPU adopts host buffers without copying (the loader's aligned reads, `device_put` of numpy), and such a
     buffer is never reused for the donated step's outputs: the step then allocates every output anew while the
     inputs stay alive, one extra copy of the trainable parameters at the peak. A copy costs one memcpy per stage
     entry, leaf by leaf. It also keeps teacher buffers the student shares (tied or copied layers) out of the
     donation."""
-    widened = freeze.master_weights(tree)  # float32 master copies (XLA-made too) of narrower floating leaves
-    return jax.tree.map(lambda x, w: x if id(x) in stepped else (w if w is not x else jnp.copy(x)), tree, widened)
+    return jax.tree.map(lambda x: x if id(x) in stepped else jnp.array(x, freeze.master_dtype(x.dtype), copy=True),
+                        tree)
 
 
 class StepRunner:
@@ -80,7 +80,7 @@ class StepRunner:
 
     def __init__(self, teacher, student, config: DistillConfig, mesh, correspondence, projections):
         self.config, self.mesh, self.student = config, mesh, student
-        self.given_dtypes = freeze.floating_dtypes(student)  # trained in float32, given back in these
+        self.given_dtypes = jax.tree.map(lambda x: x.dtype, nnx.state(student, nnx.Param))  # given back in these
         self.correspondence = correspondence
         self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
         opt = config.optimizer
