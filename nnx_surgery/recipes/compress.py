@@ -129,6 +129,8 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     clock.lap("evaluation")
     results = summarise(run, results, clock, chosen.search, distilled, control)
     results["pairing"] = run_phases.pairing(run, first, cut, distilled, control)
+    results["mlp_refit"] = {phase: refit.report.to_dict() for phase, refit in (("stage_a", first.refit),
+                                                                               ("final", cut.refit)) if refit}
     final = write_student(run, results, first, cut, distilled, control)
     publish(run, final)
     return results

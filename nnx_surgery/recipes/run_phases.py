@@ -27,7 +27,7 @@ from typing import Any
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import corpus, phase_configs, shape_search, teacher_caching, vocabulary
+from nnx_surgery.recipes import corpus, phase_configs, shape_search, student_refit, teacher_caching, vocabulary
 from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
 
@@ -57,6 +57,7 @@ class StageA:
     history: list
     steps: int
     data_start: dict | None = None  # the data position stage A started from
+    refit: student_refit.Refit | None = None  # the stage-A cut's refitted MLPs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Cut:
     data: distill.TokenBatches  # in the student's tokens
     lineage: dict  # teacher layer -> student layer, teacher channels and pieces kept
     tokenizer: str | None  # the trimmed student's tokenizer folder
+    refit: student_refit.Refit | None = None  # the narrowed MLPs' refitted down projections (the control starts from them too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +126,10 @@ def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
                                 seed=run.config.run.seed)
     student = make_student(run, teacher, plan, "stage_a", loaded.mesh)
     print(surgery.format_report(plan))
+    refit = student_refit.refit_student(run, teacher, plan, student, loaded.data)
     config = run.phase_config("stage_a", [run.stages.stage_a], plan, loaded.data)
     trained = train(run, "stage_a", teacher, student, loaded.data, config, loaded.mesh)
-    return StageA(plan, trained.model, trained.history, config.total_steps, trained.data_start)
+    return StageA(plan, trained.model, trained.history, config.total_steps, trained.data_start, refit)
 
 
 def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
@@ -146,7 +149,8 @@ def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
     pruned = pruned_student(teacher, first.plan, plan)
     student = make_student(run, first.student, plan, "stage_b", loaded.mesh)
     print(surgery.format_report(plan))
-    return Cut(plan, student, pruned, data, composed_map(first.plan, plan), tokenizer)
+    refit = student_refit.refit_student(run, first.student, plan, student, data)
+    return Cut(plan, student, pruned, data, composed_map(first.plan, plan), tokenizer, refit)
 
 
 def distil(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut) -> Trained:
@@ -169,6 +173,7 @@ def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut:
     same_start = starts_alike(run, first)
     if same_start:
         control = make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)
+        student_refit.restore(control, cut.refit)
     elif config.student.control == "pruned-ce":
         control = pruned_student(teacher, first.plan, cut.plan)
     else:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals, teacher_caching
+from nnx_surgery.recipes import final_eval, model_inputs, phase_configs, refusals, student_refit, teacher_caching
 from nnx_surgery.recipes.config.sections import RecipeConfig
 
 if TYPE_CHECKING:
@@ -230,7 +230,15 @@ def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, cali
     return plan
 
 
-def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str) -> list:
+def refitted(run: RunSettings, teacher, plan: surgery.Plan, data):
+    """A candidate cut from the teacher as the main run cuts its student (--refit-rows included)."""
+    student = surgery.apply_plan(teacher, plan)
+    student_refit.refit_student(run, teacher, plan, student, data)
+    return student
+
+
+def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str,
+                      data) -> list:
     """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher (its
     scores do not depend on the shape), each student built when it trains."""
     scored = functools.cache(lambda: surgery.score_teacher(teacher, calibration=calibration,
@@ -240,7 +248,7 @@ def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibrat
     for candidate in choice.candidates:
         plan = candidate_plan(run, teacher, candidate, calibration, directory, scored)
         found.append(distill.SearchCandidate(
-            candidate.text, build=lambda plan=plan: surgery.apply_plan(teacher, plan), plan=plan,
+            candidate.text, build=lambda plan=plan: refitted(run, teacher, plan, data), plan=plan,
             parameters=candidate.parameters, non_embedding=candidate.non_embedding,
             note=choice.note(candidate)))
     return found
@@ -254,7 +262,7 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
     if choice.budget is None:
         return choice.spec, None
     directory = os.path.join(run.folder, FOLDER)
-    candidates = search_candidates(run, choice, teacher, calibration, directory)
+    candidates = search_candidates(run, choice, teacher, calibration, directory, data)
     phase = search_config(config, run.folder, data)
     steps = phase.total_steps
     print(f"[search] {len(candidates)} of the {choice.fitting} shapes within {choice.budget.text} "

@@ -5,6 +5,7 @@ divisibility rule and GGUF conversion.
     teacher = load_pretrained("google/gemma-7b")              # config.json decides everything
     plan = plan_student(teacher, StudentSpec.named("gemma-2b"), calibration=token_ids)
     student = apply_plan(teacher, plan)                        # or prune_checkpoint(src, plan, dst) from disk
+    refit_mlp(student, teacher, plan, token_ids)               # narrowed MLPs refitted to the teacher's (optional)
     save_student(student, plan, "out/student", source="google/gemma-7b")
 """
 from .modeling.model_config import ConfigError, ModelConfig
@@ -18,6 +19,7 @@ from .planning.plan_record import Plan, PlanError
 from .planning.student_planner import TeacherScores, plan_student, score_teacher
 from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, save_student
 from .pruning.on_disk import prune_checkpoint
+from .pruning.mlp_refit import RefitReport, refit_mlp
 from .planning.plan_report import format_report, plot_report
 from .storage.hub import HubError, push_to_hub
 from .storage.model_card import write_model_card
@@ -32,6 +34,6 @@ __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOu
            "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
            "Plan", "PlanError", "plan_student", "score_teacher", "TeacherScores", "apply_plan",
            "compensation_effect",
-           "logit_distance", "save_student", "prune_checkpoint", "format_report", "plot_report", "HubError",
+           "logit_distance", "save_student", "prune_checkpoint", "refit_mlp", "RefitReport", "format_report", "plot_report", "HubError",
            "push_to_hub", "write_model_card", "import_gguf", "cached_import", "export_gguf", "Generation",
            "generate", "make_sampler", "to_tunix", "from_tunix", "tunix_sampler"]

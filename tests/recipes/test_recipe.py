@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from nnx_surgery import surgery
+
 import soak
 from hf_reference import assert_clean_loading, hf_logits, load_with_info
 from recipe_env import TINY_TEACHER, recipe_env
@@ -120,6 +122,12 @@ def test_results_table_compares_all_four_models(runs):
     assert "General held-out set:" in full.stdout and "Far-domain held-out set:" in full.stdout
     assert "95% interval" in full.stdout and "far-domain CE" in full.stdout
     assert "Wall time: teacher and data" in full.stdout and "evaluation" in results["phase_times_s"]
+    refits = results["mlp_refit"]  # stage A narrows every MLP: refitted to the teacher's before it trains
+    plan_a = surgery.Plan.load(base / "full" / "student" / "plan_stage_a.json")
+    narrowed = [s for s, kept in enumerate(plan_a.kept_mlp) if len(kept) < plan_a.teacher_config.intermediate_size]
+    assert narrowed and [layer["layer"] for layer in refits["stage_a"]["layers"]] == narrowed
+    assert all(layer["after"] < layer["before"] for refit in refits.values() for layer in refit["layers"])
+    assert "[surgery] MLP refit:" in full.stdout
     assert "[eval general]" in full.stdout  # progress while the evaluation runs
     for png in ("training_curves.png", "layer_importance.png"):
         assert (base / "full" / png).stat().st_size > 1000

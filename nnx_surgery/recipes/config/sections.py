@@ -112,6 +112,13 @@ class SurgerySection:
     calibration_samples: int = documented(128, "rows of data for activation importance (Minitron: 1024; 0: "
                                            "data-free scores from the weights)", flag="--calibration-samples",
                                            kind=int, check=("0 or more rows", COUNT0[1]))
+    refit_rows: int = documented(64, "rows of data (in the student's tokens) on which each narrowed MLP's down "
+                                 "projection is refitted by least squares to the teacher's whole MLP, layer by "
+                                 "layer, before training (0: the teacher's slices as cut)", flag="--refit-rows",
+                                 kind=int, check=("0 or more rows", COUNT0[1]),
+                                 why="the kept neurons' slice of down_proj was fitted beside the dropped ones; "
+                                 "refitted, the cut student starts far nearer the teacher at the cost of two passes "
+                                 "of each layer over these rows")
     from_disk: bool = documented(False, "cut the student with prune_checkpoint (reads only the kept slices of the "
                                  "teacher files: less memory)", flag="--from-disk", action="store_true")
 

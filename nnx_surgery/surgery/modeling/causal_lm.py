@@ -46,7 +46,7 @@ from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_shardin
 # attention_outputs / mlp_outputs: what each block adds (before Gemma 2/3's post-norms); head_outputs: per head,
 # before o_proj; mlp_activations: the input of down_proj; normed_inputs: input_layernorm's output.
 CAPTURABLE = frozenset({"residual", "mid_residual", "attention_outputs", "mlp_outputs", "attention_probs",
-                        "head_outputs", "mlp_activations", "normed_inputs"})
+                        "head_outputs", "mlp_activations", "normed_inputs", "mlp_inputs"})
 
 
 # ------------------------------------------------------------------------------------------------ parameters
@@ -196,6 +196,11 @@ def _keep(captured: dict | None, name: str, value: jax.Array) -> None:
         captured[name].append(value)
 
 
+def _kept(captured: dict | None, name: str, value: jax.Array) -> jax.Array:
+    _keep(captured, name, value)
+    return value
+
+
 class DecoderLayer(nnx.Module):
     """One block. Gemma 1 and Llama: `post_attention_layernorm` is the pre-MLP norm. Gemma 2/3: it normalises the
     attention output, and `pre_/post_feedforward_layernorm` wrap the MLP (same tensor name, different meaning)."""
@@ -222,12 +227,12 @@ class DecoderLayer(nnx.Module):
         _keep(captured, "attention_outputs", attn)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
-            mlp_out = self.mlp(self.pre_feedforward_layernorm(x), captured)
+            mlp_out = self.mlp(_kept(captured, "mlp_inputs", self.pre_feedforward_layernorm(x)), captured)
             _keep(captured, "mid_residual", x)
             _keep(captured, "mlp_outputs", mlp_out)
             return x + self.post_feedforward_layernorm(mlp_out)
         x = x + attn
-        mlp_out = self.mlp(self.post_attention_layernorm(x), captured)
+        mlp_out = self.mlp(_kept(captured, "mlp_inputs", self.post_attention_layernorm(x)), captured)
         _keep(captured, "mid_residual", x)
         _keep(captured, "mlp_outputs", mlp_out)
         return x + mlp_out
@@ -243,6 +248,7 @@ class ModelOutput:
     attention_probs: tuple[jax.Array, ...] | None = None  # (B, N, T, S), in the activation dtype
     head_outputs: tuple[jax.Array, ...] | None = None  # (B, T, N, H), attention output before o_proj
     mlp_activations: tuple[jax.Array, ...] | None = None  # (B, T, F), input of down_proj
+    mlp_inputs: tuple[jax.Array, ...] | None = None  # (B, T, D), the normed input of gate_proj and up_proj
     normed_inputs: tuple[jax.Array, ...] | None = None  # (B, T, D), input_layernorm outputs
     mid_residual: tuple[jax.Array, ...] | None = None  # (B, T, D), the stream between attention and MLP
     attention_outputs: tuple[jax.Array, ...] | None = None  # (B, T, D), o_proj's output
@@ -295,6 +301,14 @@ class CausalLM(nnx.Module):
         logits = jnp.einsum("...D,VD->...V", final_hidden, head.astype(final_hidden.dtype),
                             preferred_element_type=jnp.float32)
         return softcap(logits, self.config.final_logit_softcapping)
+
+    def layer_inputs(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """What the first layer of a plain causal pass over unpadded rows takes: the embedded tokens (B, T, D),
+        the positions and one attention mask per attention type. Each `layers[i](x, positions,
+        masks[layers[i].attention_type], captured)` then gives the next layer's input, for work done one layer at a
+        time over many rows (surgery's least-squares refit)."""
+        positions, masks, _ = self._masks(input_ids.shape, None, None, None, None)
+        return self.embed(input_ids), positions, masks
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,

@@ -1,0 +1,36 @@
+"""--refit-rows: a cut student's narrowed MLPs refitted to its source's (`surgery.refit_mlp`) before it trains, in
+the main run, in stage A and for each shape-search candidate alike; the control starts from the same weights."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_surgery import surgery
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+    report: surgery.RefitReport
+    down: dict  # student layer -> its refitted down_proj weight (a host copy: training may donate the student's)
+
+
+def refit_student(run, source, plan: surgery.Plan, student, data) -> Refit | None:
+    """The narrowed MLPs of `student` (cut from `source` by `plan`) refitted on `--refit-rows` rows of `data` (in
+    the student's tokens); None when the flag is 0 or no MLP was narrowed."""
+    rows = run.config.surgery.refit_rows
+    if not rows or all(len(kept) == plan.teacher_config.intermediate_size for kept in plan.kept_mlp):
+        return None
+    report = surgery.refit_mlp(student, source, plan, data.calibration_ids(rows, seed=run.config.run.seed))
+    print(f"[surgery] {report.summary()}", flush=True)
+    return Refit(report, {s.layer: np.asarray(student.layers[s.layer].mlp.down_proj.weight[...])
+                          for s in report.layers})
+
+
+def restore(student, refit: Refit | None) -> None:
+    """Give another cut of the same plan (the control's) the refitted weights."""
+    for layer, down in (refit.down if refit else {}).items():
+        weight = student.layers[layer].mlp.down_proj.weight
+        weight.set_value(jax.device_put(jnp.asarray(down, weight[...].dtype), weight[...].sharding))
