@@ -106,7 +106,7 @@ def test_the_gemma3_270m_preset_resolves_every_derived_value(tmp_path):
     assert run.student.stage_a_spec is None and not run.student.kv_merged  # one-shot; 1 KV head kept
     assert run.stages.stage_a is None and run.stages.kv_warmup is None
     (main,) = run.stages.main
-    assert (main.steps, main.learning_rate, main.warmup_steps, main.frozen) == (20, 1e-4, 2, ("embed_tokens",))
+    assert (main.steps, main.learning_rate, main.warmup_steps, main.frozen) == (20, 2e-5, 2, ("embed_tokens",))
     assert main.weights.active() == {"kl"} and main.weights.kl == 1.0
     assert run.data.description.endswith("modules of the Python standard library's source (held-out modules)")
     assert run.data.corpus and run.data.general_mix == 0.5
