@@ -68,7 +68,7 @@ class Cut:
     data: distill.TokenBatches  # in the student's tokens
     lineage: dict  # teacher layer -> student layer, teacher channels and pieces kept
     tokenizer: str | None  # the trimmed student's tokenizer folder
-    refit: student_refit.Refit | None = None  # the narrowed MLPs' refitted down projections (the control starts from them too)
+    refit: student_refit.Refit | None = None  # the refitted MLPs (the control starts from them too)
 
 
 @dataclasses.dataclass(frozen=True)

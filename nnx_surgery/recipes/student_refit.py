@@ -6,9 +6,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nnx_surgery import surgery
+from nnx_surgery.surgery.storage.hf_checkpoint import gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ def refit_student(run, source, plan: surgery.Plan, student, data) -> Refit | Non
         return None
     report = surgery.refit_mlp(student, source, plan, data.calibration_ids(rows, seed=run.config.run.seed))
     print(f"[surgery] {report.summary()}", flush=True)
-    return Refit(report, {s.layer: np.asarray(student.layers[s.layer].mlp.down_proj.weight[...])
+    return Refit(report, {s.layer: gathered(student.layers[s.layer].mlp.down_proj.weight[...])
                           for s in report.layers})
 
 

@@ -34,6 +34,7 @@ __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOu
            "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
            "Plan", "PlanError", "plan_student", "score_teacher", "TeacherScores", "apply_plan",
            "compensation_effect",
-           "logit_distance", "save_student", "prune_checkpoint", "refit_mlp", "RefitReport", "format_report", "plot_report", "HubError",
+           "logit_distance", "save_student", "prune_checkpoint", "refit_mlp", "RefitReport", "format_report",
+           "plot_report", "HubError",
            "push_to_hub", "write_model_card", "import_gguf", "cached_import", "export_gguf", "Generation",
            "generate", "make_sampler", "to_tunix", "from_tunix", "tunix_sampler"]

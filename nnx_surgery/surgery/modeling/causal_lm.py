@@ -44,7 +44,8 @@ from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_shardin
 
 # residual: the stream before the first and after every layer; mid_residual: between attention and MLP;
 # attention_outputs / mlp_outputs: what each block adds (before Gemma 2/3's post-norms); head_outputs: per head,
-# before o_proj; mlp_activations: the input of down_proj; normed_inputs: input_layernorm's output.
+# before o_proj; mlp_activations: the input of down_proj; normed_inputs: input_layernorm's output; mlp_inputs: the
+# normed input of the MLP (gate_proj and up_proj read it).
 CAPTURABLE = frozenset({"residual", "mid_residual", "attention_outputs", "mlp_outputs", "attention_probs",
                         "head_outputs", "mlp_activations", "normed_inputs", "mlp_inputs"})
 

@@ -28,6 +28,7 @@ from flax import nnx
 
 from ..modeling.model_config import ConfigError
 from ..planning.plan_record import Plan
+from ..storage.hf_checkpoint import gathered
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -116,12 +117,13 @@ def _refit_layer(index: int, teacher_layer: int, layer, full, inputs, ridge: flo
     gram = cross = None
     target = 0.0
     for x, positions, mask in inputs:
-        g, c, t = _layer_products(layer, x, positions, mask[layer.attention_type], *full)
-        gram = np.asarray(g, np.float64) + (0 if gram is None else gram)
-        cross = np.asarray(c, np.float64) + (0 if cross is None else cross)
+        # gathered: on a multi-host mesh the products may be sharded over processes (as importance.py's)
+        products = _layer_products(layer, x, positions, mask[layer.attention_type], *full)
+        g, c, t = (np.asarray(gathered(value), np.float64) for value in products)
+        gram, cross = g + (0 if gram is None else gram), c + (0 if cross is None else cross)
         target += float(t)
     down = layer.mlp.down_proj.weight
-    sliced = np.asarray(down[...], np.float64).T  # (kept, D)
+    sliced = np.asarray(gathered(down[...]), np.float64).T  # (kept, D)
     eye = np.eye(len(gram)) * ridge * max(float(np.mean(np.diag(gram))), np.finfo(np.float64).tiny)
     fitted = np.linalg.solve(gram + eye, cross)
     down.set_value(jax.device_put(jnp.asarray(fitted.T, down[...].dtype), down[...].sharding))

@@ -1,5 +1,6 @@
 """Surgery on a teacher sharded over an 8-device (fsdp=4, tp=2) CPU mesh: the calibration forward runs sharded,
-and the student comes back sharded the same way, with the logits of the unsharded surgery."""
+and the student comes back sharded the same way, with the logits of the unsharded surgery; its MLP refit gives the
+unsharded refit's weights, placed as they were."""
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ SCRIPT = textwrap.dedent("""
     from flax import nnx
     from nnx_surgery.surgery import ModelConfig, create_model
     from nnx_surgery.surgery.pruning.in_memory import apply_plan
+    from nnx_surgery.surgery.pruning.mlp_refit import refit_mlp
     from nnx_surgery.surgery.modeling.causal_lm import parameter_sharding
     from nnx_surgery.surgery.planning.student_planner import plan_student
     from nnx_surgery.surgery.planning.student_spec import StudentSpec
@@ -46,7 +48,16 @@ SCRIPT = textwrap.dedent("""
     with jax.set_mesh(mesh):
         got = np.asarray(jax.block_until_ready(student(ids).logits))
     want = np.asarray(reference(ids).logits)
-    print(json.dumps({"max_diff": float(np.abs(got - want).max()), "sharded_params": int(checked)}))
+    # the MLP refit on the sharded student: the weights the unsharded refit gives, placed as before
+    refit_mlp(student, teacher, plan, calibration, batch_size=3)
+    refit_mlp(reference, local, plan, calibration, batch_size=3)
+    refit_diff = max(float(np.abs(np.asarray(a.mlp.down_proj.weight[...]) -
+                                  np.asarray(b.mlp.down_proj.weight[...])).max())
+                     for a, b in zip(student.layers, reference.layers))
+    placed = all(a.mlp.down_proj.weight[...].sharding.spec == parameter_sharding(a.mlp.down_proj.weight, mesh).spec
+                 for a in student.layers)
+    print(json.dumps({"max_diff": float(np.abs(got - want).max()), "sharded_params": int(checked),
+                      "refit_diff": refit_diff, "refit_placed": placed}))
 """)
 
 
@@ -57,3 +68,4 @@ def test_sharded_teacher_gives_sharded_student():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_diff"] < 1e-5
     assert result["sharded_params"] > 10
+    assert result["refit_diff"] < 1e-4 and result["refit_placed"]
