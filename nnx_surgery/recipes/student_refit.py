@@ -21,9 +21,11 @@ def refit_student(run, source, plan: surgery.Plan, student, data) -> Refit | Non
     """The narrowed MLPs of `student` (cut from `source` by `plan`) refitted on `--refit-rows` rows of `data` (in
     the student's tokens); None when the flag is 0 or no MLP was narrowed."""
     rows = run.config.surgery.refit_rows
-    if not rows or all(len(kept) == plan.teacher_config.intermediate_size for kept in plan.kept_mlp):
+    if not rows:
         return None
     report = surgery.refit_mlp(student, source, plan, data.calibration_ids(rows, seed=run.config.run.seed))
+    if not report.layers:
+        return None
     print(f"[surgery] {report.summary()}", flush=True)
     return Refit(report, {s.layer: gathered(student.layers[s.layer].mlp.down_proj.weight[...])
                           for s in report.layers})

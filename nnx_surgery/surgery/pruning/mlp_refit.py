@@ -76,21 +76,25 @@ def refit_mlp(student, source, plan: Plan, rows, *, ridge: float = 1e-2, batch_s
     _check(student, source, plan, rows, ridge, batch_size)
     started = time.perf_counter()
     rows = np.asarray(rows, dtype=np.int32)
-    inputs = [_layer_inputs(student, jnp.asarray(rows[i:i + batch_size])) for i in range(0, len(rows), batch_size)]
+    narrowed = [s for s, kept in enumerate(plan.kept_mlp) if len(kept) < source.config.intermediate_size]
+    # no pass at all when nothing was narrowed, and none past the last narrowed layer
+    inputs = [_layer_inputs(student, jnp.asarray(rows[i:i + batch_size]))
+              for i in range(0, len(rows), batch_size)] if narrowed else []
     hidden = np.asarray(plan.kept_hidden)
     done = []
-    for s, layer in enumerate(student.layers):
+    for s, layer in enumerate(student.layers[:narrowed[-1] + 1] if narrowed else []):
         kept = np.asarray(plan.kept_mlp[s])
         teacher_mlp = source.layers[plan.kept_layers[s]].mlp
-        if len(kept) < source.config.intermediate_size:
+        if s in narrowed:
             full = (teacher_mlp.gate_proj.weight[...][:, hidden], teacher_mlp.up_proj.weight[...][:, hidden],
                     teacher_mlp.down_proj.weight[...][hidden, :])
             done.append(_refit_layer(s, plan.kept_layers[s], layer, full, inputs, ridge))
             if log is not None:
                 log(f"[refit] layer {s}: {len(kept)} of {len(full[2][0])} neurons, relative error "
                     f"{done[-1].before:.4f} -> {done[-1].after:.4f}")
-        inputs = [(_layer_output(layer, x, positions, mask[layer.attention_type]), positions, mask)
-                  for x, positions, mask in inputs]
+        if s < narrowed[-1]:
+            inputs = [(_layer_output(layer, x, positions, mask[layer.attention_type]), positions, mask)
+                      for x, positions, mask in inputs]
     return RefitReport(rows=len(rows), tokens=int(rows.size), ridge=ridge, layers=tuple(done),
                        seconds=time.perf_counter() - started)
 
