@@ -14,7 +14,7 @@ import refusal_env  # noqa: F401  (puts the repository on sys.path)
 
 # what a flag or setting may be (a documented reading), by value: 0 switches these off or means "none"
 ZERO_MEANS_OFF = {"--teacher-steps", "--calibration-samples", "--teacher-correction", "--warmup-steps",
-                  "--eval-prompts", "--choice-items", "--sft-patience", "--search-candidates"}
+                  "--eval-prompts", "--choice-items", "--sft-patience", "--search-candidates", "--refit-rows"}
 NOT_NUMBERS_OF_THE_RUN = {"--seed", "--process-id", "--num-processes", "--heartbeat-timeout", "--mesh-devices"}
 ANY_SIGN = {"targets.kl_below", "targets.correlation_above", "targets.perplexity_below", "targets.utilisation_above",
             "targets.mfu_above", "peak_flops"}  # monitoring thresholds: a target that cannot be met is the user's
