@@ -194,5 +194,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         print("\n" + lm_eval_scores.task_scores_text(results["lm_eval"]))
     for line in compared_lines(results["sets"], pairs[len(names):]):
         print(line)
-    print(f"written: {os.path.join(out, 'suite.md')} (every held-out set, samples), suite.json, results.json")
+    written = [name for name in ("suite.md", "suite.json", "results.json") if os.path.exists(os.path.join(out, name))]
+    print(f"written in {out}: {', '.join(written)}" + ("" if "suite.md" in written else
+                                                     " (no suite.md: it holds the generations, and --eval-prompts is 0)"))
     return results

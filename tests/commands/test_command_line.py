@@ -212,6 +212,7 @@ def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     for name in names:
         assert f"| {name} |" in suite and f"| {name} |" in printed
     assert "### general" in suite and "## Sample generations" in suite
+    assert f"written in {out}: suite.md, suite.json, results.json" in printed
     assert [row["vocab_size"] for row in results["rows"]] == [results["rows"][0]["vocab_size"], 600, 600]
     assert all(row["general_loss_per_byte"] > 0 and row["far_loss_per_byte"] > 0 for row in results["rows"])
     # --compare: the paired difference of two students (same tokens, same passages) is the difference of their

@@ -121,13 +121,20 @@ def test_every_row_is_judged_per_byte_and_trimmed_kl_is_against_the_restricted_t
         by["distilled student"]["general_kl"] - by["CE-retrained pruned student (control)"]["general_kl"], abs=1e-9)
     assert "nats/byte" in proc.stdout and "restricted to its kept pieces" in proc.stdout
     assert "| 400 (trimmed) |" in proc.stdout and "teacher restricted to 400 pieces" in (out / "suite.md").read_text()
-    assert by["distilled student"]["general_kl"] == pytest.approx(_restricted_kl(teacher, out), rel=2e-3)
+    kl, floor = _restricted_teacher(teacher, out)
+    assert by["distilled student"]["general_kl"] == pytest.approx(kl, rel=2e-3)
+    trimmed = next(t for t in general["tokenizations"] if t["vocab_size"] == 400)
+    assert trimmed["reference"] == "teacher restricted to 400 pieces"  # the floor of the trimmed students' KL
+    assert trimmed["reference_ce_per_byte"] == pytest.approx(floor, rel=2e-4)
+    whole = next(t for t in general["tokenizations"] if t["vocab_size"] is None)
+    assert whole["reference_ce_per_byte"] == pytest.approx(by["teacher"]["general_loss_per_byte"], rel=1e-9)
+    assert f"scores {trimmed['reference_ce_per_byte']:.4f} nats/byte" in (out / "suite.md").read_text()
 
 
-def _restricted_kl(teacher, out) -> float:
-    """KL(teacher restricted to the kept pieces, renormalised || distilled student) per token on the general set,
-    from full logits in numpy: the teacher reads the passages in its ids (the student's mapped), its logits are
-    gathered at the kept ids."""
+def _restricted_teacher(teacher, out) -> tuple[float, float]:
+    """On the general set, from full logits in numpy (the teacher reads the passages in its ids, the student's
+    mapped; its logits are gathered at the kept ids and renormalised): KL(restricted teacher || distilled student)
+    per token, and the restricted teacher's own CE per byte on the student's tokens."""
     import jax.numpy as jnp
 
     from nnx_surgery import distill
@@ -145,7 +152,9 @@ def _restricted_kl(teacher, out) -> float:
 
     log_p, log_q = log_softmax(teacher_logits[..., kept]), log_softmax(student_logits)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
-    return float((kl * held.loss_mask).sum() / held.loss_mask.sum())
+    nll = -np.take_along_axis(log_p[:, :-1], held.rows[:, 1:, None], -1)[..., 0]
+    return (float((kl * held.loss_mask).sum() / held.loss_mask.sum()),
+            float((nll * held.loss_mask[:, :-1]).sum() / held.bytes))
 
 
 def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_path):

@@ -65,8 +65,10 @@ def heldout_report_across(models: Mapping[str, Any], heldout: HeldoutSet, *, ref
                           log: Callable[[str], None] | None = None) -> dict:
     """`heldout_report` for models with different vocabularies (module docstring): per-model summaries, each in
     its own tokens (trimmed students also say their `vocab_size` and what their KL is against), the comparisons
-    of `pairs` (default: every model against the reference), and `tokenizations` (each group's models and
-    scored tokens)."""
+    of `pairs` (default: every model against the reference), and `tokenizations` (each group's models, scored
+    tokens, and the CE per byte of its reference: for a trimmed group the teacher restricted to its pieces, reading
+    its tokens, the distribution its distillation aims at, so the CE per byte a student that matched it would
+    score)."""
     if not vocabularies:
         return heldout_report(models, heldout, reference=reference, pairs=pairs, batch_size=batch_size,
                               vocab_chunk=vocab_chunk, seed=seed, log=log)
@@ -85,7 +87,8 @@ def heldout_report_across(models: Mapping[str, Any], heldout: HeldoutSet, *, ref
             if vocabulary is not None:
                 summaries[name].update(vocab_size=len(vocabulary.teacher_ids), kl_reference=ref_name)
         tokenizations.append({"vocab_size": None if vocabulary is None else len(vocabulary.teacher_ids),
-                              "models": names, "tokens": held.tokens, "reference": ref_name})
+                              "models": names, "tokens": held.tokens, "reference": ref_name,
+                              "reference_ce_per_byte": summarise(got[ref_name], held)["ce_per_byte"]})
     comparisons = [_comparison(a, b, scores, sets, seed)
                    for a, b in (list(pairs) or [(name, reference) for name in models if name != reference])]
     return {"name": heldout.name, "description": heldout.description, "tokens": heldout.tokens,

@@ -347,10 +347,13 @@ def report_markdown(report: dict, reference: str) -> str:
                      f"{'(reference)' if ref else format(row['top1_agreement'], '.2%')} |")
     trimmed = [t for t in report.get("tokenizations", []) if t["vocab_size"] is not None]
     for group in trimmed:  # heldout_vocab: students with a trimmed vocabulary, in their own tokens
+        floor = group.get("reference_ce_per_byte")  # absent from reports written before it was recorded
         lines += ["", f"{', '.join(group['models'])}: a trimmed vocabulary of {group['vocab_size']:,} pieces, scored "
                   f"in its own tokens ({group['tokens']:,} on the same passages); KL and top-1 agreement against the "
                   f"{group['reference']} (renormalised). CE per token does not compare across tokenizers; CE per "
-                  "byte does."]
+                  "byte does." + ("" if floor is None else
+                                  f" The {group['reference']}, reading these tokens, scores {floor:.4f} nats/byte: "
+                                  "what a student that matched it exactly would score, the floor of its distillation.")]
     if report["comparisons"]:
         lines += ["", "Paired differences (a - b) with 95% intervals (bootstrap over documents):", "",
                   "| a | b | CE | CE per byte | KL |", "|---|---|---:|---:|---:|"]
