@@ -124,7 +124,7 @@ def test_every_row_is_judged_per_byte_and_trimmed_kl_is_against_the_restricted_t
     kl, floor = _restricted_teacher(teacher, out)
     assert by["distilled student"]["general_kl"] == pytest.approx(kl, rel=2e-3)
     trimmed = next(t for t in general["tokenizations"] if t["vocab_size"] == 400)
-    assert trimmed["reference"] == "teacher restricted to 400 pieces"  # the floor of the trimmed students' KL
+    assert trimmed["reference"] == "teacher restricted to 400 pieces"  # what the trimmed students' KL is against
     assert trimmed["reference_ce_per_byte"] == pytest.approx(floor, rel=2e-4)
     whole = next(t for t in general["tokenizations"] if t["vocab_size"] is None)
     assert whole["reference_ce_per_byte"] == pytest.approx(by["teacher"]["general_loss_per_byte"], rel=1e-9)
