@@ -195,6 +195,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     for line in compared_lines(results["sets"], pairs[len(names):]):
         print(line)
     written = [name for name in ("suite.md", "suite.json", "results.json") if os.path.exists(os.path.join(out, name))]
-    print(f"written in {out}: {', '.join(written)}" + ("" if "suite.md" in written else
-                                                     " (no suite.md: it holds the generations, and --eval-prompts is 0)"))
+    missing = "" if "suite.md" in written else " (no suite.md: it holds the generations, and --eval-prompts is 0)"
+    print(f"written in {out}: {', '.join(written)}{missing}")
     return results
