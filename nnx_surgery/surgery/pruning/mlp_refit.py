@@ -77,22 +77,21 @@ def refit_mlp(student, source, plan: Plan, rows, *, ridge: float = 1e-2, batch_s
     started = time.perf_counter()
     rows = np.asarray(rows, dtype=np.int32)
     narrowed = [s for s, kept in enumerate(plan.kept_mlp) if len(kept) < source.config.intermediate_size]
-    # no pass at all when nothing was narrowed, and none past the last narrowed layer
+    last = narrowed[-1] if narrowed else -1  # no pass at all when nothing was narrowed, none past the last narrowed
     inputs = [_layer_inputs(student, jnp.asarray(rows[i:i + batch_size]))
               for i in range(0, len(rows), batch_size)] if narrowed else []
     hidden = np.asarray(plan.kept_hidden)
     done = []
-    for s, layer in enumerate(student.layers[:narrowed[-1] + 1] if narrowed else []):
-        kept = np.asarray(plan.kept_mlp[s])
-        teacher_mlp = source.layers[plan.kept_layers[s]].mlp
+    for s, layer in enumerate(student.layers[:last + 1]):
         if s in narrowed:
+            teacher_mlp = source.layers[plan.kept_layers[s]].mlp
             full = (teacher_mlp.gate_proj.weight[...][:, hidden], teacher_mlp.up_proj.weight[...][:, hidden],
                     teacher_mlp.down_proj.weight[...][hidden, :])
             done.append(_refit_layer(s, plan.kept_layers[s], layer, full, inputs, ridge))
             if log is not None:
-                log(f"[refit] layer {s}: {len(kept)} of {len(full[2][0])} neurons, relative error "
+                log(f"[refit] layer {s}: {len(plan.kept_mlp[s])} of {len(full[2][0])} neurons, relative error "
                     f"{done[-1].before:.4f} -> {done[-1].after:.4f}")
-        if s < narrowed[-1]:
+        if s < last:
             inputs = [(_layer_output(layer, x, positions, mask[layer.attention_type]), positions, mask)
                       for x, positions, mask in inputs]
     return RefitReport(rows=len(rows), tokens=int(rows.size), ridge=ridge, layers=tuple(done),
