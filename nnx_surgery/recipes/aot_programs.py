@@ -6,13 +6,15 @@ weights): each a `distill.loop.lowering.Program` ready to lower and compile for 
         program = entry.build()                 # abstract models on the target's mesh, the step with its args
 
 The list follows `compress.main`: the teacher correction's step (--teacher-correction), the teacher's calibration
-forward (activation importance, `surgery.planning.importance`), stage A's step (staged compression), after the final cut
-the K/V warm-up's and each main stage's step, the held-out evaluation step, and the control's step. The students'
-shapes are the plan's (its sizes; which channels are kept changes no shape).
+forward (activation importance, `surgery.planning.importance`), the MLP refit of a cut that narrows the MLP
+(--refit-rows, `surgery.refit_mlp`), stage A's step (staged compression), after the final cut the K/V warm-up's and
+each main stage's step, the held-out evaluation step, and the control's step. The students' shapes are the plan's
+(its sizes; which channels are kept changes no shape).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -85,6 +87,9 @@ def student_configs(run: RunSettings) -> tuple[surgery.ModelConfig | None, surge
     return stage_a, final, lineage, plan_a
 
 
+REFIT_STAGE_A = "MLP refit (stage A)"
+
+
 def _spread(depth: int, keep: int) -> list[int]:
     return sorted({int(round(i)) for i in np.linspace(0, depth - 1, keep)}) if keep < depth else list(range(depth))
 
@@ -116,9 +121,12 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
         entries.append(Entry("calibration forward", "surgery",
                              lambda: calibration_program(model(run.teacher.config, teacher_dtype), mesh,
                                                          config.data.seq_len), train=False))
+    refits = _refit_entries(run, model, mesh, stage_a_config, final, teacher_dtype)
+    entries += [entry for entry in refits if entry.name == REFIT_STAGE_A]
     if stages.stage_a is not None:
         entries.append(step("stage_a", [stages.stage_a], 0, run.teacher.config, stage_a_config, plan_a,
                             stages.stage_a.name or "stage A"))
+    entries += [entry for entry in refits if entry.name != REFIT_STAGE_A]
     for index, stage in enumerate(stages.stage_b):
         entries.append(step("stage_b", stages.stage_b, index, run.teacher.config, final, lineage,
                             stage.name or f"stage B{index + 1}"))
@@ -129,6 +137,28 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
         control = phase_configs.control_stage(config, config.training.steps)
         entries.append(step("control", [control], 0, None, final, None, f"control ({config.student.control})"))
     return _distinct(entries)
+
+
+def _refit_entries(run: RunSettings, model: Callable, mesh, stage_a_config, final, teacher_dtype) -> list[Entry]:
+    """The refit of each cut whose MLP is narrower than its source's: stage A's (from the teacher) and the final
+    cut's (from the stage-A student, the teacher resident beside it, or from the teacher)."""
+    rows, seq_len, teacher = run.config.surgery.refit_rows, run.config.data.seq_len, run.teacher.config
+    if not rows:
+        return []
+
+    def entry(name, source, source_dtype, student, beside):
+        def build():
+            return refit_program(model(source, source_dtype), model(student), mesh, rows, seq_len, name=name,
+                                 resident=None if beside is None else model(beside, teacher_dtype))
+        return Entry(name, "surgery", build, train=False)
+
+    cuts: list[tuple[str, Any, Any, Any, Any]]  # name, source config and dtype, student config, teacher beside
+    if stage_a_config is None:
+        cuts = [("MLP refit", teacher, teacher_dtype, final, None)]
+    else:
+        cuts = [(REFIT_STAGE_A, teacher, teacher_dtype, stage_a_config, None),
+                ("MLP refit", stage_a_config, jnp.float32, final, teacher)]
+    return [entry(*cut) for cut in cuts if cut[3].intermediate_size < cut[1].intermediate_size]
 
 
 def _distinct(entries: list[Entry]) -> list[Entry]:
@@ -153,4 +183,45 @@ def calibration_program(teacher, mesh, seq_len: int, rows: int = 8) -> abstract_
                                  rows * seq_len, mesh)
 
 
-__all__ = ["Entry", "aot_run", "run_programs", "student_configs", "mesh_sizes", "calibration_program"]
+def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int = 8, name: str = "MLP refit",
+                  resident=None) -> abstract_step.Program:
+    """`surgery.refit_mlp`'s products for the student's last layer on one batch of `batch` x `seq_len` (the refit's
+    batch), as the run holds them: the source model and the student on the devices (and `resident`, the teacher
+    beside a stage-A source), every one of the `rows` rows' layer inputs kept between layers (sharded as the
+    student's jitted `layer_inputs` returns them), and the source MLP's weights at the student's hidden width."""
+    from nnx_surgery.surgery.pruning import mlp_refit
+    (_, source_state), (graph, state) = nnx.split(source), nnx.split(student)
+    source_state, state = abstract_step.abstract(source_state, mesh), abstract_step.abstract(state, mesh)
+    ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32,
+                               sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def layer_inputs(state, ids):
+        return nnx.merge(graph, state).layer_inputs(ids)
+    placed = jax.jit(layer_inputs).lower(state, ids).compile().output_shardings
+    x, positions, masks = jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype,
+                                                                                 sharding=sharding),
+                                       jax.eval_shape(layer_inputs, state, ids), placed)
+    held = jax.ShapeDtypeStruct((-(-rows // batch) * batch, *x.shape[1:]), x.dtype, sharding=x.sharding)
+    index = student.config.num_hidden_layers - 1
+    source_mlp, width, neurons = source.layers[-1].mlp, student.config.hidden_size, source.config.intermediate_size
+
+    def sliced(param, shape):  # the source's weight at the student's width, placed like the weight
+        return jax.ShapeDtypeStruct(shape, param.get_value().dtype,
+                                    sharding=abstract_step.abstract(param.get_value(), mesh).sharding)
+    full = (sliced(source_mlp.gate_proj.weight, (neurons, width)), sliced(source_mlp.up_proj.weight, (neurons, width)),
+            sliced(source_mlp.down_proj.weight, (width, neurons)))
+    products = mlp_refit._layer_products.__wrapped__  # type: ignore[attr-defined]  # the jitted function's body
+    extra = () if resident is None else (abstract_step.abstract(nnx.split(resident)[1], mesh),)
+
+    @functools.partial(jax.jit, keep_unused=True)  # the models and held inputs are resident, not read: still counted
+    def refit(source_state, state, held, x, positions, mask, gate, up, down, *extra):
+        return products(nnx.merge(graph, state).layers[index], x, positions, mask, gate, up, down)
+
+    arguments = (source_state, state, held, x, positions, masks[student.layers[index].attention_type], *full, *extra)
+    # the models the cut learns from count as its teacher: the source, and the teacher beside a stage-A source
+    parts = {"teacher": (source_state, *extra), "student": state, "batch": (held, x)}
+    return abstract_step.Program(name, refit, arguments, parts, batch * seq_len, mesh)
+
+
+__all__ = ["Entry", "aot_run", "run_programs", "student_configs", "mesh_sizes", "calibration_program",
+           "refit_program"]

@@ -26,7 +26,7 @@ from nnx_surgery.recipes.refusals import RecipeError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8"]
-# one program to compile beside the evaluation: one-shot cut, no control, no calibration, no K/V warm-up
+# the main step, the one-shot cut's MLP refit and the evaluation: no control, no calibration, no K/V warm-up
 MAIN_ONLY = ["--compression", "oneshot", "--control", "none", "--calibration-samples", "0", "--kv-warmup", "0"]
 
 
@@ -81,8 +81,8 @@ def tiny_cpu_report(tmp_path_factory):
 def test_tiny_recipe_compiles_every_program_on_eight_host_devices(tiny_cpu_report):
     report = tiny_cpu_report
     rows = {row["program"]: row for row in report["programs"]}
-    assert list(rows) == ["calibration forward", "A: depth+MLP", "B1: merged K/V + norms", "B2: everything",
-                          "evaluation", "control (scratch)"]
+    assert list(rows) == ["calibration forward", "MLP refit (stage A)", "A: depth+MLP", "B1: merged K/V + norms",
+                          "B2: everything", "evaluation", "control (scratch)"]
     assert report["target"]["devices"] == 8 and report["settings"]["mesh"] == "fsdp=8" and report["fits"]
     teacher = bytes_per_device(gemma_parameters(*TEACHER), 8)
     student = bytes_per_device(gemma_parameters(*STUDENT), 8)
@@ -93,6 +93,11 @@ def test_tiny_recipe_compiles_every_program_on_eight_host_devices(tiny_cpu_repor
     assert rows["A: depth+MLP"]["bytes"]["student_parameters"] == stage_a
     assert rows["A: depth+MLP"]["bytes"]["optimizer_state"] == 2 * stage_a + 4
     assert rows["control (scratch)"]["bytes"]["teacher_parameters"] == 0  # plain CE: no teacher on the devices
+    refit = rows["MLP refit (stage A)"]["bytes"]  # the stage-A cut narrows the MLP 384 -> 256: refitted on 64 rows
+    assert refit["teacher_parameters"] == teacher and refit["student_parameters"] == stage_a
+    assert refit["optimizer_state"] == 0
+    held = (64 + 8) * 32 * STAGE_A[1] * 4  # every row's layer inputs kept between layers, and the batch's own
+    assert held // 8 <= refit["batch"] <= held  # sharded over the 8 devices at best, replicated at worst
     assert rows["evaluation"]["bytes"]["optimizer_state"] == 0
     for row in rows.values():
         assert row["bytes"]["batch"] > 0 and row["bytes"]["temporaries"] > 0 and row["flops_per_device_xla"] > 0
@@ -115,10 +120,14 @@ def test_tiny_step_compiles_for_a_tpu_slice(tmp_path_factory):
     # XLA's own figure for a v5e's usable HBM (its out-of-memory refusals say 15.75G), not the chip's nominal 16 GiB
     assert report["target"]["memory_per_device"] == int(15.75 * 2 ** 30)
     rows = {row["program"]: row for row in report["programs"]}
-    assert list(rows) == ["B2: everything", "evaluation"]
+    assert list(rows) == ["MLP refit", "B2: everything", "evaluation"]
     main = rows["B2: everything"]
     assert main["bytes"]["student_parameters"] == bytes_per_device(gemma_parameters(*STUDENT), 4)
     assert main["bytes"]["teacher_parameters"] == bytes_per_device(gemma_parameters(*TEACHER), 4)
+    refit = rows["MLP refit"]["bytes"]  # the teacher's MLP 384 -> 256 at once, refitted beside both models
+    assert refit["teacher_parameters"] == main["bytes"]["teacher_parameters"]
+    assert refit["student_parameters"] == main["bytes"]["student_parameters"] and refit["optimizer_state"] == 0
+    assert rows["MLP refit"]["fits"]
     assert main["fits"] and main["tokens_per_s"] > 0 and report["days_to_budget"] > 0
 
 

@@ -127,8 +127,9 @@ def _refit_layer(index: int, teacher_layer: int, layer, full, inputs, ridge: flo
         target += float(t)
     down = layer.mlp.down_proj.weight
     sliced = np.asarray(gathered(down[...]), np.float64).T  # (kept, D)
-    eye = np.eye(len(gram)) * ridge * max(float(np.mean(np.diag(gram))), np.finfo(np.float64).tiny)
-    fitted = np.linalg.solve(gram + eye, cross)
+    damped = gram.copy()  # the ridge on the diagonal in place: no identity matrix (2 GiB at a 2B's 16,384 neurons)
+    damped[np.diag_indices_from(damped)] += ridge * max(float(np.mean(np.diag(gram))), np.finfo(np.float64).tiny)
+    fitted = np.linalg.solve(damped, cross)
     down.set_value(jax.device_put(jnp.asarray(fitted.T, down[...].dtype), down[...].sharding))
 
     def error(w):
