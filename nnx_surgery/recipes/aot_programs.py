@@ -201,7 +201,7 @@ def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int = 8
     x, positions, masks = jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype,
                                                                                  sharding=sharding),
                                        jax.eval_shape(layer_inputs, state, ids), placed)
-    held = jax.ShapeDtypeStruct((-(-rows // batch) * batch, *x.shape[1:]), x.dtype, sharding=x.sharding)
+    held = jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=x.sharding)  # the rows' inputs, in batches
     index = student.config.num_hidden_layers - 1
     source_mlp, width, neurons = source.layers[-1].mlp, student.config.hidden_size, source.config.intermediate_size
 
