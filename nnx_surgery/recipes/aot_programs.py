@@ -25,7 +25,7 @@ from flax import nnx
 from nnx_surgery import surgery
 from nnx_surgery.distill.loop import lowering as abstract_step
 from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
-from nnx_surgery.recipes import phase_configs, released, run_settings, shape_search
+from nnx_surgery.recipes import phase_configs, released, run_settings, shape_search, student_refit
 from nnx_surgery.recipes.config import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.aot_targets import Target, target_mesh
@@ -148,7 +148,8 @@ def _refit_entries(run: RunSettings, model: Callable, mesh, stage_a_config, fina
 
     def entry(name, source, source_dtype, student, beside):
         def build():
-            return refit_program(model(source, source_dtype), model(student), mesh, rows, seq_len, name=name,
+            return refit_program(model(source, source_dtype), model(student), mesh, rows, seq_len,
+                                 batch=student_refit.batch_rows(seq_len), name=name,
                                  resident=None if beside is None else model(beside, teacher_dtype))
         return Entry(name, "surgery", build, train=False)
 
@@ -183,12 +184,13 @@ def calibration_program(teacher, mesh, seq_len: int, rows: int = 8) -> abstract_
                                  rows * seq_len, mesh)
 
 
-def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int = 8, name: str = "MLP refit",
+def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int, name: str = "MLP refit",
                   resident=None) -> abstract_step.Program:
-    """`surgery.refit_mlp`'s products for the student's last layer on one batch of `batch` x `seq_len` (the refit's
-    batch), as the run holds them: the source model and the student on the devices (and `resident`, the teacher
-    beside a stage-A source), every one of the `rows` rows' layer inputs kept between layers (sharded as the
-    student's jitted `layer_inputs` returns them), and the source MLP's weights at the student's hidden width."""
+    """`surgery.refit_mlp`'s products for the student's last layer on one batch of `batch` x `seq_len` (the run's
+    batch: `student_refit.batch_rows`), as the run holds them: the source model and the student on the devices (and
+    `resident`, the teacher beside a stage-A source), every one of the `rows` rows' layer inputs kept between
+    layers (sharded as the student's jitted `layer_inputs` returns them), and the source MLP's weights at the
+    student's hidden width."""
     from nnx_surgery.surgery.pruning import mlp_refit
     (_, source_state), (graph, state) = nnx.split(source), nnx.split(student)
     source_state, state = abstract_step.abstract(source_state, mesh), abstract_step.abstract(state, mesh)

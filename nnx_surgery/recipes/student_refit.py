@@ -17,13 +17,24 @@ class Refit:
     down: dict  # student layer -> its refitted down_proj weight (a host copy: training may donate the student's)
 
 
+BATCH_TOKENS = 8192  # the most tokens a refit batch holds (while it has more than one row)
+
+
+def batch_rows(seq_len: int) -> int:
+    """Rows per batch of the refit's passes: 8, fewer for long rows, at least one. The products' temporaries grow
+    with a batch's tokens: at 8 rows of 8,192 tokens, Gemma 7B's stage-A refit needs 44 GiB per chip of a v5e-8
+    (`--aot`), at one row 10 GiB."""
+    return max(1, min(8, BATCH_TOKENS // seq_len))
+
+
 def refit_student(run, source, plan: surgery.Plan, student, data) -> Refit | None:
     """The narrowed MLPs of `student` (cut from `source` by `plan`) refitted on `--refit-rows` rows of `data` (in
     the student's tokens); None when the flag is 0 or no MLP was narrowed."""
     rows = run.config.surgery.refit_rows
     if not rows:
         return None
-    report = surgery.refit_mlp(student, source, plan, data.calibration_ids(rows, seed=run.config.run.seed))
+    report = surgery.refit_mlp(student, source, plan, data.calibration_ids(rows, seed=run.config.run.seed),
+                               batch_size=batch_rows(run.config.data.seq_len))
     if not report.layers:
         return None
     print(f"[surgery] {report.summary()}", flush=True)
