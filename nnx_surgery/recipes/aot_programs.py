@@ -87,9 +87,6 @@ def student_configs(run: RunSettings) -> tuple[surgery.ModelConfig | None, surge
     return stage_a, final, lineage, plan_a
 
 
-REFIT_STAGE_A = "MLP refit (stage A)"
-
-
 def _spread(depth: int, keep: int) -> list[int]:
     return sorted({int(round(i)) for i in np.linspace(0, depth - 1, keep)}) if keep < depth else list(range(depth))
 
@@ -121,12 +118,12 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
         entries.append(Entry("calibration forward", "surgery",
                              lambda: calibration_program(model(run.teacher.config, teacher_dtype), mesh,
                                                          config.data.seq_len), train=False))
-    refits = _refit_entries(run, model, mesh, stage_a_config, final, teacher_dtype)
-    entries += [entry for entry in refits if entry.name == REFIT_STAGE_A]
+    refit_a, refit_final = _refit_entries(run, model, mesh, stage_a_config, final, teacher_dtype)
+    entries += refit_a
     if stages.stage_a is not None:
         entries.append(step("stage_a", [stages.stage_a], 0, run.teacher.config, stage_a_config, plan_a,
                             stages.stage_a.name or "stage A"))
-    entries += [entry for entry in refits if entry.name != REFIT_STAGE_A]
+    entries += refit_final
     for index, stage in enumerate(stages.stage_b):
         entries.append(step("stage_b", stages.stage_b, index, run.teacher.config, final, lineage,
                             stage.name or f"stage B{index + 1}"))
@@ -139,27 +136,25 @@ def run_programs(run: RunSettings, target: Target, device_bytes: int | None = No
     return _distinct(entries)
 
 
-def _refit_entries(run: RunSettings, model: Callable, mesh, stage_a_config, final, teacher_dtype) -> list[Entry]:
-    """The refit of each cut whose MLP is narrower than its source's: stage A's (from the teacher) and the final
-    cut's (from the stage-A student, the teacher resident beside it, or from the teacher)."""
+def _refit_entries(run: RunSettings, model: Callable, mesh, stage_a_config, final,
+                   teacher_dtype) -> tuple[list[Entry], list[Entry]]:
+    """(stage A's refit, the final cut's), each an empty list unless that cut's MLP is narrower than its source's:
+    stage A's from the teacher, the final cut's from the stage-A student (the teacher resident beside it) or from
+    the teacher."""
     rows, seq_len, teacher = run.config.surgery.refit_rows, run.config.data.seq_len, run.teacher.config
-    if not rows:
-        return []
 
-    def entry(name, source, source_dtype, student, beside):
+    def entries(name, source, source_dtype, student, beside) -> list[Entry]:
         def build():
             return refit_program(model(source, source_dtype), model(student), mesh, rows, seq_len,
                                  batch=student_refit.batch_rows(seq_len), name=name,
                                  resident=None if beside is None else model(beside, teacher_dtype))
-        return Entry(name, "surgery", build, train=False)
+        narrowed = rows and student.intermediate_size < source.intermediate_size
+        return [Entry(name, "surgery", build, train=False)] if narrowed else []
 
-    cuts: list[tuple[str, Any, Any, Any, Any]]  # name, source config and dtype, student config, teacher beside
     if stage_a_config is None:
-        cuts = [("MLP refit", teacher, teacher_dtype, final, None)]
-    else:
-        cuts = [(REFIT_STAGE_A, teacher, teacher_dtype, stage_a_config, None),
-                ("MLP refit", stage_a_config, jnp.float32, final, teacher)]
-    return [entry(*cut) for cut in cuts if cut[3].intermediate_size < cut[1].intermediate_size]
+        return [], entries("MLP refit", teacher, teacher_dtype, final, None)
+    return (entries("MLP refit (stage A)", teacher, teacher_dtype, stage_a_config, None),
+            entries("MLP refit", stage_a_config, jnp.float32, final, teacher))
 
 
 def _distinct(entries: list[Entry]) -> list[Entry]:
@@ -199,10 +194,10 @@ def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int, na
 
     def layer_inputs(state, ids):
         return nnx.merge(graph, state).layer_inputs(ids)
-    placed = jax.jit(layer_inputs).lower(state, ids).compile().output_shardings
+    lowered = jax.jit(layer_inputs).lower(state, ids)
     x, positions, masks = jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype,
                                                                                  sharding=sharding),
-                                       jax.eval_shape(layer_inputs, state, ids), placed)
+                                       lowered.out_info, lowered.compile().output_shardings)
     held = jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=x.sharding)  # the rows' inputs, in batches
     index = student.config.num_hidden_layers - 1
     source_mlp, width, neurons = source.layers[-1].mlp, student.config.hidden_size, source.config.intermediate_size
