@@ -107,7 +107,7 @@ def test_student_flag_and_preset_defaults():
     assert args.student.shape == "layers=3,mlp=0.5" and args.teacher.model is None
     args = resolution.resolve(["--preset", "gemma3-270m"])
     assert (args.student.shape, args.training.frozen, args.training.alpha, args.training.term_weights["feature"]) == \
-        ("layers=18,mlp=768,vocab=16384", ("embed_tokens",), 1.0, 0.0)
+        ("layers=18,mlp=768,vocab=16384", ("embed_tokens",), 0.5, 0.0)
     assert (args.data.general_mix, args.run.gguf) == (0.5, "q8_0")
 
 

@@ -99,15 +99,15 @@ def test_the_gemma3_270m_preset_resolves_every_derived_value(tmp_path):
     run = run_settings.resolve(config)
     assert (run.teacher.source, run.teacher.folder, run.teacher.dtype) == (str(teacher), str(teacher), "float32")
     assert (config.training.warmup_steps, config.tokens_per_step, config.distill.eval_every, config.run.gguf) == \
-        (2, 1024, 5, "q8_0")
+        (2, 1024, 14, "q8_0")
     assert config.control_name == "CE-retrained pruned student (control)"
     spec = run.student.spec
     assert (spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.vocab_size) == (18, 640, 768, 16384)
     assert run.student.stage_a_spec is None and not run.student.kv_merged  # one-shot; 1 KV head kept
     assert run.stages.stage_a is None and run.stages.kv_warmup is None
     (main,) = run.stages.main
-    assert (main.steps, main.learning_rate, main.warmup_steps, main.frozen) == (20, 2e-5, 2, ("embed_tokens",))
-    assert main.weights.active() == {"kl"} and main.weights.kl == 1.0
+    assert (main.steps, main.learning_rate, main.warmup_steps, main.frozen) == (56, 2e-5, 2, ("embed_tokens",))
+    assert main.weights.active() == {"kl", "ce"} and main.weights.kl == main.weights.ce == 0.5
     assert run.data.description.endswith("modules of the Python standard library's source (held-out modules)")
     assert run.data.corpus and run.data.general_mix == 0.5
     assert dict(run.data.position_limit) == {"max_positions": 32768, "max_positions_source":
