@@ -115,10 +115,10 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     run = chosen.run
     if chosen.search:
         clock.lap("shape search")
-    first = run_phases.stage_a(run, loaded, teacher)  # staged: depth + MLP cut and distilled first
+    first = run_phases.stage_a(run, loaded, teacher, chosen.teacher_scores)  # staged: depth + MLP cut and distilled first
     if first.plan is not None:
         clock.lap("stage A")
-    cut = run_phases.final_cut(run, loaded, teacher, first)  # plans are data (plan.json)
+    cut = run_phases.final_cut(run, loaded, teacher, first, chosen.teacher_scores)  # plans are data (plan.json)
     clock.lap("surgery")
     distilled = run_phases.distil(run, loaded, teacher, first, cut)
     clock.lap("distillation")

@@ -3,14 +3,16 @@
 
     load_teacher_and_data(run)                          -> Loaded(teacher, data, mesh, calibration)
     correct_teacher(run, loaded)                        -> the corrected teacher (--teacher-correction)
-    choose_student(run, loaded, teacher)                -> Chosen(run for the winner, search summary)
-    stage_a(run, loaded, teacher)                       -> StageA(plan, student, history, steps)
-    final_cut(run, loaded, teacher, first)              -> Cut(plan, student, pruned, data, lineage, tokenizer)
+    choose_student(run, loaded, teacher)                -> Chosen(run for the winner, search summary, scores)
+    stage_a(run, loaded, teacher, scored)               -> StageA(plan, student, history, steps)
+    final_cut(run, loaded, teacher, first, scored)      -> Cut(plan, student, pruned, data, lineage, tokenizer)
     distil(run, loaded, teacher, first, cut)            -> Trained(model, history, evals, steps)
     train_control(run, loaded, teacher, first, cut, distilled) -> Trained, or None with --control none
     pairing(run, first, cut, distilled, control)        -> how the control pairs with the distillation
 
-A phase an earlier run finished (its folder in OUT/phases/) is read back instead of trained (`train`).
+A phase an earlier run finished (its folder in OUT/phases/) is read back instead of trained (`train`). The plan
+made from the teacher after a search (stage A's, else the final cut's) reuses the teacher's calibration scores the
+search measured (`Chosen.teacher_scores`) instead of a second calibration pass: the same plan, one pass fewer.
 
 The control is paired with the distillation: it reads the same batches in the same order (the data position is
 reset to the distillation's recorded start, so a resumed run pairs too) and, when it retrains the pruned student of
@@ -48,6 +50,7 @@ class Loaded:
 class Chosen:
     run: RunSettings  # the settings for the student the run distils (the search's winner)
     search: dict | None  # the search's summary for results.json
+    teacher_scores: surgery.TeacherScores | None = None  # the search's measurements of the teacher (calibration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,17 +116,18 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
 
 def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
     """With --student params=...: each shape within the budget distilled briefly; the winner is the student."""
-    spec, search = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
-    return Chosen(for_student(run, spec) if search else run, search)
+    spec, search, scores = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
+    return Chosen(for_student(run, spec) if search else run, search, scores)
 
 
-def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
-    """Staged compression: depth and MLP width cut from the teacher (plan_stage_a.json), then distilled."""
+def stage_a(run: RunSettings, loaded: Loaded, teacher, scored: surgery.TeacherScores | None = None) -> StageA:
+    """Staged compression: depth and MLP width cut from the teacher (plan_stage_a.json), then distilled.
+    `scored`: the teacher's calibration scores, when the search measured them."""
     if run.student.stage_a_spec is None:
         return StageA(None, teacher, [], 0)
     plan = surgery.plan_student(teacher, run.student.stage_a_spec, calibration=loaded.calibration,
                                 source=run.teacher.source, revision=run.config.teacher.revision,
-                                seed=run.config.run.seed)
+                                seed=run.config.run.seed, scored=reused(scored))
     student = make_student(run, teacher, plan, "stage_a", loaded.mesh)
     print(surgery.format_report(plan))
     refit = student_refit.refit_student(run, teacher, plan, student, loaded.data)
@@ -132,9 +136,18 @@ def stage_a(run: RunSettings, loaded: Loaded, teacher) -> StageA:
     return StageA(plan, trained.model, trained.history, config.total_steps, trained.data_start, refit)
 
 
-def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
+def reused(scored: surgery.TeacherScores | None) -> surgery.TeacherScores | None:
+    if scored is not None:
+        print("[surgery] planned from the teacher's calibration scores the search measured (no second pass)",
+              flush=True)
+    return scored
+
+
+def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA,
+              scored: surgery.TeacherScores | None = None) -> Cut:
     """The final plan, made on the stage-A student (or the teacher), and the student it cuts; with a trimmed
-    vocabulary the student's tokenizer and the corpus in its tokens."""
+    vocabulary the student's tokenizer and the corpus in its tokens. `scored`: the teacher's calibration scores,
+    when the search measured them (used when the plan is made from the teacher itself)."""
     spec, config = run.student.spec, run.config
     # A trimmed vocabulary keeps the pieces the training corpus uses most, counted over every training row (a few
     # calibration rows see too few of the pieces the student will meet).
@@ -142,6 +155,7 @@ def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA) -> Cut:
     vocab_rows = data.calibration_ids(data.num_rows, seed=config.run.seed) if spec.vocab_size is not None else None
     plan = surgery.plan_student(first.student, spec, calibration=loaded.calibration, vocab_calibration=vocab_rows,
                                 seed=config.run.seed, measure_compensation=True,
+                                scored=None if first.plan else reused(scored),
                                 source=f"stage-A student of {run.teacher.source}" if first.plan else run.teacher.source,
                                 revision=None if first.plan else config.teacher.revision, tokenizer=run.teacher.folder)
     data, tokenizer = vocabulary.student_batches(run.teacher.folder, plan, run.folder, data,

@@ -3,7 +3,7 @@ or `params=0.5,counting=total` (the whole checkpoint) chooses the student among 
 the main run, Minitron's way (nnx_surgery/distill/evals/shape_ranking.py), and the main run distils the winner.
 
     choice = student_choice(flags, teacher_config, tokenizer)   # an explicit --student, or a budget and shapes to try
-    spec, summary = choose_student(run, teacher, data, calibration)   # the winner; results["search"]
+    spec, summary, scores = choose_student(run, teacher, data, calibration)   # the winner; results["search"]
 
 * The shapes tried (`--search-candidates N`): the uniform guess (`surgery.uniform_spec`: every axis cut by the same
   ratio, what one would pick by hand), so the search shows whether it beats the guess; from N = 3 on, the shape
@@ -238,12 +238,9 @@ def refitted(run: RunSettings, teacher, plan: surgery.Plan, data):
 
 
 def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str,
-                      data) -> list:
-    """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher (its
-    scores do not depend on the shape), each student built when it trains."""
-    scored = functools.cache(lambda: surgery.score_teacher(teacher, calibration=calibration,
-                                                            seed=run.config.run.seed,
-                                                            revision=run.config.teacher.revision))
+                      data, scored) -> list:
+    """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher
+    (`scored()`: its scores do not depend on the shape), each student built when it trains."""
     found = []
     for candidate in choice.candidates:
         plan = candidate_plan(run, teacher, candidate, calibration, directory, scored)
@@ -255,14 +252,20 @@ def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibrat
 
 
 def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
-    """(the main run's student spec, the search's summary for results.json or None): the explicit student as it is,
-    or the winner of the search (module docstring), parsed as an explicit `--student WINNER` would be. `run`: the
-    run's settings (run_settings.RunSettings)."""
+    """(the main run's student spec, the search's summary for results.json or None, the teacher's
+    `surgery.TeacherScores` on `calibration` or None): the explicit student as it is, or the winner of the search
+    (module docstring), parsed as an explicit `--student WINNER` would be. The scores are returned when the search
+    measured them (it planned a candidate; a resumed search reads its plans back), so that the plans the run makes
+    from the same teacher afterwards need no second calibration pass. `run`: the run's settings
+    (run_settings.RunSettings)."""
     config, choice = run.config, run.student.choice
     if choice.budget is None:
-        return choice.spec, None
+        return choice.spec, None, None
     directory = os.path.join(run.folder, FOLDER)
-    candidates = search_candidates(run, choice, teacher, calibration, directory, data)
+    scored = functools.cache(lambda: surgery.score_teacher(teacher, calibration=calibration,
+                                                            seed=run.config.run.seed,
+                                                            revision=run.config.teacher.revision))
+    candidates = search_candidates(run, choice, teacher, calibration, directory, data, scored)
     phase = search_config(config, run.folder, data)
     steps = phase.total_steps
     print(f"[search] {len(candidates)} of the {choice.fitting} shapes within {choice.budget.text} "
@@ -275,7 +278,8 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
                             directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
                             sampler=surgery.make_sampler() if phase.on_policy.fraction else None,
                             teacher_cache=cache)
-    return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result)
+    measured = scored() if scored.cache_info().currsize else None
+    return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result), measured
 
 
 def summary(config: RecipeConfig, choice: StudentChoice, result: distill.SearchResult) -> dict:

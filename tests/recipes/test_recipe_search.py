@@ -1,7 +1,7 @@
 """The recipe's shape search (`--student params=0.5`) at tiny scale: the candidates searched (the uniform guess
-among them, marked), the winner distilled as the main student, results.json / results.md recording the search, a
-resumed run reading finished candidates back, the dry run's candidates and cost, and bad budgets refused in one
-line with exit 2 before any model loads."""
+among them, marked), the winner distilled as the main student, results.json / results.md recording the search, the
+plan after it made from the search's teacher scores, a resumed run reading finished candidates back, the dry run's
+candidates and cost, and bad budgets refused in one line with exit 2 before any model loads."""
 from __future__ import annotations
 
 import json
@@ -109,6 +109,18 @@ def test_a_resumed_run_reads_finished_candidates_back(searched):
     assert resumed.stdout.count("[search]   finished earlier") == 2
     assert "[search]   step " not in resumed.stdout
     assert {path: os.path.getmtime(path) for path in result_files(out)} == finished
+
+
+@pytest.mark.slow
+def test_the_plan_after_the_search_reuses_the_teachers_calibration_scores(searched):
+    out, halted, resumed, _ = searched
+    reuse = "[surgery] planned from the teacher's calibration scores the search measured"
+    assert halted.stdout.count(reuse) == 1  # stage A's plan; the final cut plans from the stage-A student
+    assert reuse not in resumed.stdout  # the resumed search read its plans back and measured nothing
+    winner = json.loads((out / "results.json").read_text())["search"]["winner"]
+    candidate = json.loads((out / "search" / "plans" / (winner.replace(",", "_") + ".json")).read_text())
+    stage_a = json.loads((out / "student" / "plan_stage_a.json").read_text())
+    assert candidate["scores"] and {key: stage_a["scores"][key] for key in candidate["scores"]} == candidate["scores"]
 
 
 @pytest.mark.slow
