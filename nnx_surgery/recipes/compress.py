@@ -115,7 +115,7 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     run = chosen.run
     if chosen.search:
         clock.lap("shape search")
-    first = run_phases.stage_a(run, loaded, teacher, chosen.teacher_scores)  # staged: depth + MLP cut and distilled first
+    first = run_phases.stage_a(run, loaded, teacher, chosen.teacher_scores)  # staged: depth + MLP cut, distilled
     if first.plan is not None:
         clock.lap("stage A")
     cut = run_phases.final_cut(run, loaded, teacher, first, chosen.teacher_scores)  # plans are data (plan.json)
