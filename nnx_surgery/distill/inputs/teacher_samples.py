@@ -163,16 +163,18 @@ def _tail_draws(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, 
     `uniforms` (R, n) are cumulative shares of the rest, in [0, 1)."""
     chunk = head_chunks.shape[1]
     values, top_ids, lse = _head(logits_fn, hidden, head_chunks, vocab_size, m)
-    threshold = values[:, m - 1]  # the m-th largest logit; of the pieces tied with it the top m hold the lower ids
-    last_tied = jnp.max(jnp.where(values[:, :m] == threshold[:, None], top_ids[:, :m], -1), axis=-1)
     logprobs = values[:, :m] - lse[:, None]
     rest = jnp.clip(1.0 - jnp.sum(jnp.exp(logprobs), axis=-1), 0.0, 1.0)
+    rows = jnp.arange(hidden.shape[0])[:, None]
 
     def rest_probabilities(index, head):
         ids = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        logits = logits_fn(hidden, head)
-        outside = (logits < threshold[:, None]) | ((logits == threshold[:, None]) & (ids > last_tied[:, None]))
-        return jnp.where((ids < vocab_size) & outside, jnp.exp(logits - lse[:, None]), 0.0)
+        # The top m are excluded by their ids, never by comparing logits: this pass recomputes them, and how XLA
+        # compiles the two passes can round a logit tied with the m-th differently, which let a draw repeat an id.
+        local = top_ids[:, :m] - index * chunk
+        taken = jnp.zeros((hidden.shape[0], chunk), bool).at[rows, jnp.where((local >= 0) & (local < chunk), local,
+                                                                            chunk)].set(True, mode="drop")
+        return jnp.where((ids < vocab_size) & ~taken, jnp.exp(logits_fn(hidden, head) - lse[:, None]), 0.0)
 
     drawn = _inverse_cdf(rest_probabilities, head_chunks, uniforms * rest[:, None])
     # a draw past the rest's float32 total takes the likeliest piece outside the top m

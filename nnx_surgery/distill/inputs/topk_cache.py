@@ -36,6 +36,7 @@ from ..interface import forward_inputs
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DISTINCT_SLOTS = "distinct"  # a mixed manifest's "slots": written by a version whose draws never repeat an exact id
 SELECTIONS = ("top", "sampled", "mixed")  # what a token's k slots hold: the teacher's top k, k draws of it, or
 # its top k // 2 and draws of the rest (teacher_samples)
 
@@ -204,7 +205,16 @@ def _settings_record(settings: CacheSettings, identity: Mapping, vocab_size: int
               "logprob_temperature": 1.0, "identity": json.loads(json.dumps(identity))}
     if settings.selection != "top":  # a top-k cache's manifest is as it always was
         record.update(selection=settings.selection, sample_seed=settings.sample_seed)
+    if settings.selection == "mixed":  # its drawn slots exclude the exact half by id (`repeated_slots`)
+        record["slots"] = DISTINCT_SLOTS
     return record
+
+
+def repeated_slots(ids: np.ndarray, logprobs: np.ndarray) -> int:
+    """How many positions of (..., k) slots give some id a share twice (slots of log share -inf hold none)."""
+    held = np.where(np.isfinite(logprobs), ids.astype(np.int64), -1 - np.arange(ids.shape[-1]))
+    ordered = np.sort(held.reshape(-1, ids.shape[-1]), axis=-1)
+    return int(np.sum(np.any(ordered[:, 1:] == ordered[:, :-1], axis=-1)))
 
 
 def _finished(folder: str, process: int, record: dict, resume: bool) -> dict[int, dict]:
@@ -397,7 +407,26 @@ class TeacherCache:
                 raise CacheError(f"{file}: missing, truncated or corrupted (its sha256 is not the manifest's); "
                                  "rerun the same cache-teacher command with --resume to write it again.")
             readers.append(fmt.ShardReader(file))
-        return cls(folder, manifest, readers)
+        cache = cls(folder, manifest, readers)
+        if verify and cache.selection == "mixed" and manifest.get("slots") != DISTINCT_SLOTS:
+            cache._check_slots_distinct()
+        return cache
+
+    def _check_slots_distinct(self) -> None:
+        """Refuse a `mixed` cache written before its draws excluded the exact half by id, if some position's drawn
+        slot repeats an exact slot's id (that id then has two shares: a biased target)."""
+        found = 0
+        for shard in self._shards:
+            rows = len(shard.arrays["input_ids"])
+            for start in range(0, rows, 64):
+                got = fmt.decode(shard.rows(np.arange(start, min(start + 64, rows))), self.encoding,
+                                 self.vocab_size, self.top_k)
+                found += repeated_slots(got["topk_ids"], got["topk_logprobs"])
+        if found:
+            raise CacheError(f"teacher cache {self.folder}: {found:,} position(s) give one id two shares (a 'mixed' "
+                             "cache written before its draws excluded the exact half by id, so its targets are "
+                             "biased); write it again with this version (`nnx-surgery cache-teacher ... "
+                             "--overwrite`).")
 
     def check_matches(self, **wanted: Any) -> None:
         """Refuse, in one line, a cache made for another teacher, tokenizer or packing. Keys: teacher_config_hash,
@@ -466,5 +495,5 @@ class TeacherCache:
             yield self.rows(index[process_index * per:(process_index + 1) * per])
 
 
-__all__ = ["FORMAT_VERSION", "CacheError", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
+__all__ = ["FORMAT_VERSION", "DISTINCT_SLOTS", "CacheError", "repeated_slots", "CacheSettings", "TeacherCache", "topk_logprobs", "topk_function",
            "write_cache", "rows_ahead", "next_rows", "folder_identity", "check_written_by", "file_sha256", "vocab_map_sha256", "packing_of", "first_difference", "shard_name"]

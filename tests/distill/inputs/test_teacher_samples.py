@@ -4,6 +4,11 @@ times, the draws of a row do not depend on the batch or on which rows are cached
 cache only whole and renormalised."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +18,8 @@ from flax import nnx
 from nnx_surgery.distill import TokenBatches
 from nnx_surgery.distill.inputs.cache_format import CacheError
 from nnx_surgery.distill.inputs.teacher_samples import counted, mixed_logprobs, sampled_logprobs
-from nnx_surgery.distill.inputs.topk_cache import CacheSettings, TeacherCache, write_cache
+from nnx_surgery.distill.inputs import topk_cache
+from nnx_surgery.distill.inputs.topk_cache import CacheSettings, TeacherCache, repeated_slots, write_cache
 from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
 from nnx_surgery.distill.loop.trainer import run
 from distill_fixtures import FAST_COMPILE, VOCAB, student_from, tiny_teacher
@@ -188,3 +194,84 @@ def test_a_run_trains_from_draws_whole_and_renormalised(teacher, tmp_path, selec
         with pytest.raises(CacheError, match=message) as error:
             run(None, student_from(teacher), _data(), _config(teacher_cache=folder, **changes))
         assert "\n" not in str(error.value)
+
+
+def _tied_teacher(seed: int):
+    """`tiny_teacher(seed)` whose output embedding repeats rows: ids 40-47 score exactly as ids 30-37 (and 50-57 as
+    ids 3-10), so every position has pieces whose logits tie exactly, among them near the top k // 2's edge."""
+    model = tiny_teacher(seed=seed)
+    table = model.embed_tokens[...]
+    model.embed_tokens[...] = table.at[40:48].set(table[30:38]).at[50:58].set(table[3:11])
+    return model
+
+
+def repeated_drawn_slots(seeds=(1, 2, 3), rounds: int = 4) -> int:
+    """How many positions' mixed slots give some id a share twice (over `seeds`' teachers, plain and tied, and
+    `rounds` draws each): the count that must be 0. Module-level, so a subprocess can run it under other XLA flags."""
+    repeats = 0
+    batch = _batch()
+    for seed in seeds:
+        for model in (tiny_teacher(seed=seed), _tied_teacher(seed)):
+            state, slots = _slot_functions(model, batch)
+            for r in range(rounds):
+                for name in ("mixed", "sampled"):
+                    repeats += repeated_slots(*map(np.asarray, slots[name](state, jnp.arange(4) + 4 * r)))
+    return repeats
+
+
+@pytest.mark.parametrize("optimised", [False, True], ids=["suite-O0", "xla-default"])
+def test_no_id_gets_two_shares_at_any_xla_optimisation_level(optimised):
+    """No position's slots give an id a share twice, in `mixed` (the drawn half excludes the exact half by id, not
+    by comparing recomputed logits) or `sampled`, on several seeds, with exact ties in the vocabulary, under the
+    suite's `--xla_backend_optimization_level=0` (in process) and XLA's normal level (a subprocess)."""
+    if not optimised:
+        assert repeated_drawn_slots() == 0
+        return
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" not in f)
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(here))
+    code = (f"import sys; sys.path[:0] = [{tests!r}, {here!r}]; import test_teacher_samples as t; "
+            "print(t.repeated_drawn_slots())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "XLA_FLAGS": flags})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0", done.stdout
+
+
+def test_a_mixed_cache_written_before_the_fix_is_checked_for_repeated_ids(teacher, tmp_path, monkeypatch):
+    """A mixed manifest says its slots are distinct; one without that mark (an earlier version's) is read through
+    on open: refused in one line where some position gives an id two shares, opened where none does."""
+    good = str(tmp_path / "good")
+    assert write_cache(teacher, _data(), good, _settings(batch_rows=4, selection="mixed"), identity={})["slots"] \
+        == topk_cache.DISTINCT_SLOTS
+    sampled = write_cache(teacher, _data(), str(tmp_path / "s"), _settings(batch_rows=4), identity={})
+    assert "slots" not in sampled
+
+    def unmark(folder):
+        path = os.path.join(folder, "manifest.json")
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        del manifest["slots"]
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle)
+
+    unmark(good)
+    assert TeacherCache.open(good).selection == "mixed"  # read through, no repeat found
+    written = topk_cache._teacher_function
+
+    def repeating(model, settings):  # the old bug: a drawn slot repeats the last exact slot's id
+        slots = written(model, settings)
+
+        def bad(batch, rows):
+            ids, logprobs, residual = slots(batch, rows)
+            ids = ids.copy()
+            ids[0, 0, K // 2] = ids[0, 0, K // 2 - 1]
+            return ids, logprobs, residual
+        return bad
+    monkeypatch.setattr(topk_cache, "_teacher_function", repeating)
+    bad = str(tmp_path / "bad")
+    write_cache(teacher, _data(), bad, _settings(batch_rows=4, selection="mixed"), identity={})
+    unmark(bad)
+    with pytest.raises(CacheError, match="give one id two shares") as error:
+        TeacherCache.open(bad)
+    assert "\n" not in str(error.value) and "cache-teacher" in str(error.value)
