@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-fast test-aot-7b bench clean llama-cpp test-llama
+.PHONY: demo test test-fast test-aot-7b test-tpu bench clean llama-cpp test-llama
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -65,6 +65,12 @@ test-llama: llama-cpp
 # XLA's CPU time and 6 GB of memory (12 minutes beside another run), so `make test` leaves it to this target.
 test-aot-7b: $(STAMP)
 	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/recipes/test_aot.py -k gemma_7b_to_2b
+
+# On a machine with a TPU, in the environment that has JAX's TPU build (not .venv): the tests marked `tpu`, in one
+# process (one process at a time holds the chip). `make test` skips them where JAX has no TPU.
+PYTHON_TPU ?= python3
+test-tpu:
+	NNX_SURGERY_TEST_TPU=1 $(PYTHON_TPU) -m pytest -q -p no:cacheprovider -m tpu tests/tpu
 
 bench: $(STAMP)
 	bash bench/run_all.sh

@@ -242,3 +242,15 @@ def fmt(value, digits: int = 2, suffix: str = "") -> str:
 if __name__ == "__main__":  # the environment line that bench/run_all.sh writes first
     emit({"bench": "environment", "machine": machine(), "versions": versions()},
          sys.argv[1] if len(sys.argv) > 1 else None)
+
+
+def device_memory(stats: dict | None) -> dict:
+    """The device's memory as the chip counts it: on a TPU, XLA reserves a program's temporaries apart from the
+    allocator's buffers (`bytes_reserved`), so what a step holds is `bytes_in_use + bytes_reserved` (their peaks
+    likewise); `peak_bytes_in_use` alone misses most of a step. GPUs report no reservation (0)."""
+    if not stats or "peak_bytes_in_use" not in stats:
+        return {}
+    reserved, peak_reserved = stats.get("bytes_reserved", 0), stats.get("peak_bytes_reserved", 0)
+    return {"peak_device_bytes": stats["peak_bytes_in_use"] + peak_reserved,
+            "device_bytes": stats["bytes_in_use"] + reserved, "peak_bytes_in_use": stats["peak_bytes_in_use"],
+            "bytes_reserved": reserved, "bytes_limit": stats.get("bytes_limit")}

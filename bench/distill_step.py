@@ -75,11 +75,8 @@ def child_ours(args) -> dict:
     measured = times[args.warmup:]
     step = float(np.median(measured))
     losses = [h["loss"] for h in result.history]
-    device = {}
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    if stats and "peak_bytes_in_use" in stats:
-        device["peak_device_bytes"] = stats["peak_bytes_in_use"]
-    return {**device,"peer": "ours", "median_step_s": step, "tokens_per_s": args.batch * args.seq / step,
+    return {**common.device_memory(stats), "peer": "ours", "median_step_s": step, "tokens_per_s": args.batch * args.seq / step,
             "step_times_s": [round(x, 4) for x in measured], "first_step_s": times[0],
             "peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": rss_after_load,
             "loss_first": losses[0], "loss_last": losses[-1], "train_wall_s": wall, "batch": args.batch,

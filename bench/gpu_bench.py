@@ -115,10 +115,10 @@ def child_sweep(args) -> dict:
                       loss_first=result.history[0]["loss"], loss_last=result.history[-1]["loss"],
                       point_wall_s=time.perf_counter() - began)
         stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        if stats and "peak_bytes_in_use" in stats:
-            record["peak_device_bytes"] = stats["peak_bytes_in_use"]
+        record.update(common.device_memory(stats))
         if not done:  # the first point: the device's peak so far is this step's (later points only raise it)
-            record.update(compiled_step_bytes(teacher, student, config, record.get("peak_device_bytes")))
+            record.update(compiled_step_bytes(teacher, student, config, record.get("peak_device_bytes"),
+                                              (stats or {}).get("bytes_limit")))
         common.emit(common.round_floats(record, 6), args.out)
         done, last_cost = done + 1, time.perf_counter() - began
         if record["tokens_per_s"] > best.get("best_tokens_per_s", 0.0):
@@ -130,7 +130,7 @@ def child_sweep(args) -> dict:
     return {"points_done": done, **best, "peak_rss_bytes": common.peak_rss_bytes()}
 
 
-def compiled_step_bytes(teacher, student, config, peak: int | None) -> dict:
+def compiled_step_bytes(teacher, student, config, peak: int | None, device_bytes: int | None = None) -> dict:
     """What `--aot` would say of this point's train step: XLA's memory analysis of the same step compiled apart for
     this device (abstract arguments, `distill.loop.lowering`), beside the device's measured peak (which also holds
     the loaded models' copies the step does not use, so it reads at or above the compiled total)."""
@@ -139,7 +139,10 @@ def compiled_step_bytes(teacher, student, config, peak: int | None) -> dict:
 
     began = time.perf_counter()
     try:
-        program = train_step_program(teacher, student, config, make_mesh("fsdp=1", devices=1), 0)
+        # device_bytes: the logit chunk the run picks on this device (logit_term.logit_chunk sizes it from the
+        # device's memory), so the analysis is of the program the run executes
+        program = train_step_program(teacher, student, config, make_mesh("fsdp=1", devices=1), 0,
+                                     device_bytes=device_bytes)
         analysis = program.lower().compile().memory_analysis()
     except Exception as error:  # noqa: BLE001  (the timed point stands without it)
         return {"compiled_error": f"{type(error).__name__}: {error}"[:500]}

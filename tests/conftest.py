@@ -26,7 +26,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # runs (bench/NOTES.md): in-process modules 15-20% faster, a tiny recipe run with a cold compilation cache 20% less
 # CPU; the real 270M's greedy generation runs slower (48 s -> 66 s), which the rest outweighs. Set before anything
 # starts JAX's CPU client, which reads the variable once.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# `make test-tpu` (NNX_SURGERY_TEST_TPU=1) keeps XLA's normal level: the TPU's compiler reads the flag too, and the
+# chip's tests measure the programs a run executes.
+if not os.environ.get("NNX_SURGERY_TEST_TPU"):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # The modules that take longest (per-module wall time of a quiet 2-core run, bench/NOTES.md), slowest first. `make
 # test` hands modules to its two workers in collection order (--no-loadscope-reorder), so these start first and
@@ -43,9 +46,23 @@ SLOWEST_FIRST = ["tests/recipes/test_recipe.py", "tests/surgery/modeling/test_ge
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The slowest modules first (SLOWEST_FIRST); a stable sort, so tests keep their order within a module."""
+    """The slowest modules first (SLOWEST_FIRST); a stable sort, so tests keep their order within a module. Tests
+    marked `tpu` are skipped unless JAX's default backend is a TPU (CI has none)."""
     rank = {module: index for index, module in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(_module_of(item), len(rank)))
+    on_chip = [item for item in items if item.get_closest_marker("tpu")]
+    if on_chip and not _has_tpu():
+        skip = pytest.mark.skip(reason="needs a TPU (make test-tpu on a TPU machine)")
+        for item in on_chip:
+            item.add_marker(skip)
+
+
+def _has_tpu() -> bool:
+    import jax
+    try:
+        return jax.default_backend() == "tpu"
+    except RuntimeError:
+        return False
 
 
 def _module_of(item) -> str:

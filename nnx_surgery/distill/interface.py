@@ -86,6 +86,14 @@ class Sampler(Protocol):
 FORWARD_KEYS = ("attention_mask", "positions", "segment_ids")
 
 
+def kernel_inputs(model: Any, kernel: str) -> dict[str, Any]:
+    """`{"attention_kernel": kernel}` for a model whose `__call__` takes it (the package's `CausalLM`), when the
+    step asks for another kernel than XLA's; nothing otherwise (another model keeps its own attention)."""
+    if kernel == "xla" or "attention_kernel" not in inspect.signature(type(model).__call__).parameters:
+        return {}
+    return {"attention_kernel": kernel}
+
+
 def forward_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments of `model(input_ids, ...)` that `batch` supplies (attention_mask, positions,
     segment_ids when present). A batch of packed documents given to a model whose `__call__` cannot take
@@ -198,5 +206,5 @@ def _flat_heads(heads: Any) -> tuple[int, ...] | None:
     return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
-__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "next_token_targets",
+__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "kernel_inputs", "next_token_targets",
            "Correspondence", "correspondence_from_plan", "check_model"]

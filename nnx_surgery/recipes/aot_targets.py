@@ -50,7 +50,7 @@ CHIPS = {
     "v6e": Chip("v6e", "TPU v6 lite", 32 * GIB, 918e12, 1640e9, 8, DOCS + "v6e"),
 }
 # Topology names libtpu accepts (a chip, then the slice's chips along each axis); others of the same form work too.
-KNOWN_TOPOLOGIES = ("v4:2x2x1", "v4:2x2x2", "v4:2x2x4", "v4:2x4x4", "v4:4x4x4", "v5e:2x2", "v5e:2x4", "v5e:4x4",
+KNOWN_TOPOLOGIES = ("v5e:1x1", "v6e:1x1", "v4:2x2x1", "v4:2x2x2", "v4:2x2x4", "v4:2x4x4", "v4:4x4x4", "v5e:2x2", "v5e:2x4", "v5e:4x4",
                     "v5e:4x8", "v5e:8x8", "v5e:8x16", "v5e:16x16", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x4x4",
                     "v5p:4x4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v6e:16x16")
 ACCELERATOR_TYPES = {"v4": "v4-8", "v5e": "v5litepod-8", "v5p": "v5p-8", "v6e": "v6e-8"}
@@ -218,11 +218,22 @@ def topology_devices(name: str, chip: Chip) -> list:
     from jax.experimental import topologies
     with _quiet_libtpu(library, chip):
         try:
-            return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+            return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **host_bounds(name))
+                        .devices)
         except Exception as error:  # libtpu's INVALID_ARGUMENT for a shape it does not know
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise RecipeError(f"--aot {name}: libtpu refuses the topology ({first}); known ones: "
                               f"{', '.join(KNOWN_TOPOLOGIES)}.") from None
+
+
+def host_bounds(name: str) -> dict:
+    """libtpu's `chips_per_host_bounds` for a slice smaller than one host (v5e:1x1, v5e:2x1, v4:1x1x1): the slice
+    itself. libtpu's default is a whole host's chips (2x2x1), which such a slice does not divide; larger slices
+    keep the default."""
+    dims = [int(d) for d in name.partition(":")[2].split("x")]
+    if math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
 
 
 def target_mesh(target: Target, sizes: dict[str, int]):
@@ -243,4 +254,4 @@ def target_mesh(target: Target, sizes: dict[str, int]):
 
 
 __all__ = ["Chip", "CHIPS", "KNOWN_TOPOLOGIES", "Target", "resolve_target", "host_target", "prepare_host_devices",
-           "cpu_count_asked", "find_libtpu", "libtpu_pin", "topology_devices", "usable_memory", "target_mesh", "GIB"]
+           "cpu_count_asked", "find_libtpu", "host_bounds", "libtpu_pin", "topology_devices", "usable_memory", "target_mesh", "GIB"]

@@ -60,8 +60,8 @@ import jax
 
 from nnx_surgery import surgery
 from nnx_surgery.surgery.storage.atomic import write_json
-from nnx_surgery.recipes import (aot, aot_targets, final_eval, multi_host, refusals, run_phases, run_settings,
-                                 teacher_caching, vocabulary)
+from nnx_surgery.recipes import (aot, aot_targets, compile_cache, final_eval, multi_host, refusals, run_phases,
+                                 run_settings, teacher_caching, vocabulary)
 from nnx_surgery.recipes.config import checks, files, layering, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
@@ -97,6 +97,7 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
     created = new_folders(run.folder)
     prepare_output(run)
+    compile_cache.enable(run.folder)  # on an accelerator: a resume or a later program reuses what was compiled
     try:
         loaded = run_phases.load_teacher_and_data(run)
     except BaseException:  # refused data or teacher: no empty run folder left behind

@@ -131,6 +131,18 @@ def test_tiny_step_compiles_for_a_tpu_slice(tmp_path_factory):
     assert main["fits"] and main["tokens_per_s"] > 0 and report["days_to_budget"] > 0
 
 
+@pytest.mark.skipif(libtpu_missing() is not None, reason=f"libtpu not installed: {libtpu_missing()}")
+def test_a_single_chip_is_a_target():
+    """v5e:1x1 (and a two-chip v5e:2x1): slices smaller than a host, which libtpu refuses under its default host
+    bounds, resolve with their own bounds; a v5e chip's usable HBM as XLA states it."""
+    code = ("import json; from nnx_surgery.recipes import aot_targets as a; "
+            "print(json.dumps([(len(t.devices), t.memory_per_device, t.hosts) for t in "
+            "(a.resolve_target('v5e:1x1'), a.resolve_target('v5e:2x1'))]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [[1, int(15.75 * 2 ** 30), 1], [2, int(15.75 * 2 ** 30), 1]]
+
+
 SEVEN_B_STEP = """
 import dataclasses, json, sys
 from nnx_surgery.recipes import aot_programs, aot_report, aot_targets

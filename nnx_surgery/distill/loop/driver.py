@@ -271,6 +271,7 @@ class TrainingLoop:
                   "tokens_per_s": tokens / elapsed, "tflops_per_s": self.flops / elapsed / 1e12, **policy}
         if warmup:
             record["warmup"] = True  # first step of a stage or after an OOM decision: may include compilation
+        record.update(self.runner.take_compile_report())  # compile_s and XLA's bytes, at the step that compiled
         if self.peak:
             record["mfu"] = self.flops / (elapsed * self.devices * self.peak)
         if active:  # a fallback sets the loss weights

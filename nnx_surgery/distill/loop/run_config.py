@@ -157,6 +157,9 @@ class DistillConfig:
                                    "full / dots wrap the whole forward in one checkpoint, which lowers the peak "
                                    "little", flag="--remat", choices=("none", *REMAT), none_means="off",
                                    none_word="none")
+    attention_kernel: str = documented("auto", "attention in the train step: splash (the Pallas splash kernel of a "
+                                       "TPU: no (B, heads, T, T) scores in memory) or xla; auto: splash where the "
+                                       "run's devices are TPUs, xla elsewhere")
     mesh: Any = documented(None, "\"fsdp=4,tp=2\", {\"fsdp\": 4, \"tp\": 2} or a jax Mesh",
                            none_means="one device")
     mesh_devices: int | None = documented(None, "run the mesh on the first N devices only",
@@ -207,6 +210,8 @@ class DistillConfig:
             raise ValueError(f"logger={self.logger!r}: use 'wandb' or None (JSONL and TensorBoard are always on).")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'.")
+        if self.attention_kernel not in ("auto", "splash", "xla"):
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: use 'auto', 'splash' or 'xla'.")
         if self.remat is not None and self.remat not in REMAT:
             raise ValueError(f"remat={self.remat!r}: use None or one of {', '.join(map(repr, REMAT))}.")
         self._check_mesh()

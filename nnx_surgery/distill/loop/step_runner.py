@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 from typing import Any
 
 import jax
@@ -73,6 +74,22 @@ def _donatable(tree: Any, stepped: set[int]) -> Any:
                         tree)
 
 
+def compile_report(compiled: Any, seconds: float) -> dict[str, Any]:
+    """What the step's compile took (a persistent compilation cache hit takes well under a second) and XLA's memory
+    analysis of the executable the run then calls: per device, arguments + temporaries + outputs not aliased to
+    an argument. On a TPU that is what the chip holds for the step (`bytes_in_use + bytes_reserved`)."""
+    report: dict[str, Any] = {"compile_s": round(seconds, 3)}
+    try:
+        memory = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001  (a backend without the analysis: the time alone)
+        return report
+    if memory is not None:
+        report["compiled_temp_bytes"] = int(memory.temp_size_in_bytes)
+        report["compiled_bytes"] = int(memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                                       + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    return report
+
+
 class StepRunner:
     """The student's training state for the current stage (trainable parameters, frozen rest, optimizer state,
     projections) and the compiled steps that advance it. `first_step_of_stage` is true until the first train step
@@ -95,6 +112,7 @@ class StepRunner:
         self._lowered: list[Any] = []  # (stage, batch shapes) already compiled
         self.remat = config.remat  # the OOM handling may raise it (set_remat)
         self.policies = config.guard.policies if config.guard.enabled else ()
+        self.compile_report: dict[str, Any] = {}
 
     def step_settings(self, index: int) -> StepSettings:
         """The static settings of stage `index`'s step: the terms its weights turn on (and those the run's
@@ -110,8 +128,17 @@ class StepRunner:
                             options={term.name: terms.option_values(term, config) for term in computed
                                      if term.options},
                             logit_impl=config.logit_impl, compute_dtype=jnp.dtype(config.compute_dtype),
-                            remat=self.remat, clip_norm=config.optimizer.clip_norm,
+                            remat=self.remat, attention_kernel=self.attention_kernel(),
+                            clip_norm=config.optimizer.clip_norm,
                             decay_matrices_only=config.optimizer.decay_matrices_only)
+
+    def attention_kernel(self) -> str:
+        """The step's attention: `config.attention_kernel`, where "auto" is the splash kernel on TPU devices."""
+        wanted = self.config.attention_kernel
+        if wanted != "auto":
+            return wanted
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        return "splash" if device.platform == "tpu" else "xla"
 
     def current_student(self) -> nnx.Module:
         """The student as it is now: a module merged from the stage's trainable values and the frozen rest,
@@ -188,12 +215,19 @@ class StepRunner:
             run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
-            train_fn.lower(*args).compile()
+            started = time.perf_counter()
+            compiled = train_fn.lower(*args).compile()
+            self.compile_report = compile_report(compiled, time.perf_counter() - started)
             release_free_heap()
             self._lowered.append(signature)
         self.params, self.opt, step_metrics = train_fn(*args)
         first, self.first_step_of_stage = self.first_step_of_stage, False
         return step_metrics, first
+
+    def take_compile_report(self) -> dict[str, Any]:
+        """The last compile's report (`compile_report`), once: the step that compiled logs it."""
+        report, self.compile_report = self.compile_report, {}
+        return report
 
     def evaluate(self, batch) -> dict[str, Any]:
         """Held-out logit metrics of the current student (temperature 1, stage independent)."""

@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 
 from ..losses import term_registry as terms
-from ..interface import Correspondence, forward_inputs, next_token_targets
+from ..interface import Correspondence, forward_inputs, kernel_inputs, next_token_targets
 from ..losses.divergence import LogitLossSettings
 from ..losses.logit_term import LOGIT
 from ..losses.term_types import LossTerm, ModelSide, TermInputs
@@ -66,6 +66,7 @@ class StepSettings:
     decay_matrices_only: bool = True
     fold_embedding: bool = True  # tied + trainable embedding: fold the lookup gradient into the head gradient
     cached_teacher: bool = False  # no teacher model: its top k come in the batch (distill.loop.cache_replay)
+    attention_kernel: str = "xla"  # "splash" on TPUs: both models' attention through the Pallas kernel
 
     def __post_init__(self):
         object.__setattr__(self, "terms", tuple(self.terms))
@@ -150,7 +151,8 @@ def make_loss_fn(student_graph, teacher_graph, settings: StepSettings) -> Callab
         student = nnx.merge(student_graph, trainable, frozen)
         embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         layered = {"remat": settings.remat} if settings.remat in LAYER_REMAT else {}
-        out = student(input_ids, **inputs, capture=captures, return_logits=False, **embeds, **layered)
+        out = student(input_ids, **inputs, capture=captures, return_logits=False, **embeds, **layered,
+                      **kernel_inputs(student, settings.attention_kernel))
         return out.final_hidden, {name: getattr(out, name) for name in captures}
 
     student_forward = _rematerialised(student_forward, settings.remat)
@@ -168,7 +170,8 @@ def make_loss_fn(student_graph, teacher_graph, settings: StepSettings) -> Callab
 
         teacher_side = None
         if teacher is not None:  # no teacher: plain cross-entropy training (settings.logit.teacher is False)
-            t_out = teacher(input_ids, **forward_inputs(teacher, batch), capture=captures, return_logits=False)
+            t_out = teacher(input_ids, **forward_inputs(teacher, batch), capture=captures, return_logits=False,
+                            **kernel_inputs(teacher, settings.attention_kernel))
             teacher_side = ModelSide(hidden=jax.lax.stop_gradient(t_out.final_hidden),
                                      head=jax.lax.stop_gradient(teacher.head_matrix()),
                                      captured={name: getattr(t_out, name) for name in captures}, model=teacher)

@@ -32,8 +32,9 @@ ACCELERATOR_LOGIT_CHUNK = 2048  # rows: larger chunks gained nothing measurable;
 def logit_chunk(config: Any, device: jax.Device | None = None) -> int:
     """Rows per chunk of the fused loss: `config.logit_chunk` when set; else 128 on CPU, and on an accelerator
     2048 rows, halved (down to 256) until one (rows, 262144) float32 block (a Gemma 3 vocabulary) takes at most
-    1/32 of the device's memory: 2048 on 80-141 GB GPUs, 512 on a 16 GB TPU v5e. Small chunks on a GPU make the
-    student's logits matmul read the whole (V, D) head for a few rows at a time."""
+    1/16 of the device's memory: 2048 on 80-141 GB GPUs, 512 on a TPU v5e (15.75 GiB usable). Small chunks make
+    the student's logits matmul read the whole (V, D) head for a few rows at a time: on a v5e the 270M pair's step
+    ran 23% faster at 512 rows than at 256 (BENCHMARKS.md, "On a TPU v5e chip")."""
     if config.logit_chunk:
         return config.logit_chunk
     device = device or jax.devices()[0]
@@ -45,7 +46,7 @@ def logit_chunk(config: Any, device: jax.Device | None = None) -> int:
 
 def accelerator_logit_chunk(device_bytes: int | None, vocab: int = 262144) -> int:
     rows = ACCELERATOR_LOGIT_CHUNK
-    while device_bytes and rows > DEFAULT_LOGIT_BLOCK and rows * vocab * 4 > device_bytes / 32:
+    while device_bytes and rows > DEFAULT_LOGIT_BLOCK and rows * vocab * 4 > device_bytes / 16:
         rows //= 2
     return rows
 

@@ -38,6 +38,7 @@ from .cpu_matmul import projection_product
 from .activations import batch_sharded
 from .kv_cache import KVCache
 from .layer_remat import check_remat, checkpointed_layer
+from .splash import KERNELS, SegmentMask, applies, splash_attention, splash_available
 from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
 from .schema import declared, nnx_shape
 from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding
@@ -160,6 +161,11 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         if kv is not None:
             k, v = (a.astype(x.dtype) for a in kv(k, v))
+        if isinstance(mask, SegmentMask):  # the splash kernel (splash.py): no (B, heads, T, S) scores in memory
+            heads = splash_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap,
+                                     interpret=mask.interpret)
+            _keep(captured, "head_outputs", heads)
+            return self.o_proj(heads)
         batch, length, num_heads, _ = q.shape
         groups = num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)  # head n = kv * groups + g
@@ -314,7 +320,8 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  capture: Iterable[str] = (), return_logits: bool = True, inputs_embeds: jax.Array | None = None,
-                 cache: KVCache | None = None, skip_layers=None, remat: str | None = None) -> ModelOutput:
+                 cache: KVCache | None = None, skip_layers=None, remat: str | None = None,
+                 attention_kernel: str = "xla") -> ModelOutput:
         """`input_ids` (B, T) int. `attention_mask` (B, T) marks real tokens (1) vs padding (0), as in transformers.
         `segment_ids` (B, T) int marks packed documents (0: padding): a token sees only earlier tokens of its own
         document; `positions` then count from 0 in each document (derived from `segment_ids` when not given).
@@ -324,13 +331,20 @@ class CausalLM(nnx.Module):
         continue the cached ones (positions too, unless given); the output's `cache` holds them as well.
         `skip_layers`: layer indices to replace by the identity, or a (L,) bool array (traced: one compilation
         serves every choice of layers). `remat`: "layers" or "layers_dots", each layer under its own
-        `jax.checkpoint` (nnx_surgery/surgery/modeling/layer_remat.py), for training."""
+        `jax.checkpoint` (nnx_surgery/surgery/modeling/layer_remat.py), for training. `attention_kernel`: "splash"
+        runs attention through the Pallas splash kernel of a TPU (splash.py) where its masks apply (no cache, no
+        captured attention probabilities, documents by `segment_ids` or none, 128-multiple lengths), else "xla";
+        "splash_interpret" is the same kernel interpreted, for tests off a TPU."""
         capture = frozenset(capture)
         check_remat(remat, cache)
+        positions_given = positions is not None
         if not capture <= CAPTURABLE:
             raise ValueError(f"capture={sorted(capture - CAPTURABLE)} unknown; choose from {sorted(CAPTURABLE)}.")
         captured = {name: [] for name in capture} if capture else None
         positions, masks, step = self._masks(input_ids.shape, positions, attention_mask, segment_ids, cache)
+        if attention_kernel != "xla" and self._splash_applies(input_ids.shape, positions_given, segment_ids,
+                                                              capture, cache, attention_kernel):
+            masks = self._segment_masks(input_ids.shape, attention_mask, segment_ids, attention_kernel)
         x = batch_sharded(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
         residual = [x] if "residual" in capture else None
         skip = _skip_flags(skip_layers, len(self.layers), cache)
@@ -367,6 +381,23 @@ class CausalLM(nnx.Module):
         key_mask = None if padding is None else padding.astype(bool)
         return positions, {kind: attention_mask(positions, positions, window, key_mask, segment_ids, segment_ids)
                            for kind, window in windows.items()}, None
+
+    def _splash_applies(self, shape, positions_given: bool, segment_ids, capture, cache, kernel: str) -> bool:
+        """The splash kernel's index masks equal the dense ones: positions count from 0 in each document (derived,
+        or given with `segment_ids` as packed rows give them), nothing asks for the probabilities, no cache."""
+        if kernel not in KERNELS:
+            raise ValueError(f"attention_kernel={kernel!r} unknown; choose from {', '.join(KERNELS)}.")
+        head_dim = self.config.head_dim
+        return (cache is None and "attention_probs" not in capture and (segment_ids is not None or not positions_given)
+                and applies(shape[1], head_dim) and splash_available(shape[0]))
+
+    def _segment_masks(self, shape, padding, segment_ids, kernel: str) -> dict:
+        """One `SegmentMask` per attention type: documents by `segment_ids`, else the padding mask (0: padding)."""
+        if segment_ids is None:
+            segment_ids = jnp.ones(shape, jnp.int32) if padding is None else padding.astype(jnp.int32)
+        interpret = kernel == "splash_interpret"
+        return {layer.attention_type: SegmentMask(segment_ids, layer.self_attn.window, interpret)
+                for layer in self.layers}
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt, padding and generated) in `dtype`

@@ -100,14 +100,15 @@ def test_default_layer_map_is_identity_or_uniform_ending_at_the_last_layer():
 
 def test_logit_chunk_default_fits_the_device():
     """None: 128 rows on CPU; on an accelerator 2048 rows, fewer where a (rows, 262144) float32 block would take
-    more than 1/32 of the device's memory; an explicit chunk always wins."""
+    more than 1/16 of the device's memory; an explicit chunk always wins."""
     from nnx_surgery.distill.loop.run_config import DistillConfig
     from nnx_surgery.distill.loop.step_runner import accelerator_logit_chunk, logit_chunk
 
     assert logit_chunk(DistillConfig()) == 128  # these tests run on CPU
     assert logit_chunk(DistillConfig(logit_chunk=96)) == 96
     assert accelerator_logit_chunk(141 * 2**30) == 2048 and accelerator_logit_chunk(80 * 2**30) == 2048
-    assert accelerator_logit_chunk(16 * 2**30) == 512 and accelerator_logit_chunk(2**30) == 256
+    assert accelerator_logit_chunk(int(15.75 * 2**30)) == 512 and accelerator_logit_chunk(16 * 2**30) == 1024
+    assert accelerator_logit_chunk(2**30) == 256
     assert accelerator_logit_chunk(None) == 2048  # no memory figure: the measured setting
     with pytest.raises(ValueError, match="logit_chunk=0"):
         DistillConfig(logit_chunk=0)
