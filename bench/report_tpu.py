@@ -1,0 +1,56 @@
+"""BENCHMARKS.md's TPU tables from bench/tpu_bench.py's JSON lines (bench/results/tpu-v5e.jsonl by default).
+
+    python bench/report_tpu.py [RESULTS.jsonl]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _chunk(record: dict) -> str:
+    chunk, block = record.get("logit_chunk"), record.get("logit_block")
+    if not chunk:
+        return "256 (default then)"
+    return f"{chunk}" + (f" / block {block}" if block and block != chunk else "")
+
+
+def step_table(records: list[dict]) -> str:
+    lines = ["| pair | batch x 2048 | remat | attention | logit chunk | step | tokens/s | TFLOP/s | MFU of 197 | "
+             "compile | XLA's step bytes | chip's peak | chip / XLA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r.get("event") != "step" or "error" in r:
+            continue
+        ratio = f"{r['chip_to_compiled']:.3f}" if r.get("chip_to_compiled") else "(not first in its process)"
+        lines.append(f"| {r['pair']} | {r['batch']} | {r['remat'] or 'none'} | {r['attention']} | {_chunk(r)} | "
+                     f"{r['median_step_s']:.3f} s | {r['tokens_per_s']:,.0f} | {r['tflop_per_s']:.1f} | "
+                     f"{100 * r['mfu']:.1f}% | {r['compile_s']:.0f} s | {r['compiled_bytes'] / 1e9:.2f} GB | "
+                     f"{r['peak_device_bytes'] / 1e9:.2f} GB | {ratio} |")
+    return "\n".join(lines)
+
+
+def loss_table(records: list[dict]) -> str:
+    lines = ["| tokens | logit chunk | temporaries | arguments | outputs |", "|---|---|---|---|---|"]
+    for r in records:
+        if r.get("event") == "loss_memory":
+            lines.append(f"| {r['tokens']:,} | {r['logit_chunk']} | {r['temp_bytes'] / 1e9:.2f} GB | "
+                         f"{r['argument_bytes'] / 1e9:.2f} GB | {r['output_bytes'] / 1e9:.2f} GB |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv else os.path.join(HERE, "results", "tpu-v5e.jsonl")
+    with open(path, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    print(step_table(records))
+    print()
+    print(loss_table(records))
+
+
+if __name__ == "__main__":
+    main()
