@@ -14,10 +14,10 @@ import jax
 FOLDER = "xla-cache"
 
 
-def enable(run_folder: str) -> str | None:
+def enable(run_folder: str, *, on_cpu: bool = False) -> str | None:
     """Point JAX's persistent cache at `run_folder`/xla-cache on an accelerator (every compile of a second or more
-    is kept); the folder, or None on the CPU."""
-    if jax.default_backend() == "cpu":
+    is kept); the folder, or None on the CPU (unless `on_cpu`: the tests' way to exercise it without a TPU)."""
+    if jax.default_backend() == "cpu" and not on_cpu:
         return None
     folder = os.path.join(run_folder, FOLDER)
     jax.config.update("jax_compilation_cache_dir", folder)
