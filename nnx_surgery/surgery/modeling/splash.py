@@ -49,12 +49,12 @@ def applies(length: int, head_dim: int) -> bool:
     return length % ALIGN == 0 and head_dim % ALIGN == 0
 
 
-@functools.lru_cache(maxsize=32)
 def _kernel(length: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
-    """The splash kernel for one attention shape, its mask's block tables built once, as concrete arrays: made
-    inside a trace they would be that trace's values, and a later trace reusing the kernel would leak them."""
-    with jax.ensure_compile_time_eval():
-        return _make_kernel(length, heads, window, softcap, interpret)
+    """The splash kernel for one attention shape, made in the trace that calls it: its mask's block tables become
+    that trace's constants, so a kernel kept across traces would leak one trace's values into the next, and
+    making them concrete instead (`jax.ensure_compile_time_eval`) fails under a mesh of compile-only devices
+    (`--aot`). The tables are built in numpy, a few milliseconds per layer per trace."""
+    return _make_kernel(length, heads, window, softcap, interpret)
 
 
 def _make_kernel(length: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
