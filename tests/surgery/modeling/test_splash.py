@@ -3,6 +3,10 @@ model: logits and gradients of packed rows with padding, sliding-window and glob
 grouped key/value heads; and where it does not apply, the XLA path unchanged."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +93,33 @@ def test_a_kernel_made_in_one_trace_serves_the_next():
     second = jax.jit(lambda q: 2.0 * attend(q))(q)
     np.testing.assert_allclose(np.asarray(second), 2.0 * np.asarray(first))
     assert np.isfinite(float(jax.jit(jax.grad(lambda q: attend(q).sum()))(q).sum()))
+
+
+MESH_RUN = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {here!r})
+import test_splash as t
+from nnx_surgery.surgery.modeling.causal_lm import create_model
+mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+model = create_model(t._config("gemma3_text"), seed=4)
+ids, segments, positions = t._packed_rows(rows=4)
+out = {{}}
+with jax.set_mesh(mesh):
+    for kernel in ("xla", "splash_interpret"):
+        f = jax.jit(lambda ids, s, p: model(ids, positions=p, segment_ids=s, attention_kernel=kernel).logits)
+        out[kernel] = np.asarray(f(ids, segments, positions))
+real = np.asarray(segments) > 0
+print(json.dumps(float(np.max(np.abs(out["xla"] - out["splash_interpret"])[real]))))
+"""
+
+
+def test_each_device_attends_its_own_rows_on_a_mesh():
+    """On a mesh of two host devices splitting the batch (fsdp=2), the kernel runs per device (`jax.shard_map`
+    over the data axes) and gives the XLA path's logits."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+    done = subprocess.run([sys.executable, "-c", MESH_RUN.format(here=here)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "XLA_FLAGS": flags})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) <= 2e-4
