@@ -51,9 +51,11 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
             main([a for a in args if a != "--debug"])
     except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
         _ignore_signals()  # a second Ctrl-C while stopping must not interrupt the way out
-        code = 143 if _by_sigterm(stop) else 130
+        code = 143 if by_sigterm(stop) else 130
         what = "terminated (SIGTERM)" if code == 143 else "interrupted"
-        if resumable:
+        if isinstance(stop, Stopped):  # the command says what it left
+            text = f"{what}; {redact(stop.advice, args)}"
+        elif resumable:
             text = ("" if isinstance(stop, Terminated) else redact(str(stop), args)) or \
                 f"{what}; rerun the same command with --resume to continue from the last checkpoint."
         else:  # the command has no --resume: it publishes its output only once complete
@@ -117,13 +119,23 @@ def _restore_signals() -> None:
         del _ignored[number]
 
 
-def _by_sigterm(stop: KeyboardInterrupt) -> bool:
-    """SIGTERM stopped the command: our own handler's `Terminated`, or distill's RunInterrupted naming it."""
-    return isinstance(stop, Terminated) or str(stop).startswith("SIGTERM")
+def by_sigterm(stop: BaseException) -> bool:
+    """SIGTERM stopped the command: our own handler's `Terminated`, distill's RunInterrupted naming it, or a
+    command's `Stopped` after either."""
+    return isinstance(stop, Terminated) or getattr(stop, "sigterm", False) or (
+        isinstance(stop, KeyboardInterrupt) and str(stop).startswith("SIGTERM"))
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that `finally` blocks and temporaries' cleanup run."""
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM (`sigterm`) stopped a command that says itself what it left (`advice`)."""
+
+    def __init__(self, advice: str, *, sigterm: bool = False):
+        super().__init__(advice)
+        self.advice, self.sigterm = advice, sigterm
 
 
 @contextlib.contextmanager
@@ -184,6 +196,17 @@ def _one_line(error: BaseException) -> str:
     return " ".join(f"{name}: {text}".split())
 
 
+def full_disk(error: BaseException) -> bool:
+    """`error` is a full disk or a file size limit (ENOSPC, EFBIG, EDQUOT, or a short write saying so), or one
+    raised while handling such an error."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and (seen.errno in FULL_DISK or _size_limit_text(str(seen))):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _size_limit_text(text: str) -> bool:
     """A write cut short without an errno: tempfile's "No usable temporary directory" and numpy's "N requested
     and M written" (ndarray.tofile under a size limit)."""
@@ -191,4 +214,4 @@ def _size_limit_text(text: str) -> bool:
 
 
 __all__ = ["RecipeError", "USER_ERRORS", "guarded", "redact", "looks_like_token", "VARIABLE_NAME", "FULL_DISK",
-           "REFUSED_PATHS", "exit_now", "Terminated", "wrong_kind"]
+           "REFUSED_PATHS", "exit_now", "Terminated", "Stopped", "by_sigterm", "wrong_kind", "full_disk"]

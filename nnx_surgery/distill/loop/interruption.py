@@ -39,7 +39,7 @@ def interruption_message(cause: str, step: int, total: int, *, saved: bool, dire
             else f"stopped at once after step {step} of {total}, before its checkpoint was complete")
     if directory is None:
         advice = ("no checkpoint directory is set, so nothing was saved (the student module holds the weights of "
-                  "the last completed step); set checkpoint.directory to make a run resumable.")
+                  "the last completed step).")
     elif checkpoint_step is None:
         advice = f"no complete checkpoint is in {directory} yet; {RESUME_HOW} to start over."
     else:
