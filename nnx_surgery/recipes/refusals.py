@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import signal
 import sys
-import threading
 import traceback
 from typing import Callable
 
@@ -19,6 +17,8 @@ from nnx_surgery.distill.inputs.cache_format import CacheError
 from nnx_surgery.distill.mesh import MeshError
 from nnx_surgery.distill.loop.trainer import DivergenceError
 from nnx_surgery.recipes.secrets import VARIABLE_NAME, looks_like_token, redact
+from nnx_surgery.recipes.signals import (OWN_PROCESS, Stopped, Terminated, by_sigterm, exit_now, ignore_signals,
+                                         raised_in_main_thread)
 
 
 class RecipeError(ValueError):
@@ -47,10 +47,10 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        with _terminated_as_interrupt():
+        with raised_in_main_thread():
             main([a for a in args if a != "--debug"])
     except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
-        _ignore_signals()  # a second Ctrl-C while stopping must not interrupt the way out
+        ignore_signals()  # a second Ctrl-C while stopping must not interrupt the way out
         code = 143 if by_sigterm(stop) else 130
         what = "terminated (SIGTERM)" if code == 143 else "interrupted"
         if isinstance(stop, Stopped):  # the command says what it left
@@ -87,81 +87,6 @@ REFUSED_PATHS = {errno.EROFS: "the file system is read-only; choose an output on
                  errno.EISDIR: "a folder is where a file belongs; choose another path",
                  errno.EACCES: "permission denied; choose a path you may use",
                  errno.EPERM: "the operation is not permitted there; choose another path"}
-
-
-def exit_now(code: int, *, own_process: bool = False) -> None:
-    """Exit with `code` once stdout and stderr are flushed. In a process of its own (the installed command, a
-    recipe's script): without the interpreter's shutdown, which after Ctrl-C or SIGTERM would tear the runtime down
-    under the accelerator's threads (a segmentation fault instead of the exit code). In a caller's process
-    (`cli.main([...])`, the tests) it raises SystemExit and puts the signal handlers back."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    if own_process or OWN_PROCESS[0]:
-        os._exit(code)
-    _restore_signals()
-    sys.exit(code)
-
-
-OWN_PROCESS = [False]  # set by the installed command (cli.main with no argv): its own process
-_ignored: dict[int, object] = {}
-
-
-def _ignore_signals() -> None:
-    if threading.current_thread() is threading.main_thread():
-        for number in (signal.SIGINT, signal.SIGTERM):
-            _ignored.setdefault(number, signal.signal(number, signal.SIG_IGN))
-
-
-def _restore_signals() -> None:
-    for number, previous in list(_ignored.items()):
-        signal.signal(number, previous)  # type: ignore[arg-type]
-        del _ignored[number]
-
-
-def by_sigterm(stop: BaseException) -> bool:
-    """SIGTERM stopped the command: our own handler's `Terminated`, distill's RunInterrupted naming it, or a
-    command's `Stopped` after either."""
-    return isinstance(stop, Terminated) or getattr(stop, "sigterm", False) or (
-        isinstance(stop, KeyboardInterrupt) and str(stop).startswith("SIGTERM"))
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that `finally` blocks and temporaries' cleanup run."""
-
-
-class Stopped(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM (`sigterm`) stopped a command that says itself what it left (`advice`)."""
-
-    def __init__(self, advice: str, *, sigterm: bool = False):
-        super().__init__(advice)
-        self.advice, self.sigterm = advice, sigterm
-
-
-@contextlib.contextmanager
-def _terminated_as_interrupt():
-    """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it keeps its handler; on a
-    multi-host run it keeps its default effect, as distill.loop.interruption.StopSignals leaves it there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        from nnx_surgery.surgery.storage.shared_writes import multi_host
-        if multi_host():  # one process of several stops as before (its default effect), for the others to see
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        raise Terminated("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is stop:
-            signal.signal(signal.SIGTERM, previous)
-        else:  # stopping has set it ignored: put back the handler from before this block later (exit_now)
-            _ignored[signal.SIGTERM] = previous
 
 
 def wrong_kind(path: str, wanted: str) -> str:
@@ -214,4 +139,5 @@ def _size_limit_text(text: str) -> bool:
 
 
 __all__ = ["RecipeError", "USER_ERRORS", "guarded", "redact", "looks_like_token", "VARIABLE_NAME", "FULL_DISK",
-           "REFUSED_PATHS", "exit_now", "Terminated", "Stopped", "by_sigterm", "wrong_kind", "full_disk"]
+           "REFUSED_PATHS", "exit_now", "Terminated", "Stopped", "by_sigterm", "wrong_kind", "full_disk",
+           "OWN_PROCESS"]
