@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import sys
 import traceback
 from typing import Callable
@@ -65,7 +66,7 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
     except (SystemExit, GeneratorExit):
         raise
     except Exception as error:
-        if not isinstance(error, USER_ERRORS):  # a bug: its traceback (exit 1), with the secrets masked
+        if not isinstance(error, USER_ERRORS) and not full_disk(error):  # a bug: its traceback (exit 1), masked
             print(redact(traceback.format_exc(), args), end="", file=sys.stderr)
             sys.exit(1)
         if debug:
@@ -108,10 +109,9 @@ def _one_line(error: BaseException) -> str:
     where = getattr(error, "filename", None)
     if isinstance(error, FileNotFoundError) and where:
         text = f"no such file or folder: {where}"
-    elif isinstance(error, OSError) and (number in FULL_DISK or _size_limit_text(text)):
-        # the second: tempfile could write no probe file anywhere, or numpy wrote short (what a full disk does)
+    elif full_disk(error):  # in an OSError's errno, or in words (`_size_limit_text`)
         text = (f"the disk is full or a file size limit was reached{f' writing {where}' if where else ''} "
-                f"({error.strerror or text}); nothing was replaced and the temporary files are removed: free "
+                f"({_full_disk_cause(error)}); nothing was replaced and the temporary files are removed: free "
                 "space, or choose another output.")
     elif isinstance(error, OSError) and number in REFUSED_PATHS:
         text = f"{where or 'a path'}: {error.strerror}: {REFUSED_PATHS[number]}."
@@ -121,21 +121,41 @@ def _one_line(error: BaseException) -> str:
     return " ".join(f"{name}: {text}".split())
 
 
+def _full_disk_cause(error: BaseException) -> str:
+    """The C library's words for the full disk `error` (or an error it was raised from) reports."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL_DISK:
+            return seen.strerror or os.strerror(seen.errno)
+        found = FULL_DISK_TEXT.search(str(seen))
+        if found:
+            code = found.group(0)
+            return os.strerror(int(code.split("'")[1])) if code.startswith("os_error_code") else code
+        seen = seen.__cause__ or seen.__context__
+    return "no space left"
+
+
 def full_disk(error: BaseException) -> bool:
     """`error` is a full disk or a file size limit (ENOSPC, EFBIG, EDQUOT, or a short write saying so), or one
     raised while handling such an error."""
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) and (seen.errno in FULL_DISK or _size_limit_text(str(seen))):
+        if isinstance(seen, OSError) and seen.errno in FULL_DISK or _size_limit_text(str(seen)):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
 
 
+# a full disk in another library's words: tensorstore's (orbax's checkpoints) os_error_code, the C library's text
+FULL_DISK_TEXT = re.compile("|".join([*(f"os_error_code='{n}'" for n in FULL_DISK), *map(re.escape, (
+    os.strerror(n) for n in FULL_DISK))]))
+
+
 def _size_limit_text(text: str) -> bool:
-    """A write cut short without an errno: tempfile's "No usable temporary directory" and numpy's "N requested
-    and M written" (ndarray.tofile under a size limit)."""
-    return "No usable temporary directory" in text or ("requested and" in text and "written" in text)
+    """A write cut short, said in words rather than an OSError's errno: tempfile's "No usable temporary directory",
+    numpy's "N requested and M written" (ndarray.tofile under a size limit), tensorstore's error codes."""
+    return "No usable temporary directory" in text or ("requested and" in text and "written" in text) or \
+        FULL_DISK_TEXT.search(text) is not None
 
 
 __all__ = ["RecipeError", "USER_ERRORS", "guarded", "redact", "looks_like_token", "VARIABLE_NAME", "FULL_DISK",
