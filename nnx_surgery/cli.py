@@ -308,6 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         _own_process(own_process)
         entry(argv[1:], prog="nnx-surgery compress")
         return 0
+    args = parse(argv, parser)
+    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
+    run = _load(COMMANDS[args.command][0])
+    _own_process(own_process)
+    guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
+                                                          if args.command in STOPPED else {}))
+    return 0
+
+
+def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
+    """The command line of a subcommand (not compress) read and checked as `main` reads it, nothing run: a renamed
+    flag, an unknown one, no command or a shared setting out of its range exits 2 with one line."""
+    parser = parser or build_parser()
     for (command, old), new in RENAMED.items():
         if argv and argv[0] == command and any(a == old or a.startswith(old + "=") for a in argv[1:]):
             parser.error(f"{command} {old}: renamed {new} (one flag name, one meaning in every command)")
@@ -315,14 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
     for error in checked(args):
-        print(f"error: {error} (see `{PROG} {args.command} --help`)", file=sys.stderr)
-        return 2
-    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
-    run = _load(COMMANDS[args.command][0])
-    _own_process(own_process)
-    guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
-                                                          if args.command in STOPPED else {}))
-    return 0
+        from nnx_surgery.recipes.secrets import redact
+        print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
+        sys.exit(2)
+    return args
 
 
 def _own_process(own: bool) -> None:

@@ -102,7 +102,6 @@ def teacher_source(text: str, name: str, revision: str | None = None) -> str:
             raise
         raise RecipeError(f"{name} {text}: no such local folder, and not found on the Hub ({error}); check the "
                           "path, or give a Hub id (user/name).") from None
-    check_folder_files(folder, name)
     return folder
 
 

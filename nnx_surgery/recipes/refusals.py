@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import sys
@@ -48,7 +49,7 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        with raised_in_main_thread():
+        with raised_in_main_thread(), _quiet_about_a_full_disk():
             main([a for a in args if a != "--debug"])
     except KeyboardInterrupt as stop:  # distill.RunInterrupted names the step it saved
         ignore_signals()  # a second Ctrl-C while stopping must not interrupt the way out
@@ -75,6 +76,33 @@ def guarded(main: Callable[[list[str] | None], object], argv: list[str] | None =
         if not debug:
             print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def _quiet_about_a_full_disk():
+    """While the command runs, what background writers print about a full disk is left to the one line that says
+    it: orbax's threads log the failed write (absl, with its traceback) and, their event loop closed under them,
+    report unraisable RuntimeErrors; anything else is printed as before."""
+    previous = sys.unraisablehook
+
+    def unraisable(report):
+        if not (isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in str(report.exc_value)):
+            previous(report)
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not _size_limit_text(text)
+
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
+    sys.unraisablehook = unraisable
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 FULL_DISK = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
