@@ -300,5 +300,6 @@ def shape_line(config) -> str:
             f"{config.num_parameters() / 1e6:,.2f}M parameters")
 
 
-__all__ = ["teacher_source", "model_folder", "check_folder_files", "writable_place", "input_paths", "guard_output", "guard_folder", "empty_folder", "new_file",
+__all__ = ["teacher_source", "model_folder", "check_folder_files", "writable_place", "input_paths", "guard_output",
+           "guard_folder", "empty_folder", "new_file",
            "staged_files", "checked", "text_batches", "shape_line", "plan_of", "kept_vocab", "PLAN_FILE"]

@@ -54,7 +54,8 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> str:
-    """Continue --prompt with the model in FOLDER and print the continuation (greedy unless --sample-temperature > 0)."""
+    """Continue --prompt with the model in FOLDER and print the continuation (greedy unless
+    --sample-temperature > 0)."""
     folder = model_folder(args.folder, "FOLDER")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise RecipeError(f"FOLDER {args.folder}: no tokenizer.json there; generate reads the prompt with the "

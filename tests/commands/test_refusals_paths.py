@@ -53,7 +53,8 @@ READERS = {
 BROKEN = {"config-not-json": ("config.json", b"{nope", "config.json is not valid JSON"),
           "config-empty": ("config.json", b"", "config.json is empty"),
           "config-list": ("config.json", b"[1, 2]", "holds a JSON list"),
-          "tokenizer-schema": ("tokenizer.json", b'{"version": "1.0", "model": 7}', "tokenizer.json is not a tokenizer"),
+          "tokenizer-schema": ("tokenizer.json", b'{"version": "1.0", "model": 7}',
+                               "tokenizer.json is not a tokenizer"),
           "tokenizer-empty": ("tokenizer.json", b"", "tokenizer.json is empty"),
           "no-positions": ("config.json", {"max_position_embeddings": 0}, "max_position_embeddings 0")}
 
@@ -128,8 +129,8 @@ def input_inside_output_cases(w: dict) -> list[tuple[list[str], str]]:
         ([*tiny, "--cache-dir", cached, "--output", os.path.join(cached, "tiny-teacher-0")], "lies inside the input"),
         ([*tiny, "--cache-dir", cached, "--output", os.path.join(cached, "tiny-teacher-0"), o], "lies inside"),
         ([*tiny, "--cache-dir", w["afile"], "--output", w["new"]], "--cache-dir"),
-        (["compress", "--teacher", t, "--feature-weight", "0", "--teacher-cache", os.path.join(w["holds-tc"], "tc"), "--output",
-          w["holds-tc"], o], "contains the input"),
+        (["compress", "--teacher", t, "--feature-weight", "0", "--teacher-cache", os.path.join(w["holds-tc"], "tc"),
+          "--output", w["holds-tc"], o], "contains the input"),
         (["distill", t, s, "--teacher-cache", os.path.join(w["holds-tc"], "tc"), "-o", w["holds-tc"], o],
          "contains the input"),
         (["distill", t, s, "--teacher-cache", w["tc"], "-o", w["tc"], o], "is the input"),

@@ -38,7 +38,8 @@ def distill_signalled(w: dict, out: str, signals: list[str], *, at_step: bool) -
                              "--steps", "100000", *DATA, "--data", w["data"]], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
     seen = bytearray()
-    reader = threading.Thread(target=lambda: [seen.extend(chunk) for chunk in iter(lambda: proc.stdout.read1(4096), b"")])
+    reader = threading.Thread(target=lambda: [seen.extend(chunk) for chunk in
+                                              iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()
     deadline = time.time() + 120
     while time.time() < deadline and not (STEP_SHOWN.search(seen.decode(errors="replace")) if at_step

@@ -126,5 +126,6 @@ def drop_torn_line(path: str) -> None:
             handle.truncate(tail_start + tail.rfind(b"\n") + 1)
 
 
-__all__ = ["RunInterrupted", "StopSignals", "redelivered_later", "interruption_message", "remove_unfinished_saves", "drop_torn_line",
+__all__ = ["RunInterrupted", "StopSignals", "redelivered_later", "interruption_message",
+           "remove_unfinished_saves", "drop_torn_line",
            "UNFINISHED_SAVE"]
