@@ -112,6 +112,7 @@ def push(args: argparse.Namespace) -> str:
     """Upload FOLDER to REPO_ID. The token comes from the environment only (--token-env VAR, else HF_TOKEN or
     `hf auth login`'s file) and is never printed."""
     token = token_from(args.token_env)
+    model_folder(args.folder, "FOLDER")  # its config.json and tokenizer.json readable, before the Hub is asked
     url = surgery.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.revision,
                               token=token, commit_message=args.message)
     print(f"pushed {os.path.abspath(args.folder)} to {url}")

@@ -48,6 +48,7 @@ READERS = {
     "cache-teacher TEACHER": lambda w, f: ["cache-teacher", f, *TOP, "-o", w["new"]],
     "cache-teacher --student": lambda w, f: ["cache-teacher", w["teacher"], "--student", f, *TOP, "-o", w["new"]],
     "compress --teacher": lambda w, f: ["compress", "--teacher", f, "--output", w["new"]],
+    "push": lambda w, f: ["push", f, "alice/student"],
 }
 # a model folder with one file broken: (file, bytes written there or a change to config.json, culprit)
 BROKEN = {"config-not-json": ("config.json", b"{nope", "config.json is not valid JSON"),
@@ -233,7 +234,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"inputs": input_inside_output_cases, "symlink": symlink_output_cases, "place": refused_place_cases,
           "broken": broken_folder_cases, "kind": wrong_kind_cases, "flags": flag_cases, "secret": secret_cases}
-COUNTS = {"inputs": 13, "symlink": 24, "place": 24, "broken": 66, "kind": 22, "flags": 15, "secret": 32}
+COUNTS = {"inputs": 13, "symlink": 24, "place": 24, "broken": 72, "kind": 23, "flags": 15, "secret": 34}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
