@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -50,15 +51,28 @@ def check_folder_files(folder: str, name: str) -> None:
                           "give a whole number above 0 there.")
     tokenizer = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(tokenizer):
-        _json_object(tokenizer, name)
-        try:
-            from tokenizers import Tokenizer
-            Tokenizer.from_file(tokenizer)
-        except ImportError:
-            pass
-        except Exception as error:  # the library's own error type: a schema it cannot read
-            raise RecipeError(f"{name} {folder}: {tokenizer} is not a tokenizer the tokenizers library reads "
-                              f"({' '.join(str(error).split())}); copy it again from the model it came with.") from None
+        if os.path.getsize(tokenizer) == 0:
+            raise RecipeError(f"{name}: {tokenizer} is empty; copy the file again from the model it came with.")
+        info = os.stat(tokenizer)
+        why = _tokenizer_refused(tokenizer, info.st_mtime_ns, info.st_size)
+        if why:
+            raise RecipeError(f"{name} {folder}: {tokenizer} is not a tokenizer the tokenizers library reads ({why}); "
+                              "copy it again from the model it came with.")
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_refused(path: str, mtime_ns: int, size: int) -> str | None:
+    """Why the tokenizers library cannot read the tokenizer.json at `path` (None: it can), once per version of
+    the file (a real Gemma's takes about a second)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        Tokenizer.from_file(path)
+    except Exception as error:  # the library's own error type: not JSON, or a schema it cannot read
+        return " ".join(str(error).split())
+    return None
 
 
 def _json_object(path: str, name: str) -> dict:
