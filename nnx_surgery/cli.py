@@ -30,10 +30,16 @@ DATA_HELP = "training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose refusals look like the toolkit's: one line on stderr naming the flag, exit code 2."""
+    """argparse whose refusals look like the toolkit's: one line on stderr naming the flag (secrets masked), exit
+    code 2; no abbreviations, so that a near-miss (`--task`) is named as unknown, not read as another flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        from nnx_surgery.recipes.secrets import redact  # light: no jax
+
+        print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
 
 
@@ -250,7 +256,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
               "eval --teacher TEACHER student/ --data 'corpus/*.txt' --eval-prompts 4 --output eval/"], _eval_flags),
     "generate": ("nnx_surgery.commands.models:generate", "continue a prompt with a model folder (greedy by default)",
                  ["generate student/ --prompt 'def main('",
-                  "generate student/ --prompt 'Once' --temperature 0.8 --top-p 0.9 --max-new-tokens 100"],
+                  "generate student/ --prompt 'Once' --sample-temperature 0.8 --sample-top-p 0.9 --max-new-tokens 100"],
                  _generate_flags),
     "import-gguf": ("nnx_surgery.commands.models:import_gguf", "write a GGUF Gemma as a Hugging Face folder",
                     ["import-gguf model.gguf folder/", "import-gguf model.gguf folder/ --dtype float32"],
@@ -295,26 +301,45 @@ def _load(target: str) -> Callable:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.refusals.guarded`);
     `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    own_process, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] == "compress":  # the recipe's own flags, --help and exit codes
-        _load(COMMANDS["compress"][0])(argv[1:], prog="nnx-surgery compress")
+        entry = _load(COMMANDS["compress"][0])
+        _own_process(own_process)
+        entry(argv[1:], prog="nnx-surgery compress")
         return 0
+    args = parse(argv, parser)
+    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
+    run = _load(COMMANDS[args.command][0])
+    _own_process(own_process)
+    guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
+                                                          if args.command in STOPPED else {}))
+    return 0
+
+
+def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
+    """The command line of a subcommand (not compress) read and checked as `main` reads it, nothing run: a renamed
+    flag, an unknown one, no command or a shared setting out of its range exits 2 with one line."""
+    parser = parser or build_parser()
     for (command, old), new in RENAMED.items():
         if argv and argv[0] == command and any(a == old or a.startswith(old + "=") for a in argv[1:]):
             parser.error(f"{command} {old}: renamed {new} (one flag name, one meaning in every command)")
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        parser.error(f"give a command: {', '.join(COMMANDS)}")
     for error in checked(args):
-        print(f"error: {error} (see `{PROG} {args.command} --help`)", file=sys.stderr)
-        return 2
-    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
-    run = _load(COMMANDS[args.command][0])
-    guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
-                                                          if args.command in STOPPED else {}))
-    return 0
+        from nnx_surgery.recipes.secrets import redact
+        print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def _own_process(own: bool) -> None:
+    """The command runs in a process of its own (not `main([...])` in a caller's): an interrupted run exits without
+    the interpreter's shutdown (recipes.refusals.exit_now)."""
+    if own:
+        from nnx_surgery.recipes import refusals
+        refusals.OWN_PROCESS[0] = True
 
 
 if __name__ == "__main__":

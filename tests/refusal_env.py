@@ -19,6 +19,35 @@ SPEC = "layers=2,mlp=24"
 DATA = ["--seq-len", "32"]
 
 
+def make_workspace(base, cache) -> dict:
+    """The tiny teacher with a tokenizer (128 positions, 767 pieces) in `base`, a data folder, a data-free plan,
+    its student, the teacher as GGUF, a link to the teacher and an empty file; `cache`: NNX_SURGERY_CACHE (set
+    here; the caller puts it back), outside the workspace."""
+    import shutil
+    import sysconfig
+
+    from hf_reference import make_hf_model, save_hf
+    from tiny_tokenizers import save_gemma_tokenizer
+
+    teacher, data = str(base / "teacher"), base / "data"
+    size = save_gemma_tokenizer(teacher)
+    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size, query_pre_attn_scalar=12,
+                          num_hidden_layers=2), teacher)
+    data.mkdir()
+    for name in ("textwrap.py", "string.py", "bisect.py"):
+        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
+    os.environ["NNX_SURGERY_CACHE"] = str(cache)
+    w = dict(base=base, teacher=teacher, data=str(data), plan=str(base / "plan.json"), student=str(base / "student"),
+             gguf=str(base / "teacher.gguf"), link=str(base / "link"), empty=str(base / "empty.txt"),
+             cache=str(cache / "gguf"), new=str(base / "new"))
+    assert run("plan", teacher, "--student", SPEC, "--calibration-samples", "0", "-o", w["plan"])[0] == 0
+    assert run("prune", teacher, w["plan"], w["student"])[0] == 0
+    assert run("export-gguf", teacher, w["gguf"], "--dtype", "f32")[0] == 0
+    os.symlink(teacher, w["link"])
+    open(w["empty"], "w").close()
+    return w
+
+
 def run(*args: str) -> tuple[int, str, str]:
     """`nnx-surgery ARGS` in this process: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()

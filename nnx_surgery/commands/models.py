@@ -8,7 +8,7 @@ import sys
 
 from nnx_surgery import surgery
 from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
-from nnx_surgery.recipes.refusals import VARIABLE_NAME, RecipeError, looks_like_token
+from nnx_surgery.recipes.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
 from nnx_surgery.recipes.model_inputs import position_limit
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
@@ -54,7 +54,8 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> str:
-    """Continue --prompt with the model in FOLDER and print the continuation (greedy unless --temperature > 0)."""
+    """Continue --prompt with the model in FOLDER and print the continuation (greedy unless
+    --sample-temperature > 0)."""
     folder = model_folder(args.folder, "FOLDER")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise RecipeError(f"FOLDER {args.folder}: no tokenizer.json there; generate reads the prompt with the "
@@ -71,7 +72,8 @@ def generate(args: argparse.Namespace) -> str:
 def import_gguf(args: argparse.Namespace) -> str:
     """Write the GGUF file as a Hugging Face folder at OUTPUT."""
     if not os.path.isfile(args.gguf):
-        raise RecipeError(f"FILE.gguf {args.gguf}: no such file; give a .gguf file (llama.cpp's, or export-gguf's).")
+        raise RecipeError(f"FILE.gguf {args.gguf}: {wrong_kind(args.gguf, 'file')}; give a .gguf file (llama.cpp's, "
+                          "or export-gguf's).")
     out = empty_folder(args.output, "OUTPUT", args.overwrite, inputs=input_paths(args.gguf))
     folder = surgery.import_gguf(args.gguf, out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"{folder}: {shape_line(surgery.ModelConfig.from_file(folder))}, {args.dtype}")
@@ -110,6 +112,7 @@ def push(args: argparse.Namespace) -> str:
     """Upload FOLDER to REPO_ID. The token comes from the environment only (--token-env VAR, else HF_TOKEN or
     `hf auth login`'s file) and is never printed."""
     token = token_from(args.token_env)
+    model_folder(args.folder, "FOLDER")  # its config.json and tokenizer.json readable, before the Hub is asked
     url = surgery.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.revision,
                               token=token, commit_message=args.message)
     print(f"pushed {os.path.abspath(args.folder)} to {url}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 from typing import Iterator
 
 import jax
@@ -54,6 +55,54 @@ def _writing_into(out: str, overwrite: bool) -> Iterator[str]:
         yield fresh
 
 
+@contextlib.contextmanager
+def _kept_only_if_resumable(out: str, args: argparse.Namespace) -> Iterator[None]:
+    """A run that fails or is stopped leaves what --resume continues (shards listed in a progress file), else
+    nothing: the folders it made are removed (a shard written just before Ctrl-C, with no progress file yet, is
+    no partial cache). Ctrl-C and SIGTERM then say which: rerun the same command, or with --resume."""
+    made = [] if os.path.isdir(out) else _missing_folders(out)
+    try:
+        yield
+    except teacher_cache.CacheError as error:
+        _undo(out, made, args)
+        raise refusals.RecipeError(str(error)) from None
+    except BaseException as error:
+        resumable = _undo(out, made, args)
+        if isinstance(error, KeyboardInterrupt):
+            advice = (f"the shards written so far are kept in {args.output}: rerun the same command with --resume "
+                      "to continue (without it, the folder is refused as not empty)." if resumable else
+                      refusals.NOTHING_WRITTEN)
+            raise refusals.Stopped(advice, sigterm=refusals.by_sigterm(error)) from None
+        raise
+
+
+def _missing_folders(path: str) -> list[str]:
+    """`path` and its parents that do not exist yet, deepest first (what writing it creates)."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _undo(out: str, made: list[str], args: argparse.Namespace) -> bool:
+    """After a failure: whether `out` holds a partial cache --resume continues; if not, what this run wrote there
+    is removed (`made`: the folders it created) when the folder was new or empty before (not with --overwrite,
+    whose new cache was never swapped in, nor --resume, whose earlier shards stay)."""
+    if os.path.isdir(out) and any(name.startswith("progress-p") for name in os.listdir(out)):
+        return True
+    if args.overwrite or args.resume or not os.path.isdir(out):
+        return False
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    for folder in made:  # deepest first; only those still empty
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    return False
+
+
 def cache_teacher(args: argparse.Namespace) -> dict:
     """Write the cache of TEACHER over the data's packed rows into --output (with --student, in a trimmed student's
     tokens); print where and how big."""
@@ -85,12 +134,10 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     what = teacher_cache.slots_text(args.selection, args.top_k)
     print(f"[cache-teacher] {what} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
-    try:
+    with _kept_only_if_resumable(out, args):
         with _writing_into(out, args.overwrite) as folder:
             manifest = teacher_cache.write_cache(teacher, data, folder, settings, identity=identity, mesh=mesh,
                                                  resume=args.resume)
-    except teacher_cache.CacheError as error:
-        raise refusals.RecipeError(str(error)) from None
     size = sum(entry["bytes"] for entry in manifest.get("shards", []))
     tokens = manifest.get("num_rows", data.num_rows) * args.seq_len
     print(f"teacher cache: {out} ({len(manifest.get('shards', []))} shards, {size:,} bytes, "

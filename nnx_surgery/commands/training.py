@@ -30,14 +30,21 @@ def distill_student(args: argparse.Namespace) -> str:
                                  "learning rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
-    out = empty_folder(args.output, "--output", args.overwrite,
-                       inputs=input_paths(args.teacher, teacher_folder, args.student, args.data))
+    cache = getattr(args, "teacher_cache", None)
+    if cache and not os.path.isdir(cache):
+        raise refusals.RecipeError(f"--teacher-cache {cache}: {refusals.wrong_kind(cache, 'folder')}; give the folder "
+                                   "`nnx-surgery cache-teacher` wrote.")
+    out = empty_folder(args.output, "--output", args.overwrite,  # writable: checked before any training
+                       inputs=input_paths(args.teacher, teacher_folder, args.student, args.data, cache))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = kept_vocab(student_folder, "STUDENT", teacher_config)
     tokenizer = student_folder if kept is not None else teacher_folder  # a trimmed student reads its own tokens
-    distill.inputs.batches.check_vocabulary(tokenizer, surgery.ModelConfig.from_file(student_folder).vocab_size)
+    pieces = surgery.ModelConfig.from_file(student_folder).vocab_size
+    if args.top_k is not None and args.top_k > pieces:
+        raise refusals.RecipeError(f"--top-k {args.top_k}: the student's vocabulary has {pieces:,} pieces; give at "
+                                   "most that many.")
+    distill.inputs.batches.check_vocabulary(tokenizer, pieces)
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
-    cache = getattr(args, "teacher_cache", None)
     if cache:  # the teacher's top k from the cache: the teacher is checked against it, never loaded
         _check_teacher_cache(cache, teacher_folder, tokenizer)
         teacher = None
@@ -166,7 +173,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     tasks = None if args.eval_tasks is None else lm_eval_scores.checked_tasks(  # refused before any model loads
         args.eval_tasks, include_path=args.include_path, flag="--eval-tasks")
     out = empty_folder(args.output, "--output", args.overwrite,
-                       inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data))
+                       inputs=input_paths(args.teacher, teacher_folder, *args.folders, args.data, args.include_path))
     teacher_config = surgery.ModelConfig.from_file(teacher_folder)
     kept = {name: kept_vocab(folder, "FOLDER", teacher_config) for name, folder in zip(names, folders)}
     data, description = text_batches(args, teacher_folder)

@@ -54,7 +54,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -97,15 +97,15 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
     created = new_folders(run.folder)
     prepare_output(run)
-    compile_cache.enable(run.folder)  # on an accelerator: a resume or a later program reuses what was compiled
-    try:
-        loaded = run_phases.load_teacher_and_data(run)
-    except BaseException:  # refused data or teacher: no empty run folder left behind
-        if jax.process_index() == 0:
-            for folder in created:  # deepest first; only those still empty
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
-        raise
+    with removed_on_failure(created):
+        return run_all(run, clock)
+
+
+def run_all(run: run_settings.RunSettings, clock: "PhaseClock") -> dict:
+    """The phases, once the run folder is prepared."""
+    config = run.config
+    loaded = run_phases.load_teacher_and_data(run)
+    compile_cache.enable(run.folder)  # on an accelerator (after the data is known good): a resume reuses compiles
     record_settings(run)  # `--config OUT/resolved_config.json` repeats this run (after the data is known good)
     clock.lap("teacher and data")
     teacher = loaded.teacher
@@ -135,6 +135,29 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     final = write_student(run, results, first, cut, distilled, control)
     publish(run, final)
     return results
+
+
+@contextlib.contextmanager
+def removed_on_failure(created: list[str]) -> Iterator[None]:
+    """The run folders this run made (`created`, deepest first) are removed when it fails with nothing to resume:
+    refused data or teacher leave them empty, and a full disk before the first checkpoint leaves only what the
+    same command, run again once space is freed, would refuse. A run stopped (Ctrl-C, --halt-after) or failing
+    otherwise keeps its folder for --resume."""
+    try:
+        yield
+    except BaseException as error:
+        if jax.process_index() == 0 and created:
+            if refusals.full_disk(error) and not _checkpointed(created[0]):
+                shutil.rmtree(created[-1], ignore_errors=True)
+            for folder in created:  # deepest first; only those still empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+        raise
+
+
+def _checkpointed(folder: str) -> bool:
+    """A complete checkpoint (a step's folder) is in the run folder's checkpoints/."""
+    return any(name.isdigit() for _, folders, _ in os.walk(os.path.join(folder, "checkpoints")) for name in folders)
 
 
 def new_folders(path: str) -> list[str]:

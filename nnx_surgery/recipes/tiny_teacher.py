@@ -11,10 +11,12 @@ storage); the other processes wait for it at a barrier, then read it.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -90,11 +92,7 @@ def prepare(args: TinyTeacherSettings) -> tuple[str, list[str]]:
         print(f"[teacher] cached: {folder}")
         return folder, files
     if args.dry_run and not os.path.exists(cached):  # no training in a dry run: the config alone
-        if jax.process_index() == 0:
-            os.makedirs(os.path.join(args.cache_dir, "dry-run"), exist_ok=True)
-            write_json(os.path.join(args.cache_dir, "dry-run", "config.json"), TEACHER_CONFIG)
-        wait_for_process_0(f"tiny teacher dry run {args.cache_dir}")
-        return os.path.join(args.cache_dir, "dry-run"), files
+        return dry_run_teacher(), files
     # multi-host: all meet first (JAX's CPU collectives give up on a peer that is 30 s late to their very first
     # meeting, and process 0 may train for minutes), then process 0 decides and trains while the others wait
     wait_for_process_0(f"tiny teacher start {folder}")
@@ -108,6 +106,15 @@ def prepare(args: TinyTeacherSettings) -> tuple[str, list[str]]:
         raise RecipeError(f"process 0 trained the tiny teacher into {folder}, but this process does not see it "
                               "there: --cache-dir must be shared storage on a multi-host run.")
     return folder, files
+
+
+def dry_run_teacher() -> str:
+    """The tiny teacher's config alone, for a dry run, in a temporary folder of this process removed when it
+    exits: a dry run writes nothing, --cache-dir included."""
+    folder = tempfile.mkdtemp(prefix="nnx-surgery-dry-run-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    write_json(os.path.join(folder, "config.json"), TEACHER_CONFIG)
+    return folder
 
 
 def wait_for_process_0(name: str) -> None:

@@ -15,19 +15,15 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
 from fake_hub import FakeHub
-from hf_reference import make_hf_model, save_hf
-from refusal_env import DATA, ROOT, SPEC, TOKEN, assert_refused, cli, refused, run, tree
-from tiny_tokenizers import save_gemma_tokenizer
+from refusal_env import DATA, ROOT, SPEC, TOKEN, assert_refused, cli, make_workspace, refused, run, tree
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +31,8 @@ def w(tmp_path_factory):
     """The tiny teacher with a tokenizer (128 positions), a data folder, a data-free plan, its student, the
     teacher as GGUF, a link to the teacher and an empty file; the GGUF cache outside the workspace."""
     base = tmp_path_factory.mktemp("refusals")
-    teacher, data = str(base / "teacher"), base / "data"
-    size = save_gemma_tokenizer(teacher)
-    save_hf(make_hf_model("gemma3_text", seed=3, vocab_size=size, query_pre_attn_scalar=12,
-                          num_hidden_layers=2), teacher)
-    data.mkdir()
-    for name in ("textwrap.py", "string.py", "bisect.py"):
-        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), data)
     cache, saved = tmp_path_factory.mktemp("gguf-cache"), os.environ.get("NNX_SURGERY_CACHE")
-    os.environ["NNX_SURGERY_CACHE"] = str(cache)
-    w = dict(base=base, teacher=teacher, data=str(data), plan=str(base / "plan.json"), student=str(base / "student"),
-             gguf=str(base / "teacher.gguf"), link=str(base / "link"), empty=str(base / "empty.txt"),
-             cache=str(cache / "gguf"), new=str(base / "new"))
-    assert run("plan", teacher, "--student", SPEC, "--calibration-samples", "0", "-o", w["plan"])[0] == 0
-    assert run("prune", teacher, w["plan"], w["student"])[0] == 0
-    assert run("export-gguf", teacher, w["gguf"], "--dtype", "f32")[0] == 0
-    os.symlink(teacher, w["link"])
-    open(w["empty"], "w").close()
+    w = make_workspace(base, cache)
     yield w
     if saved is None:
         os.environ.pop("NNX_SURGERY_CACHE", None)

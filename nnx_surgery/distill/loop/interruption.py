@@ -39,7 +39,7 @@ def interruption_message(cause: str, step: int, total: int, *, saved: bool, dire
             else f"stopped at once after step {step} of {total}, before its checkpoint was complete")
     if directory is None:
         advice = ("no checkpoint directory is set, so nothing was saved (the student module holds the weights of "
-                  "the last completed step); set checkpoint.directory to make a run resumable.")
+                  "the last completed step).")
     elif checkpoint_step is None:
         advice = f"no complete checkpoint is in {directory} yet; {RESUME_HOW} to start over."
     else:
@@ -77,10 +77,29 @@ class StopSignals:
     def _handle(self, number: int, frame) -> None:
         name = signal.Signals(number).name
         if self.received is not None:
+            if redelivered_later(number, frame):
+                return
             raise KeyboardInterrupt(f"{name} again")
         self.received = name
         print(f"\n{name}: finishing the current step, then saving a checkpoint and stopping (send it again to stop "
               "at once).", file=sys.stderr, flush=True)
+
+
+# functions the interpreter calls where an exception cannot propagate (it is printed as "Exception ignored" and
+# dropped): a garbage-collection callback (jax's), a finaliser, a weakref callback
+NO_RAISE = ("_xla_gc_callback", "__del__", "_remove_dead_weakref", "_weakref_callback")
+
+
+def redelivered_later(number: int, frame) -> bool:
+    """Whether the signal `number` arrived inside a function that cannot raise (`NO_RAISE`; the frame and those
+    calling it); then it is sent again 50 ms later, for the handler to raise where the exception propagates
+    (raising there would lose it, or leave native code mid-call)."""
+    while frame is not None:
+        if frame.f_code.co_name in NO_RAISE:
+            threading.Timer(0.05, os.kill, (os.getpid(), number)).start()
+            return True
+        frame = frame.f_back
+    return False
 
 
 def remove_unfinished_saves(directory: str) -> list[str]:
@@ -107,5 +126,6 @@ def drop_torn_line(path: str) -> None:
             handle.truncate(tail_start + tail.rfind(b"\n") + 1)
 
 
-__all__ = ["RunInterrupted", "StopSignals", "interruption_message", "remove_unfinished_saves", "drop_torn_line",
+__all__ = ["RunInterrupted", "StopSignals", "redelivered_later", "interruption_message",
+           "remove_unfinished_saves", "drop_torn_line",
            "UNFINISHED_SAVE"]

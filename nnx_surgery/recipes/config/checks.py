@@ -10,7 +10,7 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.distill.inputs import sources
 from nnx_surgery.surgery.planning.search_space import parse_budget
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
 
 
 def check(config: RecipeConfig) -> None:
@@ -82,15 +82,27 @@ def _check_budget(student: str | None) -> None:
                 raise RecipeError(f"--student {student!r}: {error}") from None
 
 
+def _cache_folder(teacher_cache: str) -> str | None:
+    """--teacher-cache when it names a folder (not none, auto or always)."""
+    return None if teacher_cache in ("none", "auto", "always") else teacher_cache
+
+
 def _check_output(config: RecipeConfig) -> None:
-    """--output never an input the run reads (--teacher, --data) nor inside one or holding one: --overwrite deletes
+    """--output never an input the run reads (--teacher, --data, --cache-dir, --teacher-cache) nor inside one or
+    holding one, and writable (not in a dry run, which writes nothing): --overwrite deletes
     it (--config is read whole before that: `--config RUN/resolved_config.json --output RUN` repeats or resumes a
     run); and --push-to-hub's token and Hub checked now, not after the run."""
     from nnx_surgery.commands import guard_folder, input_paths
 
     run = config.run
-    if run.output is not None:
-        guard_folder(run.output, "--output", input_paths(config.teacher.model, config.data.files))
+    cache = run.cache_dir
+    if cache and os.path.lexists(cache) and not os.path.isdir(cache):
+        raise RecipeError(f"--cache-dir {cache}: {wrong_kind(cache, 'folder')}; give a folder for the cached teachers "
+                          "(made when missing).")
+    if run.output is not None:  # the cache holds the tiny teacher and imported GGUFs the run reads
+        guard_folder(run.output, "--output", input_paths(config.teacher.model, config.data.files, cache,
+                                                         _cache_folder(config.training.teacher_cache)),
+                     probe=not run.dry_run)
     if run.push_to_hub and not run.print_config:
         from nnx_surgery.surgery.storage.hub import check_push_access
         check_push_access(run.push_to_hub)

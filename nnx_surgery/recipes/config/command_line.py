@@ -18,10 +18,15 @@ DISTILL_TITLE = "Distillation (the distill section: DistillConfig)"
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose refusals are the toolkit's: one line naming the flag and pointing to --help, exit code 2 (not
-    the whole usage first)."""
+    the whole usage first), with secrets masked; no abbreviations, so that a near-miss is named as unknown."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        from nnx_surgery.recipes.secrets import redact
+
+        print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
 
 

@@ -11,13 +11,13 @@ import jax
 
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
 
 
 def load_config_file(path: str) -> dict:
     """A JSON or YAML (.yaml / .yml, needs pyyaml) mapping."""
     if not os.path.isfile(path):
-        raise RecipeError(f"--config {path}: no such file.")
+        raise RecipeError(f"--config {path}: {wrong_kind(path, 'file')}; give a JSON or YAML file of settings.")
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     if path.endswith((".yaml", ".yml")):

@@ -63,6 +63,11 @@ def derive(tree: dict) -> None:
     """Settings whose default depends on others, written out so the resolved config states them."""
     training, run = tree["training"], tree["run"]
     steps, rate = training["steps"], training["learning_rate"]
+    for item in layering.every_field():  # the settings others derive from: refused as written, not as derived
+        if item.path in (("training", "steps"), ("training", "learning_rate")):
+            why = fields.check(item, lookup(tree, item.path))
+            if why:
+                raise RecipeError(f"{item.name} {_shown(lookup(tree, item.path))} ({item.dest}): {why}.")
     if isinstance(steps, int) and isinstance(rate, (int, float)):
         for section, key, value in (("training", "warmup_steps", steps // 50),
                                     ("student", "scratch_learning_rate", rate),

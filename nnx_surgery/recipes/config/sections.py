@@ -150,7 +150,8 @@ class TrainingSection:
     """What the distillation stages are built from (the distill section holds the rest of DistillConfig)."""
 
     steps: int = documented(200, "total distillation optimizer steps over all stages", flag="--steps", kind=int,
-                            check=("at least 1 optimizer step", lambda v: v >= 1))
+                            check=("from 1 to 2,147,483,647 optimizer steps (int32 step counters)",
+                                   lambda v: 1 <= v <= 2 ** 31 - 1))
     learning_rate: float = documented(1e-4, "peak learning rate of the stages (cosine decay to 0.1x)",
                                       flag="--learning-rate", kind=float, check=POSITIVE_RATE,
                                       why="measured on the real 270M: 3e-4 recovered 0.2-0.4 nats less")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ def atomic_folder(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
     if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
                               "swapped out only once the new folder is complete), or choose another folder.")
-    tmp = tempfile.mkdtemp(prefix=f".{base}.partial-{_owner()}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(base, "partial"), dir=parent)
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a published model folder should not be
         yield tmp
@@ -59,7 +60,7 @@ def _replace_folder(tmp: str, out_dir: str, parent: str, base: str) -> None:
     `atomic_folder` on this path puts back."""
     old = None
     if os.path.exists(out_dir):
-        old = os.path.join(parent, f".{base}.old-{_owner()}-{uuid.uuid4().hex[:8]}")
+        old = os.path.join(parent, f"{temp_prefix(base, 'old')}{uuid.uuid4().hex[:8]}")
         os.replace(out_dir, old)
     try:
         os.replace(tmp, out_dir)
@@ -75,12 +76,36 @@ def _owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs)
+
+
+def _short_base(base: str, room: int) -> str:
+    """`base`, or when its UTF-8 is longer than `room` bytes its start and a hash of the whole (the same for the
+    same name, so that the next writer finds a dead one's temporaries)."""
+    if len(os.fsencode(base)) <= room:
+        return base
+    digest = hashlib.sha256(os.fsencode(base)).hexdigest()[:12]
+    head = os.fsencode(base)[:max(0, room - 13)].decode("utf-8", "ignore")
+    return f"{head}~{digest}"
+
+
+def temp_prefix(base: str, kind: str, host: str | None = None, *, owner: bool = True) -> str:
+    """The name a temporary beside `base` starts with, `.base.KIND-HOST-PID-` (mkstemp/mkdtemp add 8 random
+    characters; `owner` False: up to HOST-, what any writer's starts with): a long `base` is shortened
+    (`_short_base`, room kept for a 10-digit pid) so that the whole stays a valid name, whatever name the file
+    system allows for the output itself."""
+    host = socket.gethostname() if host is None else host
+    tail = f".{kind}-{host}-"
+    start = "." + _short_base(base, NAME_MAX - 1 - len(os.fsencode(tail)) - len("0123456789-") - 8) + tail
+    return f"{start}{os.getpid()}-" if owner else start
+
+
 def _clean_leftovers(parent: str, base: str) -> None:
     """Remove `.base.partial-*` (folders, or files of `atomic_file`) of this host's dead writers; restore a
     `.base.old-*` a dead writer left when the folder itself is missing."""
     host = socket.gethostname()
     for kind in ("old", "partial"):
-        prefix = f".{base}.{kind}-{host}-"
+        prefix = temp_prefix(base, kind, host, owner=False)  # `.base.KIND-HOST-`: its pid follows
         for name in sorted(os.listdir(parent)):
             pid = name[len(prefix):].split("-")[0]
             if not name.startswith(prefix) or not pid.isdigit() or _alive(int(pid)):
@@ -106,7 +131,7 @@ def atomic_file(path: str) -> Iterator[str]:
     try:
         os.makedirs(parent, exist_ok=True)
         _clean_leftovers(parent, base)
-        fd, tmp = tempfile.mkstemp(prefix=f".{base}.partial-{_owner()}-", dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(base, "partial"), dir=parent)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot write in {parent} ({err.strerror}); choose a path in a writable "
                               "folder.") from None
