@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     marked `tpu` are skipped unless JAX's default backend is a TPU (CI has none)."""
     rank = {module: index for index, module in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(_module_of(item), len(rank)))
-    on_chip = [item for item in items if item.get_closest_marker("tpu")]
+    on_chip = [item for item in items if hasattr(item, "get_closest_marker") and item.get_closest_marker("tpu")]
     if on_chip and not _has_tpu():
         skip = pytest.mark.skip(reason="needs a TPU (make test-tpu on a TPU machine)")
         for item in on_chip:
