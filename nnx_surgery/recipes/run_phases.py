@@ -239,11 +239,12 @@ def corpus_reads(run: RunSettings, loaded: Loaded, first: StageA, cut: Cut, dist
         counted = cut.data.source_reads(first.data_start, distilled.steps * per_step)
     else:
         counted = cut.data.source_reads(distilled.data_start, stage_b * per_step)
-        if first.plan is not None and first.steps:  # stage A read the same text in the teacher's tokens
-            earlier = loaded.data.source_reads(first.data_start, first.steps * per_step)
+        if first.plan is not None and first.steps:  # stage A read the same text in the teacher's tokens: its
+            earlier = loaded.data.source_reads(first.data_start, first.steps * per_step)  # reads add up
             for name, value in earlier.items():
                 mine = counted.setdefault(name, dict(value, reads=0.0, tokens_read=0))
                 mine["reads"] = round(mine["reads"] + value["reads"], 3)
+                mine["tokens_read"] += value["tokens_read"]  # each phase's in its own tokens
     print(f"[data] the distillation read each source of its text (the control the same rows): "
           f"{reads_line(counted)}", flush=True)
     return counted

