@@ -32,12 +32,17 @@ def source_table(documents: Sequence[tuple[np.ndarray, np.ndarray]], labels: Seq
         raise ValueError(f"{len(labels)} source labels for {len(documents)} documents; give one per document.")
     names = tuple(dict.fromkeys(labels[i] for i in train_indices))
     index = {name: k for k, name in enumerate(names)}
+    owner = np.asarray([index[labels[i]] for i in train_indices], dtype=np.int64)  # per training document
     lengths = np.asarray([len(documents[i][0]) for i in train_indices], dtype=np.int64)
-    owner = np.repeat(np.asarray([index[labels[i]] for i in train_indices], dtype=np.int64), lengths)
-    owner = np.concatenate([owner, np.full(max(0, rows * row_tokens - len(owner)), -1)])[:rows * row_tokens]
-    owner = owner.reshape(rows, row_tokens)
-    per_row = np.stack([(owner == k).sum(axis=1) for k in range(len(names))], axis=1) if names else \
-        np.zeros((rows, 0), np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])  # where each document begins in the concatenation
+    bounds = np.arange(rows + 1, dtype=np.int64) * row_tokens  # where each row begins (and the last ends)
+    inside = bounds < starts[-1]
+    doc = np.clip(np.searchsorted(starts, bounds, side="right") - 1, 0, max(0, len(lengths) - 1))
+    per_row = np.zeros((rows, len(names)), np.int64)
+    for k in range(len(names)):  # tokens of source k before each row bound, by documents: no per-token array
+        before = np.concatenate([[0], np.cumsum(np.where(owner == k, lengths, 0))])
+        into = np.where(owner[doc] == k, bounds - starts[doc], 0) if len(lengths) else 0
+        per_row[:, k] = np.diff(np.where(inside, before[doc] + into, before[-1]))
     distinct = np.zeros(len(names), np.int64)
     seen: set[tuple[int, int]] = set()
     for i in train_indices:

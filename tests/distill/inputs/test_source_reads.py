@@ -10,7 +10,7 @@ import pytest
 
 from nnx_surgery import distill
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
-from nnx_surgery.distill.inputs.source_reads import reads_line
+from nnx_surgery.distill.inputs.source_reads import reads_line, source_table
 from nnx_surgery.recipes import corpus
 from nnx_surgery.recipes.reporting import results_table
 
@@ -61,6 +61,21 @@ def _rows_between(batches, before, count):
         if position == batches.num_rows:
             epoch, position = epoch + 1, 0
     return np.asarray(out)
+
+
+@pytest.mark.parametrize("row_tokens, rows", [(23, 40), (7, 300), (23, 10_000)])
+def test_the_table_counts_each_rows_tokens_as_one_owner_per_token_would(row_tokens, rows):
+    """Against the plain count: every token labelled, cut into rows (a tail dropped, or padding past the end)."""
+    rng = np.random.default_rng(0)
+    documents = [(np.zeros(int(n), np.int32), None) for n in rng.integers(1, 60, 50)]
+    labels = [["a", "b", "c"][k] for k in rng.integers(0, 3, 50)]
+    train = sorted(rng.permutation(50)[:44].tolist())
+    owner = np.concatenate([np.full(len(documents[i][0]), "abc".index(labels[i])) for i in train])
+    owner = np.concatenate([owner, np.full(max(0, rows * row_tokens - len(owner)), -1)])[:rows * row_tokens]
+    names = tuple(dict.fromkeys(labels[i] for i in train))
+    plain = np.stack([(owner.reshape(rows, row_tokens) == "abc".index(n)).sum(1) for n in names], 1)
+    table = source_table(documents, labels, train, row_tokens, rows)
+    assert table.names == names and (table.rows == plain).all()
 
 
 @pytest.mark.parametrize("restart", [True, False])
