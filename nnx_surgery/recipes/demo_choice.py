@@ -26,9 +26,16 @@ LM_EVAL = ("--eval-tasks", "nnx_stdlib_next_line,nnx_stdlib_complete", "--eval-t
 CPU_PRESET, ACCELERATOR_PRESET = "gemma3-270m", "gemma3-270m-tpu"
 ACCELERATORS = {"tpu": "a TPU", "gpu": "a GPU", "cuda": "a GPU", "rocm": "a GPU"}
 # what JAX's devices are, and how many TPU chips its own PCI scan finds (they show even where no libtpu is loaded)
-PROBE = ("import json, jax; from jax._src import hardware_utils; d = jax.devices(); "
-         "print(json.dumps([d[0].platform, getattr(d[0], 'device_kind', ''), len(d), "
-         "hardware_utils.num_available_tpu_chips_and_device_id()[0]]))")
+# (JAX's private helper, the scan its TPU start-up does; a JAX without it reads as no chips)
+PROBE = "\n".join([
+    "import json, jax",
+    "try:",
+    "    from jax._src import hardware_utils",
+    "    chips = hardware_utils.num_available_tpu_chips_and_device_id()[0]",
+    "except (ImportError, AttributeError, OSError):",
+    "    chips = 0",
+    "d = jax.devices()",
+    "print(json.dumps([d[0].platform, getattr(d[0], 'device_kind', ''), len(d), chips]))"])
 # `make`'s side folder (Makefile: libtpu off the import path, so that a CPU machine never starts a TPU runtime)
 SIDE_LIBTPU = os.path.join("libtpu", "libtpu", "libtpu.so")
 
