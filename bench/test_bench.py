@@ -326,6 +326,47 @@ def test_aot_goal_rows_read_the_latest_compiles_and_the_margin():
     assert rows[next(n for n in rows if "Liger" in n)][2] is False
 
 
+def test_budget_curve_plots_fabricated_results(tmp_path, capsys):
+    """bench/demo_budget_curve.py's reading and plotting, on results.json files made up here (a test of the plot
+    code, not a result): closure per byte from each run's rows, one point per scale, the PNG and the table; the
+    scales' batch and steps make their tokens exactly; the 100x run is `make demo`'s folder."""
+    import demo_budget_curve as curve
+
+    assert [curve.scale_settings(s) for s in (1, 10, 100)] == [
+        {"batch": 16, "steps": 14, "warmup": 1, "tokens": 57_344},
+        {"batch": 64, "steps": 35, "warmup": 1, "tokens": 573_440},
+        {"batch": 64, "steps": 350, "warmup": 12, "tokens": 5_734_400}]
+    assert curve.run_folder(str(tmp_path), 100).endswith(os.path.join("runs", "gemma3-270m-tpu"))
+    assert curve.command(str(tmp_path), 10)[-6:] == ["--batch-size", "64", "--steps", "35", "--warmup-steps", "1"]
+
+    def fabricated(tokens, distilled, control):  # CE per byte: teacher 1.0, pruned 2.0 on every set
+        rows = [{"model": "teacher", "tokens": 0}, {"model": "pruned (before distillation)", "tokens": 0},
+                {"model": "distilled student", "tokens": tokens},
+                {"model": "CE-retrained pruned student (control)", "tokens": tokens}]
+        for row, value in zip(rows, (1.0, 2.0, 2.0 - distilled, 2.0 - control)):
+            row.update(loss_per_byte=value, general_loss_per_byte=value, far_loss_per_byte=value)
+        return {"rows": rows, "wall_time_s": tokens / 1e4, "phase_times_s": {"distillation": 1.0}}
+
+    folders = {}
+    for scale, (distilled, control) in {1: (0.5, 0.4), 10: (0.7, 0.6)}.items():
+        folder = tmp_path / f"{scale}x"
+        folder.mkdir()
+        (folder / "results.json").write_text(json.dumps(fabricated(scale * 57_344, distilled, control)))
+        folders[scale] = str(folder)
+    folders[100] = str(tmp_path / "not-run")  # no results.json: no point
+    found = curve.points(folders)
+    assert [p["tokens"] for p in found] == [57_344, 573_440]
+    assert found[1]["closed"]["far-domain"] == pytest.approx({"distilled": 0.7, "control": 0.6})
+    path = curve.plot(found, str(tmp_path / "curve.png"))
+    assert os.path.getsize(path) > 10_000
+    table = curve.table(found).splitlines()
+    assert table[2] == "| 1x | 57,344 | 50% / 40% | 50% / 40% | 50% / 40% | 6 s |"
+    assert curve.main(["plot", "--root", str(tmp_path), "--scales", "1,10", "--out", str(tmp_path / "b.png")]) == 0
+    assert "| 10x | 573,440 | 70% / 60% |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no run has a results.json"):
+        curve.plot([], str(tmp_path / "none.png"))
+
+
 @pytest.mark.slow
 def test_lm_eval_speed_bench_records_rates_and_agreement(tmp_path):
     """bench/lm_eval_speed.py on the tiny model, both peers, one pass: its record (rates, ratios, answers

@@ -123,6 +123,7 @@ def run_all(run: run_settings.RunSettings, clock: "PhaseClock") -> dict:
     clock.lap("surgery")
     distilled = run_phases.distil(run, loaded, teacher, first, cut)
     clock.lap("distillation")
+    reads = run_phases.corpus_reads(run, loaded, first, cut, distilled)  # how often each source was read
     control = run_phases.train_control(run, loaded, teacher, first, cut, distilled)  # same batches and steps
     if control is not None:
         clock.lap("control")
@@ -130,6 +131,7 @@ def run_all(run: run_settings.RunSettings, clock: "PhaseClock") -> dict:
     clock.lap("evaluation")
     results = summarise(run, results, clock, chosen.search, distilled, control)
     results["pairing"] = run_phases.pairing(run, first, cut, distilled, control)
+    results["corpus_reads"] = reads
     results["mlp_refit"] = {phase: refit.report.to_dict() for phase, refit in (("stage_a", first.refit),
                                                                                ("final", cut.refit)) if refit}
     final = write_student(run, results, first, cut, distilled, control)
@@ -236,6 +238,9 @@ def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict 
                    compression=config.surgery.compression, control=config.student.control, phase_times_s=clock.laps,
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
+    if config.data.general_mix and config.data.general_source == "packages":  # which packages, what licence
+        from nnx_surgery.distill.inputs import packaged_prose
+        results["general_prose"] = packaged_prose.describe()
     results["teacher_cache"] = teacher_caching.read_uses(run.folder)  # the phases that trained from a cache
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}

@@ -11,7 +11,9 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery.recipes import refusals
-from nnx_surgery.distill.inputs import sources
+from nnx_surgery.distill.inputs import packaged_prose, sources
+
+GENERAL_SOURCES = ("pydoc", "packages")  # --general-source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,7 @@ class DataSettings:
     seed: int
     restart_rows: bool = True
     general_mix: float = 0.0
+    general_source: str = "pydoc"
     position_limit: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -58,7 +61,9 @@ def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
             raise refusals.RecipeError("--general-mix needs text files (--data FILES or a preset's corpus), not hf:; "
                                   "mix general text into the dataset itself instead.")
         files = corpus if corpus is not None else sources.expand_paths(data)
-        common["extra_train"] = distill.general_mix(sum(os.path.getsize(f) for f in files), settings.general_mix)
+        parts = general_parts(settings, sum(os.path.getsize(f) for f in files))
+        common["extra_train"] = [text for _, texts in parts for text in texts]
+        common["extra_sources"] = [name for name, texts in parts for _ in texts]
     if corpus is not None:
         return distill.TokenBatches.from_files(corpus, tokenizer, **common)
     if data.startswith("hf:"):
@@ -66,4 +71,16 @@ def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
     return distill.TokenBatches.from_files(data, tokenizer, **common)
 
 
-__all__ = ["DataSettings", "load_data"]
+def general_parts(settings: DataSettings, corpus_bytes: int) -> list[tuple[str, list[str]]]:
+    """(source name, documents) of the general mix beside a corpus of `corpus_bytes` bytes: the pydoc topics' train
+    part repeated, or the `prose` extra's packaged prose (nnx_surgery/distill/inputs/packaged_prose.py); training
+    text only, never held out."""
+    if settings.general_source == "packages":
+        return packaged_prose.prose_mix(corpus_bytes, settings.general_mix, settings.seed)
+    if settings.general_source != "pydoc":
+        raise refusals.RecipeError(f"--general-source {settings.general_source!r}: choose from "
+                                   f"{', '.join(GENERAL_SOURCES)}.")
+    return [("pydoc topics", distill.general_mix(corpus_bytes, settings.general_mix))]
+
+
+__all__ = ["DataSettings", "load_data", "general_parts", "GENERAL_SOURCES"]

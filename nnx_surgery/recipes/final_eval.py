@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from nnx_surgery import distill
+from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors
 from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
 from nnx_surgery.surgery.modeling.generation import generate
@@ -66,16 +67,19 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
     trains on) and, with `far`, prose from files no training text comes from (far-domain), each cut to
     --eval-tokens scored tokens."""
     common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens, seed=args.seed)
-    sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, data.eval_texts(), description=f"held-out documents of the "
+    texts = {IN_DOMAIN: data.eval_texts(), GENERAL: distill.general_prose("heldout") if args.evaluation.general else [],
+             FAR: _far_texts() if args.evaluation.general and far else []}
+    for name, held in texts.items():  # the packaged general prose trains only (--general-source packages)
+        packaged_prose.refuse_held_out(held, name)
+    sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, texts[IN_DOMAIN], description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
                                           **common)]
     if args.evaluation.general:
-        sets.append(distill.HeldoutSet.from_texts(GENERAL, distill.general_prose("heldout"), description=(
+        sets.append(distill.HeldoutSet.from_texts(GENERAL, texts[GENERAL], description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
-    texts = _far_texts() if args.evaluation.general and far else []
-    if texts:
-        sets.append(distill.HeldoutSet.from_texts(FAR, texts, description=(
+    if texts[FAR]:
+        sets.append(distill.HeldoutSet.from_texts(FAR, texts[FAR], description=(
             "English prose from files of the Python install that no training text comes from: the history of "
             "Python (LICENSE.txt without its terms), IDLE's change logs and notes, the email package's design notes "
             f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))

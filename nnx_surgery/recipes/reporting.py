@@ -145,6 +145,9 @@ def results_table(results: dict) -> str:
     if results.get("trimmed_vocabulary"):
         lines += ["", results["trimmed_vocabulary"]]
     lines += ["", *verdicts(results), *pairing_lines(results), *search_summary(results.get("search"))]
+    if results.get("corpus_reads"):  # (older results.json files do not say)
+        from nnx_surgery.distill.inputs.source_reads import reads_line
+        lines.append(f"Text read by the distillation (and the control): {reads_line(results['corpus_reads'])}.")
     if "teacher_cache" in results:  # (older results.json files do not say)
         from nnx_surgery.recipes.teacher_caching import summary_line
         lines.append(summary_line(results["teacher_cache"]))
@@ -224,6 +227,27 @@ def verdicts(results: dict) -> list[str]:
                          f"[{ce['low']:+.4f}, {ce['high']:+.4f}], KL to the teacher {kl['difference']:+.3f} "
                          f"[{kl['low']:+.3f}, {kl['high']:+.3f}] (distilled - control, 95% interval).")
     return lines
+
+
+SET_KEYS = (("loss", "in-domain"), ("general_loss", "general"), ("far_loss", "far-domain"))
+
+
+def gap_closed(results: dict) -> dict[str, dict[str, float]]:
+    """Per held-out set (in-domain, general, far-domain): the share of the pruned-to-teacher gap in CE per byte
+    that the distilled student and the control closed (as the verdicts say it), from a results.json; a set the
+    run did not score, or where pruning raised no CE, is left out."""
+    by_name = {r["model"]: r for r in results["rows"]}
+    teacher, pruned = by_name.get("teacher"), by_name.get("pruned (before distillation)")
+    models = {"distilled": by_name.get("distilled student"),
+              "control": next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)}
+    out: dict[str, dict[str, float]] = {}
+    for key, title in SET_KEYS:
+        key = f"{key}_per_byte"
+        if not (teacher and pruned and key in teacher and key in pruned) or pruned[key] <= teacher[key]:
+            continue
+        gap = pruned[key] - teacher[key]
+        out[title] = {name: (pruned[key] - row[key]) / gap for name, row in models.items() if row and key in row}
+    return out
 
 
 def pairing_lines(results: dict) -> list[str]:

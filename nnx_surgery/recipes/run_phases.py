@@ -29,6 +29,7 @@ from typing import Any
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
+from nnx_surgery.distill.inputs.source_reads import reads_line
 from nnx_surgery.recipes import corpus, phase_configs, shape_search, student_refit, teacher_caching, vocabulary
 from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.run_settings import RunSettings, for_student
@@ -226,6 +227,27 @@ def paired_start(first: StageA, cut: Cut, distilled: Trained) -> dict | None:
     """The data position the control starts from: where the distillation started reading `cut.data` (stage A's
     start when stage B continued its stream, else stage B's)."""
     return first.data_start if continues_stage_a(first, cut) else distilled.data_start
+
+
+def corpus_reads(run: RunSettings, loaded: Loaded, first: StageA, cut: Cut, distilled: Trained) -> dict:
+    """How many times the distilled student's training (stage A's included) read each source of its text: the
+    corpus and each general-prose source (TokenBatches.source_reads; the control reads the same rows). Printed in
+    one line, and results.json's `corpus_reads`."""
+    per_step = run.config.data.batch_size * run.config.distill.grad_accum  # rows
+    stage_b = distilled.steps - first.steps
+    if continues_stage_a(first, cut):  # one stream: stage A's rows, then stage B's
+        counted = cut.data.source_reads(first.data_start, distilled.steps * per_step)
+    else:
+        counted = cut.data.source_reads(distilled.data_start, stage_b * per_step)
+        if first.plan is not None and first.steps:  # stage A read the same text in the teacher's tokens: its
+            earlier = loaded.data.source_reads(first.data_start, first.steps * per_step)  # reads add up
+            for name, value in earlier.items():
+                mine = counted.setdefault(name, dict(value, reads=0.0, tokens_read=0))
+                mine["reads"] = round(mine["reads"] + value["reads"], 3)
+                mine["tokens_read"] += value["tokens_read"]  # each phase's in its own tokens
+    print(f"[data] the distillation read each source of its text (the control the same rows): "
+          f"{reads_line(counted)}", flush=True)
+    return counted
 
 
 def pairing(run: RunSettings, first: StageA, cut: Cut, distilled: Trained, control: Trained | None) -> dict:

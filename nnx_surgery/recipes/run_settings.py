@@ -26,6 +26,7 @@ from nnx_surgery.recipes.refusals import RecipeError
 from nnx_surgery.recipes.final_eval import EvalSettings
 
 PHASES = ("teacher_correction", "stage_a", "stage_b", "control")
+STDLIB_PRESETS = ("gemma3-270m", "gemma3-270m-tpu")  # the real 270M on the standard library's source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,7 @@ def resolve(config: RecipeConfig) -> RunSettings:
                         teacher_folder=teacher.folder,
                         batch_size=config.data.batch_size, seq_len=config.data.seq_len, seed=config.run.seed,
                         restart_rows=config.data.restart_rows, general_mix=config.data.general_mix,
+                        general_source=config.data.general_source,
                         position_limit=freeze(limit))
     evaluation = EvalSettings.of(config, teacher.folder, description)
     bare = RunSettings(config, output, teacher, data, evaluation, None, None)  # type: ignore[arg-type]
@@ -149,7 +151,7 @@ def output_settings(config: RecipeConfig) -> Output:
 
 def locate_teacher(config: RecipeConfig) -> tuple[Teacher, tuple[str, ...] | None, str]:
     """(the teacher, the preset's corpus files or None, what the training text is). The tiny preset makes both
-    offline (the teacher trained once, cached in --cache-dir); the gemma3-270m preset reads the standard library's
+    offline (the teacher trained once, cached in --cache-dir); the gemma3-270m presets read the standard library's
     source (its teacher, the real GGUF, is imported once and cached)."""
     source, corpus = config.teacher.model, None
     if config.run.preset == "tiny" and config.teacher.model is None:
@@ -157,7 +159,7 @@ def locate_teacher(config: RecipeConfig) -> tuple[Teacher, tuple[str, ...] | Non
         corpus = tuple(files)
         description = (f"{len(corpus)} files of the Python standard library's source, byte-level tokens "
                        "(offline tiny preset)")
-    elif config.data.files is None and config.run.preset == "gemma3-270m":
+    elif config.data.files is None and config.run.preset in STDLIB_PRESETS:
         corpus = tuple(tiny_teacher.corpus_files(config.data.corpus_bytes, config.run.seed))
         description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
     else:

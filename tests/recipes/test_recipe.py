@@ -122,6 +122,10 @@ def test_results_table_compares_all_four_models(runs):
     assert "General held-out set:" in full.stdout and "Far-domain held-out set:" in full.stdout
     assert "95% interval" in full.stdout and "far-domain CE" in full.stdout
     assert "Wall time: teacher and data" in full.stdout and "evaluation" in results["phase_times_s"]
+    reads = results["corpus_reads"]  # how often the distillation read its text: printed and recorded
+    assert list(reads) == ["corpus"] and reads["corpus"]["tokens_read"] > 0 and reads["corpus"]["reads"] > 0
+    assert "[data] the distillation read each source of its text (the control the same rows): corpus " in full.stdout
+    assert "Text read by the distillation (and the control): corpus " in full.stdout
     refits = results["mlp_refit"]  # stage A narrows every MLP: refitted to the teacher's before it trains
     plan_a = surgery.Plan.load(base / "full" / "student" / "plan_stage_a.json")
     narrowed = [s for s, kept in enumerate(plan_a.kept_mlp) if len(kept) < plan_a.teacher_config.intermediate_size]

@@ -39,6 +39,20 @@ def test_a_run_folder_of_the_first_format_resumes_and_refuses_other_settings(tmp
         files.check_resumable(resolution.resolve([*flags, "--top-k", "4", "--resume"]), str(tmp_path))
 
 
+def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(tmp_path):
+    """A run folder saved before data.general_source was declared (the CPU demo's of an earlier `make demo`) ran
+    with its default: `--resume` is not refused for it, and still is for a setting that truly differs."""
+    flags = ["--preset", "gemma3-270m", "--output", str(tmp_path), "--resume"]
+    saved = files.saved_config(resolution.resolve(flags))
+    del saved["data"]["general_source"]
+    (tmp_path / "resolved_config.json").write_text(json.dumps(saved))
+    files.check_resumable(resolution.resolve(flags), str(tmp_path))
+    saved["data"]["general_source"] = "packages"  # saved with the other value: refused
+    (tmp_path / "resolved_config.json").write_text(json.dumps(saved))
+    with pytest.raises(RecipeError, match=r"\['data.general_source'\] differ"):
+        files.check_resumable(resolution.resolve(flags), str(tmp_path))
+
+
 def test_the_first_format_names_an_unknown_setting(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"preset": "tiny", "stpes": 4}))
     with pytest.raises(RecipeError, match="unknown setting 'stpes'"):

@@ -112,3 +112,41 @@ def test_the_gemma3_270m_preset_resolves_every_derived_value(tmp_path):
     assert run.data.corpus and run.data.general_mix == 0.5
     assert dict(run.data.position_limit) == {"max_positions": 32768, "max_positions_source":
                                              f"max_position_embeddings in {teacher / 'config.json'}"}
+
+
+def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(tmp_path):
+    teacher = tmp_path / "gemma-3-270m"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps(GEMMA3_270M))
+    save_gemma_tokenizer(str(teacher))
+    common = ["--teacher", str(teacher), "--output", str(tmp_path / "run"), "--dry-run"]
+    cpu = resolution.resolve(["--preset", "gemma3-270m", *common])
+    tpu = resolution.resolve(["--preset", "gemma3-270m-tpu", *common])
+    cpu_tokens = cpu.training.steps * cpu.tokens_per_step
+    assert (cpu.training.steps, cpu.tokens_per_step, cpu_tokens) == (56, 1024, 57_344)  # the CPU demo, unchanged
+    assert tpu.training.steps * tpu.tokens_per_step == 100 * cpu_tokens and tpu.data.seq_len == cpu.data.seq_len
+    assert (tpu.training.compute_dtype, cpu.training.compute_dtype) == ("bfloat16", "float32")
+    assert tpu.evaluation.tokens == 4 * cpu.evaluation.tokens and tpu.evaluation.prompts == 4 * cpu.evaluation.prompts
+    assert (tpu.data.general_mix, tpu.data.general_source, cpu.data.general_source) == (0.5, "packages", "pydoc")
+    assert tpu.training.warmup_steps == round(cpu.training.warmup_steps / cpu.training.steps * tpu.training.steps)
+    same = ("teacher", "student", "surgery")  # the same teacher, student shape and cut
+    assert all(getattr(tpu, section) == getattr(cpu, section) for section in same)
+    assert (tpu.training.learning_rate, tpu.training.alpha, tpu.training.frozen, tpu.run.gguf) == \
+        (cpu.training.learning_rate, cpu.training.alpha, cpu.training.frozen, cpu.run.gguf)
+    cpu_run, tpu_run = run_settings.resolve(cpu), run_settings.resolve(tpu)
+    assert tpu_run.student.spec == cpu_run.student.spec and tpu_run.teacher.dtype == "bfloat16"
+    assert tpu_run.data.corpus and len(tpu_run.data.corpus) > len(cpu_run.data.corpus)  # the stdlib, more of it
+    assert tpu_run.data.general_source == "packages"
+
+
+def test_the_packaged_general_prose_is_refused_before_a_run_without_the_extra(tmp_path, monkeypatch):
+    from nnx_surgery.distill.inputs import packaged_prose
+    from nnx_surgery.recipes.refusals import RecipeError
+
+    missing = packaged_prose.ProsePackage("no-such-prose-package", "1.0", "x", "x", "x", lambda path: [])
+    monkeypatch.setattr(packaged_prose, "PACKAGES", (missing,))
+    args = ["--preset", "tiny", "--general-mix", "0.5", "--general-source", "packages", "--cache-dir",
+            str(tmp_path / "cache"), "--output", str(tmp_path / "run")]
+    with pytest.raises(RecipeError, match=r"--general-source packages: .*pip install 'nnx-surgery\[prose\]'"):
+        resolution.resolve(args)
+    assert resolution.resolve([*args, "--print-config"]).data.general_source == "packages"  # reads no text

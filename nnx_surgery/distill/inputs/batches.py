@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .host_shards import tokenize_shared
+from .source_reads import reads, source_table, tokens_read
 from .sources import DataError, Record, expand_paths, hf_dataset_records, read_records, stdlib_corpus  # noqa: F401
 
 
@@ -247,7 +248,7 @@ class TokenBatches(RowStream):
                  eval_batch_size: int | None = None, drop_remainder: bool = True, shuffle: bool = True,
                  pad_id: int = 0, process_index: int = 0, process_count: int = 1, return_segments: bool = True,
                  max_positions: int | None = None, max_positions_source: str | None = None,
-                 train_only: int = 0, restart_id: int | None = None):
+                 train_only: int = 0, restart_id: int | None = None, sources: Sequence[str] | None = None):
         if seq_len < 2 or batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and batch_size >= 1 (got {seq_len}, {batch_size}).")
         check_positions(seq_len, max_positions, max_positions_source)
@@ -280,6 +281,9 @@ class TokenBatches(RowStream):
         if self.num_rows < batch_size:
             raise DataError(f"the training documents give {self.num_rows} row(s) of {seq_len} tokens, fewer than "
                             f"batch_size {batch_size}; add data or lower seq_len/batch_size.")
+        self.sources = source_table(documents, list(sources) if sources is not None else ["text"] * len(documents),
+                                    self.train_indices, self._rows.shape[1] - (restart_id is not None),
+                                    self.num_rows)  # each source's tokens per row: `source_reads`
         self._eval_docs = [documents[i] for i in self.eval_indices]
         self.eval_records: list[Record] | None = None  # the held-out texts, when built from text (from_records)
         self._eval_cache: list[dict[str, np.ndarray]] | None = None
@@ -290,15 +294,23 @@ class TokenBatches(RowStream):
     # ---------------------------------------------------------------------------- constructors
     @classmethod
     def from_records(cls, records: Sequence[Record], tokenizer: Any, *, extra_train: Sequence[Record] = (),
+                     corpus_name: str = "corpus", extra_sources: Sequence[str] | None = None,
                      **kwargs) -> "TokenBatches":
         """`records`, plus `extra_train` records that only ever train (never held out: e.g. general text mixed
-        into a domain corpus, `distill.general_mix`); the held-out split is the one `records` alone gives."""
+        into a domain corpus, `distill.general_mix`); the held-out split is the one `records` alone gives.
+        `corpus_name` names the source of `records`, `extra_sources` that of each extra record (default "general
+        mix"), for `source_reads`."""
         check_positions(kwargs.get("seq_len", 2), kwargs.get("max_positions"), kwargs.get("max_positions_source"))
         tok = load_tokenizer(tokenizer)
         kwargs.setdefault("pad_id", tok.pad_id)
         records = list(records) + list(extra_train)
         documents = tokenize_shared(records, tok, tokenize_records, kwargs.get("process_count", 1))  # multi-host
-        batches = cls(documents, train_only=len(extra_train), **kwargs)
+        if extra_sources is not None and len(extra_sources) != len(extra_train):
+            raise DataError(f"{len(extra_sources)} extra_sources for {len(extra_train)} extra_train records; name "
+                            "the source of each.")
+        labels = [corpus_name] * (len(records) - len(extra_train)) + list(
+            extra_sources if extra_sources is not None else ["general mix"] * len(extra_train))
+        batches = cls(documents, train_only=len(extra_train), sources=labels, **kwargs)
         batches.eval_records = [records[i] for i in batches.eval_indices]
         return batches
 
@@ -414,6 +426,12 @@ class TokenBatches(RowStream):
         if not 0 <= int(state["position"]) < self.num_rows or int(state["epoch"]) < 0:
             raise DataError(f"cannot resume: position {state['position']} / epoch {state['epoch']} out of range.")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def source_reads(self, start: dict[str, Any] | None, rows: int) -> dict[str, dict[str, float | int]]:
+        """How many times `rows` training rows read from `start` (a `state()`; None: the stream's start) read each
+        source (`source_reads.reads`: distinct tokens, tokens read, reads)."""
+        epoch, position = (int(start["epoch"]), int(start["position"])) if start else (0, 0)
+        return reads(self.sources, tokens_read(self.sources, self.order, epoch, position, int(rows)))
 
     def calibration_ids(self, num_samples: int, seed: int | None = None) -> np.ndarray:
         """`num_samples` packed training rows (N, seq_len), drawn without replacement from (seed, "calibration"):

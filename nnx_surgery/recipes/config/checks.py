@@ -38,6 +38,7 @@ def check(config: RecipeConfig) -> None:
     teacher_caching.check(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
+    _check_general_source(config)
     _check_output(config)
 
 
@@ -69,6 +70,21 @@ def _check_data(data: str | None) -> None:
         not sources.read_text(data).strip()
     if named_empty or all(os.path.getsize(path) == 0 for path in files):
         raise RecipeError(f"--data {data}: no text there (empty); pass files with text in them.")
+
+
+def _check_general_source(config: RecipeConfig) -> None:
+    """--general-source packages: the prose extra's packages installed, before a run reads or writes anything (a
+    dry run, --print-config or --aot reads no text: not needed there)."""
+    run = config.run
+    if not config.data.general_mix or config.data.general_source != "packages" or run.dry_run or run.print_config \
+            or config.aot.target:
+        return
+    from nnx_surgery.distill.inputs import packaged_prose
+    try:
+        for package in packaged_prose.PACKAGES:
+            packaged_prose.installed_path(package)
+    except distill.DataError as error:
+        raise RecipeError(f"--general-source packages: {error}") from None
 
 
 def _check_budget(student: str | None) -> None:

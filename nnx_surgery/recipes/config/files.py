@@ -79,8 +79,7 @@ def check_resumable(config: RecipeConfig, folder: str) -> str:
         with open(path, encoding="utf-8") as handle:
             before = json.load(handle)
         now = saved_config(config)
-        if before.get("format") != layering.FORMAT:
-            before = comparable(before, path)
+        before = comparable(before, path) if before.get("format") != layering.FORMAT else with_defaults(before)
         differ = sorted(differences(before, now))
         if differ:
             raise RecipeError(f"--resume: the settings {differ} differ from the run's own ({path}); resume it "
@@ -95,6 +94,13 @@ def comparable(before: dict, path: str) -> dict:
     layering.merge(tree, layering.checked_layer(layering.sectioned(before, path), path))
     from nnx_surgery.recipes.config.resolution import build
     return saved_config(build(tree))
+
+
+def with_defaults(before: dict) -> dict:
+    """A sectioned resolved_config.json with the settings added since it was saved (e.g. data.general_source) read
+    as their defaults, which the run ran with."""
+    from nnx_surgery.recipes.config.resolution import build
+    return layering.merge(saved_config(build(layering.defaults_tree())), before)
 
 
 def differences(before: dict, now: dict, prefix: str = "") -> list[str]:

@@ -52,7 +52,7 @@ def preset(name: str) -> dict:
     return values
 
 
-PRESET_FILES = ("7b", "gemma3-270m", "tiny")
+PRESET_FILES = ("7b", "gemma3-270m", "gemma3-270m-tpu", "tiny")
 SCHEDULES = {name: value for name, value in data_file("schedules.json").items() if name != "about"}
 
 

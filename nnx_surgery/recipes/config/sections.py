@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 POSITIVE_RATE = ("a finite learning rate above 0, e.g. 3e-4", lambda v: 0 < v < math.inf)
 COUNT0 = ("0 or more", lambda v: v >= 0)
-PRESET_NAMES = ("7b", "gemma3-270m", "tiny")  # presets/<name>.json
+PRESET_NAMES = ("7b", "gemma3-270m", "gemma3-270m-tpu", "tiny")  # presets/<name>.json
 SCHEDULE_NAMES = ("none", "progressive", "sft-then-distil")  # presets/schedules.json
 CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 
@@ -30,7 +30,9 @@ class RunSection:
     """How this run is invoked and where it writes (mostly not saved: a resumed run may change them)."""
 
     preset: str = documented("7b", "a measured set of defaults: 7b (the real job), gemma3-270m (the real 270M, "
-                             "offline, CPU-sized), tiny (a self-trained toy teacher, for tests)", flag="--preset",
+                             "offline, CPU-sized), gemma3-270m-tpu (the same job at 100x the tokens in bf16, for "
+                             "one accelerator chip; needs the prose extra), tiny (a self-trained toy teacher, for "
+                             "tests)", flag="--preset",
                              choices=PRESET_NAMES)
     output: str | None = documented(None, "run folder: student, plans, results, checkpoints, resolved_config.json",
                                     flag="--output", saved=False)
@@ -139,6 +141,12 @@ class DataSection:
                                     "student also recovers outside the corpus's domain; 0: the corpus alone",
                                     flag="--general-mix", kind=float, metavar="FRACTION",
                                     check=("the share of general text, in [0, 1)", lambda v: 0 <= v < 1))
+    general_source: str = documented("pydoc", "what --general-mix's prose is: pydoc (the pydoc topics' train "
+                                     "part, with every Python; about 110 kB, repeated) or packages (the prose "
+                                     "extra's public-domain prose, about 7 MB: the World English Bible and the CIA "
+                                     "World Factbook's prose, read where pip installed them; README 'Corpora and "
+                                     "licences'); either trains only, never a held-out set",
+                                     flag="--general-source", choices=("pydoc", "packages"))
     batch_size: int = documented(8, "sequences per micro-batch (global, over the mesh)", flag="--batch-size",
                                  kind=int, check=("at least 1 row per batch", lambda v: v >= 1))
     seq_len: int = documented(256, "tokens per sequence", flag="--seq-len", kind=int,
