@@ -277,14 +277,17 @@ def test_offline_tasks_hold_no_text_the_recipes_training_reads(tmp_path):
 
 
 def test_make_demo_names_offline_tasks_that_exist():
-    """`make demo`'s --eval-tasks are tasks of nnx_offline (a misspelt one would stop the demo before training):
-    the code tasks, not the pydoc perplexity task, whose topics are the general held-out set's source."""
-    import re
+    """`make demo`'s --eval-tasks (the command `recipes.demo_choice` runs, on a CPU and on an accelerator) are
+    tasks of nnx_offline (a misspelt one would stop the demo before training): the code tasks, not the pydoc
+    perplexity task, whose topics are the general held-out set's source."""
+    from nnx_surgery.recipes import demo_choice
 
-    recipe = (REPO / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
-    names = re.search(r"--eval-tasks (\S+)", recipe).group(1).split(",")
-    assert set(names) == {"nnx_stdlib_next_line", "nnx_stdlib_complete"} and set(names) < set(TASKS)
-    assert re.search(r"--eval-tasks-limit (\d+)", recipe).group(1) == "20"
+    assert "nnx_surgery.recipes.demo_choice" in (REPO / "Makefile").read_text().split("\ndemo:", 1)[1]
+    for platform in ("cpu", "tpu"):
+        flags = demo_choice.choose(demo_choice.Backend(platform, "", 1)).command("python")
+        names = flags[flags.index("--eval-tasks") + 1].split(",")
+        assert set(names) == {"nnx_stdlib_next_line", "nnx_stdlib_complete"} and set(names) < set(TASKS)
+        assert flags[flags.index("--eval-tasks-limit") + 1] == "20"
 
 
 def test_a_folder_that_is_not_a_model_is_one_clear_error(lm_eval, tmp_path, tiny_folder, task_manager):
