@@ -128,7 +128,7 @@ class DataStream:
 
 
 def _depth(model: Any) -> int | None:
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)
     if hasattr(cfg, "num_hidden_layers"):
         return int(cfg.num_hidden_layers)
     layers = getattr(model, "layers", None)

@@ -24,6 +24,9 @@ class LossWeights(Mapping[str, float]):
     A ramped weight reads as its larger end (`weights.kl == 0.5`: the step computes the term for the whole
     stage); `at(fraction)` gives the values at a point of the stage, traced into the step (no recompilation)."""
 
+    _values: dict[str, float]  # set once in __init__ (the instance is immutable)
+    _ramps: dict[str, Ramp]
+
     def __init__(self, weights: Mapping[str, float] | None = None, /, **named: float):
         given = {**dict(weights or {}), **named}
         known = terms.weight_names()
@@ -138,7 +141,7 @@ class Ramp:
         return self.start + (self.end - self.start) * fraction
 
 
-def _ramp(value: float | Ramp | Sequence[Any] | Mapping[str, Any], where: str = "ramp") -> Ramp:
+def _ramp(value: float | Ramp | tuple[Any, ...] | list[Any] | Mapping[str, Any], where: str = "ramp") -> Ramp:
     """A Ramp from a number (constant), [start, end], [start, end, shape] or {"start", "end", "shape"}."""
     if isinstance(value, Ramp):
         ramp = value
