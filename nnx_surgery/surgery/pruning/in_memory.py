@@ -100,6 +100,7 @@ def logit_distance(teacher: CausalLM, student: CausalLM, batches) -> dict[str, f
 def _distance(teacher: CausalLM, student: CausalLM, ids):
     t = teacher(ids).logits
     s = student(ids).logits
+    assert t is not None and s is not None  # a forward returns logits unless asked not to
     t_logp, s_logp = jax.nn.log_softmax(t, -1), jax.nn.log_softmax(s, -1)
     kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp))
     return kl, jnp.sum(jnp.mean((t - s) ** 2, axis=-1))
