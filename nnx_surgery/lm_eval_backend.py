@@ -123,7 +123,7 @@ class NNXSurgeryLM(TemplateLM):
                                      "with tokenizer= its tokenizer's folder.")
         if model is not None and not tokenizer:
             raise LMEvalBackendError("model= (an in-memory model) needs tokenizer=, the folder of its tokenizer.json.")
-        self.folder = resolve_model_folder(str(pretrained)) if model is None else os.path.abspath(tokenizer)
+        self.folder: str = resolve_model_folder(str(pretrained)) if model is None else os.path.abspath(str(tokenizer))
         self.tok = FolderTokenizer(self.folder)
         self.mesh = _mesh(mesh) if mesh is None or isinstance(mesh, str) else mesh
         self.model = surgery.load_pretrained(self.folder, dtype=dtype, mesh=self.mesh) if model is None else model
@@ -199,9 +199,9 @@ class NNXSurgeryLM(TemplateLM):
         rows = {i: scoring_rows(requests[i][1], requests[i][2], self.max_length) for i in alone}
         order = sorted(alone, key=lambda i: (-len(rows[i][0]), rows[i][0]))
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
-            totals, greedy = self._score_batch([rows[i] for i in chunk])
-            for i, total, flag in zip(chunk, totals, greedy):
+            batch = order[start:start + self.batch_size]
+            batch_totals, batch_greedy = self._score_batch([rows[i] for i in batch])
+            for i, total, flag in zip(batch, batch_totals, batch_greedy):
                 results[i] = (float(total), bool(flag))
         for request, result in zip(requests, results):
             if request[0] is not None:

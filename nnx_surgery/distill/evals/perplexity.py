@@ -252,7 +252,8 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
         total, count = score(state, same_on_every_process({"input_ids": rows[i:i + batch_size],
                                                            "loss_mask": loss_mask[i:i + batch_size],
                                                            "first": first[i:i + batch_size]}, mesh))
-        totals.append(to_host(total)), counts.append(to_host(count))
+        totals.append(to_host(total))
+        counts.append(to_host(count))
     n = len(rows) - fill
     return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
 

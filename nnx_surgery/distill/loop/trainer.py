@@ -221,7 +221,7 @@ def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, stud
     return jax.device_put(projections, replicated(mesh)) if mesh is not None else projections
 
 
-def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConfig, *,
+def run(teacher: nnx.Module | None, student: nnx.Module, data: Any, config: DistillConfig, *,
         eval_data: Any = None, sampler: Sampler | None = None) -> DistillResult:
     """Distil `teacher` into `student` (trained in place) following `config`.
 
