@@ -151,7 +151,7 @@ def _layer_output(layer, x, positions, mask):
 
 
 @nnx.jit
-def _layer_products(layer, x, positions, mask, gate, up, down):
+def _layer_products(layer, x, positions, mask, gate, up, down) -> tuple[jax.Array, jax.Array, jax.Array]:
     """H^T H and H^T Y of one batch (float32, full-precision products), and ||Y||^2: H the student layer's MLP
     activations, Y the teacher MLP's output for the same MLP input."""
     captured: dict = {"mlp_inputs": [], "mlp_activations": []}
