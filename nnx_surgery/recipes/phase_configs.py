@@ -25,7 +25,8 @@ from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.refusals import RecipeError
 
 # progressive returns its stages, sft_then_distil its one stage
-SCHEDULE_FUNCTIONS: dict[str, Callable[..., Any]] = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
+SCHEDULE_FUNCTIONS: dict[str, Callable[..., Any]] = {"progressive": schedules.progressive,
+                                                     "sft-then-distil": schedules.sft_then_distil}
 
 
 def term_weights(config: RecipeConfig) -> dict[str, float]:

@@ -242,7 +242,7 @@ class TrainingLoop:
     def _opened_logger(self) -> MetricsLogger:
         """The metrics logger, which `_open_logs` makes before the first step or evaluation."""
         if self.logger is None:
-            raise RuntimeError("the metrics logger is not open yet (Distiller._open_logs makes it).")
+            raise RuntimeError("the metrics logger is not open yet (TrainingLoop._open_logs makes it).")
         return self.logger
 
     def _event(self, kind: str, message: str, **fields: Any) -> None:

@@ -268,7 +268,8 @@ def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
 
     keys = {k for r in steps for k in r}  # stages log different terms; the train step has no diagnostics
     divergences = ("kl", "term/kl", "term/reverse_kl", "term/jsd")
-    panels: list[tuple[str, list[str]]] = [("losses", sorted(k for k in keys if k == "loss" or k.startswith("loss/"))),
+    panels: list[tuple[str, list[str]]]
+    panels = [("losses", sorted(k for k in keys if k == "loss" or k.startswith("loss/"))),
               ("divergence", [k for k in divergences if k in keys]),
               ("cross-entropy", [k for k in ("student_ce", "teacher_ce") if k in keys]),
               ("throughput", [k for k in ("tokens_per_s",) if k in keys])]
