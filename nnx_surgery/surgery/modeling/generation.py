@@ -299,7 +299,9 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=True).ids)
-        return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:  # add_bos comes with a bos_id
+            return [self.bos_id] + ids
+        return ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -101,6 +101,8 @@ class TunixModel(nnx.Module):
                 x = layer(x, positions, masks[layer.attention_type], None)
             hidden = model.norm(x)
             logits = model.logits_from_hidden(hidden[:, -1:] if decode_only_last_token else hidden)
+        if logits is None:
+            raise RuntimeError("the model's forward returned no logits.")
         return (logits[:, -1:] if decode_only_last_token else logits), None
 
     def _cached(self, tokens, positions, cache: dict, attention_mask, last_only: bool):

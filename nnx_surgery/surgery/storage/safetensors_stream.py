@@ -15,7 +15,7 @@ import os
 import shutil
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before reading BF16 with framework="numpy")
 import numpy as np
@@ -314,7 +314,8 @@ def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[st
     """Header first, then each tensor's bytes. The next `ahead` tensors are produced on `ahead` threads while the
     current one is written (reads, most numpy work and file writes release the GIL), so reading, arithmetic and
     writing overlap; peak memory is `ahead + 1` tensors."""
-    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}  # then each tensor's entry
+    offset = 0
     for tensor in tensors:
         header[tensor.name] = {"dtype": dtype_code(tensor.dtype), "shape": list(tensor.shape),
                                "data_offsets": [offset, offset + tensor.nbytes]}
