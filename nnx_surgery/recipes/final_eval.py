@@ -74,8 +74,8 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
     English prose no training corpus contains: the held-out pydoc topics (general: near the prose a general mix
     trains on) and, with `far`, prose from files no training text comes from (far-domain), each cut to
     --eval-tokens scored tokens."""
-    common = _SetOptions(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens,
-                         seed=args.seed)
+    common: _SetOptions
+    common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens, seed=args.seed)
     sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, data.eval_texts(), description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
                                           **common)]
