@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     # lm-eval's own backends first: its registry fills itself only while it is empty
@@ -90,6 +90,16 @@ class FolderTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+Result = TypeVar("Result")
+
+
+def _every_one(results: list[Result | None]) -> list[Result]:
+    """The results of every request, each set by one of the batches."""
+    if any(result is None for result in results):
+        raise LMEvalBackendError("a request was left without a result.")
+    return [result for result in results if result is not None]
+
+
 def _json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
@@ -123,7 +133,7 @@ class NNXSurgeryLM(TemplateLM):
                                      "with tokenizer= its tokenizer's folder.")
         if model is not None and not tokenizer:
             raise LMEvalBackendError("model= (an in-memory model) needs tokenizer=, the folder of its tokenizer.json.")
-        self.folder = resolve_model_folder(str(pretrained)) if model is None else os.path.abspath(tokenizer)
+        self.folder: str = resolve_model_folder(str(pretrained)) if model is None else os.path.abspath(str(tokenizer))
         self.tok = FolderTokenizer(self.folder)
         self.mesh = _mesh(mesh) if mesh is None or isinstance(mesh, str) else mesh
         self.model = surgery.load_pretrained(self.folder, dtype=dtype, mesh=self.mesh) if model is None else model
@@ -147,11 +157,13 @@ class NNXSurgeryLM(TemplateLM):
     # lm-eval's TemplateLM protocol ------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
+        if self.tok.eos_id is None:
+            raise LMEvalBackendError(f"{self.folder}: the tokenizer names no EOS token, which lm-eval needs.")
         return self.tok.eos_id
 
     @property
     def prefix_token_id(self) -> int:
-        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
+        return self.tok.bos_id if self.tok.bos_id is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
@@ -199,15 +211,15 @@ class NNXSurgeryLM(TemplateLM):
         rows = {i: scoring_rows(requests[i][1], requests[i][2], self.max_length) for i in alone}
         order = sorted(alone, key=lambda i: (-len(rows[i][0]), rows[i][0]))
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
-            totals, greedy = self._score_batch([rows[i] for i in chunk])
-            for i, total, flag in zip(chunk, totals, greedy):
+            batch = order[start:start + self.batch_size]
+            batch_totals, batch_greedy = self._score_batch([rows[i] for i in batch])
+            for i, total, flag in zip(batch, batch_totals, batch_greedy):
                 results[i] = (float(total), bool(flag))
         for request, result in zip(requests, results):
             if request[0] is not None:
                 self.cache_hook.add_partial("loglikelihood", request[0], result)
         self.timings["loglikelihood_s"] += time.perf_counter() - started
-        return results
+        return _every_one(results)
 
     def _shared_contexts(self, requests) -> list[list[int]]:
         """Indices of requests grouped by their context (2 or more with the same context ids), longest contexts
@@ -328,7 +340,7 @@ class NNXSurgeryLM(TemplateLM):
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         self.timings["generate_s"] += time.perf_counter() - started
-        return results
+        return _every_one(results)
 
     def _prompt(self, context: str, settings: dict) -> list[int]:
         budget = self.max_length - self._gen_settings(settings)[1]

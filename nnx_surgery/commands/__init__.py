@@ -18,7 +18,7 @@ import os
 import shutil
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from nnx_surgery.recipes.refusals import REFUSED_PATHS, RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.atomic import NAME_MAX
@@ -236,7 +236,7 @@ def guard_folder(path: str, name: str, inputs: list[str], *, probe: bool = True)
     return out
 
 
-def empty_folder(path: str, name: str, overwrite: bool, inputs: list[str] = ()) -> str:
+def empty_folder(path: str, name: str, overwrite: bool, inputs: Sequence[str] = ()) -> str:
     """A folder to write into: absent or empty, or anything with `overwrite`; never an existing file, an input
     of the command or a folder holding one, nor the current folder or one above it (`guard_folder`)."""
     guard_folder(path, name, list(inputs))
@@ -248,7 +248,8 @@ def empty_folder(path: str, name: str, overwrite: bool, inputs: list[str] = ()) 
     return os.path.abspath(path)
 
 
-def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None, inputs: list[str] = ()) -> str:
+def new_file(path: str, name: str, overwrite: bool, *, inside: str | None = None,
+             inputs: Sequence[str] = ()) -> str:
     """A file to write (a folder gets `inside` appended): refused when it exists unless `overwrite`, and when
     `guard_output` refuses it. Its folder is not created here: the writer makes it once everything is checked."""
     if inside is not None and os.path.isdir(path):
@@ -300,7 +301,8 @@ def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: st
     from nnx_surgery.recipes import corpus, model_inputs, tiny_teacher
 
     corpus_files = None if args.data else tuple(tiny_teacher.corpus_files(args.corpus_bytes, args.seed))
-    description = args.data or f"{len(corpus_files)} modules of the Python standard library's source"
+    description = args.data if corpus_files is None else \
+        f"{len(corpus_files)} modules of the Python standard library's source"
     settings = corpus.DataSettings(files=args.data, corpus=corpus_files, description=description,
                                    teacher_folder=teacher_folder, batch_size=batch_size, seq_len=args.seq_len,
                                    seed=args.seed, position_limit=model_inputs.position_limit(teacher_folder))

@@ -118,7 +118,8 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
                                            rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size,
                                            selection=args.selection, sample_seed=args.seed)
-    tokenizer_folder = student_folder if kept is not None else teacher_folder  # a trimmed student's own tokens
+    # a trimmed student's own tokens (kept comes from the student's folder)
+    tokenizer_folder = student_folder if kept is not None and student_folder else teacher_folder
     if kept is not None:
         distill.inputs.batches.check_vocabulary(tokenizer_folder, len(kept))
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer_folder, batch_size=args.batch_size)
@@ -127,7 +128,8 @@ def cache_teacher(args: argparse.Namespace) -> dict:
                 "tokenizer_sha256": teacher_cache.file_sha256(tokenizer) if os.path.isfile(tokenizer) else None,
                 "vocab_map_sha256": teacher_cache.vocab_map_sha256(kept),
                 "data": _data_files(args), "precision": args.precision}
-    teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
+    teacher: surgery.CausalLM | distill.TeacherInStudentVocabulary = surgery.load_pretrained(
+        teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
     if kept is not None:  # the teacher seen in the student's ids: its logits at the kept pieces, renormalised
         teacher = distill.TeacherInStudentVocabulary(teacher, kept)
     mesh = distill.make_mesh(args.mesh) if args.mesh else None

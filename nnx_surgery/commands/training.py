@@ -187,8 +187,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         model = surgery.load_pretrained(folder, dtype="float32")
         print(f"[eval] {name}: {shape_line(model.config)}", flush=True)
         rows.append((name, model, 0))
-    vocabularies = {name: distill.Vocabulary(folder, kept[name]) for name, folder in zip(names, folders)
-                    if kept[name] is not None}
+    vocabularies = {name: distill.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
+                    if (kept_ids := kept[name]) is not None}
     with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
         results = final_eval.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
         for row in results["rows"]:

@@ -97,6 +97,8 @@ class DistributedSettings:
         kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": int(self.heartbeat_timeout_s),
                                   "initialization_timeout": int(self.initialization_timeout_s)}
         if not self.auto and self.coordinator is not None:
+            if self.num_processes is None or self.process_id is None:  # refused by __post_init__
+                raise DistributedError("a coordinator needs num_processes and process_id.")
             kwargs.update(coordinator_address=self.coordinator, num_processes=int(self.num_processes),
                           process_id=int(self.process_id))
         return kwargs

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .distributed import initialize_distributed  # noqa: F401  (re-exported: the multi-host start lives there)
 
@@ -87,7 +87,9 @@ def make_mesh(spec: str | Mapping[str, int] | Mesh, devices: int | list | None =
     needed = int(np.prod(list(sizes.values())))
     if devices is None:
         chosen = available
-    elif isinstance(devices, int) and not isinstance(devices, bool):
+    elif isinstance(devices, bool):
+        raise MeshError(f"devices={devices}: give a number of devices or a list of them.")
+    elif isinstance(devices, int):
         if not 1 <= devices <= len(available):
             raise MeshError(f"devices={devices}: there are {len(available)} device(s); ask for 1 to "
                             f"{len(available)}.")
@@ -128,7 +130,8 @@ def _sharding_by_path(shardings: Any) -> dict[tuple, Any]:
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Place every variable of `model` on `mesh` (in place; returns the model): where `model.shardings(mesh)`
     says when the model has that method, else replicated on every device."""
-    wanted = _sharding_by_path(model.shardings(mesh)) if callable(getattr(model, "shardings", None)) else None
+    shardings = getattr(model, "shardings", None)  # CausalLM.shardings; other modules are replicated
+    wanted = _sharding_by_path(shardings(mesh)) if callable(shardings) else None
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         value = variable.get_value() if isinstance(variable, nnx.Variable) else None
         if not hasattr(value, "shape"):
@@ -198,7 +201,7 @@ def check_mesh_fits(mesh: Mesh | None, models: Mapping[str, Any], batch: int | N
                                     f"use {axis} = 1 or a divisor of {dim} ({', '.join(map(str, fits))}).")
 
 
-def batch_spec(mesh: Mesh | None, batch: int, leading: int = 0) -> PartitionSpec:
+def batch_spec(mesh: Mesh | AbstractMesh | None, batch: int, leading: int = 0) -> PartitionSpec:
     """Batch axis split over the data axes of the mesh that divide it (in order), leaving the rest replicated;
     `leading` extra unsharded leading dims (e.g. micro-batches)."""
     if mesh is None:
@@ -224,7 +227,9 @@ def rows_stay_on_their_process(mesh: Mesh, rows: int) -> bool:
     if rows % processes or rows % data_split(mesh)[1]:
         return False
     share = rows // processes
-    for device, index in NamedSharding(mesh, batch_spec(mesh, rows)).devices_indices_map((rows,)).items():
+    # keyed by jax.Device, an alias of a compiled class that a type checker cannot see
+    indices: Mapping[Any, Any] = NamedSharding(mesh, batch_spec(mesh, rows)).devices_indices_map((rows,))
+    for device, index in indices.items():
         start, stop, _ = index[0].indices(rows)
         if not device.process_index * share <= start < stop <= (device.process_index + 1) * share:
             return False

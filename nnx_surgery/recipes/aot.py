@@ -37,6 +37,8 @@ def check_settings(config: RecipeConfig) -> None:
 
 def main(config: RecipeConfig) -> dict:
     """Compile, report, search when asked or needed; returns the report (also OUT/aot_report.json)."""
+    if config.aot.target is None:
+        raise RecipeError("the compile report needs --aot TARGET.")
     mfu = config.aot.mfu or DEFAULT_MFU
     target = aot_targets.resolve_target(config.aot.target)
     if not config.training.mesh:  # a run on the slice is given a mesh over all of it

@@ -47,7 +47,7 @@ def out_of_memory(error: BaseException) -> dict | None:
         re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", text)
     line = next((part.strip() for part in text.splitlines() if "exceed" in part or "Ran out" in part),
                 text.splitlines()[0] if text else "")
-    row = {"message": " ".join(line.split())[:300]}
+    row: dict[str, str | float] = {"message": " ".join(line.split())[:300]}
     if found:
         row["needed"] = float(found.group(1)) * UNITS[found.group(2)]
         row["available"] = float(found.group(3)) * UNITS[found.group(4)]

@@ -63,7 +63,7 @@ def remat_policies() -> list[str | None]:
     accepted = []
     for policy in REMAT_COST:
         try:
-            distill.DistillConfig(stages=[distill.Stage(steps=1)], remat=policy)
+            distill.DistillConfig(stages=(distill.Stage(steps=1),), remat=policy)
             accepted.append(policy)
         except ValueError:
             continue
@@ -79,7 +79,7 @@ def logit_impls(config: RecipeConfig) -> list[str]:
         return [asked]
     weights = distill.LossWeights({"kl": 0.0, config.training.loss: 1.0})
     try:
-        distill.DistillConfig(stages=[distill.Stage(steps=1, weights=weights)], logit_impl="two_pass",
+        distill.DistillConfig(stages=(distill.Stage(steps=1, weights=weights),), logit_impl="two_pass",
                               top_k=section.top_k, train_diagnostics=section.train_diagnostics,
                               teacher_cache=section.teacher_cache)
     except ValueError:
@@ -148,7 +148,7 @@ def why_nothing_fits(row: dict, target: Target, config: RecipeConfig) -> str:
     parts = {"the student's weights and Adam state": state, "the teacher's weights": b["teacher_parameters"],
              "the activations" + (" and attention maps captured for transfer" if config.training.term_weights.get(
                  "attention") else ""): activations}
-    dominant = max(parts, key=parts.get)
+    dominant = max(parts, key=lambda name: parts[name])
     persistent = state + b["teacher_parameters"]
     chips = math.ceil(persistent * len(target.devices) / ((1 - HEADROOM) * target.memory_per_device) * 1.5)
     larger = [name for name in KNOWN_TOPOLOGIES if name.startswith(target.name.partition(":")[0] + ":")

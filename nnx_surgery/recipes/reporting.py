@@ -84,8 +84,9 @@ def dry_run_report(run: RunSettings) -> str:
 def search_plan(config: RecipeConfig, search: StudentChoice) -> list[str]:
     """The dry run's account of a shape search: each candidate's shape and parameter counts (the uniform guess
     and the heads-kept shape marked), and its cost in steps and tokens against the main distillation's."""
-    budget = search.budget
+    budget, search_steps = search.budget, config.search.steps
     assert budget is not None  # a search is planned
+    assert search_steps is not None  # resolution.derive writes it from --steps
     width = max(len(c.text) for c in search.candidates)
     lines = [f"shape search ({budget.text}: {search.target:,} {budget.counting.replace('_', '-')} parameters "
              f"+-{config.search.tolerance:.0%}; {search.fitting} shapes fit, {len(search.candidates)} searched):",
@@ -101,7 +102,7 @@ def search_plan(config: RecipeConfig, search: StudentChoice) -> list[str]:
               f"{steps / config.training.steps:.2f}x the main distillation's {config.training.steps:,} steps "
               f"({config.training.steps * config.tokens_per_step:,} tokens)",
               "  each candidate scored on the held-out sets at steps "
-              f"{', '.join(map(str, eval_points(config.search.steps)))}; ranked by in-domain CE at the last",
+              f"{', '.join(map(str, eval_points(search_steps)))}; ranked by in-domain CE at the last",
               "  the shapes and plan below are the uniform guess's; the run distils the search's winner", ""]
     return lines
 

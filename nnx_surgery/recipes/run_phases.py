@@ -258,6 +258,7 @@ def pairing(run: RunSettings, first: StageA, cut: Cut, distilled: Trained, contr
     staged_stream = continues_stage_a(first, cut)
     distilled_batches = ([r.get("batch_digest") for r in first.history] if staged_stream else []) + \
         [r.get("batch_digest") for r in distilled.history]
+    record: dict[str, Any]  # results.json's JSON record
     record = {"distillation": {"phases": ["stage_a", "stage_b"] if staged_stream else ["stage_b"],
                                "start_weights": distilled.start_weights, "batch_digests": distilled_batches,
                                "batch_sequence": distill.sequence_digest([str(d) for d in distilled_batches])}}

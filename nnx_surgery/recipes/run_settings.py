@@ -132,13 +132,14 @@ def check_new_tokens(config: RecipeConfig, teacher: Teacher, positions: int | No
 def output_settings(config: RecipeConfig) -> Output:
     """The run folder, refused when missing, busy (without --resume or --overwrite) or not a folder, and
     --halt-after parsed."""
-    if not config.run.output:
+    output = config.run.output
+    if not output:
         raise RecipeError("--output is required: the run folder (student, plans, results, checkpoints).")
     if jax.process_count() > 1 and not config.training.mesh:
         raise RecipeError(f"a multi-host run ({jax.process_count()} processes) needs --mesh over all "
                               f"{jax.device_count()} devices, e.g. --mesh fsdp={jax.device_count()}.")
     run = config.run
-    folder, started = model_inputs.output_folder(run.output, resume=run.resume, overwrite=run.overwrite,
+    folder, started = model_inputs.output_folder(output, resume=run.resume, overwrite=run.overwrite,
                                            dry_run=run.dry_run)
     halt_steps = {}
     if config.run.halt_after:
@@ -164,6 +165,9 @@ def locate_teacher(config: RecipeConfig) -> tuple[Teacher, tuple[str, ...] | Non
         description = f"{len(corpus)} modules of the Python standard library's source (held-out modules)"
     else:
         description = config.data.files or ""
+    if source is None:
+        raise RecipeError("--teacher is required (a folder, a Hub repo id or a .gguf file); only the tiny preset "
+                          "makes its own.")
     folder = model_inputs.teacher_folder(source, config.teacher.revision)
     teacher = Teacher(source, folder, surgery.ModelConfig.from_file(folder), config.training.compute_dtype)
     return teacher, corpus, description

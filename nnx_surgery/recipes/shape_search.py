@@ -93,7 +93,7 @@ def parse_budget_text(text: str | None) -> Budget | None:
     """The budget of a `--student` value with `params=`, else None. Refuses sizes or a named shape beside it and
     `vocab=` (module docstring) with a one-line error."""
     items = [item.strip() for item in (text or "").split(",")]
-    if not any(item.partition("=")[0].strip() == "params" for item in items):
+    if text is None or not any(item.partition("=")[0].strip() == "params" for item in items):
         return None
     given: dict[str, str] = {}
     for item in items:

@@ -55,12 +55,13 @@ def student_batches(teacher_folder: str, plan: surgery.Plan, out: str, data: dis
     None when the plan keeps the whole vocabulary, else the corpus tokenised again by `load(student tokenizer
     folder)` and that folder (the phases save it with the student's weights)."""
     tokenizer = write_student_tokenizer(teacher_folder, plan, out)
-    if tokenizer is None:
+    kept_vocab = plan.kept_vocab
+    if tokenizer is None or kept_vocab is None:  # None together: the plan keeps the whole vocabulary
         return data, None
-    distill.check_vocabulary(tokenizer, len(plan.kept_vocab))
+    distill.check_vocabulary(tokenizer, len(kept_vocab))
     trimmed = load(tokenizer)
     teacher_rows, student_rows = data.num_rows, trimmed.num_rows
-    print(f"[vocab] the student keeps {len(plan.kept_vocab):,} of the teacher's {plan.teacher_config.vocab_size:,} "
+    print(f"[vocab] the student keeps {len(kept_vocab):,} of the teacher's {plan.teacher_config.vocab_size:,} "
           f"pieces; its tokenizer ({tokenizer}) makes {student_rows:,} training rows of the corpus "
           f"where the teacher's made {teacher_rows:,}", flush=True)
     return trimmed, tokenizer
@@ -72,8 +73,9 @@ def vocabularies(rows: list[tuple[str, Any, int]], plan: surgery.Plan, tokenizer
     student's folder) and map."""
     if plan.kept_vocab is None:
         return {}
-    return {name: distill.Vocabulary(tokenizer, plan.kept_vocab) for name, model, _ in rows
-            if model.config.vocab_size == len(plan.kept_vocab) != teacher_vocab_size}
+    kept_vocab = tuple(plan.kept_vocab)
+    return {name: distill.Vocabulary(tokenizer, kept_vocab) for name, model, _ in rows
+            if model.config.vocab_size == len(kept_vocab) != teacher_vocab_size}
 
 
 __all__ = ["write_student_tokenizer", "student_batches", "vocabularies", "FOLDER"]

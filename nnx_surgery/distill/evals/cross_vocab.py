@@ -72,7 +72,8 @@ def heldout_report_across(models: Mapping[str, Any], heldout: HeldoutSet, *, ref
     if not vocabularies:
         return heldout_report(models, heldout, reference=reference, pairs=pairs, batch_size=batch_size,
                               vocab_chunk=vocab_chunk, seed=seed, log=log)
-    scores, sets, summaries, tokenizations = {}, {}, {}, []
+    scores, sets, tokenizations = {}, {}, []
+    summaries: dict[str, dict[str, float | int | str]] = {}
     for vocabulary, names in vocabulary_groups(list(models), reference, vocabularies):
         held = heldout if vocabulary is None else heldout.retokenised(vocabulary.tokenizer)
         ref_name = reference if vocabulary is None else restricted_name(reference, vocabulary)
@@ -83,9 +84,10 @@ def heldout_report_across(models: Mapping[str, Any], heldout: HeldoutSet, *, ref
                             log=log)
         for name in names:
             scores[name], sets[name] = got[name], held
-            summaries[name] = summarise(got[name], held)
+            summary: dict[str, float | int | str] = dict(summarise(got[name], held))
             if vocabulary is not None:
-                summaries[name].update(vocab_size=len(vocabulary.teacher_ids), kl_reference=ref_name)
+                summary.update(vocab_size=len(vocabulary.teacher_ids), kl_reference=ref_name)
+            summaries[name] = summary
         tokenizations.append({"vocab_size": None if vocabulary is None else len(vocabulary.teacher_ids),
                               "models": names, "tokens": held.tokens, "reference": ref_name,
                               "reference_ce_per_byte": summarise(got[ref_name], held)["ce_per_byte"]})

@@ -78,7 +78,7 @@ class HeldoutSet:
             raise DataError(f"HeldoutSet {name!r}: seq_len {seq_len} is too short for a passage; use >= 4.")
         tok = load_tokenizer(tokenizer)
         start = tok.bos_id if tok.add_bos and tok.bos_id is not None else tok.eos_id
-        passages: list[tuple[int, list[int], int]] = []
+        passages: list[tuple[int, list[int], int, str]] = []  # (document, ids, bytes, text)
         total = 0
         rng = np.random.default_rng([seed, 0x6E7])
         share = None if max_tokens is None else max(1, -(-max_tokens // min(min_documents, len(texts) or 1)))

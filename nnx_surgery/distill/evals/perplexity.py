@@ -57,7 +57,8 @@ def model_mesh(model: Any) -> Mesh | None:
     """The mesh `model`'s arrays are placed on (their NamedSharding's), or None for a model on one device."""
     for leaf in jax.tree.leaves(nnx.state(model)):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        # a placed array's mesh is concrete (an AbstractMesh only describes one)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and not sharding.mesh.empty:
             return sharding.mesh
     return None
 
@@ -85,7 +86,7 @@ def same_on_every_process(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> d
     they divide the rows; without a mesh, or on one process, plain device arrays."""
     if mesh is None or jax.process_count() == 1:
         return {k: jnp.asarray(v) for k, v in arrays.items()}
-    out = {}
+    out: dict[str, jax.Array] = {}
     for key, value in arrays.items():
         sharding = NamedSharding(mesh, batch_spec(mesh, len(value)))
         out[key] = jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
@@ -252,7 +253,8 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
         total, count = score(state, same_on_every_process({"input_ids": rows[i:i + batch_size],
                                                            "loss_mask": loss_mask[i:i + batch_size],
                                                            "first": first[i:i + batch_size]}, mesh))
-        totals.append(to_host(total)), counts.append(to_host(count))
+        totals.append(to_host(total))
+        counts.append(to_host(count))
     n = len(rows) - fill
     return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
 

@@ -103,7 +103,7 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
     teacher_scores = {held.name: _summary(summarise(score_heldout(
         {"teacher": teacher}, held, reference="teacher", log=lambda line: None,
         reference_cache=teacher_hidden)["teacher"], held)) for held in sets}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for number, candidate in enumerate(candidates, start=1):
         log(f"[search] {number}/{len(candidates)} {candidate.name}")
         curve = _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at,
@@ -114,7 +114,7 @@ def search(teacher: Any, candidates: Sequence[SearchCandidate], data: Any, confi
                     | ({"note": candidate.note} if candidate.note else {}))
     order = rank_curves(rows, eval_at[-1], *rank_by)
     rows.sort(key=lambda r: order.index(r["name"]))
-    result = SearchResult(rows, teacher_scores, eval_at, tuple(rank_by))
+    result = SearchResult(rows, teacher_scores, eval_at, (rank_by[0], rank_by[1]))
     _write_atomic(os.path.join(directory, "search.json"), json.dumps(result.to_dict(), indent=1))
     _write_atomic(os.path.join(directory, "search.md"), result.markdown())
     plot_search(result, os.path.join(directory, "search.png"))
@@ -138,7 +138,8 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
         with open(curve_path) as f:
             curve = json.load(f)
     student, data = candidate.build(), fresh_data()
-    checkpoints = CheckpointConfig(directory=os.path.join(folder, "checkpoints"), every=config.total_steps, keep=1)
+    checkpoint_dir = os.path.join(folder, "checkpoints")
+    checkpoints = CheckpointConfig(directory=checkpoint_dir, every=config.total_steps, keep=1)
     for stop in eval_at:
         if any(point["step"] == stop for point in curve):
             continue
@@ -159,7 +160,7 @@ def _candidate_curve(teacher, candidate, fresh_data, config, sets, eval_at, fold
         log(f"[search]   step {stop}: " + ", ".join(f"{h.name} CE {point[h.name]['ce']:.4f}" for h in sets)
             + f" ({point['train_s']:.0f} s)")
     _write_atomic(done_path, json.dumps({"name": candidate.name, "curve": curve}, indent=1))
-    shutil.rmtree(checkpoints.directory, ignore_errors=True)  # the curve is what a search keeps
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the curve is what a search keeps
     return curve
 
 

@@ -79,7 +79,11 @@ class ChoiceItem:
 
 # ------------------------------------------------------------------------------------------------ held-out text
 def _prefix(tok: TextTokenizer) -> list[int]:
-    return [tok.bos_id] if tok.add_bos else []
+    if not tok.add_bos:
+        return []
+    if tok.bos_id is None:
+        raise ValueError("the tokenizer adds a BOS token but has no bos_id.")
+    return [tok.bos_id]
 
 
 def _encode(tok: TextTokenizer, text: str) -> list[int]:

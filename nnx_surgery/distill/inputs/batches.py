@@ -348,7 +348,7 @@ class TokenBatches(RowStream):
             if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
                 raise DataError(f"each document must be a 1-D integer array, got {ids.dtype} {ids.shape}.")
             head = [] if bos_id is None else [bos_id]
-            full = np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.int32([eos_id])])
+            full = np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.asarray([eos_id], np.int32)])
             trainable = np.ones(len(full), dtype=bool)
             trainable[:len(head)] = False
             documents.append((full, trainable))
@@ -361,7 +361,7 @@ class TokenBatches(RowStream):
         T = self.seq_len - (self.restart_id is not None)  # a column is kept for the restart token
         ids = np.concatenate([d[0] for d in documents] or [np.zeros(0, np.int32)])
         weights = np.concatenate([d[1] for d in documents] or [np.zeros(0, bool)])
-        kinds = np.ones(len(ids), dtype=np.int8)
+        kinds: np.ndarray = np.ones(len(ids), dtype=np.int8)
         kinds[np.cumsum([0] + [len(d[0]) for d in documents[:-1]])[:len(documents)]] = 2
         rows = len(ids) // T + (1 if pad_last and len(ids) % T else 0)
         pad = rows * T - len(ids)

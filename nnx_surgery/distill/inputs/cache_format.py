@@ -122,7 +122,7 @@ def decompress_rows(blob: np.ndarray, offsets: np.ndarray, index: np.ndarray, to
         gaps = np.ascontiguousarray(planes.T).view("<u4").reshape(tokens, k)
         ids[out] = np.cumsum(gaps, axis=-1, dtype=np.int64)
         steps[out] = np.frombuffer(raw, np.uint8, offset=4 * tokens * k).reshape(tokens, k)
-    if ids is None:
+    if ids is None or steps is None:  # both made at the first row
         raise CacheError("decompress_rows: no rows asked for.")
     return {"sorted_ids": ids, "id_steps": steps}
 

@@ -259,7 +259,7 @@ def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, 
 def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings, *, identity: Mapping,
                 mesh: Any = None, resume: bool = False, process_index: int | None = None,
                 process_count: int | None = None, after_shard: Callable[[int], None] | None = None,
-                row_ids: Sequence[int] | None = None) -> dict:
+                row_ids: Sequence[int] | np.ndarray | None = None) -> dict:
     """Run `teacher` over every packed training row of `batches` (a TokenBatches), or only the packed rows
     `row_ids` (e.g. `rows_ahead`: those a run of some steps will read), and write the cache into `folder`; returns
     the manifest. Shard i holds the i-th `rows_per_shard` of those rows and is written by process
@@ -321,7 +321,7 @@ def _teacher_function(teacher: Any, settings: CacheSettings) -> Callable:
     return lambda batch, row_index: top(batch)
 
 
-def _row_subset(row_ids: Sequence[int] | None, num_rows: int) -> np.ndarray | None:
+def _row_subset(row_ids: Sequence[int] | np.ndarray | None, num_rows: int) -> np.ndarray | None:
     if row_ids is None:
         return None
     subset = np.unique(np.asarray(row_ids, dtype=np.int64))

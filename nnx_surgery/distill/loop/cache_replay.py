@@ -97,12 +97,13 @@ def _check_vocabulary(cache: TeacherCache, config: Any, student_rows: int) -> No
     mapped = vocab_map_of(config)
     saved, ours = cache.manifest["identity"].get("vocab_map_sha256"), vocab_map_sha256(mapped)
     if saved != ours:
+        pieces = len(mapped) if mapped is not None else 0
         if saved and ours:
-            why = f"made in another trimmed vocabulary than the run's student's ({len(mapped):,} pieces)"
+            why = f"made in another trimmed vocabulary than the run's student's ({pieces:,} pieces)"
         elif saved:
             why = "made in a trimmed student's vocabulary, but the run's student has the teacher's"
         else:
-            why = f"made in the teacher's vocabulary, but the run's student has a trimmed one ({len(mapped):,} pieces)"
+            why = f"made in the teacher's vocabulary, but the run's student has a trimmed one ({pieces:,} pieces)"
         raise CacheError(f"teacher cache {cache.folder}: {why}; write the cache for this student (`nnx-surgery "
                          "cache-teacher TEACHER --student STUDENT`).")
     if student_rows != cache.vocab_size:

@@ -128,6 +128,11 @@ class RunCheckpoints:
     def directory(self) -> str | None:
         return self.checkpointer.directory if self.checkpointer is not None else None
 
+    def _required_checkpointer(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise ValueError("no checkpoint directory: set checkpoint.directory to restore a checkpoint.")
+        return self.checkpointer
+
     def mark_good(self, step: int, meta: Callable[[], dict[str, Any]]) -> None:
         """Record the state at `step` as the rollback target (checkpoint with `meta()`, else host copy)."""
         runner = self.runner
@@ -142,8 +147,9 @@ class RunCheckpoints:
 
     def restore_last_good(self) -> int:
         """Put the rollback target back into the runner; returns its step."""
-        if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
-            return int(self.restore(self.checkpointer.latest_step())["step"])
+        latest_step = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        if latest_step is not None:
+            return int(self.restore(latest_step)["step"])
         if self.snapshot is None:
             raise DivergenceError("diverged before any good state was recorded.")
         snap = self.snapshot
@@ -153,7 +159,7 @@ class RunCheckpoints:
 
     def restore(self, step: int) -> dict[str, Any]:
         """Load checkpoint `step` into the runner; returns its `meta`."""
-        runner, checkpointer = self.runner, self.checkpointer
+        runner, checkpointer = self.runner, self._required_checkpointer()
         meta = checkpointer.read_meta(step)
         runner.enter_stage(int(meta["stage"]), carry=False)  # templates of the right structure and placement
         student_state, opt_state, projections = checkpointer.restore(
@@ -172,19 +178,22 @@ class RunCheckpoints:
     def _restore_newest_readable(self) -> dict[str, Any]:
         """Restore the newest checkpoint that reads back; an unreadable one (damaged after it was written) is
         reported and the next older one is tried."""
-        steps = sorted(self.checkpointer.manager.all_steps(), reverse=True)
+        checkpointer = self._required_checkpointer()
+        steps = sorted(checkpointer.manager.all_steps(), reverse=True)
         for position, step in enumerate(steps):
             try:
                 return self.restore(step)
             except Exception as error:  # noqa: BLE001 - any read failure: fall back, or re-raise on the last
                 if position == len(steps) - 1:
                     raise
-                self.skipped.append(f"step {step} in {self.checkpointer.directory} could not be read "
+                self.skipped.append(f"step {step} in {checkpointer.directory} could not be read "
                                     f"({type(error).__name__}: {error}); trying step {steps[position + 1]}")
         raise AssertionError("unreachable: latest_step() named a checkpoint")
 
     def latest_complete_step(self) -> int | None:
         """The newest finalised checkpoint on disk (not the manager's cached list: a write may have been cut)."""
+        if self.checkpointer is None:
+            return None
         try:
             self.checkpointer.manager.reload()
             return self.checkpointer.latest_step()

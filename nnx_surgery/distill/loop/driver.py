@@ -43,7 +43,7 @@ from .interruption import RunInterrupted, StopSignals, drop_torn_line, interrupt
 from .feed import BatchFeed, processes
 from .feed import stack_batches as _stack  # noqa: F401 - tests import it from here
 from ..mesh import put_batch
-from .metrics import device_peak_flops, make_logger, step_flops
+from .metrics import MetricsLogger, device_peak_flops, make_logger, step_flops
 from .on_policy import OnPolicy
 from .oom import MemoryRetries
 from .train_step import hyper_values
@@ -81,7 +81,7 @@ class TrainingLoop:
         self.peak = device_peak_flops(config.peak_flops)
         self.devices = mesh.size if mesh is not None else 1
         self.flops: float | None = None
-        self.logger = None
+        self.logger: MetricsLogger | None = None
         self._last_eval_step = -1
         self.data_state = data.state()  # position after the last completed step
         self.guard = DivergenceGuard(config.guard)
@@ -239,10 +239,16 @@ class TrainingLoop:
                 f"{stage.learning_rate:g}, weights {active}, temperature {stage.temperature.start:g}->"
                 f"{stage.temperature.end:g}; carried {carried} optimizer-state leaves")
 
+    def _opened_logger(self) -> MetricsLogger:
+        """The metrics logger, which `_open_logs` makes before the first step or evaluation."""
+        if self.logger is None:
+            raise RuntimeError("the metrics logger is not open yet (TrainingLoop._open_logs makes it).")
+        return self.logger
+
     def _event(self, kind: str, message: str, **fields: Any) -> None:
         record = {"event": kind, "step": self.step, "message": message, **fields}
         self.events.append(record)
-        self.logger.message(message, event=kind, step=self.step, **fields)
+        self._opened_logger().message(message, event=kind, step=self.step, **fields)
 
     def _fallback(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Report the fallbacks' switches; each changes the loss weights, so the guard's loss history restarts."""
@@ -261,7 +267,7 @@ class TrainingLoop:
         return hyper, active
 
     def _log_step(self, values, hyper, elapsed: float, index: int, batch, warmup: bool, active: list[str],
-                  policy: dict[str, float]):
+                  policy: dict[str, float | str]):
         accum, batch_size, seq_len = batch["input_ids"].shape
         tokens = accum * batch_size * seq_len
         if self.flops is None:
@@ -278,7 +284,7 @@ class TrainingLoop:
             record["fallback"] = ",".join(active)
             record.update({f"weight/{name}": float(hyper[name]) for name in self.fallbacks.moved_weights})
         self.history.append(record)
-        self.logger.step(record)
+        self._opened_logger().step(record)
         return record
 
     def _eval_due(self, stage_start: bool = False) -> bool:
@@ -304,10 +310,10 @@ class TrainingLoop:
         record["perplexity"] = math.exp(min(record["student_ce"], 80))
         self.monitor.evaluate(record)
         self.evals.append(record)
-        self.logger.evaluation(record)
+        self._opened_logger().evaluation(record)
         self._last_eval_step = self.step
         if self.monitor.report:
-            self.logger.message(targets.report_line(self.step, self.monitor.report))
+            self._opened_logger().message(targets.report_line(self.step, self.monitor.report))
         self._fallback(self.fallbacks.on_evaluation(self.step, self.runner.stage_index, record))
         warning = self.monitor.utilisation_warning()
         if warning:

@@ -55,7 +55,7 @@ class StopSignals:
 
     NAMES = ("SIGINT", "SIGTERM")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
 

@@ -119,8 +119,15 @@ def _runner(teacher, student, config: DistillConfig, mesh) -> StepRunner:
 
 
 def _width(model) -> int:
-    config = getattr(model, "config", None)
-    return int(config.hidden_size)
+    return int(model.config.hidden_size)
+
+
+def _batch_shape(config: DistillConfig) -> tuple[int, int]:
+    """The (rows, positions) of the run's batches, which a program made before any data needs in the config."""
+    if config.batch_size is None or config.seq_len is None:
+        raise ValueError(f"a program made before the data needs the batch shape in its config: batch_size="
+                         f"{config.batch_size}, seq_len={config.seq_len}.")
+    return config.batch_size, config.seq_len
 
 
 def train_step_program(teacher, student, config: DistillConfig, mesh, stage_index: int, *, name: str = "",
@@ -136,28 +143,30 @@ def train_step_program(teacher, student, config: DistillConfig, mesh, stage_inde
     out = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt), replicated(mesh))
     function = build_train_step(graph, runner.teacher_graph, runner.step_settings(stage_index),
                                 runner.adam_settings, out, config.compiler_options)
-    rows = config.batch_size
-    batch = batch_arguments(mesh, rows, config.seq_len, config.grad_accum, keys)
+    rows, seq_len = _batch_shape(config)
+    batch = batch_arguments(mesh, rows, seq_len, config.grad_accum, keys)
     hyper = {key: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for key in terms.hyper_keys()}
     arguments = (params, opt, frozen, runner.teacher_state, batch, hyper)
     parts = {"teacher": runner.teacher_state, "student": params["student"], "frozen": frozen,
              "projections": params["proj"], "optimizer": opt, "batch": batch}
     return Program(name or stage.name or f"stage {stage_index}", function, arguments, parts,
-                   rows * config.seq_len * config.grad_accum, mesh, runner.remat)
+                   rows * seq_len * config.grad_accum, mesh, runner.remat)
 
 
 def eval_step_program(teacher, student, config: DistillConfig, mesh, *, name: str = "evaluation",
                       device_bytes: int | None = None, keys=tuple(BATCH_DTYPES)) -> Program:
     """The held-out evaluation step of the run (`StepRunner.evaluate`) on one batch of `config.batch_size` rows."""
     config = target_logit_chunk(config, mesh.devices.flat[0], device_bytes)
+    assert config.logit_chunk is not None  # target_logit_chunk sets it
+    rows, seq_len = _batch_shape(config)
     runner = _runner(teacher, student, config, mesh)
     graph, state = nnx.split(student)
     state = abstract(state, mesh)
     function = build_eval_step(graph, runner.teacher_graph, config.logit_chunk, config.compiler_options)
-    batch = batch_arguments(mesh, config.batch_size, config.seq_len, 0, keys)
+    batch = batch_arguments(mesh, rows, seq_len, 0, keys)
     arguments = (state, runner.teacher_state, batch)
     parts = {"teacher": runner.teacher_state, "student": state, "batch": batch}
-    return Program(name, function, arguments, parts, config.batch_size * config.seq_len, mesh)
+    return Program(name, function, arguments, parts, rows * seq_len, mesh)
 
 
 __all__ = ["Program", "abstract", "like_parameters", "batch_arguments", "train_step_program", "eval_step_program",

@@ -43,8 +43,8 @@ def matrix_parameters(model: nnx.Module) -> int:
 
 
 def attention_flops_per_token(model: Any, seq_len: int) -> float:
-    cfg = getattr(model, "config", None)
     try:
+        cfg = model.config
         return 4.0 * seq_len * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     except AttributeError:
         return 0.0
@@ -225,7 +225,8 @@ def config_values(config: Any) -> dict[str, Any]:
     try:
         values = config.to_dict()
     except (AttributeError, ValueError):  # no to_dict, or a stage holding an NNX filter rather than a pattern
-        values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+        is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
+        values = dataclasses.asdict(config) if is_instance else dict(config)
     default = lambda value: dict(value) if isinstance(value, Mapping) else repr(value)  # noqa: E731
     return redact(json.loads(json.dumps(values, default=default)))
 
@@ -267,13 +268,14 @@ def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
 
     keys = {k for r in steps for k in r}  # stages log different terms; the train step has no diagnostics
     divergences = ("kl", "term/kl", "term/reverse_kl", "term/jsd")
+    panels: list[tuple[str, list[str]]]
     panels = [("losses", sorted(k for k in keys if k == "loss" or k.startswith("loss/"))),
               ("divergence", [k for k in divergences if k in keys]),
               ("cross-entropy", [k for k in ("student_ce", "teacher_ce") if k in keys]),
               ("throughput", [k for k in ("tokens_per_s",) if k in keys])]
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
-    for axis, (title, keys) in zip(axes, panels):
-        for key in keys:
+    for axis, (title, panel_keys) in zip(axes, panels):
+        for key in panel_keys:
             axis.plot([r["step"] for r in steps], [r.get(key, float("nan")) for r in steps], label=key)
         if title == "cross-entropy" and evals:
             axis.plot([r["step"] for r in evals], [r["student_ce"] for r in evals], "o-", label="eval student_ce")
@@ -282,7 +284,7 @@ def plot_history(records: list[dict[str, Any]], path: str) -> str | None:
                       label="eval kl")
         axis.set_title(title)
         axis.set_xlabel("step")
-        if keys:
+        if panel_keys:
             axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -116,10 +116,11 @@ def _stage_span(bounds, index, lengths, total_steps) -> tuple[float, float]:
     return first / (total_steps - 1), (first + lengths[index] - 1) / (total_steps - 1)
 
 
-def _ramp_of(value: float | Sequence[float]) -> Ramp:
+def _ramp_of(value: float | Sequence[float | str]) -> Ramp:
+    """A Ramp from a number (constant), (start, end) or (start, end, shape)."""
     if isinstance(value, (int, float)):
         return Ramp(float(value), float(value))
-    return Ramp(float(value[0]), float(value[1]), *(value[2:]))
+    return Ramp(float(value[0]), float(value[1]), *map(str, value[2:]))
 
 
 __all__ = ["progressive", "sft_then_distil", "steps_per_epoch", "resolve_epochs"]

@@ -105,7 +105,9 @@ class StepRunner:
         self.adam = self.adam_settings.transform()
         self.stage_index: int | None = None
         self.params: dict[str, Any] | None = None
-        self.frozen = self.opt = self.graph = None
+        self.graph: nnx.GraphDef | None = None  # the stage's split of the student (enter_stage)
+        self.frozen: nnx.State | None = None
+        self.opt: Any = None  # the optimizer's state (an optax pytree)
         self.projections = projections
         self.first_step_of_stage = False
         self._compiled: dict[int, Any] = {}
@@ -144,6 +146,8 @@ class StepRunner:
         """The student as it is now: a module merged from the stage's trainable values and the frozen rest,
         sharing their arrays (host-side work such as on-policy sampling). The next train step donates those
         arrays, so use it before dispatching that step and do not keep it."""
+        if self.graph is None or self.params is None:
+            raise RuntimeError("no stage entered yet (StepRunner.enter_stage splits the student).")
         return nnx.merge(self.graph, self.params["student"], self.frozen)
 
     def sync_student(self) -> None:
@@ -212,6 +216,8 @@ class StepRunner:
         signature = (self.stage_index, jax.tree.map(lambda x: (x.shape, x.dtype), batch))
         if signature not in self._lowered:
             accum, rows = batch["input_ids"].shape[:2]
+            if self.stage_index is None:
+                raise RuntimeError("no stage entered yet (StepRunner.enter_stage compiles its step).")
             run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 from flax import nnx
@@ -32,11 +32,12 @@ from .driver import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
 
 log = logging.getLogger("distill")
+StudentT = TypeVar("StudentT", bound=nnx.Module)  # the student's class: `run` gives the same module back
 
 
 @dataclasses.dataclass
-class DistillResult:
-    student: nnx.Module  # the same module that was passed in, trained in place
+class DistillResult(Generic[StudentT]):
+    student: StudentT  # the same module that was passed in, trained in place
     history: list[dict[str, Any]]  # one record per optimizer step
     evals: list[dict[str, Any]]  # held-out evaluations
     events: list[dict[str, Any]]  # stage switches, rollbacks, resumes
@@ -128,7 +129,7 @@ class DataStream:
 
 
 def _depth(model: Any) -> int | None:
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)
     if hasattr(cfg, "num_hidden_layers"):
         return int(cfg.num_hidden_layers)
     layers = getattr(model, "layers", None)
@@ -221,8 +222,8 @@ def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, stud
     return jax.device_put(projections, replicated(mesh)) if mesh is not None else projections
 
 
-def run(teacher: nnx.Module, student: nnx.Module, data: Any, config: DistillConfig, *,
-        eval_data: Any = None, sampler: Sampler | None = None) -> DistillResult:
+def run(teacher: nnx.Module | None, student: StudentT, data: Any, config: DistillConfig, *,
+        eval_data: Any = None, sampler: Sampler | None = None) -> DistillResult[StudentT]:
     """Distil `teacher` into `student` (trained in place) following `config`.
 
     `teacher`, `student`: NNX modules with the DistillModel interface (interface.py); the teacher is never trained

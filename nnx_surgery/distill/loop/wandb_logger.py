@@ -82,7 +82,7 @@ class WandbSink:
         wandb = import_wandb()
         run_id = _saved_run_id(run_dir) if start_step > 0 else None  # None: W&B draws a new id
         folder = os.environ.get("WANDB_DIR") or run_dir
-        for path in {folder, run_dir} - {None}:
+        for path in {path for path in (folder, run_dir) if path is not None}:
             os.makedirs(path, exist_ok=True)
         project = project or os.environ.get("WANDB_PROJECT") or "nnx-surgery"
         try:

@@ -166,7 +166,7 @@ def _full_terms(t: jax.Array, log_q: jax.Array, tau, spec: LogitLossSettings) ->
     return terms, log_p
 
 
-def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.Array, coeffs: dict,
+def token_objective(s: jax.Array, t: jax.Array | TopK | None, labels: jax.Array, weights: jax.Array, coeffs: dict,
                     spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted sum over positions of the loss, and metric sums. s, t: (..., V) float32; labels, weights: (...).
 
@@ -192,6 +192,8 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     if spec.top_k is not None:  # the teacher as its top k, from its logits or from a cache
         top = t if isinstance(t, TopK) else from_logits(t, spec.top_k)
         terms = topk_terms(top, log_q, tau, kl=spec.kl, jsd=spec.jsd, jsd_beta=spec.jsd_beta, mode=spec.top_k_mode)
+    elif isinstance(t, TopK):
+        raise ValueError("a cached teacher's top k needs the loss's top_k (LogitLossSettings.top_k).")
     else:
         terms, log_p = _full_terms(jax.lax.stop_gradient(t.astype(jnp.float32)), log_q, tau, spec)
     soft = sum((coeffs[name] * value for name, value in terms.items()), jnp.zeros(s.shape[:-1], jnp.float32))
@@ -209,9 +211,12 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     if _kl_is_the_term(spec):
         metrics["kl"] = terms["kl"]
     if spec.diagnostics:  # needs the full teacher logits (no cached teacher: refused by DistillConfig)
+        if isinstance(t, TopK):
+            raise ValueError("the logit diagnostics need the teacher's full logits, not a cached top k.")
         t = jax.lax.stop_gradient(t.astype(jnp.float32))
         log_p1 = log_p if spec.unit_temperature and log_p is not None else jax.nn.log_softmax(t, axis=-1)
         if "kl" not in metrics:
+            assert log_q1 is not None  # computed above whenever spec.diagnostics is on
             metrics["kl"] = _xlogy_diff(jnp.exp(log_p1), log_p1, log_q1)
         metrics["teacher_ce"] = -jnp.take_along_axis(log_p1, labels, axis=-1)[..., 0]
         metrics["logit_corr"] = _logit_correlation(s, t)
@@ -220,7 +225,7 @@ def token_objective(s: jax.Array, t: jax.Array, labels: jax.Array, weights: jax.
     return jnp.sum(weights * per_token), metric_sums
 
 
-def reference_logit_loss(student_logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array,
+def reference_logit_loss(student_logits: jax.Array, teacher_logits: jax.Array | TopK | None, labels: jax.Array,
                          weights: jax.Array, coeffs: dict, spec: LogitLossSettings):
     """The unchunked loss on full (B, T, V) logits; differentiated by plain autodiff."""
     return token_objective(student_logits, teacher_logits, labels, weights, coeffs, spec)
@@ -337,6 +342,7 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
         return (loss_acc + loss, jax.tree.map(jnp.add, metrics_acc, metrics), d_head), d_hidden
 
     n_blocks = xs[0].shape[0]
+    carry: tuple[jax.Array, dict[str, jax.Array], jax.Array | None]
     carry = (jnp.zeros((), jnp.float32), zero_metrics, None)
     if n_blocks == 1:  # its head gradient is the total: no (V, D) accumulator; d_head is (dz, hidden) instead
         (loss, metrics, d_head), d_hidden = block_body(carry, jax.tree.map(lambda a: a[0], xs))
@@ -350,8 +356,9 @@ def _scan_blocks(h_s, head_s, h_t, head_t, labels, weights, coeffs, *, student_l
     return loss, metrics, d_hidden, d_head
 
 
-def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array, head_t: jax.Array, labels: jax.Array,
-                     weights: jax.Array, coeffs: dict, *, student_logits: LogitsFn, teacher_logits: LogitsFn,
+def fused_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | TopK | None, head_t: jax.Array | None,
+                     labels: jax.Array, weights: jax.Array, coeffs: dict, *, student_logits: LogitsFn,
+                     teacher_logits: LogitsFn | None,
                      spec: LogitLossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Chunked logit loss with a fused gradient. h_s (B, T, D_s), head_s (V, D_s), h_t (B, T, D_t), head_t (V, D_t),
     labels / weights (B, T). Returns (loss, metric sums); only h_s and head_s receive gradients. h_t and head_t are

@@ -41,6 +41,8 @@ def closed_form(z: jax.Array, t: jax.Array | None, labels: jax.Array, weights: j
     metrics = {"student_ce": student_ce}
     per_token = jnp.zeros_like(student_ce)
     if kl:
+        if t is None:
+            raise ValueError("the closed-form KL gradient needs the teacher's logits.")
         v = jax.lax.stop_gradient(t.astype(jnp.float32)) / tau
         lse_v = jax.nn.logsumexp(v, axis=-1, keepdims=True)
         p = jnp.exp(v - lse_v)

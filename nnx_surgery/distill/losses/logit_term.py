@@ -14,7 +14,7 @@ train_diagnostics): the chunking is sized here for the device the run is on.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,15 @@ from .two_pass import two_pass_applies, two_pass_logit_loss
 from .term_types import LossTerm, TermInputs
 
 KINDS = ("kl", "reverse_kl", "jsd", "ce")
+
+
+class LogitKinds(TypedDict):
+    """The `LogitLossSettings` switches of the logit term's kinds (KINDS)."""
+
+    kl: bool
+    reverse_kl: bool
+    jsd: bool
+    ce: bool
 DEFAULT_LOGIT_BLOCK = 256  # rows: teacher logits and head-gradient matmuls at least this tall (faster on CPU)
 CPU_LOGIT_CHUNK = 128  # rows: the fastest measured on CPU at 256-row blocks with the closed-form gradient
 ACCELERATOR_LOGIT_CHUNK = 2048  # rows: larger chunks gained nothing measurable; small ones read the head per chunk
@@ -78,9 +87,10 @@ class LogitTerm(LossTerm):
     fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: {"sft_then_mix": ("ce",)},
                                                                  hash=False)
 
-    def kinds(self, weights: Mapping[str, float]) -> dict[str, bool]:
+    def kinds(self, weights: Mapping[str, float]) -> LogitKinds:
         """The `LogitLossSettings` switches of `weights`: a kind is on when its weight is not 0."""
-        return {kind: weights[kind] != 0 for kind in KINDS}
+        return LogitKinds(kl=weights["kl"] != 0, reverse_kl=weights["reverse_kl"] != 0, jsd=weights["jsd"] != 0,
+                          ce=weights["ce"] != 0)
 
     def loss_settings(self, config: Any, weights: Mapping[str, float], has_teacher: bool) -> LogitLossSettings:
         # has_teacher: a teacher model or a teacher cache (whose top k come in the batch)
@@ -98,12 +108,12 @@ class LogitTerm(LossTerm):
         settings, teacher, student = inputs.settings, inputs.teacher, inputs.student
         spec = settings.logit
         trained = any(getattr(spec, kind) for kind in KINDS)
-        coeffs = {key: inputs.hyper[key] for key in ("temperature", *KINDS)}
+        coeffs: dict[str, jax.Array | float] = {key: inputs.hyper[key] for key in ("temperature", *KINDS)}
         if spec.unit_temperature:
             coeffs["temperature"] = 1.0
         # the fused loss takes the master-dtype head (cast once inside, gradient kept in the master dtype)
-        s_hidden = student.hidden
-        s_head = student.model.head_matrix() if settings.logit_impl == "reference" else student.head
+        s_hidden = student.required_hidden()
+        s_head = student.model.head_matrix() if settings.logit_impl == "reference" else student.required_head()
         if not trained:  # logit metrics only: no gradient work in the fused loss
             s_hidden, s_head = jax.lax.stop_gradient(s_hidden), jax.lax.stop_gradient(s_head)
         cached = teacher is not None and teacher.topk is not None  # a teacher cache: its top k, no model

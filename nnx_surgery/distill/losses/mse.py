@@ -41,8 +41,9 @@ def logit_mse(inputs: TermInputs, chunk: int = ROW_CHUNK) -> jax.Array:
     if teacher is None:
         raise ValueError("the MSE loss compares the student's logits with a teacher's; pass a teacher or drop "
                          "'switch_to_mse' from GuardConfig.policies.")
-    s_hidden = student.hidden.reshape(-1, student.hidden.shape[-1])
-    t_hidden = jax.lax.stop_gradient(teacher.hidden).reshape(-1, teacher.hidden.shape[-1])
+    student_hidden, teacher_hidden = student.required_hidden(), teacher.required_hidden()
+    s_hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
+    t_hidden = jax.lax.stop_gradient(teacher_hidden).reshape(-1, teacher_hidden.shape[-1])
     weights = inputs.token_weights.reshape(-1).astype(jnp.float32)
     chunk = min(chunk, s_hidden.shape[0])
     blocks = [row_blocks(x, chunk) for x in (s_hidden, t_hidden, weights)]

@@ -28,7 +28,7 @@ and cannot be combined with learned projections.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import einops
 import jax
@@ -120,7 +120,7 @@ def feature_distance(student: jax.Array, teacher: jax.Array, kind: str) -> jax.A
 
 def feature_loss(teacher_residual: Sequence[jax.Array], student_residual: Sequence[jax.Array],
                  correspondence: Correspondence, query_weights: jax.Array, kind: str = "nmse",
-                 projections: dict | None = None) -> jax.Array:
+                 projections: Mapping[str, jax.Array] | None = None) -> jax.Array:
     """Mean over mapped pairs of the weighted per-position distance between layer outputs. `residual[l + 1]` is
     the output of decoder layer l. `projections[str(student_layer)]` (D_s, D_t) maps student features into
     teacher space when given. Kind "pooled" pools the teacher's channels to the student's width instead."""

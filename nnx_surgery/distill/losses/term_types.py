@@ -49,6 +49,18 @@ class ModelSide:
     model: Any
     topk: Any = None
 
+    def required_hidden(self) -> jax.Array:
+        """`hidden`, which every side but a cached teacher's has."""
+        if self.hidden is None:
+            raise ValueError("this loss needs the model's final hidden states; a cached teacher has none.")
+        return self.hidden
+
+    def required_head(self) -> jax.Array:
+        """`head`, which every side but a cached teacher's has."""
+        if self.head is None:
+            raise ValueError("this loss needs the model's LM head; a cached teacher has none.")
+        return self.head
+
 
 @dataclasses.dataclass(frozen=True)
 class TermInputs:

@@ -24,7 +24,10 @@ class LossWeights(Mapping[str, float]):
     A ramped weight reads as its larger end (`weights.kl == 0.5`: the step computes the term for the whole
     stage); `at(fraction)` gives the values at a point of the stage, traced into the step (no recompilation)."""
 
-    def __init__(self, weights: Mapping[str, float] | None = None, /, **named: float):
+    _values: dict[str, float]  # set once in __init__ (the instance is immutable)
+    _ramps: dict[str, Ramp]
+
+    def __init__(self, weights: Mapping[str, WeightValue] | None = None, /, **named: WeightValue):
         given = {**dict(weights or {}), **named}
         known = terms.weight_names()
         unknown = sorted(set(given) - set(known))
@@ -45,7 +48,7 @@ class LossWeights(Mapping[str, float]):
         object.__setattr__(self, "_ramps", ramps)
 
     @classmethod
-    def mixed(cls, alpha: float, divergence: str = "kl", **others: float) -> "LossWeights":
+    def mixed(cls, alpha: float, divergence: str = "kl", **others: WeightValue) -> "LossWeights":
         """The usual alpha mixing: alpha * divergence + (1 - alpha) * CE."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha={alpha} must lie in [0, 1].")
@@ -138,7 +141,11 @@ class Ramp:
         return self.start + (self.end - self.start) * fraction
 
 
-def _ramp(value: float | Ramp | Sequence[Any] | Mapping[str, Any], where: str = "ramp") -> Ramp:
+# a loss weight as given: a number, or a ramp (a Ramp, [start, end], [start, end, shape] or {"start", "end", "shape"})
+WeightValue = float | Ramp | tuple[Any, ...] | list[Any] | Mapping[str, Any]
+
+
+def _ramp(value: WeightValue, where: str = "ramp") -> Ramp:
     """A Ramp from a number (constant), [start, end], [start, end, shape] or {"start", "end", "shape"}."""
     if isinstance(value, Ramp):
         ramp = value

@@ -83,6 +83,12 @@ class Family:
         if (self.gguf is None) == (not self.no_gguf):
             raise ValueError(f"family {self.name!r}: give either a GGUF conversion or, in no_gguf, why there is none.")
 
+    def gguf_format(self) -> GGUFFormat:
+        """The family's GGUF conversion; a ValueError saying why there is none (`no_gguf`) otherwise."""
+        if self.gguf is None:
+            raise ValueError(f"family {self.name!r} has no GGUF conversion: {self.no_gguf}")
+        return self.gguf
+
     def broken_rule(self, model_type: str, hidden_size: int, num_attention_heads: int) -> str | None:
         """The divisibility rule that (hidden_size, num_attention_heads) breaks for `model_type`, or None."""
         if model_type in self.hidden_multiple_of_heads and hidden_size % num_attention_heads:

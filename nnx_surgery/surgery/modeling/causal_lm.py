@@ -64,17 +64,17 @@ def _param(init, rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str,
     names = mesh_axes(axes) if sharded else (None,) * len(shape)
     mesh = jax.sharding.get_abstract_mesh()
     spec = fitted_spec(shape, names, mesh) if mesh is not None and not mesh.empty else None
-    meta = dict(axes=axes, mesh_axes=names)
     if _ABSTRACT.get():
         sharding = None if spec is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        variable = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding), **meta)
+        variable = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding), axes=axes,
+                             mesh_axes=names)
         if spec is not None:
             variable.set_metadata("out_sharding", spec)  # as eager sharding records it, without placing anything
         return variable
     value = init(None if rngs is None else rngs.params(), shape, dtype)
     if spec is not None:
-        return nnx.Param(value, out_sharding=spec, **meta)
-    return nnx.Param(value, **meta)
+        return nnx.Param(value, out_sharding=spec, axes=axes, mesh_axes=names)
+    return nnx.Param(value, axes=axes, mesh_axes=names)
 
 
 def _declared(cfg: ModelConfig, name: str, init, rngs, dtype) -> nnx.Param:
@@ -100,7 +100,7 @@ class RMSNorm(nnx.Module):
     """RMSNorm in float32. Gemma (`offset`): `x * rsqrt(mean(x²) + eps) * (1 + w)`, cast back to the input dtype.
     Llama: the normalised `x` is cast back first, then multiplied by `w` (as transformers does each)."""
 
-    def __init__(self, cfg: ModelConfig, name: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, name: str, *, dtype, rngs: nnx.Rngs | None):
         self.offset = cfg.norm_offset
         self.scale = _declared(cfg, name, _zeros if self.offset else _ones, None, dtype)
         self.eps = cfg.rms_norm_eps
@@ -119,7 +119,7 @@ class Projection(nnx.Module):
     second, its input axes last). It runs as one 2-D matmul over flattened head axes: XLA on CPU transposes a
     3-D weight on every call, which costs more than the matmul."""
 
-    def __init__(self, cfg: ModelConfig, name: str, equation: str, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, name: str, equation: str, *, bias: bool = False, dtype, rngs: nnx.Rngs | None):
         self.weight = _declared(cfg, f"{name}.weight", _normal, rngs, dtype)
         if bias:
             self.bias = _declared(cfg, f"{name}.bias", _zeros, None, dtype)
@@ -136,7 +136,7 @@ class Projection(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs | None):
         common = dict(dtype=dtype, rngs=rngs)
         self.q_proj = Projection(cfg, "self_attn.q_proj", "BTD,NHD->BTNH", bias=cfg.attention_bias, **common)
         self.k_proj = Projection(cfg, "self_attn.k_proj", "BSD,KHD->BSKH", bias=cfg.attention_bias, **common)
@@ -185,7 +185,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated: `down(act(gate(x)) * up(x))`, act the tanh GELU (GeGLU, Gemma) or SiLU (SwiGLU, Llama)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         self.gate_proj = Projection(cfg, "mlp.gate_proj", "BTD,FD->BTF", dtype=dtype, rngs=rngs)
         self.up_proj = Projection(cfg, "mlp.up_proj", "BTD,FD->BTF", dtype=dtype, rngs=rngs)
         self.down_proj = Projection(cfg, "mlp.down_proj", "BTF,DF->BTD", dtype=dtype, rngs=rngs)
@@ -212,7 +212,7 @@ class DecoderLayer(nnx.Module):
     """One block. Gemma 1 and Llama: `post_attention_layernorm` is the pre-MLP norm. Gemma 2/3: it normalises the
     attention output, and `pre_/post_feedforward_layernorm` wrap the MLP (same tensor name, different meaning)."""
 
-    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, attention_type: str, *, dtype, rngs: nnx.Rngs | None):
         self.input_layernorm = RMSNorm(cfg, "input_layernorm.scale", dtype=dtype, rngs=rngs)
         self.self_attn = Attention(cfg, attention_type, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg, "post_attention_layernorm.scale", dtype=dtype, rngs=rngs)

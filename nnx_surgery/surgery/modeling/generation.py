@@ -83,8 +83,9 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
     text = None if tokenizer is None else TextCodec.of(tokenizer)
     rows = _prompt_rows(prompts, text, model.config.vocab_size)
     stop_ids, stop_strings = _stops(stop, model.config, text)
-    string_ids, strings_in_tokens = (text.ids_showing(stop_strings, model.config.vocab_size) if stop_strings
-                                     else ((), True))
+    # _stops refuses stop strings without a tokenizer: `text` is set whenever there are some
+    string_ids, strings_in_tokens = (text.ids_showing(stop_strings, model.config.vocab_size)
+                                     if stop_strings and text is not None else ((), True))
     count, width = len(rows), _fixed_width(rows, pad_to)
     pad_id = text.pad_id if text is not None else _config_id(model.config, "pad", 0)
     rows += [np.asarray([pad_id], np.int32)] * _filler_rows(count, batch_rows)
@@ -109,7 +110,7 @@ def generate(model: CausalLM, prompts: Prompts, *, max_new_tokens: int, temperat
     while int(carry.step) < max_new_tokens and not bool(np.all(np.asarray(carry.done))):
         limit = jnp.asarray(min(int(carry.step) + chunk, max_new_tokens), jnp.int32)
         carry = _decode(graphdef, state, carry, limit, key, stops, temperature, top_p or 1.0, sampling=sampling)
-        if checked:
+        if checked and text is not None:
             hits = _hits_stop_string(np.asarray(carry.tokens)[:, :int(carry.step)], text, stop_strings,
                                      np.asarray(carry.done))
             carry = dataclasses.replace(carry, done=carry.done | jnp.asarray(hits))
@@ -298,7 +299,9 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=True).ids)
-        return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:  # add_bos comes with a bos_id
+            return [self.bos_id] + ids
+        return ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -19,6 +19,8 @@ probabilities, MLP activations, ...) are outputs of the checkpointed function, s
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -55,7 +57,7 @@ def checkpointed_layer(layer: nnx.Module, x: jax.Array, positions: jax.Array, ma
     return out
 
 
-def _recomputed_late(checkpointed):
+def _recomputed_late(checkpointed: Callable[..., Any]) -> Callable[..., Any]:
     """`checkpointed` whose backward pass starts only once the layer's output cotangent exists.
 
     XLA:CPU drops the optimization barriers that `jax.checkpoint` puts around the recomputation and then merges

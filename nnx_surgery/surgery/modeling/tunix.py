@@ -101,6 +101,8 @@ class TunixModel(nnx.Module):
                 x = layer(x, positions, masks[layer.attention_type], None)
             hidden = model.norm(x)
             logits = model.logits_from_hidden(hidden[:, -1:] if decode_only_last_token else hidden)
+        if logits is None:
+            raise RuntimeError("the model's forward returned no logits.")
         return (logits[:, -1:] if decode_only_last_token else logits), None
 
     def _cached(self, tokens, positions, cache: dict, attention_mask, last_only: bool):
@@ -111,6 +113,8 @@ class TunixModel(nnx.Module):
         valid = _new_tokens_real(attention_mask, kv.end, tokens.shape[1])
         out = self.model(tokens, positions=positions, attention_mask=valid, cache=kv, return_logits=False)
         hidden = out.final_hidden[:, -1:] if last_only else out.final_hidden
+        if out.cache is None:
+            raise RuntimeError("the model's output has no cache although it was given one.")
         return self.model.logits_from_hidden(hidden), self._cache_dict(out.cache)
 
     def init_cache(self, batch_size: int, cache_size: int, dtype=None) -> dict:

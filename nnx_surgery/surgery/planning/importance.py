@@ -89,6 +89,7 @@ def check_vocabulary(batches: list[np.ndarray], config: ModelConfig) -> None:
 @nnx.jit
 def _batch_stats(model: CausalLM, ids: jax.Array) -> dict:
     out = model(ids, capture=CAPTURE, return_logits=False)
+    residual = _captured(out.residual, "residual")
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
 
     def seq_mean_sq(x):  # (B, T, ...) -> sum over sequences of (mean over positions)^2
@@ -98,25 +99,35 @@ def _batch_stats(model: CausalLM, ids: jax.Array) -> dict:
         x2 = f32(x) ** 2
         return jnp.sum(x2 / (jnp.sum(x2, axis=-1, keepdims=True) + 1e-30), axis=(0, 1))
 
-    stats = {"mlp": jnp.stack([seq_mean_sq(jnp.abs(f32(a))) for a in out.mlp_activations]),
-             "heads": jnp.stack([seq_mean_sq(jnp.linalg.norm(f32(h), axis=-1)) for h in out.head_outputs]),
-             "hidden": jnp.stack([seq_mean_sq(jnp.abs(f32(x))) for x in out.normed_inputs]
-                                 + [seq_mean_sq(jnp.abs(f32(out.final_hidden)))])}
+    stats: dict[str, jax.Array | dict[str, jax.Array]] = {
+        "mlp": jnp.stack([seq_mean_sq(jnp.abs(f32(a))) for a in _captured(out.mlp_activations, "mlp_activations")]),
+        "heads": jnp.stack([seq_mean_sq(jnp.linalg.norm(f32(h), axis=-1))
+                            for h in _captured(out.head_outputs, "head_outputs")]),
+        "hidden": jnp.stack([seq_mean_sq(jnp.abs(f32(x))) for x in _captured(out.normed_inputs, "normed_inputs")]
+                            + [seq_mean_sq(jnp.abs(f32(out.final_hidden)))])}
     influence = []
     for i in range(len(model.layers)):
-        before, after = f32(out.residual[i]), f32(out.residual[i + 1])
+        before, after = f32(residual[i]), f32(residual[i + 1])
         cos = jnp.sum(before * after, -1) / (jnp.linalg.norm(before, axis=-1) * jnp.linalg.norm(after, axis=-1)
                                              + 1e-30)
         influence.append(jnp.sum(1.0 - cos))
     # every norm's input is a captured stream the schema names (`Tensor.reads`)
-    streams = {"residual": out.residual[:-1], "mid_residual": out.mid_residual,
-               "attention_outputs": out.attention_outputs, "mlp_outputs": out.mlp_outputs}
+    streams = {"residual": residual[:-1], "mid_residual": _captured(out.mid_residual, "mid_residual"),
+               "attention_outputs": _captured(out.attention_outputs, "attention_outputs"),
+               "mlp_outputs": _captured(out.mlp_outputs, "mlp_outputs")}
     energy = {t.at(0).module: jnp.stack([energy_share(x) for x in streams[t.reads]])
               for t in norm_tensors(model.config)}
     stats["block_influence"] = jnp.stack(influence)
+    energy["final"] = energy_share(residual[-1])
     stats["energy"] = energy
-    stats["energy"]["final"] = energy_share(out.residual[-1])
     return stats
+
+
+def _captured(values: tuple[jax.Array, ...] | None, name: str) -> tuple[jax.Array, ...]:
+    """A stream the forward was asked to capture (CAPTURE)."""
+    if values is None:
+        raise ValueError(f"the teacher's forward captured no {name}; CAPTURE must name it.")
+    return values
 
 
 def activation_stats(teacher: CausalLM, batches: list[np.ndarray]) -> ActivationStats:
@@ -151,8 +162,8 @@ def layer_removal_loss(teacher: CausalLM, batches: list[np.ndarray]) -> tuple[fl
     check_vocabulary(batches, teacher.config)
     num_layers = teacher.config.num_hidden_layers
     sums = np.zeros(num_layers + 1)
-    for ids in batches:
-        ids = jnp.asarray(ids)
+    for batch in batches:
+        ids = jnp.asarray(batch)
         for skip in range(-1, num_layers):
             sums[skip + 1] += float(_skip_loss(teacher, ids, jnp.asarray(skip, jnp.int32)))
     count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
@@ -177,8 +188,8 @@ def magnitude_scores(config: ModelConfig, read: Reader, chunk_bytes: int = 16 <<
         decl = tensor.decl
         if len(decl.groups) != 2 or decl.role == "head":
             continue  # norms, biases and the untied head
-        for group, sq in zip(decl.groups, _sq_norms(read, tensor.hf_name, *hf_shape_of(config, tensor),
-                                                    chunk_bytes)):
+        nrows, ncols = hf_shape_of(config, tensor)
+        for group, sq in zip(decl.groups, _sq_norms(read, tensor.hf_name, nrows, ncols, chunk_bytes)):
             if group == ("embed",):
                 hidden += sq / max(sq.sum(), 1e-30)
             elif group == ("mlp",):
@@ -216,8 +227,15 @@ class ScoreInputs:
     @property
     def stats(self) -> ActivationStats:
         if self._stats is None:
-            self._stats = activation_stats(self.model, self.batches)
+            self._stats = activation_stats(*self.calibration())
         return self._stats
+
+    def calibration(self) -> tuple[CausalLM, list[np.ndarray]]:
+        """(the teacher model, the calibration batches), which scores that need calibration read."""
+        if self.model is None or self.batches is None:
+            raise ValueError("this score runs the teacher on calibration batches: give ScoreInputs a model and "
+                             "batches.")
+        return self.model, self.batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +269,7 @@ def _activation_widths(inputs: ScoreInputs) -> dict[str, np.ndarray]:
 
 
 def _layer_removal(inputs: ScoreInputs) -> dict[str, Any]:
-    base, increase = layer_removal_loss(inputs.model, inputs.batches)
+    base, increase = layer_removal_loss(*inputs.calibration())
     return {"base_loss": base, "loss_increase": increase}
 
 

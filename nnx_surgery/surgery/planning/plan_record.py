@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_dtypes
@@ -199,8 +199,8 @@ class Plan:
         if not self.embed_scale > 0 or (layer_scales is not None and len(layer_scales) != student.num_hidden_layers):
             raise PlanError("plan embed_scale must be positive and norm_scales['layers'] needs one entry per student "
                             "layer.")
-        per_layer = {"kept_mlp": self.kept_mlp, "kv_groups": self.kv_groups, "kv_weights": self.kv_weights,
-                     "kept_heads": self.kept_heads}
+        per_layer: dict[str, Sequence[object]] = {"kept_mlp": self.kept_mlp, "kv_groups": self.kv_groups,
+                                                  "kv_weights": self.kv_weights, "kept_heads": self.kept_heads}
         for name, value in per_layer.items():
             if len(value) != student.num_hidden_layers:
                 raise PlanError(f"plan {name} has {len(value)} entries for {student.num_hidden_layers} student "

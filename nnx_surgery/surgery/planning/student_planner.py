@@ -120,7 +120,8 @@ def plan_student(teacher: CausalLM | str | os.PathLike, spec: StudentSpec | str,
         calibration=_calibration_record(batches, batch_size, num_samples, seed),
         format_version=FORMAT_VERSION)
     plan.validate()
-    if measure_compensation and batches is not None and (embed_scale != 1.0 or norm_scales):
+    # calibration batches come with the teacher model (_teacher loads it for them)
+    if measure_compensation and batches is not None and model is not None and (embed_scale != 1.0 or norm_scales):
         effect = compensation_effect(model, plan, batches)
         plan.scores["compensation"] = {k: {m: _rounded(v) for m, v in d.items()} for k, d in effect.items()}
     return plan

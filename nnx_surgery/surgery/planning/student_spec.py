@@ -113,7 +113,7 @@ class StudentSpec:
                           kv_heads=ratio["num_key_value_heads"])
 
     @classmethod
-    def from_text(cls, text: str, teacher: ModelConfig) -> "StudentSpec":
+    def from_text(cls, text: str | None, teacher: ModelConfig) -> "StudentSpec":
         """"scaled" (`scaled_like`), a named shape, or "key=value,...": layers, hidden, mlp, heads, kv_heads
         (sizes, or fractions in (0, 1) of the teacher's) and vocab (a number of pieces, or a fraction such as
         0.25 or 1.0 when written with a decimal point); what is not given stays the teacher's."""

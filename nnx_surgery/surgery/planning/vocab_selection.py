@@ -92,7 +92,7 @@ class TeacherTokenizer:
     where: str
     sha256: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         model = self.data.get("model") or {}
         if model.get("type") != "BPE":
             raise SpecError(f"{self.where}: vocabulary trimming needs a BPE tokenizer (Gemma, Llama, Mistral, Qwen2), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def apply_plan(teacher: CausalLM, plan: Plan, *, mesh=None, check_weights: bool 
 
 def save_student(student: CausalLM, plan: Plan, out_dir: str | os.PathLike, *, source: str | None = None,
                  dtype=None, max_shard_size: int | str = "5GB", report: bool = True,
-                 extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
+                 extra_files: Mapping[str, object] | None = None, overwrite: bool = False) -> str:
     """`save_pretrained` with the plan (and its report) written next to the weights. `source` defaults to the
     plan's teacher source (for tokenizer files) when that is a local folder holding that teacher (its config
     equals the plan's: a plan's paths are not trusted otherwise). `extra_files` and `overwrite` as in
@@ -100,6 +101,7 @@ def logit_distance(teacher: CausalLM, student: CausalLM, batches) -> dict[str, f
 def _distance(teacher: CausalLM, student: CausalLM, ids):
     t = teacher(ids).logits
     s = student(ids).logits
+    assert t is not None and s is not None  # a forward returns logits unless asked not to
     t_logp, s_logp = jax.nn.log_softmax(t, -1), jax.nn.log_softmax(s, -1)
     kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp))
     return kl, jnp.sum(jnp.mean((t - s) ** 2, axis=-1))

@@ -125,6 +125,8 @@ def _refit_layer(index: int, teacher_layer: int, layer, full, inputs, ridge: flo
         g, c, t = (np.asarray(gathered(value), np.float64) for value in products)
         gram, cross = g + (0 if gram is None else gram), c + (0 if cross is None else cross)
         target += float(t)
+    if gram is None or cross is None:
+        raise ValueError("refit_mlp: no calibration batches to fit the layer on.")
     down = layer.mlp.down_proj.weight
     sliced = np.asarray(gathered(down[...]), np.float64).T  # (kept, D)
     damped = gram.copy()  # the ridge on the diagonal in place: no identity matrix (2 GiB at a 2B's 16,384 neurons)
@@ -149,7 +151,7 @@ def _layer_output(layer, x, positions, mask):
 
 
 @nnx.jit
-def _layer_products(layer, x, positions, mask, gate, up, down):
+def _layer_products(layer, x, positions, mask, gate, up, down) -> tuple[jax.Array, jax.Array, jax.Array]:
     """H^T H and H^T Y of one batch (float32, full-precision products), and ||Y||^2: H the student layer's MLP
     activations, Y the teacher MLP's output for the same MLP input."""
     captured: dict = {"mlp_inputs": [], "mlp_activations": []}

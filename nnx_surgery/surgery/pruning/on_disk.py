@@ -54,11 +54,13 @@ def prune_checkpoint(src: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     if wanted is None:
         wanted = np.dtype(checkpoint_dtype(folder, config, float32_read.weight_map, float32_read.names))
     dst = os.fspath(dst)
-    options = dict(max_shard_size=max_shard_size, chunk_bytes=chunk_bytes, report=report, overwrite=overwrite)
+    def write() -> str:
+        return _write_student(folder, plan, dst, config, wanted, max_shard_size=max_shard_size,
+                              chunk_bytes=chunk_bytes, report=report, overwrite=overwrite)
+
     if multi_host():  # process 0 writes dst; every process returns once it is complete
-        return process_0_writes(dst, overwrite, lambda: _write_student(folder, plan, dst, config, wanted, **options),
-                                name="prune_checkpoint")
-    return _write_student(folder, plan, dst, config, wanted, **options)
+        return process_0_writes(dst, overwrite, write, name="prune_checkpoint")
+    return write()
 
 
 def _write_student(folder: str, plan: Plan, dst: str, config: ModelConfig, wanted, *, max_shard_size: int | str,

@@ -191,7 +191,7 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: str, data, *, indent: int = 2) -> None:
+def write_json(path: str, data, *, indent: int | None = 2) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=indent, sort_keys=False, default=_json_default)

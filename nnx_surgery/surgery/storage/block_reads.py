@@ -17,7 +17,7 @@ the columns) are read whole and sliced. Parameters are handed to jax in order, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ from flax import nnx
 
 from .pipeline import work_ahead
 from .host_buffers import ALIGN, aligned_copy, host_buffer, prefault
+from .safetensors_stream import RowSlice
 
 READ_THREADS = 2  # preadv releases the GIL: two threads keep both cores copying from the page cache (or disk)
 PIECE_BYTES = 32 << 20  # rows read by one preadv
@@ -37,7 +38,7 @@ class LoadJob:
     """One parameter to fill: its checkpoint tensor (a RowSlice), layout, NNX shape, dtype and placement."""
 
     variable: nnx.Variable
-    hf_slice: object
+    hf_slice: RowSlice
     layout: str
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -46,7 +47,9 @@ class LoadJob:
     def blocks(self) -> dict[tuple, tuple]:
         """Block key -> NNX index, for the distinct blocks this process's devices hold."""
         indices = self.sharding.addressable_devices_indices_map(self.shape).values()
-        return {block_key(index): index for index in indices}
+        if any(index is None for index in indices):
+            raise ValueError(f"{self.sharding} places no block of a {self.shape} parameter on one of its devices.")
+        return {block_key(index): index for index in indices if index is not None}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def block_key(index: tuple) -> tuple:
 def fill_parameters(jobs: list[LoadJob], read_block) -> None:
     """Set every job's variable to a jax array made from its blocks. `read_block(job, index)` reads a block that
     is not a range of whole rows (an array in the NNX block shape)."""
-    buffers: list[dict] = [{} for _ in jobs]
+    buffers: list[dict[tuple, np.ndarray]] = [{} for _ in jobs]
     pending = [0] * len(jobs)
     # Every buffer is created (address space only, nothing touched) before the first read: creating a mapping
     # waits for the address-space lock that the readers' pre-faulting holds, and would stall them by turns.
@@ -99,7 +102,7 @@ def fill_parameters(jobs: list[LoadJob], read_block) -> None:
             job, blocks = jobs[piece.job], buffers[piece.job]
             job.variable.set_value(jax.make_array_from_callback(
                 job.shape, job.sharding, lambda index, blocks=blocks: blocks[block_key(index)]))
-            buffers[piece.job] = None  # jax holds the buffers now (or has copied them to its device)
+            buffers[piece.job] = {}  # jax holds the buffers now (or has copied them to its device)
 
 
 def _split(number: int, job: LoadJob, key: tuple, index: tuple, buffers: dict) -> Iterator[_Piece]:
@@ -130,7 +133,12 @@ def _can_map(job: LoadJob, first_row: int) -> bool:
     checkpoint's dtype, and a 64-byte-aligned start (mappings are page-aligned, so the file offset decides)."""
     return (MAP_FILES and job.hf_slice.dtype == job.dtype
             and job.hf_slice.mapped_address_offset(first_row) % ALIGN == 0
-            and all(device.platform == "cpu" for device in job.sharding.device_set))
+            and all(device.platform == "cpu" for device in _devices(job.sharding)))
+
+
+def _devices(sharding: jax.sharding.Sharding) -> Iterable[Any]:
+    """The sharding's devices (jax.Device is an alias of a compiled class, which a type checker cannot see)."""
+    return sharding.device_set
 
 
 def _hf_rows(layout: str, shape: tuple[int, ...], bounds: list[tuple[int, int]]) -> tuple[int, int] | None:

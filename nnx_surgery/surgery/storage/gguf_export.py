@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from ..families import BY_GGUF_ARCHITECTURE, without_gguf
 from .gguf_vocab_writer import Vocabulary, add_to_writer, read_vocabulary
 from .safetensors_stream import DTYPE_CODES, CheckpointError, checkpoint_weight_map, open_safetensors
 from ..modeling.schema import BoundTensor, bound_tensors, hf_shape_of
+
+if TYPE_CHECKING:  # gguf is an optional dependency, imported where a file is written
+    from gguf import GGMLQuantizationType
 
 # HF model_type -> llama.cpp architecture, for the families with a GGUF conversion.
 ARCHITECTURES = {model_type: arch for arch, (_, model_type) in BY_GGUF_ARCHITECTURE.items()}
@@ -63,7 +67,7 @@ class ExportTensor:
     name: str
     hf_name: str
     shape: tuple[int, ...]
-    qtype: object  # gguf.GGMLQuantizationType
+    qtype: GGMLQuantizationType
     add_one: bool
     scale: float
 
@@ -119,7 +123,7 @@ def check_exportable(config: ModelConfig, folder: str) -> str:
         raise CheckpointError(f"{where}: model_type {config.model_type!r}: GGUF export writes "
                               f"{', '.join(ARCHITECTURES)} only ({without_gguf()}); convert this folder with "
                               "llama.cpp's convert_hf_to_gguf.py.")
-    config.family.gguf.check(config, where)
+    config.family.gguf_format().check(config, where)
     return ARCHITECTURES[config.model_type]
 
 
@@ -134,7 +138,7 @@ def tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder:
         raise CheckpointError(f"{folder}: {len(unknown)} tensor(s) a {config.model_type} model does not have, e.g. "
                               f"{unknown[:3]}; this is not a plain {config.model_type} checkpoint.")
     shapes = stored_shapes(folder, weight_map)
-    scale, plans = config.family.gguf.query_scale(config), []
+    scale, plans = config.family.gguf_format().query_scale(config), []
     for tensor in bound_tensors(config):
         shape = hf_shape_of(config, tensor)
         if tensor.hf_name not in shapes:
@@ -223,7 +227,7 @@ def add_model_metadata(writer, config: ModelConfig, name: str, file_type) -> Non
     then the family's (`GGUFFormat.write`)."""
     from gguf import GGML_QUANT_VERSION, RopeScalingType
 
-    gguf_format = config.family.gguf
+    gguf_format = config.family.gguf_format()
     writer.add_type("model")
     writer.add_name(name)
     writer.add_context_length(int(config.raw.get("max_position_embeddings")

@@ -195,8 +195,9 @@ def hf_config_dict(metadata: dict[str, Any], tensor_names: set[str], where: str)
                 raise CheckpointError(f"{where}: tokenizer.ggml.{gguf_key} = {value!r} is not a token id below the "
                                       f"vocabulary size {vocab}; the file's metadata is corrupt.")
             config[name] = value
+    gguf_format = family.gguf_format()  # BY_GGUF_ARCHITECTURE holds the families with one
     try:
-        config.update(family.gguf.read(model_type, key, config))
+        config.update(gguf_format.read(model_type, key, config))
     except (ArithmeticError, ValueError, TypeError) as err:
         raise CheckpointError(f"{where}: the {arch} metadata makes no sense ({type(err).__name__}: {err}); the "
                               "file's header is corrupt: convert or download it again.") from None

@@ -107,12 +107,14 @@ def _tokens_and_types(model: dict, added: list, vocab_size: int, where: str) -> 
     unknown = model.get("unk_token")
     if unknown in model["vocab"] and types[model["vocab"][unknown]] == NORMAL:
         types[model["vocab"][unknown]] = UNKNOWN
+    names: list[str] = []
     for index, text in enumerate(tokens):
         if text is None:
-            tokens[index], types[index] = f"[PAD{index}]", UNUSED
+            text, types[index] = f"[PAD{index}]", UNUSED
         elif types[index] == USER_DEFINED:
-            tokens[index] = text.replace(SPACE_PIECE, " ")
-    return tokens, types
+            text = text.replace(SPACE_PIECE, " ")
+        names.append(text)
+    return names, types
 
 
 def _check_id(index: Any, vocab_size: int, what: str, where: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+from typing import Mapping
 from dataclasses import dataclass
 
 import jax
@@ -296,7 +297,7 @@ def model_tensors(model: CausalLM, dtype=None) -> list[PendingTensor]:
 
 
 def write_hf_folder(out_dir: str, config: ModelConfig, tensors: list[PendingTensor], *, source: str | None = None,
-                    max_shard_size: int | str = "5GB", extra_files: dict[str, object] | None = None,
+                    max_shard_size: int | str = "5GB", extra_files: Mapping[str, object] | None = None,
                     produce_ahead: int = 1, overwrite: bool = False) -> str:
     """Write config.json, safetensors and the teacher's tokenizer files into `out_dir`, atomically.
 
@@ -319,7 +320,7 @@ def write_hf_folder(out_dir: str, config: ModelConfig, tensors: list[PendingTens
 
 def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
                     dtype=None, max_shard_size: int | str = "5GB",
-                    extra_files: dict[str, object] | None = None, overwrite: bool = False) -> str:
+                    extra_files: Mapping[str, object] | None = None, overwrite: bool = False) -> str:
     """Write `model` as an HF folder transformers loads (`AutoModelForCausalLM.from_pretrained(out_dir)`).
 
     `source` (the teacher's folder or repo id) supplies tokenizer and generation config. `dtype` converts on the

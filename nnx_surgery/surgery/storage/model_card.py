@@ -58,7 +58,9 @@ def write_model_card(folder: str | os.PathLike, *, teacher_id: str, teacher_revi
     base_model = teacher_id if is_hub_repo_id(teacher_id) else None
     data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-generation",
                          license=license, tags=list(dict.fromkeys([*BASE_TAGS, *tags])),
-                         datasets=list(datasets) or None, language=language, model_name=model_name)
+                         datasets=list(datasets) or None,
+                         language=language if language is None or isinstance(language, str) else list(language),
+                         model_name=model_name)
     text = f"---\n{data.to_yaml()}\n---\n\n" + _body(folder, model_name, repo_id or model_name, teacher_id,
                                                       teacher_revision, plan_summary, data_description, steps,
                                                       tokens, losses, evaluation, gguf)

@@ -15,7 +15,7 @@ import os
 import shutil
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before reading BF16 with framework="numpy")
 import numpy as np
@@ -158,7 +158,7 @@ class SafetensorsFile:
         self.path, self.fd, self.data_start = path, fd, data_start
         self.header = {k: v for k, v in header.items() if k != "__metadata__"}
         self._metadata = header.get("__metadata__")
-        self._mapping = None
+        self._mapping: mmap.mmap | None = None
 
     def mapping(self) -> mmap.mmap:
         """The whole file mapped copy-on-write (MAP_PRIVATE): arrays viewing it never change the file, and the
@@ -197,19 +197,24 @@ class RowSlice:
     def get_dtype(self) -> str:
         return self.code
 
-    def read_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows [start, stop) in the stored dtype: into `out` (C-contiguous, that shape and dtype) when given,
-        else into a fresh 64-byte-aligned buffer."""
+    def stored_dtype(self) -> np.dtype:
+        """The tensor's dtype; a CheckpointError for a dtype this package does not read."""
         if self.dtype is None:
             raise CheckpointError(f"{self.file.path}: tensor {self.name} has dtype {self.code}; expected F32, BF16 "
                                   "or F16.")
+        return self.dtype
+
+    def read_rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) in the stored dtype: into `out` (C-contiguous, that shape and dtype) when given,
+        else into a fresh 64-byte-aligned buffer."""
+        dtype = self.stored_dtype()
         rows = max(0, stop - start)
         if out is None:
-            out = aligned_empty((rows,) + self.shape[1:], self.dtype)
+            out = aligned_empty((rows,) + self.shape[1:], dtype)
         elif out.shape != (rows,) + self.shape[1:] or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: read_rows({start}, {stop}) needs a C-contiguous {self.dtype} buffer of "
                              f"shape {(rows,) + self.shape[1:]}, got {out.dtype} {out.shape}.")
-        view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        view, done = out.reshape(-1).view(np.uint8).data, 0
         position = self.offset + start * self.row_bytes()
         while done < len(view):
             count = os.preadv(self.file.fd, [view[done:]], position + done)
@@ -219,12 +224,13 @@ class RowSlice:
         return out
 
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.stored_dtype().itemsize
 
     def mapped_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as a view of the file's copy-on-write mapping: nothing is read until `populate`."""
-        count = (stop - start) * self.row_bytes() // self.dtype.itemsize
-        view = np.frombuffer(self.file.mapping(), self.dtype, count, self.mapped_address_offset(start))
+        dtype = self.stored_dtype()
+        count = (stop - start) * self.row_bytes() // dtype.itemsize
+        view = np.frombuffer(self.file.mapping(), dtype, count, self.mapped_address_offset(start))
         return view.reshape((stop - start,) + self.shape[1:])
 
     def mapped_address_offset(self, start: int) -> int:
@@ -308,7 +314,8 @@ def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[st
     """Header first, then each tensor's bytes. The next `ahead` tensors are produced on `ahead` threads while the
     current one is written (reads, most numpy work and file writes release the GIL), so reading, arithmetic and
     writing overlap; peak memory is `ahead + 1` tensors."""
-    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}  # then each tensor's entry
+    offset = 0
     for tensor in tensors:
         header[tensor.name] = {"dtype": dtype_code(tensor.dtype), "shape": list(tensor.shape),
                                "data_offsets": [offset, offset + tensor.nbytes]}
@@ -326,7 +333,7 @@ def write_safetensors(path: str, tensors: list[PendingTensor], metadata: dict[st
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, data in work_ahead(tensors, produce, workers=ahead, depth=ahead):
-            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+            f.write(data.reshape(-1).view(np.uint8).data)
             del data
 
 

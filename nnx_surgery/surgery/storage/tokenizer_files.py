@@ -49,15 +49,19 @@ def trimmed_tokenizer_files(folder: str, plan: Plan) -> dict[str, Callable[[str]
     """{file name: writer(path)} of the student's tokenizer files (`write_hf_folder`'s `extra_files`), from the
     teacher's tokenizer in `folder`, which must be the one the plan chose its pieces from (PlanError otherwise).
     The trimmed tokenizer is built here, so a problem shows before any weights are written."""
+    kept_vocab = plan.kept_vocab
+    if kept_vocab is None:
+        raise PlanError("this plan keeps the teacher's whole vocabulary: the student takes the teacher's tokenizer "
+                        "files as they are, not trimmed ones.")
     tokenizer = TeacherTokenizer.read(folder)
     planned = (plan.scores.get("vocab") or {}).get("tokenizer_sha256")
     if planned is not None and planned != tokenizer.sha256:
         raise PlanError(f"{tokenizer.where} is not the tokenizer this plan chose its pieces from (SHA-256 "
                         f"{tokenizer.sha256} vs {planned} in the plan); pass the teacher folder the plan was made "
                         "with as source, or plan again.")
-    new_id = {teacher: student for student, teacher in enumerate(plan.kept_vocab)}
+    new_id = {teacher: student for student, teacher in enumerate(kept_vocab)}
     data = trimmed_tokenizer_json(tokenizer, new_id)
-    kept_pieces = {tokenizer.pieces[i] for i in plan.kept_vocab if i in tokenizer.pieces}
+    kept_pieces = {tokenizer.pieces[i] for i in kept_vocab if i in tokenizer.pieces}
     files: dict[str, Callable[[str], None]] = {"tokenizer.json": lambda path: write_json(path, data, indent=None)}
     for name, fix in (("tokenizer_config.json", lambda c: _tokenizer_config(c, new_id, kept_pieces)),
                       ("special_tokens_map.json", lambda c: _without_dropped(c, kept_pieces)),
