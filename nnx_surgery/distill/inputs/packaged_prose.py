@@ -121,7 +121,7 @@ def installed_path(package: ProsePackage) -> str:
     except metadata.PackageNotFoundError:
         raise DataError(f"the general prose needs the package {package.name!r}; install the prose extra: "
                         f"{EXTRA}.") from None
-    path = os.fspath(distribution.locate_file(package.path))
+    path = str(distribution.locate_file(package.path))
     if not os.path.exists(path):
         raise DataError(f"{package.name} {distribution.version} has no {package.path}; install the version the "
                         f"prose extra pins ({package.name}=={package.version}): {EXTRA}.")

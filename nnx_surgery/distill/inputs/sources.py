@@ -36,7 +36,7 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     """A file, a folder (all files below it, sorted) or a glob pattern (`**` allowed), or a list of those."""
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     files: list[str] = []
-    for item in map(os.fspath, items):
+    for item in (os.fspath(path) for path in items):
         if os.path.isdir(item):
             found = sorted(p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True) if os.path.isfile(p))
         elif any(ch in item for ch in "*?["):
@@ -140,7 +140,9 @@ def _local_data_files(name: str) -> tuple[str, list[str]] | None:
         raise DataError(f"{name}: datasets reads one kind of data file at a time; found "
                         f"{sorted({os.path.splitext(p)[1] for p in files}) or 'none'} (it reads "
                         f"{', '.join(HF_FILE_BUILDERS)}).")
-    return builders.pop(), files
+    builder = builders.pop()
+    assert builder is not None  # refused above: a file datasets has no builder for
+    return builder, files
 
 
 def load_hf_rows(name: str, *, split: str = "train", config_name: str | None = None,
@@ -181,7 +183,7 @@ def hf_dataset_records(name_or_path: str, *, split: str | None = None, text_fiel
     """Records of a dataset named as `parse_hf_spec` reads it; keyword arguments override the spec's options."""
     name, options = parse_hf_spec(name_or_path)
     pick = lambda value, key, default=None: value if value is not None else options.get(key, default)  # noqa: E731
-    split, config_name = pick(split, "split", "train"), pick(config_name, "config")
+    split, config_name = str(pick(split, "split", "train")), pick(config_name, "config")
     named_text, max_records = pick(text_field, "text"), pick(max_records, "max_records")
     text_field = named_text or "text"
     prompt_field, completion_field = pick(prompt_field, "prompt"), pick(completion_field, "completion")
