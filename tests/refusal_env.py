@@ -98,3 +98,22 @@ def refused(w: dict, argv: list[str], culprit: str = "", *, expected: int = 2) -
     assert tree(w["base"]) == before, "the workspace changed"
     assert not os.path.exists(w["cache"]) or not [n for n in os.listdir(w["cache"]) if n.startswith(".")]
     return err
+
+
+# Run `cli.main` on each [file size limit (RLIMIT_FSIZE, as `ulimit -f`), argv] of argv[1] (JSON) in one process:
+# [[exit code, stderr], ...] as JSON on stdout.
+FULL_DISK = """
+import contextlib, io, json, resource, sys
+from nnx_surgery import cli
+results = []
+for limit, argv in json.loads(sys.argv[1]):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""

@@ -15,7 +15,7 @@ from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_f
                                   text_batches)
 from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 from nnx_surgery.recipes import refusals
-from nnx_surgery.surgery.storage.atomic import atomic_folder
+from nnx_surgery.surgery.storage.atomic import atomic_folder, missing_folders
 
 
 def _data_files(args: argparse.Namespace) -> dict[str, str] | str:
@@ -60,7 +60,7 @@ def _kept_only_if_resumable(out: str, args: argparse.Namespace) -> Iterator[None
     """A run that fails or is stopped leaves what --resume continues (shards listed in a progress file), else
     nothing: the folders it made are removed (a shard written just before Ctrl-C, with no progress file yet, is
     no partial cache). Ctrl-C and SIGTERM then say which: rerun the same command, or with --resume."""
-    made = [] if os.path.isdir(out) else _missing_folders(out)
+    made = [] if os.path.isdir(out) else missing_folders(out)
     try:
         yield
     except teacher_cache.CacheError as error:
@@ -74,15 +74,6 @@ def _kept_only_if_resumable(out: str, args: argparse.Namespace) -> Iterator[None
                       refusals.NOTHING_WRITTEN)
             raise refusals.Stopped(advice, sigterm=refusals.by_sigterm(error)) from None
         raise
-
-
-def _missing_folders(path: str) -> list[str]:
-    """`path` and its parents that do not exist yet, deepest first (what writing it creates)."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
 
 
 def _undo(out: str, made: list[str], args: argparse.Namespace) -> bool:

@@ -59,7 +59,7 @@ from typing import Any, Iterator
 import jax
 
 from nnx_surgery import surgery
-from nnx_surgery.surgery.storage.atomic import write_json
+from nnx_surgery.surgery.storage.atomic import missing_folders, write_json
 from nnx_surgery.recipes import (aot, aot_targets, compile_cache, final_eval, multi_host, refusals, run_phases,
                                  run_settings, teacher_caching, vocabulary)
 from nnx_surgery.recipes.config import checks, files, layering, resolution
@@ -95,7 +95,7 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
         print(dry_run_report(run))
         return {}
     files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
-    created = new_folders(run.folder)
+    created = missing_folders(run.folder)
     prepare_output(run)
     with removed_on_failure(created):
         return run_all(run, clock)
@@ -160,15 +160,6 @@ def removed_on_failure(created: list[str]) -> Iterator[None]:
 def _checkpointed(folder: str) -> bool:
     """A complete checkpoint (a step's folder) is in the run folder's checkpoints/."""
     return any(name.isdigit() for _, folders, _ in os.walk(os.path.join(folder, "checkpoints")) for name in folders)
-
-
-def new_folders(path: str) -> list[str]:
-    """`path` and its parents that do not exist yet, deepest first (what making it would create)."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
 
 
 def prepare_output(run: run_settings.RunSettings) -> None:

@@ -23,7 +23,8 @@ import sys
 import pytest
 
 from fake_hub import FakeHub
-from refusal_env import DATA, ROOT, SPEC, TOKEN, assert_refused, cli, make_workspace, refused, run, tree
+from refusal_env import (DATA, FULL_DISK, ROOT, SPEC, TOKEN, assert_refused, cli, make_workspace, refused, run,
+                         tree)
 
 
 @pytest.fixture(scope="module")
@@ -394,21 +395,6 @@ def test_sigterm_and_sigkill_during_export_leave_no_temporary_behind(w, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------ a full disk
-FULL_DISK = """
-import contextlib, io, json, resource, sys
-from nnx_surgery import cli
-resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-results = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except SystemExit as stop:
-            code = stop.code
-    results.append([code, err.getvalue()])
-print(json.dumps(results))
-"""
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(w, tmp_path):
@@ -426,8 +412,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(w, tmp_path):
                  "--no-general-eval"]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PYTHONDONTWRITEBYTECODE": "1"}
     before = tree(w["base"])
-    proc = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps(commands)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps([[0, argv] for argv in commands])], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for argv, (code, err) in zip(commands, json.loads(proc.stdout.strip().splitlines()[-1])):
         assert_refused(code, "", err, "", started=argv[0] in ("distill", "eval"))

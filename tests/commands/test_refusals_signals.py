@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from refusal_env import DATA, ROOT, SPEC, make_workspace, run, tree
+from refusal_env import DATA, FULL_DISK, ROOT, SPEC, make_workspace, run, tree
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
 STEP_SHOWN = re.compile(r"\| *[1-9]\d*/\d+ \[")  # the progress bar after a completed step
@@ -132,21 +132,6 @@ def test_cache_teacher_stopped_leaves_nothing_or_what_resume_continues(w, tmp_pa
     assert os.path.isfile(os.path.join(out, "manifest.json"))
 
 
-FULL_DISK = """
-import contextlib, io, json, resource, sys
-from nnx_surgery import cli
-results = []
-for limit, argv in json.loads(sys.argv[1]):
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except SystemExit as stop:
-            code = stop.code
-    results.append([code, err.getvalue()])
-print(json.dumps(results))
-"""
 
 
 def test_a_full_disk_in_compress_and_cache_teacher_leaves_nothing(w, tmp_path):

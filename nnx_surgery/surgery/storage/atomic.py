@@ -209,3 +209,11 @@ def _json_default(value):
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def missing_folders(path: str) -> list[str]:
+    """`path` and its parents that do not exist yet, deepest first: what writing `path` creates, and so what a
+    command that fails before writing anything removes again."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
