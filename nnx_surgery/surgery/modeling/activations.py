@@ -15,20 +15,26 @@ from jax.sharding import PartitionSpec
 DATA_AXES = ("data", "fsdp")  # mesh axes that split the batch (as distill.mesh.DATA_AXES)
 
 
+def row_axes(mesh, rows: int) -> tuple[list[str], int]:
+    """(the data axes of `mesh` that split `rows` rows, in order, and how many parts they make together)."""
+    sizes, used, split = dict(zip(mesh.axis_names, mesh.axis_sizes)), [], 1
+    for axis in DATA_AXES:
+        if sizes.get(axis, 1) > 1 and rows % (split * sizes[axis]) == 0:
+            used.append(axis)
+            split *= sizes[axis]
+    return used, split
+
+
 def batch_sharded(x: jax.Array) -> jax.Array:
     """`x` (B, ...) constrained to rows split over the data axes of the mesh in context that divide B."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x
-    sizes, used, split = dict(zip(mesh.axis_names, mesh.axis_sizes)), [], 1
-    for axis in DATA_AXES:
-        if sizes.get(axis, 1) > 1 and x.shape[0] % (split * sizes[axis]) == 0:
-            used.append(axis)
-            split *= sizes[axis]
+    used, _ = row_axes(mesh, x.shape[0])
     if not used:
         return x
     spec = PartitionSpec(tuple(used) if len(used) > 1 else used[0], *([None] * (x.ndim - 1)))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-__all__ = ["batch_sharded", "DATA_AXES"]
+__all__ = ["batch_sharded", "row_axes", "DATA_AXES"]

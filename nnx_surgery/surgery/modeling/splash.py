@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .activations import DATA_AXES
+from .activations import row_axes
 
 KERNELS = ("xla", "splash", "splash_interpret")  # `CausalLM.__call__(attention_kernel=)`; the last for CPU tests
 BLOCK = 512  # rows of queries / keys per kernel block (MaxText's default on v5e); smaller sequences use one block
@@ -84,12 +84,7 @@ def _batch_axes(rows: int):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return mesh, ()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    used, split = [], 1
-    for axis in DATA_AXES:
-        if sizes.get(axis, 1) > 1 and rows % (split * sizes[axis]) == 0:
-            used.append(axis)
-            split *= sizes[axis]
+    used, split = row_axes(mesh, rows)
     if split != mesh.size:
         return None
     return mesh, tuple(used)
