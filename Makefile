@@ -76,7 +76,7 @@ test-aot-7b: $(STAMP)
 # process (one process at a time holds the chip). `make test` skips them where JAX has no TPU.
 PYTHON_TPU ?= python3
 test-tpu:
-	NNX_SURGERY_TEST_TPU=1 $(PYTHON_TPU) -m pytest -q -p no:cacheprovider -m tpu tests/tpu
+	for module in tests/tpu/test_*.py; do NNX_SURGERY_TEST_TPU=1 $(PYTHON_TPU) -m pytest -q -p no:cacheprovider -m tpu $$module || exit 1; done
 
 bench: $(STAMP)
 	bash bench/run_all.sh

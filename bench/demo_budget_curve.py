@@ -13,7 +13,10 @@ demo`'s on an accelerator and both share runs/gemma3-270m-tpu). Each scale keeps
 takes the largest batch of 64 / 32 / 16 / 8 / 4 rows that makes its tokens exactly in at least 10 steps: 1x is 14
 steps of 16 rows, 10x 35 of 64, 100x the preset's 350 of 64; the warm-up keeps the preset's share (12 of 350, at
 least 1). Runs pass --resume: a command that stops (a device call's 10 minutes) is continued by the next, and a
-finished scale is skipped. The wall time of each run's phases is in its results.json (`phase_times_s`).
+finished scale is skipped. The wall time of each run's phases is in its results.json (`phase_times_s`). The runs
+share one persistent compilation cache (ROOT/xla-cache, or JAX_COMPILATION_CACHE_DIR where set): the scales of the
+same batch load each other's compiled programs. `--no-lm-eval` leaves the two lm-eval tasks out (a machine
+without the lm-eval extra); `--demo-folder` puts the 100x run elsewhere than `make demo`'s folder.
 """
 from __future__ import annotations
 
@@ -47,32 +50,39 @@ def scale_settings(scale: int) -> dict[str, int]:
                      "steps; choose a scale of at least 1.")
 
 
-def run_folder(root: str, scale: int) -> str:
-    """The preset's own folder for 100x (`make demo`'s on an accelerator: runs/gemma3-270m-tpu in the checkout),
-    ROOT/<scale>x for the others."""
+DEMO_FOLDER = os.path.join(ROOT, "runs", PRESET)
+
+
+def run_folder(root: str, scale: int, demo_folder: str = DEMO_FOLDER) -> str:
+    """The preset's own folder for 100x (`make demo`'s on an accelerator: runs/gemma3-270m-tpu in the checkout,
+    unless `demo_folder`), ROOT/<scale>x for the others."""
     settings = scale_settings(scale)
     if (settings["batch"], settings["steps"]) == (PRESET_BATCH, PRESET_STEPS):
-        return os.path.join(ROOT, "runs", PRESET)
+        return demo_folder
     return os.path.join(root, f"{scale}x")
 
 
-def command(root: str, scale: int, python: str = sys.executable) -> list[str]:
+def command(root: str, scale: int, python: str = sys.executable, *, lm_eval: bool = True,
+            demo_folder: str = DEMO_FOLDER) -> list[str]:
     settings = scale_settings(scale)
-    return [python, os.path.join(ROOT, RECIPE), "--preset", PRESET, "--output", run_folder(root, scale), "--resume", *LM_EVAL,
-            "--batch-size", str(settings["batch"]), "--steps", str(settings["steps"]),
-            "--warmup-steps", str(settings["warmup"])]
+    return [python, os.path.join(ROOT, RECIPE), "--preset", PRESET, "--output", run_folder(root, scale, demo_folder),
+            "--resume", *(LM_EVAL if lm_eval else ()), "--batch-size", str(settings["batch"]),
+            "--steps", str(settings["steps"]), "--warmup-steps", str(settings["warmup"])]
 
 
-def run(root: str, scales: list[int]) -> int:
-    """Each scale not finished yet (no results.json in its folder), in order; stops at the first that fails."""
+def run(root: str, scales: list[int], *, lm_eval: bool = True, demo_folder: str = DEMO_FOLDER) -> int:
+    """Each scale not finished yet (no results.json in its folder), in order, sharing one compilation cache;
+    stops at the first that fails."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR")
+           or os.path.abspath(os.path.join(root, "xla-cache"))}
     for scale in scales:
-        folder = run_folder(root, scale)
+        folder = run_folder(root, scale, demo_folder)
         if os.path.exists(os.path.join(folder, "results.json")):
             print(f"[curve] {scale}x: finished in {folder}", flush=True)
             continue
-        argv = command(root, scale)
+        argv = command(root, scale, lm_eval=lm_eval, demo_folder=demo_folder)
         print(f"[curve] {scale}x: {' '.join(argv[1:])}", flush=True)
-        code = subprocess.call(argv)
+        code = subprocess.call(argv, env=env)
         if code:
             print(f"[curve] {scale}x stopped (exit {code}); run the same command again to continue it", flush=True)
             return code
@@ -144,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="1,10,100", help="multiples of the CPU demo's 57,344 tokens")
     parser.add_argument("--root", default=os.path.join("runs", "budget"), help="where the scales below 100x go")
     parser.add_argument("--out", default=None, help="plot: the PNG (default ROOT/budget_curve.png)")
+    parser.add_argument("--demo-folder", default=DEMO_FOLDER, help="the 100x run's folder (default make demo's)")
+    parser.add_argument("--no-lm-eval", dest="lm_eval", action="store_false",
+                        help="leave make demo's two lm-eval tasks out (no lm-eval extra installed)")
     args = parser.parse_args(argv)
     scales = [int(s) for s in args.scales.split(",") if s.strip()]
     if args.action == "run":
-        return run(args.root, scales)
-    found = points({scale: run_folder(args.root, scale) for scale in scales})
+        return run(args.root, scales, lm_eval=args.lm_eval, demo_folder=args.demo_folder)
+    found = points({scale: run_folder(args.root, scale, args.demo_folder) for scale in scales})
     path = plot(found, args.out or os.path.join(args.root, "budget_curve.png"))
     print(table(found))
     print(f"plot: {path}")

@@ -326,7 +326,7 @@ def test_aot_goal_rows_read_the_latest_compiles_and_the_margin():
     assert rows[next(n for n in rows if "Liger" in n)][2] is False
 
 
-def test_budget_curve_plots_fabricated_results(tmp_path, capsys):
+def test_budget_curve_plots_fabricated_results(tmp_path, capsys, monkeypatch):
     """bench/demo_budget_curve.py's reading and plotting, on results.json files made up here (a test of the plot
     code, not a result): closure per byte from each run's rows, one point per scale, the PNG and the table; the
     scales' batch and steps make their tokens exactly; the 100x run is `make demo`'s folder."""
@@ -338,6 +338,18 @@ def test_budget_curve_plots_fabricated_results(tmp_path, capsys):
         {"batch": 64, "steps": 350, "warmup": 12, "tokens": 5_734_400}]
     assert curve.run_folder(str(tmp_path), 100).endswith(os.path.join("runs", "gemma3-270m-tpu"))
     assert curve.command(str(tmp_path), 10)[-6:] == ["--batch-size", "64", "--steps", "35", "--warmup-steps", "1"]
+    assert "--eval-tasks" in curve.command(str(tmp_path), 1)
+    assert "--eval-tasks" not in curve.command(str(tmp_path), 1, lm_eval=False)
+    calls = []  # every scale's run in the one compilation cache (JAX_COMPILATION_CACHE_DIR), unless one is set
+    monkeypatch.setattr(curve.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert curve.run(str(tmp_path), [1, 10, 100], demo_folder=str(tmp_path / "demo")) == 0
+    assert [argv[argv.index("--output") + 1] for argv, _ in calls] == [
+        str(tmp_path / "1x"), str(tmp_path / "10x"), str(tmp_path / "demo")]
+    assert {env["JAX_COMPILATION_CACHE_DIR"] for _, env in calls} == {str(tmp_path / "xla-cache")}
+    calls.clear()
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "given"))
+    assert curve.run(str(tmp_path), [1]) == 0 and calls[0][1]["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "given")
 
     def fabricated(tokens, distilled, control):  # CE per byte: teacher 1.0, pruned 2.0 on every set
         rows = [{"model": "teacher", "tokens": 0}, {"model": "pruned (before distillation)", "tokens": 0},
