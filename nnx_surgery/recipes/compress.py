@@ -64,6 +64,7 @@ from nnx_surgery.recipes import (aot, aot_targets, compile_cache, final_eval, mu
                                  run_settings, teacher_caching, vocabulary)
 from nnx_surgery.recipes.config import checks, files, layering, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
+from nnx_surgery.recipes.phase_clock import PhaseClock
 from nnx_surgery.recipes.reporting import card_writer, dry_run_report, plot_curves, results_table, write_results
 from nnx_surgery.recipes.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
 
@@ -97,11 +98,15 @@ def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
     files.check_resumable(run.config, run.folder)  # --resume with other settings: refused before any read
     created = missing_folders(run.folder)
     prepare_output(run)
+    clock.keep_in(run.folder)  # a resumed run adds this command's phases to the earlier ones'
     with removed_on_failure(created):
-        return run_all(run, clock)
+        try:
+            return run_all(run, clock)
+        finally:
+            clock.stop()
 
 
-def run_all(run: run_settings.RunSettings, clock: "PhaseClock") -> dict:
+def run_all(run: run_settings.RunSettings, clock: PhaseClock) -> dict:
     """The phases, once the run folder is prepared."""
     config = run.config
     loaded = run_phases.load_teacher_and_data(run)
@@ -221,12 +226,15 @@ def evaluate_models(run: run_settings.RunSettings, loaded, teacher, cut, distill
     return final_eval.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
 
 
-def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict | None, distilled, control) -> dict:
-    """results.json: the evaluation, the run's wall times and settings, the search, the final losses, step speed
-    and the recovery curves."""
+def summarise(run: run_settings.RunSettings, results: dict, clock: PhaseClock, search: dict | None, distilled,
+              control) -> dict:
+    """results.json: the evaluation, the run's wall times (over every command of a resumed run) and settings, the
+    search, the final losses, step speed and the recovery curves."""
     config, history = run.config, distilled.history
-    results = dict(results, wall_time_s=round(time.time() - clock.start, 1), preset=config.run.preset,
-                   compression=config.surgery.compression, control=config.student.control, phase_times_s=clock.laps,
+    times = clock.totals()
+    results = dict(results, wall_time_s=times["wall_s"], preset=config.run.preset,
+                   compression=config.surgery.compression, control=config.student.control,
+                   phase_times_s=times["phases"], commands=times["commands"], unfinished_s=times["unfinished_s"],
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
     if config.data.general_mix and config.data.general_source == "packages":  # which packages, what licence
@@ -280,20 +288,6 @@ def publish(run: run_settings.RunSettings, final: str) -> None:
     if config.run.push_to_hub:
         url = surgery.push_to_hub(final, config.run.push_to_hub, private=not config.run.public)
         print(f"pushed to {url}")
-
-
-class PhaseClock:
-    """Wall time of each phase of the run, in order (for the results table)."""
-
-    def __init__(self, start: float):
-        self.start = start
-        self.laps: dict[str, float] = {}
-        self._last = start
-
-    def lap(self, name: str) -> None:
-        now = time.time()
-        self.laps[name] = round(now - self._last, 1)
-        self._last = now
 
 
 def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:

@@ -11,6 +11,7 @@ import jax
 from nnx_surgery import surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
 from nnx_surgery.recipes.config.sections import CONTROL_NAMES, RecipeConfig
+from nnx_surgery.recipes.phase_clock import wall_time_line
 
 if TYPE_CHECKING:
     from nnx_surgery.recipes.run_settings import RunSettings
@@ -155,12 +156,7 @@ def results_table(results: dict) -> str:
     if results.get("lm_eval"):  # --eval-tasks
         from nnx_surgery.recipes.lm_eval_scores import task_scores_text
         lines += [task_scores_text(results["lm_eval"]), ""]
-    times = results.get("phase_times_s") or {}
-    if times:
-        lines.append("Wall time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
-                     + f"; {results['wall_time_s']:.0f} s in all.")
-    else:
-        lines.append(f"Wall time: {results['wall_time_s']:.0f} s.")
+    lines.append(wall_time_line(results))
     return "\n".join(lines)
 
 

@@ -191,6 +191,10 @@ def test_halted_then_killed_and_resumed_run_ends_with_the_full_runs_student(runs
     losses = [(r["model"], r["loss"], r["perplexity"], r["general_loss"]) for r in full_results["rows"]]
     assert [(r["model"], r["loss"], r["perplexity"], r["general_loss"]) for r in soaked_results["rows"]] == \
         [row for row in losses if row[0] != "scratch student (same shape)"], report
+    # every command's phases counted: the halted one, the killed ones and the last
+    commands = json.loads((soaked / "phase_times.json").read_text())["commands"]
+    assert soaked_results["commands"] == len(commands) >= 2 and "stage A" in commands[0]["laps"], commands
+    assert soaked_results["wall_time_s"] == pytest.approx(sum(c["wall_s"] for c in commands), abs=60), commands
 
 
 def test_refuses_to_overwrite_an_earlier_run_without_resume(runs, tmp_path):
