@@ -42,6 +42,23 @@ def loss_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def trace_tables(records: list[dict]) -> str:
+    """Each traced point (tpu_bench --trace): where a step's device time goes, by kind and the heaviest ops, from
+    bench/trace_summary.py's own-time breakdown of the chip's "XLA Ops" line."""
+    out = []
+    for r in records:
+        if r.get("event") != "trace" or "top" not in r:
+            continue
+        kinds = ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in r["kinds_ms_per_step"].items())
+        out.append(f"{r['pair']} pair, {r['batch']} x 2048, {r['attention']} attention, line `{r['line']['thread']}`: "
+                   f"{r['busy_ms_per_step']:.1f} ms busy per step ({kinds})")
+        out += ["", "| op | kind | per step | ms per step |", "|---|---|---|---|"]
+        out += [f"| `{op['name']}` | {op['kind']} | {op['count'] // max(1, r['steps'])} | {op['ms_per_step']:.1f} |"
+                for op in r["top"]]
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     path = argv[0] if argv else os.path.join(HERE, "results", "tpu-v5e.jsonl")
@@ -50,6 +67,8 @@ def main(argv=None) -> None:
     print(step_table(records))
     print()
     print(loss_table(records))
+    print()
+    print(trace_tables(records))
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ def test_trace_summary_breaks_down_one_device_line_per_step(tmp_path):
             {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "XLA Ops"}}]
     kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32", 300.0), ("loop_multiply_fusion", 40.0),
                ("input_reduce_fusion", 20.0), ("sm90_xmma_gemm_bf16bf16_bf16f32", 300.0)]
-    events = meta + [{"ph": "X", "pid": 2, "tid": 7, "ts": i, "dur": d, "name": n} for i, (n, d) in enumerate(kernels)]
+    starts = [sum(d for _, d in kernels[:i]) for i in range(len(kernels))]  # one stream: one kernel after another
+    events = meta + [{"ph": "X", "pid": 2, "tid": 7, "ts": t, "dur": d, "name": n} for t, (n, d) in zip(starts, kernels)]
     events += [{"ph": "X", "pid": 2, "tid": 9, "ts": 0, "dur": 600.0, "name": "dot.3"},
                {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5000.0, "name": "PjitFunction(step)"}]
     path = tmp_path / "trace.json.gz"
@@ -184,6 +185,32 @@ def test_trace_summary_breaks_down_one_device_line_per_step(tmp_path):
     assert summary["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "kind": "matmul", "count": 2,
                                  "ms_per_step": 0.3}
     assert [line["thread"] for line in summary["lines"]][:2] == ["1", "Stream #7"]
+
+
+def test_trace_summary_on_a_tpu_reads_the_ops_line_without_counting_a_loop_twice(tmp_path):
+    """A TPU's device lines are steps, modules and ops; on the ops line a `while` loop encloses its body's fusions:
+    the summary breaks down "XLA Ops", each op by its own time (the loop less its body)."""
+    import gzip
+
+    from trace_summary import self_times, summarize
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:TPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "Steps"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 3, "args": {"name": "XLA Ops"}}]
+    ops = [(0, 1000, "while.2"), (10, 400, "fusion.1"), (500, 400, "exponential_reduce_fusion.4"),
+           (1000, 200, "convolution.7"), (1200, 100, "fusion.1")]
+    events = meta + [{"ph": "X", "pid": 2, "tid": 3, "ts": t, "dur": d, "name": n} for t, d, n in ops]
+    events += [{"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 1400, "name": "624"}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = summarize(str(path), steps=1)
+    assert summary["line"] == {"process": "/device:TPU:0", "thread": "XLA Ops"}
+    assert summary["busy_ms_per_step"] == pytest.approx(1.3)  # 1000 + 200 + 100 us, the loop's body inside it
+    by_name = {row["name"]: row["ms_per_step"] for row in summary["top"]}
+    assert by_name == pytest.approx({"fusion.1": 0.5, "exponential_reduce_fusion.4": 0.4, "while.2": 0.2,
+                                     "convolution.7": 0.2})
+    assert self_times([{"ts": 0, "dur": 5}, {"ts": 5, "dur": 5}]) == [5.0, 5.0]  # adjacent, not nested
 
 
 def test_gguf_export_bench_runs_at_tiny_shape(tmp_path):
@@ -410,3 +437,16 @@ def test_lm_eval_speed_bench_records_rates_and_agreement(tmp_path):
     real = dict(record, model="real")
     (name, measured, met), = report_lm_eval.target_rows([real])
     assert met == (min(k["ratio_warm"] for k in record["kinds"]) >= 2.0) and "loglikelihood" in measured
+
+
+def test_tpu_report_renders_the_committed_records():
+    """bench/report_tpu.py on bench/results/tpu-v5e.jsonl: one step row per step record, the loss table, and the
+    traced point's own-time breakdown (the loss loop's fusions, 32 chunks per step, lead it)."""
+    import report_tpu
+
+    with open(os.path.join(BENCH, "results", "tpu-v5e.jsonl")) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    steps = [r for r in records if r.get("event") == "step" and "error" not in r]
+    assert len(report_tpu.step_table(records).splitlines()) == 2 + len(steps)
+    traced = report_tpu.trace_tables(records)
+    assert "line `XLA Ops`" in traced and "| `bitcast_add_fusion.11` | fusion | 32 | 76.8 |" in traced

@@ -6,7 +6,9 @@ A perfetto trace holds complete events ("ph": "X", durations in microseconds) on
 one line per CUDA stream with the kernels, plus lines that repeat the same time as XLA ops and modules. Summing
 every line would count device time twice, so the summary names every line with its busy time and breaks down
 one: the busiest line of the device process (a process named like "/device:GPU:0"; on CPU, where there is none,
-the busiest line of all). Its events are grouped by name (top `--top`) and by kind of kernel from the name
+the busiest line of all; on a TPU, whose device lines are steps, modules and ops, the "XLA Ops" line). An op
+that encloses others on its line (a TPU's `while` loop and the fusions of its body) counts only its own time, so
+nothing is counted twice. Its events are grouped by name (top `--top`) and by kind of kernel from the name
 (`KINDS`: matmul, fusion, reduction, copy, ...), in milliseconds per step when `--steps` says how many steps the
 trace holds. Used by bench/gpu_bench.py; the raw trace is kept next to the results for a closer look.
 """
@@ -44,6 +46,22 @@ def _load(path: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def self_times(events: list[dict]) -> list[float]:
+    """Each event's duration less that of the events it encloses on the same line (its direct children), in the
+    events' order: their sum is the line's busy time, nested or not."""
+    order = sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+    own = [float(e["dur"]) for e in events]
+    open_events: list[int] = []  # the enclosing events, innermost last
+    for i in order:
+        start = events[i]["ts"]
+        while open_events and events[open_events[-1]]["ts"] + events[open_events[-1]]["dur"] <= start:
+            open_events.pop()
+        if open_events:
+            own[open_events[-1]] -= events[i]["dur"]
+        open_events.append(i)
+    return own
+
+
 def summarize(path: str, steps: int = 1, top: int = 30) -> dict:
     """Busy time per (process, thread) line, and a breakdown of the device's busiest line (module docstring)."""
     events = _load(path)
@@ -66,14 +84,17 @@ def summarize(path: str, steps: int = 1, top: int = 30) -> dict:
     busy = {key: sum(e["dur"] for e in found) for key, found in lines.items()}
     device = [key for key in lines if re.search(r"gpu|device|tpu", label(key)[0], re.I)
               and not re.search(r"host", label(key)[0], re.I)]
-    chosen = max(device or lines, key=lambda key: busy[key])
+    tpu_ops = [key for key in device if re.search(r"tpu", label(key)[0], re.I) and label(key)[1] == "XLA Ops"]
+    chosen = max(tpu_ops or device or lines, key=lambda key: busy[key])
     per_step = 1e-3 / max(1, steps)  # microseconds -> milliseconds per step
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     by_kind: dict[str, float] = collections.defaultdict(float)
-    for e in lines[chosen]:
+    own = self_times(lines[chosen])
+    busy[chosen] = sum(own)
+    for e, seconds in zip(lines[chosen], own):
         by_name[e["name"]][0] += 1
-        by_name[e["name"]][1] += e["dur"]
-        by_kind[kind_of(e["name"])] += e["dur"]
+        by_name[e["name"]][1] += seconds
+        by_kind[kind_of(e["name"])] += seconds
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
     return {
         "lines": [{"process": label(key)[0], "thread": label(key)[1], "events": len(lines[key]),
