@@ -279,6 +279,21 @@ def load(path: str = RESULTS, partial: bool = False) -> dict[str, dict]:
     return found
 
 
+# The MFU measured on one v5e chip for the pair nearest these rows' setting: the Gemma 3 1B pair's train step with
+# `--remat layers`, splash attention and 32k tokens (bench/results/tpu-v5e.jsonl; BENCHMARKS.md "On a TPU v5e
+# chip"). The rows were compiled at aot.DEFAULT_MFU; `tokens_at` re-estimates them at this one.
+CHIP_MFU = 0.518
+
+
+def tokens_at(row: dict, mfu: float) -> float:
+    """A compiled row's tokens/s at `mfu` of the chip's peak: its compute time scaled from the MFU it was estimated
+    at, its HBM-bandwidth bound unchanged (the slower of the two, as `--aot` estimates)."""
+    from nnx_surgery.recipes import aot
+
+    step = max(row["step_s_compute"] * aot.DEFAULT_MFU / mfu, row["step_s_memory"])
+    return row["step_tokens"] / step
+
+
 def _gib(value) -> str:
     return "" if value is None else f"{value / GIB:.2f}"
 
@@ -307,8 +322,9 @@ def table(lines: dict[str, dict], group: str = "main") -> str:
     """The configurations of `group` ("teachers": a teacher column first)."""
     lead = "| teacher " if group == "teachers" else ""
     out = [lead + "| target | seq | loss | student | fits | GiB/device (of) | setting (mesh, micro x accum, remat) | "
-           "tokens/step (micro) | tokens/s | days for 94B | compile s | tried |",
-           "|---" * (12 + bool(lead)) + "|"]
+           f"tokens/step (micro) | tokens/s | days for 94B | tokens/s at {CHIP_MFU:.1%} MFU (measured on a chip) | "
+           "days | compile s | tried |",
+           "|---" * (14 + bool(lead)) + "|"]
     for config in CONFIGS:
         line = lines.get(config.key)
         if config.group != group or line is None:
@@ -324,7 +340,8 @@ def table(lines: dict[str, dict], group: str = "main") -> str:
             out.append(prefix + f"| {config.target} | {config.seq} | {loss} | {config.student} | yes | "
                        f"{_gib(b['total'])} ({_gib(best['memory_per_device'])}) | {_setting(best)} | "
                        f"{best['step_tokens'] // 1024}k ({best['micro_tokens'] // 1024}k) | "
-                       f"{rate:,.0f} | {BUDGET / rate / 86400:.1f} | {best['compile_s']:.0f} | "
+                       f"{rate:,.0f} | {BUDGET / rate / 86400:.1f} | {tokens_at(best, CHIP_MFU):,.0f} | "
+                       f"{BUDGET / tokens_at(best, CHIP_MFU) / 86400:.1f} | {best['compile_s']:.0f} | "
                        f"{_tried_text(line)} |")
         else:
             total = _gib(shown["bytes"]["total"]) if shown else ""
@@ -333,7 +350,7 @@ def table(lines: dict[str, dict], group: str = "main") -> str:
             verdict_text = "not finished" if line.get("partial") else "under 10% free" if tight else "**no**"
             out.append(prefix + f"| {config.target} | {config.seq} | {loss} | {config.student} | {verdict_text} | "
                        f"{total} | "
-                       f"| | | | {compile_s} | {_tried_text(line)} |")
+                       f"| | | | | | {compile_s} | {_tried_text(line)} |")
     return "\n".join(out)
 
 

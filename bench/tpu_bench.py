@@ -90,6 +90,9 @@ def measure(point: dict, models: tuple, args) -> dict:
         text = f"{type(error).__name__}: {error}"
         return {**record, "error": text[:1500], "oom": "RESOURCE_EXHAUSTED" in text}
     history = result.history
+    if not point.get("logit_chunk"):  # the run's default: record the chunk it chose (logit_term.logit_chunk)
+        from nnx_surgery.distill.losses.logit_term import logit_chunk
+        record["logit_chunk"] = logit_chunk(point_config(point, 1))
     times = [h["step_time_s"] for h in history][args.warmup:]
     step = float(np.median(times))
     flops = step_flops(teacher_hf, student_hf, point["batch"], SEQ)
