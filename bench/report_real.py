@@ -148,7 +148,7 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
 def _demo_table_both_sets(demo: dict) -> list[str]:
     """The demo's rows on its held-out sets (in-domain, general and, in records from 2026-12-06 on, far-domain: CE
     per token and per byte, KL and top-1 agreement with the teacher), as the recipe's results table has them."""
-    from nnx_surgery.recipes.reporting import COLUMNS  # the recipe's own results table's columns
+    from nnx_surgery.recipes.compress.reporting import COLUMNS  # the recipe's own results table's columns
 
     columns = [c for c in COLUMNS if c[0] in ("loss", "loss_per_byte") or any(c[0] in r for r in demo["rows"])]
     lines = ["| model | parameters (non-embedding) | tokens | " + " | ".join(c[1] for c in columns) + " |",
@@ -226,7 +226,7 @@ def _correction(setup: dict) -> str:
 
 
 def _sets_table(group: list[dict]) -> list[str]:
-    from nnx_surgery.distill.evals.heldout_sets import HeldoutSet, paired_interval
+    from nnx_surgery.evaluation.heldout_sets import HeldoutSet, paired_interval
     import numpy as np
 
     teacher = next(r for r in group if r.get("event") == "teacher")

@@ -37,7 +37,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        from nnx_surgery.recipes.secrets import redact  # light: no jax
+        from nnx_surgery.secrets import redact  # light: no jax
 
         print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
@@ -225,7 +225,7 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 # name -> (module:function that runs it, one line, examples, flags)
 COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
-    "compress": ("nnx_surgery.recipes.compress:entry", "the whole recipe: plan, prune, distil, evaluate, save "
+    "compress": ("nnx_surgery.recipes.compress.pipeline:entry", "the whole recipe: plan, prune, distil, evaluate, save "
                  "(recipes/gemma_7b_to_2b.py; every flag in `nnx-surgery compress --help`)",
                  ["compress --preset tiny --output runs/tiny",
                   "compress --preset gemma3-270m --output runs/gemma3-270m",
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         entry(argv[1:], prog="nnx-surgery compress")
         return 0
     args = parse(argv, parser)
-    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
+    from nnx_surgery.refusals import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
     _own_process(own_process)
     guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
@@ -328,7 +328,7 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
     if args.command is None:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
     for error in checked(args):
-        from nnx_surgery.recipes.secrets import redact
+        from nnx_surgery.secrets import redact
         print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
         sys.exit(2)
     return args
@@ -338,7 +338,7 @@ def _own_process(own: bool) -> None:
     """The command runs in a process of its own (not `main([...])` in a caller's): an interrupted run exits without
     the interpreter's shutdown (recipes.refusals.exit_now)."""
     if own:
-        from nnx_surgery.recipes import refusals
+        from nnx_surgery import refusals
         refusals.OWN_PROCESS[0] = True
 
 

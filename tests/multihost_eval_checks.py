@@ -18,9 +18,9 @@ from nnx_surgery import surgery
 import nnx_surgery.surgery.pruning.on_disk  # noqa: F401
 from nnx_surgery.distill.inputs.batches import TokenBatches
 from nnx_surgery.distill.distributed import to_host
-from nnx_surgery.distill.evals.perplexity import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
+from nnx_surgery.evaluation.perplexity import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
 from nnx_surgery.distill.mesh import make_mesh, shard_model
-from nnx_surgery.distill.evals.suite_scoring import evaluate_suite
+from nnx_surgery.evaluation.suite_scoring import evaluate_suite
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.surgery.storage.hf_checkpoint import save_pretrained
 from nnx_surgery.surgery.planning.student_planner import plan_student

@@ -20,7 +20,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from nnx_surgery.recipes.refusals import REFUSED_PATHS, RecipeError, wrong_kind
+from nnx_surgery.refusals import REFUSED_PATHS, RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.atomic import NAME_MAX
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import sys
 
 from nnx_surgery import surgery
 from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
-from nnx_surgery.recipes.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
+from nnx_surgery.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
 from nnx_surgery.recipes.model_inputs import position_limit
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
@@ -82,7 +82,7 @@ def import_gguf(args: argparse.Namespace) -> str:
 
 def export_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
-    from nnx_surgery.surgery.storage.gguf_export import resolve_export_dtype
+    from nnx_surgery.export.gguf_export import resolve_export_dtype
 
     folder = model_folder(args.folder, "FOLDER")
     checked("--dtype", args.dtype, resolve_export_dtype)

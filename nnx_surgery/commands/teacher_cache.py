@@ -14,7 +14,7 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
                                   text_batches)
 from nnx_surgery.distill.inputs import topk_cache as teacher_cache
-from nnx_surgery.recipes import refusals
+from nnx_surgery import refusals
 from nnx_surgery.surgery.storage.atomic import atomic_folder, missing_folders
 
 

@@ -1,5 +1,5 @@
 """`nnx-surgery distill` (distill.run, then save_student / save_pretrained) and `nnx-surgery eval` (the recipe's
-evaluation: recipes/final_eval.py over distill.evaluate_suite, both held-out sets)."""
+evaluation: evaluation/final_eval.py over distill.evaluate_suite, both held-out sets)."""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +8,14 @@ import json
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.recipes import lm_eval_scores
+from nnx_surgery.evaluation import lm_eval_scores
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
                                   staged_files, teacher_source, text_batches)
 from nnx_surgery.distill.inputs.cache_format import CacheError
-from nnx_surgery.distill.evals.heldout_sets import interval_text
-from nnx_surgery.recipes import final_eval, model_inputs, refusals
+from nnx_surgery.evaluation.heldout_sets import interval_text
+from nnx_surgery.evaluation import final_eval
+from nnx_surgery.recipes import model_inputs
+from nnx_surgery import refusals
 from nnx_surgery.recipes.config.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
 

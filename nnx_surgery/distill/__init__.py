@@ -29,17 +29,17 @@ from .losses.term_types import LossTerm, ModelSide, TermInputs, TermOption
 from .losses.term_registry import register as register_loss
 from .losses import term_registry as terms
 from .loop.metrics import MetricsLogger, make_logger, plot_history, step_flops
-from .evals.perplexity import agreement_and_kl, heldout_loss
-from .evals.suite_scoring import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
-                                  multiple_choice_items)
+from nnx_surgery.evaluation.perplexity import agreement_and_kl, heldout_loss
+from nnx_surgery.evaluation.suite_scoring import (SuiteSettings, continuation_scores, evaluate_suite,
+                                                  heldout_prompts, multiple_choice, multiple_choice_items)
 from .inputs.batches import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
 from .inputs.sources import far_prose, general_mix, general_prose
-from .evals.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
-from .evals.shape_ranking import SearchCandidate, SearchResult, rank_curves, search
+from nnx_surgery.evaluation.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
+from nnx_surgery.evaluation.shape_ranking import SearchCandidate, SearchResult, rank_curves, search
 from .loop.interruption import RunInterrupted
 from .fingerprints import batch_digest, compare_sequences, sequence_digest, weights_digest
 from .trimmed_vocab import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
-from .evals.cross_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
+from nnx_surgery.evaluation.cross_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",

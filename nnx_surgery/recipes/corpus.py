@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import jax
 
 from nnx_surgery import distill
-from nnx_surgery.recipes import refusals
+from nnx_surgery import refusals
 from nnx_surgery.distill.inputs import packaged_prose, sources
 
 GENERAL_SOURCES = ("pydoc", "packages")  # --general-source

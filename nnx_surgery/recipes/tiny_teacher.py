@@ -25,7 +25,7 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError
 from nnx_surgery.distill.inputs.batches import stdlib_corpus
 from nnx_surgery.distill.inputs.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors, write_hf_folder

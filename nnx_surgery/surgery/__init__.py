@@ -21,10 +21,10 @@ from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, 
 from .pruning.on_disk import prune_checkpoint
 from .pruning.mlp_refit import RefitReport, refit_mlp
 from .planning.plan_report import format_report, plot_report
-from .storage.hub import HubError, push_to_hub
-from .storage.model_card import write_model_card
+from nnx_surgery.export.hub import HubError, push_to_hub
+from nnx_surgery.export.model_card import write_model_card
 from .storage.gguf_import import cached_import, import_gguf
-from .storage.gguf_export import export_gguf
+from nnx_surgery.export.gguf_export import export_gguf
 from .modeling.generation import Generation, generate, make_sampler
 from .modeling.tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called
 

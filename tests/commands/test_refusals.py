@@ -313,7 +313,8 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
     temporary left, and no --resume (these commands have none) nor Python-API advice."""
     from nnx_surgery import distill, surgery
     from nnx_surgery.distill.loop.interruption import RunInterrupted, interruption_message
-    from nnx_surgery.surgery.storage import gguf_import, gguf_export
+    from nnx_surgery.surgery.storage import gguf_import
+    from nnx_surgery.export import gguf_export
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
@@ -363,7 +364,7 @@ def test_ctrl_c_in_distills_final_save_offers_no_resume(w, monkeypatch):
 SIGNALLED = """
 import os, signal, sys
 from nnx_surgery import cli
-from nnx_surgery.surgery.storage import gguf_export
+from nnx_surgery.export import gguf_export
 def write(tmp, *args):
     with open(tmp, "wb") as handle:
         handle.write(b"GGUF partial")

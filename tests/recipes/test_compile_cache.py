@@ -8,14 +8,14 @@ import os
 import subprocess
 import sys
 
-from nnx_surgery.recipes import compile_cache
+from nnx_surgery.recipes.compress import compile_cache
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ONE_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from nnx_surgery.recipes import compile_cache
+from nnx_surgery.recipes.compress import compile_cache
 compile_cache.enable(sys.argv[1], on_cpu=True)
 from distill_fixtures import FAST_COMPILE, student_from, tiny_teacher, teacher_samples
 from nnx_surgery.distill import TokenBatches

@@ -50,7 +50,7 @@ def refuses(*argv: str) -> None:
     """The recipe's settings (`resolution.resolve`, which every compress run starts with and which writes
     nothing) refuse `argv` with a RecipeError (one line through `guarded`) or argparse's one-line exit 2."""
     from nnx_surgery.recipes.config import resolution
-    from nnx_surgery.recipes.refusals import USER_ERRORS
+    from nnx_surgery.refusals import USER_ERRORS
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

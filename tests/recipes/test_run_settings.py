@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import run_settings  # noqa: E402
+from nnx_surgery.recipes.compress import run_settings  # noqa: E402
 from nnx_surgery.recipes.config import files, resolution  # noqa: E402
 from tiny_tokenizers import save_gemma_tokenizer  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
 
 def test_the_packaged_general_prose_is_refused_before_a_run_without_the_extra(tmp_path, monkeypatch):
     from nnx_surgery.distill.inputs import packaged_prose
-    from nnx_surgery.recipes.refusals import RecipeError
+    from nnx_surgery.refusals import RecipeError
 
     missing = packaged_prose.ProsePackage("no-such-prose-package", "1.0", "x", "x", "x", lambda path: [])
     monkeypatch.setattr(packaged_prose, "PACKAGES", (missing,))

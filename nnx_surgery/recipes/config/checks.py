@@ -10,7 +10,7 @@ from nnx_surgery import distill, surgery
 from nnx_surgery.distill.inputs import sources
 from nnx_surgery.surgery.planning.search_space import parse_budget
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
+from nnx_surgery.refusals import RecipeError, wrong_kind
 
 
 def check(config: RecipeConfig) -> None:
@@ -19,7 +19,7 @@ def check(config: RecipeConfig) -> None:
         raise RecipeError(f"--warmup-steps {training.warmup_steps}: give from 0 to --steps {training.steps} warm-up "
                           "steps (a longer warm-up never reaches the peak learning rate).")
     if config.run.gguf is not None:
-        import nnx_surgery.surgery.storage.gguf_export as gguf_export
+        import nnx_surgery.export.gguf_export as gguf_export
         try:
             gguf_export.resolve_export_dtype(config.run.gguf)
         except ValueError as err:
@@ -30,11 +30,11 @@ def check(config: RecipeConfig) -> None:
     if training.schedule == "progressive" and training.trainable:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
-    from nnx_surgery.recipes import phase_configs
+    from nnx_surgery.recipes.compress import phase_configs
     from nnx_surgery.recipes.config.resolution import named_by_flags
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
-    from nnx_surgery.recipes import teacher_caching
+    from nnx_surgery.recipes.compress import teacher_caching
     teacher_caching.check(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
@@ -120,7 +120,7 @@ def _check_output(config: RecipeConfig) -> None:
                                                          _cache_folder(config.training.teacher_cache)),
                      probe=not run.dry_run)
     if run.push_to_hub and not run.print_config:
-        from nnx_surgery.surgery.storage.hub import check_push_access
+        from nnx_surgery.export.hub import check_push_access
         check_push_access(run.push_to_hub)
 
 

@@ -24,7 +24,7 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        from nnx_surgery.recipes.secrets import redact
+        from nnx_surgery.secrets import redact
 
         print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)

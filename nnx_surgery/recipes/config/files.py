@@ -11,7 +11,7 @@ import jax
 
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError, wrong_kind
+from nnx_surgery.refusals import RecipeError, wrong_kind
 
 
 def load_config_file(path: str) -> dict:

@@ -26,7 +26,7 @@ from nnx_surgery.distill.loop.run_config import DistillConfig, moved_options
 from nnx_surgery.field_docs import documented
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError
 
 FORMAT = "nnx-surgery recipe config 2"
 FIRST_FORMAT = "nnx-surgery recipe config 1"

@@ -16,7 +16,7 @@ from nnx_surgery.distill.mesh import MeshError
 from nnx_surgery.recipes.config import checks, command_line, fields, layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.config.files import load_config_file
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError
 
 
 def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
@@ -132,7 +132,7 @@ def replaced(config: RecipeConfig, **changes: dict[str, Any]) -> RecipeConfig:
 def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
     """The run's DistillConfig: the distill section, the recipe's own sizes, precision, mesh, seed and evaluation
     batches, and the one stage the flags make (each phase replaces it: phase_configs.py)."""
-    from nnx_surgery.recipes import phase_configs
+    from nnx_surgery.recipes.compress import phase_configs
 
     values = {**section, **managed_values(config)}
     with named_by_flags():
