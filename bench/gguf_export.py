@@ -1,4 +1,4 @@
-"""GGUF export (`surgery.export_gguf`) of the real Gemma 3 270M and of students pruned from it, and decoding the
+"""GGUF export (`export.export_gguf`) of the real Gemma 3 270M and of students pruned from it, and decoding the
 exported files with llama.cpp (llama-cpp-python) beside our own `surgery.generate`, on CPU.
 
     python bench/gguf_export.py --out bench/results/gguf-export.jsonl

@@ -279,7 +279,7 @@ def section_gguf_export(records: list[dict]) -> list[str]:
              f"`python bench/gguf_export.py` ({m['date']}, {m['cpu']}, {cores} cores shared with other jobs: 1-minute "
              f"load average {loads[0]}-{loads[-1]} at the models' summaries): the real 270M and two students pruned "
              "from it (data-free; the trimmed vocabulary planned on stdlib source), exported by "
-             "`surgery.export_gguf`, each export type in a fresh process, median of 3 (f32: once), folder in the "
+             "`export.export_gguf`, each export type in a fresh process, median of 3 (f32: once), folder in the "
              "page cache.", "",
              "| model | safetensors (float32) | " + " | ".join(f"{d} GGUF" for d in ("f32", "f16", "q8_0", "q4_0"))
              + " |", "|---|---|---|---|---|---|"]

@@ -13,6 +13,7 @@ import traceback
 from typing import Callable
 
 from nnx_surgery import distill
+from nnx_surgery import export
 from nnx_surgery import surgery
 from nnx_surgery.distill.distributed import DistributedError
 from nnx_surgery.distill.inputs.cache_format import CacheError
@@ -29,7 +30,7 @@ class RecipeError(ValueError):
 
 # The toolkit's own refusals: printed as one line (exit 2); anything else is a bug and keeps its traceback.
 USER_ERRORS = (RecipeError, surgery.ConfigError, surgery.CheckpointError, surgery.SpecError, surgery.PlanError,
-               surgery.HubError, distill.DataError, MeshError, DivergenceError, DistributedError, CacheError,
+               export.HubError, distill.DataError, MeshError, DivergenceError, DistributedError, CacheError,
                OSError)
 
 

@@ -2,7 +2,7 @@
 distillation, when its ARGS ask for it; the checks are in tests/distill/test_multihost.py).
 
 Each process holds its own rows of the held-out batches (TokenBatches with process_index / process_count). It
-scores test_suite's tiny teacher and student with `distill.evaluate_suite` on one global mesh, `heldout_loss` /
+scores test_suite's tiny teacher and student with `evaluation.evaluate_suite` on one global mesh, `heldout_loss` /
 `agreement_and_kl` on a mesh whose devices interleave the processes (every batch row on another process than its
 owner's) and on models left on each process's own device (no mesh), and cuts a student from disk with
 `prune_checkpoint`. The suite writes into `suite{process}/` under `out` (only process 0 may), the student into

@@ -105,13 +105,13 @@ def teacher_source(text: str, name: str, revision: str | None = None) -> str:
     if local and not text.endswith(".gguf") and not os.path.exists(path):
         raise RecipeError(f"{name} {text}: no such folder; give a model folder, a .gguf file, gguf:gemma3-270m "
                           "or a Hub id (user/name).")
-    from nnx_surgery import surgery
+    from nnx_surgery import export, surgery
     from nnx_surgery.recipes.model_inputs import teacher_folder
     try:
         folder = teacher_folder(text, revision)
     except RecipeError as error:  # it names --teacher, the recipe's flag
         raise RecipeError(str(error).replace("--teacher", name, 1)) from None
-    except (surgery.CheckpointError, surgery.HubError) as error:
+    except (surgery.CheckpointError, export.HubError) as error:
         if os.path.exists(path) or text.endswith(".gguf"):
             raise
         raise RecipeError(f"{name} {text}: no such local folder, and not found on the Hub ({error}); check the "

@@ -1,5 +1,5 @@
 """`nnx-surgery distill` (distill.run, then save_student / save_pretrained) and `nnx-surgery eval` (the recipe's
-evaluation: evaluation/final_eval.py over distill.evaluate_suite, both held-out sets)."""
+evaluation: evaluation/final_eval.py over evaluation.evaluate_suite, both held-out sets)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-from nnx_surgery import distill, surgery
+from nnx_surgery import distill, evaluation, surgery
 from nnx_surgery.evaluation import lm_eval_scores
 from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
                                   staged_files, teacher_source, text_batches)
@@ -189,7 +189,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         model = surgery.load_pretrained(folder, dtype="float32")
         print(f"[eval] {name}: {shape_line(model.config)}", flush=True)
         rows.append((name, model, 0))
-    vocabularies = {name: distill.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
+    vocabularies = {name: evaluation.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
                     if (kept_ids := kept[name]) is not None}
     with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
         results = final_eval.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)

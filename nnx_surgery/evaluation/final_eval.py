@@ -1,10 +1,10 @@
 """The recipe's evaluation: every model of the results table on the same held-out data, and the recovery curves.
 
-Each row is scored on two held-out sets (`distill.HeldoutSet`, --eval-tokens each): the corpus's held-out
+Each row is scored on two held-out sets (`evaluation.HeldoutSet`, --eval-tokens each): the corpus's held-out
 documents (in-domain: what CE retraining optimises directly) and English prose that no training corpus contains
 (general: what compression must keep), with cross-entropy per token and per byte, KL to the teacher and top-1
 agreement, and 95% intervals for the differences between the distilled student, the control and the teacher
-(paired bootstrap over documents). Unless `--eval-prompts 0`, `distill.evaluate_suite` adds greedy continuations
+(paired bootstrap over documents). Unless `--eval-prompts 0`, `evaluation.evaluate_suite` adds greedy continuations
 of held-out prompts scored against the teacher's (BLEU, ROUGE-L), a next-line multiple-choice task scored by
 log-likelihood, and the same prompts answered by every model (`suite.md` / `suite.json` in the run folder). Multi-host: every process evaluates together (its rows of the
 held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
@@ -24,6 +24,7 @@ import time
 from typing import Any, TypedDict
 
 from nnx_surgery import distill
+from nnx_surgery import evaluation
 from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors
 from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
@@ -81,15 +82,15 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
              FAR: _far_texts() if args.evaluation.general and far else []}
     for name, held in texts.items():  # the packaged general prose trains only (--general-source packages)
         packaged_prose.refuse_held_out(held, name)
-    sets = [distill.HeldoutSet.from_texts(IN_DOMAIN, texts[IN_DOMAIN], description=f"held-out documents of the "
+    sets = [evaluation.HeldoutSet.from_texts(IN_DOMAIN, texts[IN_DOMAIN], description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
                                           **common)]
     if args.evaluation.general:
-        sets.append(distill.HeldoutSet.from_texts(GENERAL, texts[GENERAL], description=(
+        sets.append(evaluation.HeldoutSet.from_texts(GENERAL, texts[GENERAL], description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
     if texts[FAR]:
-        sets.append(distill.HeldoutSet.from_texts(FAR, texts[FAR], description=(
+        sets.append(evaluation.HeldoutSet.from_texts(FAR, texts[FAR], description=(
             "English prose from files of the Python install that no training text comes from: the history of "
             "Python (LICENSE.txt without its terms), IDLE's change logs and notes, the email package's design notes "
             f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))
@@ -109,19 +110,19 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
              vocabularies=None) -> dict:
     """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
     differences get 95% intervals; `vocabularies`: the rows with a trimmed vocabulary (name ->
-    `distill.Vocabulary`), judged in their own tokens (module docstring). Returns the results dict of results.json;
+    `evaluation.Vocabulary`), judged in their own tokens (module docstring). Returns the results dict of results.json;
     suite.md goes to `out`."""
     models = {name: model for name, model, _ in rows}
     vocabularies = vocabularies or {}
     if args.evaluation.prompts > 0:
-        settings = distill.SuiteSettings(prompts=args.evaluation.prompts, new_tokens=args.evaluation.new_tokens,
+        settings = evaluation.SuiteSettings(prompts=args.evaluation.prompts, new_tokens=args.evaluation.new_tokens,
                                          choice_items=args.evaluation.choice_items, seed=args.seed)
-        suite = distill.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
+        suite = evaluation.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
                                        generate=greedy, reference=rows[0][0], settings=settings,
                                        out_path=os.path.join(out, "suite.md"), heldout_sets=heldout_sets(args, data),
                                        pairs=pairs, vocabularies=vocabularies)
     else:  # no generations: the held-out sets alone
-        reports = {held.name: distill.heldout_report_across(models, held, reference=rows[0][0], pairs=pairs,
+        reports = {held.name: evaluation.heldout_report_across(models, held, reference=rows[0][0], pairs=pairs,
                                                             vocabularies=vocabularies)
                    for held in heldout_sets(args, data)}
         suite = {"models": {name: {"sets": {k: r["models"][name] for k, r in reports.items()}} for name in models},

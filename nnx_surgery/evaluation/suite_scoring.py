@@ -290,7 +290,7 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
                    log: Callable[[str], None] | None = None,
                    vocabularies: Mapping[str, Vocabulary] | None = None) -> dict:
     """Score every model of `models` (name -> model, in table order) on held-out `batches` (pipeline dicts, e.g.
-    `TokenBatches.eval_batches()`; None to skip), on each of `heldout_sets` (`distill.HeldoutSet`: CE per token
+    `TokenBatches.eval_batches()`; None to skip), on each of `heldout_sets` (`evaluation.HeldoutSet`: CE per token
     and per byte, KL, agreement, and the paired differences of `pairs` with 95% intervals; e.g. an in-domain and
     a general-domain set) and on held-out `documents` (strings, e.g. `TokenBatches.eval_texts()`: prompts and
     multiple-choice items), against `models[reference]`. Returns a JSON-serialisable dict (`models`: metrics per

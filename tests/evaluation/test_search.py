@@ -1,4 +1,4 @@
-"""distill.search: every candidate sees the same batches, is scored at each point against an independent
+"""evaluation.search: every candidate sees the same batches, is scored at each point against an independent
 computation, is ranked by its curve, and a search stopped midway resumes to the same result."""
 import json
 import os
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from nnx_surgery import distill
+from nnx_surgery import evaluation
 from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
 from nnx_surgery.evaluation.heldout_sets import HeldoutSet, score_heldout, summarise
 from nnx_surgery.evaluation.shape_ranking import SearchCandidate, rank_curves, search

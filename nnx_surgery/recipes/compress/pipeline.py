@@ -58,7 +58,7 @@ from typing import Any, Iterator
 
 import jax
 
-from nnx_surgery import surgery
+from nnx_surgery import export, surgery
 from nnx_surgery.surgery.storage.atomic import missing_folders, write_json
 from nnx_surgery.recipes.aot import sizing as aot, targets as aot_targets
 from nnx_surgery.recipes.compress import (compile_cache, multi_host, run_phases, run_settings, teacher_caching,
@@ -278,11 +278,11 @@ def publish(run: run_settings.RunSettings, final: str) -> None:
     if config.run.gguf and jax.process_index() == 0:
         started = time.perf_counter()
         name = f"student-{config.run.gguf}.gguf"
-        path = surgery.export_gguf(final, os.path.join(run.folder, name), dtype=config.run.gguf)
+        path = export.export_gguf(final, os.path.join(run.folder, name), dtype=config.run.gguf)
         print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.0f} MiB, {config.run.gguf}, "
               f"{time.perf_counter() - started:.0f} s; run it with llama.cpp, README 'Run a student with llama.cpp')")
     if config.run.push_to_hub:
-        url = surgery.push_to_hub(final, config.run.push_to_hub, private=not config.run.public)
+        url = export.push_to_hub(final, config.run.push_to_hub, private=not config.run.public)
         print(f"pushed to {url}")
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from nnx_surgery import surgery
+from nnx_surgery import export, surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
 from nnx_surgery.recipes.config.sections import CONTROL_NAMES, RecipeConfig
 
@@ -367,7 +367,7 @@ def card_writer(run: RunSettings, plan, plan_a, results: dict, tokens: int):
                            ("far_loss", "far-domain held-out loss (prose no training text comes from)")):
             if any(key in r for r in results["rows"]):
                 evaluation[title] = {r["model"]: round(r[key], 4) for r in results["rows"] if key in r}
-        surgery.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
+        export.write_model_card(os.path.dirname(path), teacher_id=str(run.teacher.source),
                                  teacher_revision=config.teacher.revision, plan_summary=summary,
                                  data_description=" ".join([run.data.description, *pairing_lines(results)]),
                                  steps=config.training.steps,

@@ -109,7 +109,7 @@ def resolve(config: RecipeConfig) -> RunSettings:
     limit = model_inputs.position_limit(teacher.folder, teacher.config)
     check_new_tokens(config, teacher, limit.get("max_positions"))
     choice = shape_search.student_choice(config, teacher.config, teacher.folder)
-    if config.run.gguf:  # before hours of training: only Gemma students export (surgery.export_gguf says why)
+    if config.run.gguf:  # before hours of training: only Gemma students export (export.export_gguf says why)
         gguf_export.check_exportable(teacher.config, teacher.folder)
     data = DataSettings(files=config.data.files, corpus=corpus, description=description,
                         teacher_folder=teacher.folder,

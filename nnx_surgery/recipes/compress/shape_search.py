@@ -42,6 +42,7 @@ import os
 from typing import TYPE_CHECKING
 
 from nnx_surgery import distill
+from nnx_surgery import evaluation
 from nnx_surgery import surgery
 from nnx_surgery.evaluation import final_eval
 from nnx_surgery.recipes import model_inputs
@@ -242,12 +243,12 @@ def refitted(run: RunSettings, teacher, plan: surgery.Plan, data):
 
 def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibration, directory: str,
                       data, scored) -> list:
-    """`distill.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher
+    """`evaluation.SearchCandidate`s of the chosen shapes: planned now from one calibration pass of the teacher
     (`scored()`: its scores do not depend on the shape), each student built when it trains."""
     found = []
     for candidate in choice.candidates:
         plan = candidate_plan(run, teacher, candidate, calibration, directory, scored)
-        found.append(distill.SearchCandidate(
+        found.append(evaluation.SearchCandidate(
             candidate.text, build=lambda plan=plan: refitted(run, teacher, plan, data), plan=plan,
             parameters=candidate.parameters, non_embedding=candidate.non_embedding,
             note=choice.note(candidate)))
@@ -277,7 +278,7 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
           flush=True)
     cache = teacher_caching.for_phase(run, FOLDER, teacher, data, phase, mesh, readers=len(candidates))
     sets = final_eval.heldout_sets(run.evaluation, data, far=False)  # the far-domain set judges the run's students
-    result = distill.search(teacher, candidates, data, phase, sets=sets,
+    result = evaluation.search(teacher, candidates, data, phase, sets=sets,
                             directory=directory, eval_at=eval_points(steps), rank_by=(final_eval.IN_DOMAIN, "ce"),
                             sampler=surgery.make_sampler() if phase.on_policy.fraction else None,
                             teacher_cache=cache)
@@ -285,7 +286,7 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
     return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result), measured
 
 
-def summary(config: RecipeConfig, choice: StudentChoice, result: distill.SearchResult) -> dict:
+def summary(config: RecipeConfig, choice: StudentChoice, result: evaluation.SearchResult) -> dict:
     """What results.json records of the search: the budget, the candidates (ranked), the winner, the uniform
     guess's rank, the ranking at every scored step, and where search.md is (relative to the run folder)."""
     last, steps = result.eval_at[-1], config.search.steps or 1

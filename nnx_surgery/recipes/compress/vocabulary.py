@@ -26,6 +26,7 @@ from typing import Any, Callable
 import jax
 
 from nnx_surgery import distill
+from nnx_surgery import evaluation
 from nnx_surgery import surgery
 from nnx_surgery.recipes.tiny_teacher import wait_for_process_0
 from nnx_surgery.surgery.storage.atomic import atomic_folder
@@ -68,13 +69,13 @@ def student_batches(teacher_folder: str, plan: surgery.Plan, out: str, data: dis
 
 
 def vocabularies(rows: list[tuple[str, Any, int]], plan: surgery.Plan, tokenizer: str | None,
-                 teacher_vocab_size: int) -> dict[str, distill.Vocabulary]:
+                 teacher_vocab_size: int) -> dict[str, evaluation.Vocabulary]:
     """The rows (name, model, tokens) whose model has the plan's trimmed vocabulary, with its `tokenizer` (the
     student's folder) and map."""
     if plan.kept_vocab is None:
         return {}
     kept_vocab = tuple(plan.kept_vocab)
-    return {name: distill.Vocabulary(tokenizer, kept_vocab) for name, model, _ in rows
+    return {name: evaluation.Vocabulary(tokenizer, kept_vocab) for name, model, _ in rows
             if model.config.vocab_size == len(kept_vocab) != teacher_vocab_size}
 
 
