@@ -24,7 +24,7 @@ from nnx_surgery.evaluation.suite_scoring import evaluate_suite
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.surgery.storage.hf_checkpoint import save_pretrained
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 from suite_fixtures import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma
 
 GLOBAL_BATCH = 8

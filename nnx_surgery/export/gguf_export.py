@@ -40,7 +40,7 @@ from nnx_surgery.surgery.families import BY_GGUF_ARCHITECTURE, without_gguf
 from nnx_surgery.export.gguf_vocab_writer import Vocabulary, add_to_writer, read_vocabulary
 from nnx_surgery.surgery.storage.safetensors_stream import (DTYPE_CODES, CheckpointError, checkpoint_weight_map,
                                                             open_safetensors)
-from nnx_surgery.surgery.modeling.schema import BoundTensor, bound_tensors, hf_shape_of
+from nnx_surgery.surgery.families.schema import BoundTensor, bound_tensors, hf_shape_of
 
 if TYPE_CHECKING:  # gguf is an optional dependency, imported where a file is written
     from gguf import GGMLQuantizationType

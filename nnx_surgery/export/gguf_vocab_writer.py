@@ -26,7 +26,7 @@ import os
 import re
 from typing import Any
 
-from nnx_surgery.surgery.storage.errors import CheckpointError
+from nnx_surgery.surgery.families.errors import CheckpointError
 from nnx_surgery.surgery.storage.gguf_vocab_reader import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED
 
 SPECIAL_SCORE = -1000.0

@@ -41,7 +41,7 @@ def student_spec(text: str | None, teacher: surgery.ModelConfig, *, tokenizer: s
                                 "(recipes/gemma_7b_to_2b.py trims it).")
     vocab_size = spec.vocab_size_for(teacher)  # None exactly when spec.vocab_size is
     if vocab_size is not None and tokenizer is not None:
-        from nnx_surgery.surgery.planning.vocab_selection import TeacherTokenizer, check_vocab_size
+        from nnx_surgery.surgery.plans.vocab_selection import TeacherTokenizer, check_vocab_size
         try:
             check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, vocab_size)
         except surgery.SpecError as error:

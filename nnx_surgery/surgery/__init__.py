@@ -15,14 +15,14 @@ from .modeling.causal_lm import CausalLM, ModelOutput, abstract_model, create_mo
 from .families import SUPPORTED_MODEL_TYPES
 from .storage.safetensors_stream import CheckpointError
 from .storage.hf_checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
-from .planning.student_spec import NAMED_SHAPES, SpecError, StudentSpec
-from .planning.search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
-from .planning.plan_record import Plan, PlanError
+from nnx_surgery.surgery.plans.student_spec import NAMED_SHAPES, SpecError, StudentSpec
+from nnx_surgery.surgery.plans.search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
 from .planning.student_planner import TeacherScores, plan_student, score_teacher
 from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, save_student
 from .pruning.on_disk import prune_checkpoint
 from .pruning.mlp_refit import RefitReport, refit_mlp
-from .planning.plan_report import format_report, plot_report
+from nnx_surgery.surgery.plans.plan_report import format_report, plot_report
 from .storage.gguf_import import cached_import, import_gguf
 from .modeling.generation import Generation, generate, make_sampler
 from .modeling.tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself is imported only when they are called

@@ -93,7 +93,7 @@ from nnx_surgery.export.model_card import write_model_card
 from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
 from nnx_surgery.export.hub import HubError, push_to_hub
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 hub_module.RETRY_WAIT_S = 0.01
 work = sys.argv[1]

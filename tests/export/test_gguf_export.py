@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
 from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, export_gguf, import_gguf
 from nnx_surgery.surgery.storage.gguf_import import GGUFFile
-from nnx_surgery.surgery.modeling.schema import bound_tensors
+from nnx_surgery.surgery.families.schema import bound_tensors
 
 # A Gemma-like vocabulary as published Gemma GGUF files hold it: control tokens, user-defined ones (stored with real
 # spaces), byte fallback, merged pieces by decreasing score, then single characters.

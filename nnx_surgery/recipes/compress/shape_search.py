@@ -52,7 +52,7 @@ from nnx_surgery.recipes.config.sections import RecipeConfig
 
 if TYPE_CHECKING:
     from nnx_surgery.recipes.compress.run_settings import RunSettings
-from nnx_surgery.surgery.planning.search_space import COUNTINGS, budget_target
+from nnx_surgery.surgery.plans.search_space import COUNTINGS, budget_target
 
 FOLDER = "search"
 GUESS = "uniform guess"

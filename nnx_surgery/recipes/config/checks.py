@@ -8,7 +8,7 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.distill.inputs import sources
-from nnx_surgery.surgery.planning.search_space import parse_budget
+from nnx_surgery.surgery.plans.search_space import parse_budget
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.refusals import RecipeError, wrong_kind
 

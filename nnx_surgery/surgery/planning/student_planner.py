@@ -40,10 +40,11 @@ from ..storage.hf_checkpoint import load_pretrained, resolve_source
 from ..modeling.model_config import ModelConfig
 from .importance import SCORES, ScoreInputs, calibration_batches
 from ..modeling.causal_lm import CausalLM
-from .plan_record import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
-from ..pruning.tensor_readers import DiskReader, MemoryReader, Reader
-from .student_spec import SpecError, StudentSpec
-from .vocab_selection import TeacherTokenizer, calibration_counts, choose_vocabulary, with_vocabulary
+from nnx_surgery.surgery.plans.plan_record import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
+from nnx_surgery.surgery.storage.tensor_readers import DiskReader, MemoryReader, Reader
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
+from nnx_surgery.surgery.plans.vocab_selection import (TeacherTokenizer, calibration_counts, choose_vocabulary,
+                                                       with_vocabulary)
 
 KV_MERGES = ("mean", "importance")
 

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import CheckpointError
+from nnx_surgery.surgery.families.errors import CheckpointError
 
 
 @contextlib.contextmanager

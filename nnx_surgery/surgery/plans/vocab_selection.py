@@ -32,8 +32,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..modeling.model_config import ModelConfig
-from .student_spec import SpecError
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
+from nnx_surgery.surgery.plans.student_spec import SpecError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..storage.hf_checkpoint import TensorEntry, canonical_names, hf_shape, tensor_table
-from ..modeling.model_config import ModelConfig
-from ..modeling.causal_lm import CausalLM, abstract_model
-from ..storage.safetensors_stream import CheckpointError, checkpoint_weight_map, open_safetensors
+from nnx_surgery.surgery.storage.hf_checkpoint import TensorEntry, canonical_names, hf_shape, tensor_table
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
+from nnx_surgery.surgery.modeling.causal_lm import CausalLM, abstract_model
+from nnx_surgery.surgery.storage.safetensors_stream import CheckpointError, checkpoint_weight_map, open_safetensors
 
 GAP_ROWS = 8  # read through gaps of up to this many rows rather than issuing another read
 

@@ -18,8 +18,8 @@ import dataclasses
 import itertools
 import re
 
-from ..modeling.model_config import ModelConfig
-from .student_spec import SpecError, StudentSpec, divisors
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec, divisors
 
 AXES = ("depth", "hidden", "mlp", "heads", "kv_heads", "vocab")
 DEFAULT_AXES = ("depth", "hidden", "mlp", "heads")

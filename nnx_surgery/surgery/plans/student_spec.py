@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..modeling.model_config import ModelConfig
+from nnx_surgery.surgery.modeling.model_config import ModelConfig
 
 
 class SpecError(ValueError):

@@ -22,11 +22,11 @@ import shutil
 import warnings
 from typing import Any, Callable
 
-from .atomic import write_json
-from .hf_checkpoint import resolve_source
-from ..planning.plan_record import Plan, PlanError
-from .safetensors_stream import confined_path
-from ..planning.vocab_selection import SPECIAL_LISTS, TeacherTokenizer, remap_token_ids
+from nnx_surgery.surgery.storage.atomic import write_json
+from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
+from nnx_surgery.surgery.storage.safetensors_stream import confined_path
+from nnx_surgery.surgery.plans.vocab_selection import SPECIAL_LISTS, TeacherTokenizer, remap_token_ids
 
 COPIED = ("chat_template.jinja", "chat_template.json")
 
