@@ -24,6 +24,7 @@ from typing import Callable
 from nnx_surgery import __version__
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.sections import SECTIONS
+from nnx_surgery.secrets import redact
 
 PROG = "nnx-surgery"
 DATA_HELP = "training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME"
@@ -37,7 +38,6 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        from nnx_surgery.secrets import redact  # light: no jax
 
         print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
@@ -328,7 +328,6 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
     if args.command is None:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
     for error in checked(args):
-        from nnx_surgery.secrets import redact
         print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
         sys.exit(2)
     return args

@@ -18,13 +18,13 @@ import os
 import shutil
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
+from nnx_surgery import export, surgery
+from nnx_surgery.recipes import corpus, model_inputs, tiny_teacher
+from nnx_surgery.recipes.model_inputs import teacher_folder
 from nnx_surgery.refusals import REFUSED_PATHS, RecipeError, wrong_kind
-from nnx_surgery.surgery.storage.atomic import NAME_MAX
-
-if TYPE_CHECKING:
-    from nnx_surgery import surgery
+from nnx_surgery.surgery.storage.atomic import NAME_MAX, _clean_leftovers, temp_prefix
 
 
 def model_folder(path: str, name: str) -> str:
@@ -105,8 +105,6 @@ def teacher_source(text: str, name: str, revision: str | None = None) -> str:
     if local and not text.endswith(".gguf") and not os.path.exists(path):
         raise RecipeError(f"{name} {text}: no such folder; give a model folder, a .gguf file, gguf:gemma3-270m "
                           "or a Hub id (user/name).")
-    from nnx_surgery import export, surgery
-    from nnx_surgery.recipes.model_inputs import teacher_folder
     try:
         folder = teacher_folder(text, revision)
     except RecipeError as error:  # it names --teacher, the recipe's flag
@@ -124,7 +122,6 @@ PLAN_FILE = "plan.json"
 
 def plan_of(folder: str) -> "surgery.Plan | None":
     """The surgery plan saved with a model folder (plan.json), None when it has none."""
-    from nnx_surgery import surgery
 
     path = os.path.join(folder, PLAN_FILE)
     return surgery.Plan.load(path) if os.path.isfile(path) else None
@@ -133,7 +130,6 @@ def plan_of(folder: str) -> "surgery.Plan | None":
 def kept_vocab(folder: str, name: str, teacher: "surgery.ModelConfig") -> tuple[int, ...] | None:
     """The teacher ids of a trimmed student's pieces (its plan.json), None when it has the teacher's vocabulary;
     a RecipeError for a vocabulary the teacher's cannot be mapped to."""
-    from nnx_surgery import surgery
 
     config, plan = surgery.ModelConfig.from_file(folder), plan_of(folder)
     if plan is not None and plan.kept_vocab is not None:
@@ -271,7 +267,6 @@ def staged_files(out: str) -> Iterator[str]:
     ancestor = os.path.dirname(out)
     while not os.path.isdir(ancestor):
         ancestor = os.path.dirname(ancestor)
-    from nnx_surgery.surgery.storage.atomic import _clean_leftovers, temp_prefix
 
     if ancestor == os.path.dirname(out):  # a killed run's staging folder is its writer's, named as atomic_folder's
         _clean_leftovers(ancestor, os.path.basename(out))
@@ -298,7 +293,6 @@ def text_batches(args: argparse.Namespace, teacher_folder: str, *, tokenizer: st
     """(batches, description) of `--data` (or, without it, `--corpus-bytes` of the standard library's source) in
     the tokens of `tokenizer` (default: the teacher's): the recipe's own pipeline (corpus.load_data: packed
     rows, BOS at the start of rows that continue a document, the teacher's position limit, a held-out split)."""
-    from nnx_surgery.recipes import corpus, model_inputs, tiny_teacher
 
     corpus_files = None if args.data else tuple(tiny_teacher.corpus_files(args.corpus_bytes, args.seed))
     description = args.data if corpus_files is None else \

@@ -10,6 +10,8 @@ from nnx_surgery import export, surgery
 from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
 from nnx_surgery.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
 from nnx_surgery.recipes.model_inputs import position_limit
+from nnx_surgery.surgery.modeling.generation import TextCodec
+from nnx_surgery.export.gguf_export import resolve_export_dtype
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
 
@@ -30,7 +32,6 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
     """The prompt's token ids (BOS first, as generate adds it), checked with --max-new-tokens against the
     model's positions (config.json's max_position_embeddings) before anything is allocated: a longer prompt is
     refused, or with --truncate-prompt cut from the left (BOS kept) with a line on stderr saying so."""
-    from nnx_surgery.surgery.modeling.generation import TextCodec
 
     codec = TextCodec.of(folder)
     ids = codec.encode(prompt_text(args.prompt))
@@ -82,7 +83,6 @@ def import_gguf(args: argparse.Namespace) -> str:
 
 def export_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
-    from nnx_surgery.export.gguf_export import resolve_export_dtype
 
     folder = model_folder(args.folder, "FOLDER")
     checked("--dtype", args.dtype, resolve_export_dtype)

@@ -18,6 +18,7 @@ from nnx_surgery.recipes import model_inputs
 from nnx_surgery import refusals
 from nnx_surgery.recipes.config.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
+from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
 def _tokenizer_source(student: str, teacher: str) -> str:
     return student if os.path.isfile(os.path.join(student, "tokenizer.json")) else teacher
@@ -88,7 +89,6 @@ def distill_student(args: argparse.Namespace) -> str:
 def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str) -> None:
     """The cache was written by this teacher (config and weights), with the tokenizer the data is read with (a
     trimmed student's own); else one line. Its vocabulary is checked by the run (distill.loop.cache_replay)."""
-    from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
     tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from nnx_surgery.evaluation.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
 from nnx_surgery.distill.trimmed_vocab import TeacherInStudentVocabulary, checked_vocab_map
+from nnx_surgery.distill.inputs.batches import load_tokenizer
 
 METRICS = ("ce", "ce_per_byte", "kl", "top1_agreement")
 ACROSS_NOTE = ("different tokenizers: CE per token, KL and agreement are in each model's own tokens and do not "
@@ -119,7 +120,6 @@ def _comparison(a: str, b: str, scores: dict, sets: dict, seed: int) -> dict:
 def in_own_tokens(prompts: Sequence[Any], items: Sequence[Any], tokenizer: Any) -> tuple[list, list]:
     """`distill.evals.suite_scoring`'s prompts and multiple-choice items in another tokenizer's tokens (a trimmed student's):
     the same texts, encoded by it, with its own start token; what the model generates is decoded by it too."""
-    from nnx_surgery.distill.inputs.batches import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     head = [tok.bos_id] if tok.add_bos else []

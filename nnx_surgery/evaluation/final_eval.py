@@ -29,6 +29,7 @@ from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors
 from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
 from nnx_surgery.surgery.modeling.generation import generate
+from nnx_surgery.evaluation.lm_eval_scores import checked_tasks
 
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
@@ -57,7 +58,6 @@ class EvalSettings:
         without the lm-eval extra, before any training)."""
         tasks = None
         if config.evaluation.tasks:
-            from nnx_surgery.evaluation.lm_eval_scores import checked_tasks
             tasks = checked_tasks(config.evaluation.tasks, include_path=None, flag="--eval-tasks")
         return cls(teacher_folder, config.data.seq_len, config.run.seed, data_description, config.evaluation, tasks)
 

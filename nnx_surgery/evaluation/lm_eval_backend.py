@@ -52,6 +52,10 @@ from flax import nnx
 
 from nnx_surgery.evaluation.lm_eval_scoring import (bucket_for, length_buckets, picks_of, score_batch,
                                                     score_shared_contexts, scoring_rows)
+from nnx_surgery.refusals import RecipeError
+from nnx_surgery.distill.mesh import data_split, make_mesh
+from nnx_surgery.surgery.modeling.generation import TextCodec, generate
+from nnx_surgery import surgery
 
 DEFAULT_BATCH = 16
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config.json nor the tokenizer states a length
@@ -69,7 +73,6 @@ class FolderTokenizer:
     tokens. No transformers needed: lm-eval's base install does not bring it."""
 
     def __init__(self, folder: str):
-        from nnx_surgery.surgery.modeling.generation import TextCodec
 
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             raise LMEvalBackendError(f"pretrained={folder}: no tokenizer.json there; lm-eval feeds text, so the model "
@@ -126,7 +129,6 @@ class NNXSurgeryLM(TemplateLM):
         e.g. a student mid-run, before any folder exists) with the folder of its `tokenizer`; `mesh`: a spec such
         as "fsdp=4", or the Mesh an in-memory model is on."""
         super().__init__()
-        from nnx_surgery import surgery
 
         if (model is None) == (pretrained is None):
             raise LMEvalBackendError("give pretrained=FOLDER (lm-eval's model_args), or model= an in-memory model "
@@ -298,7 +300,6 @@ class NNXSurgeryLM(TemplateLM):
         if self.mesh is None:
             return jnp.asarray(array)
         from jax.sharding import NamedSharding, PartitionSpec
-        from nnx_surgery.distill.mesh import data_split
         axes, _ = data_split(self.mesh)
         spec = PartitionSpec() if replicated else PartitionSpec(tuple(axes) or None)
         return jax.device_put(array, NamedSharding(self.mesh, spec))
@@ -360,7 +361,6 @@ class NNXSurgeryLM(TemplateLM):
     def _generate(self, prompts: list[list[int]], settings: dict) -> list[str]:
         until, max_gen_toks = self._gen_settings(settings)
         strings = [s for s in until if s and s != self.tok.decode([self.eot_token_id], False)]
-        from nnx_surgery.surgery.modeling.generation import generate
         # fixed (batch, width bucket) shapes: the prefill and decode loop compile once per bucket
         kept = generate(self.model, prompts, max_new_tokens=max_gen_toks, stop=[*self.stop_ids, *strings],
                         tokenizer=self.tok.codec, pad_to=bucket_for(max(map(len, prompts)), self.buckets),
@@ -372,7 +372,6 @@ class NNXSurgeryLM(TemplateLM):
 def resolve_model_folder(pretrained: str) -> str:
     """A local HF folder for `pretrained` (what the recipe's --teacher reads), or an LMEvalBackendError."""
     from nnx_surgery.commands import teacher_source
-    from nnx_surgery.refusals import RecipeError
 
     if os.path.isdir(pretrained) and not os.path.isfile(os.path.join(pretrained, "config.json")):
         raise LMEvalBackendError(f"pretrained={pretrained}: no config.json there, so it is not a model folder; give "
@@ -386,7 +385,6 @@ def resolve_model_folder(pretrained: str) -> str:
 def _mesh(spec: str | None):
     if not spec:
         return None
-    from nnx_surgery.distill.mesh import make_mesh
     return make_mesh(str(spec).replace("+", ",").replace(";", ","))
 
 
@@ -398,7 +396,6 @@ def _batch_size(value, mesh) -> int:
     if size < 1:
         raise LMEvalBackendError(f"batch_size={value}: give a positive number of rows (or auto).")
     if mesh is not None:
-        from nnx_surgery.distill.mesh import data_split
         split = data_split(mesh)[1]
         size = -(-size // split) * split
     return size

@@ -26,6 +26,8 @@ import platform
 from typing import Any
 
 from nnx_surgery.refusals import RecipeError
+from nnx_surgery.evaluation.lm_eval_tasks import write_tasks
+from nnx_surgery.surgery.storage.atomic import atomic_folder
 
 TASKS_VERSION = 2  # of the offline tasks' files (nnx_surgery.evaluation.lm_eval_tasks): a change writes them anew
 COMPLETE = ".complete"
@@ -55,8 +57,6 @@ def task_names(text: str, flag: str = "--eval-tasks") -> tuple[str, ...]:
 def offline_tasks_folder() -> str:
     """The offline tasks' folder, written once per Python version under $NNX_SURGERY_CACHE (default
     ~/.cache/nnx-surgery), atomically: lm-eval's index and the datasets cache then stay valid across runs."""
-    from nnx_surgery.evaluation.lm_eval_tasks import write_tasks
-    from nnx_surgery.surgery.storage.atomic import atomic_folder
 
     root = os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
     folder = os.path.join(root, "lm_eval_tasks", f"python-{platform.python_version()}-v{TASKS_VERSION}")

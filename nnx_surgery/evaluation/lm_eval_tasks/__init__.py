@@ -21,6 +21,7 @@ import json
 import os
 import random
 import sysconfig
+from nnx_surgery.distill.inputs.sources import general_prose
 
 # None of them in the standard-library corpus `make demo` trains on (4 MB drawn with seed 0, Python 3.11), so the
 # demo's students are judged on code they never saw (another corpus may hold some: the recipe's README says so)
@@ -90,7 +91,6 @@ def topic_docs() -> list[dict]:
     student was trained on a text it is scored on."""
     from pydoc_data.topics import topics
 
-    from nnx_surgery.distill.inputs.sources import general_prose
 
     trained = set(general_prose("train"))
     docs = []

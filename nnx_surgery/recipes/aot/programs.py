@@ -32,6 +32,8 @@ from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.aot.targets import Target, target_mesh
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.recipes.compress.run_settings import RunSettings
+from nnx_surgery.surgery.planning import importance
+from nnx_surgery.surgery.pruning import mlp_refit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,6 @@ def _distinct(entries: list[Entry]) -> list[Entry]:
 def calibration_program(teacher, mesh, seq_len: int, rows: int = 8) -> abstract_step.Program:
     """The activation-importance forward (`surgery.planning.importance`) on one calibration batch of `rows` x `seq_len`
     (the planner's batch), on the teacher as the run places it."""
-    from nnx_surgery.surgery.planning import importance
     graph, state = nnx.split(teacher)
     state = abstract_step.abstract(state, mesh)
     statistics = importance._batch_stats.__wrapped__  # type: ignore[attr-defined]  # the jitted function's body, over graph + state here
@@ -187,7 +188,6 @@ def refit_program(source, student, mesh, rows: int, seq_len: int, batch: int, na
     `resident`, the teacher beside a stage-A source), every one of the `rows` rows' layer inputs kept between
     layers (sharded as the student's jitted `layer_inputs` returns them), and the source MLP's weights at the
     student's hidden width."""
-    from nnx_surgery.surgery.pruning import mlp_refit
     (_, source_state), (graph, state) = nnx.split(source), nnx.split(student)
     source_state, state = abstract_step.abstract(source_state, mesh), abstract_step.abstract(state, mesh)
     ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32,

@@ -15,6 +15,8 @@ import os
 from nnx_surgery import surgery
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.recipes.config.sections import RecipeConfig
+from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG
+from nnx_surgery.surgery.storage.gguf_import import GGUFFile, hf_config_dict
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "released_configs")
 
@@ -42,7 +44,6 @@ def teacher_config(config: RecipeConfig) -> tuple[str, str, surgery.ModelConfig]
     """(what the teacher is, where its config came from, the config) without reading any weights."""
     source = config.teacher.model
     if config.run.preset == "tiny" and source is None:
-        from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG
         return "the tiny preset's teacher", "tiny_teacher.TEACHER_CONFIG", surgery.ModelConfig.from_hf_dict(
             TEACHER_CONFIG, where="the tiny preset's teacher config")
     if source is None:
@@ -63,7 +64,6 @@ def teacher_config(config: RecipeConfig) -> tuple[str, str, surgery.ModelConfig]
 
 
 def _gguf_config(path: str) -> surgery.ModelConfig:
-    from nnx_surgery.surgery.storage.gguf_import import GGUFFile, hf_config_dict
     if not os.path.isfile(path):
         raise RecipeError(f"--teacher {path}: no such GGUF file.")
     file = GGUFFile(path)

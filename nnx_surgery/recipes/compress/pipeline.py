@@ -70,6 +70,7 @@ from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.compress.reporting import (card_writer, dry_run_report, plot_curves, results_table,
                                                     write_results)
 from nnx_surgery.recipes.compress.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
+from nnx_surgery.distill.inputs import packaged_prose
 
 ORIGINAL_TEACHER = "teacher before correction"
 
@@ -234,7 +235,6 @@ def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict 
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
     if config.data.general_mix and config.data.general_source == "packages":  # which packages, what licence
-        from nnx_surgery.distill.inputs import packaged_prose
         results["general_prose"] = packaged_prose.describe()
     results["teacher_cache"] = teacher_caching.read_uses(run.folder)  # the phases that trained from a cache
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()

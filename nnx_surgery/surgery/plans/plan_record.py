@@ -33,6 +33,7 @@ from nnx_surgery.surgery.modeling.model_config import ModelConfig
 from nnx_surgery.surgery.families.schema import bound_tensors, hf_shape_of, norm_names  # noqa: F401  (norm_names: re-exported)
 from nnx_surgery.surgery.plans.student_spec import StudentSpec
 from nnx_surgery.surgery.plans.vocab_selection import config_token_ids
+from nnx_surgery.surgery.storage.atomic import atomic_file
 
 FORMAT, FORMAT_VERSION = "nnx-surgery/plan", 1
 PLAN_FILE = "plan.json"
@@ -158,7 +159,6 @@ class Plan:
             path = os.path.join(path, PLAN_FILE)
         if jax.distributed.is_initialized() and jax.process_index() != 0:
             return path
-        from nnx_surgery.surgery.storage.atomic import atomic_file
 
         with atomic_file(path) as tmp, open(tmp, "w") as f:
             f.write(self.to_json())
