@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import distill, evaluation  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes.model_inputs import teacher_folder  # noqa: E402
+from nnx_surgery.model_inputs import teacher_folder  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import distill, evaluation  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes.model_inputs import teacher_folder  # noqa: E402
+from nnx_surgery.model_inputs import teacher_folder  # noqa: E402
 
 # name -> loss weights, temperature, learning-rate multiplier, frozen patterns
 RECIPES = {

@@ -21,8 +21,9 @@ import tempfile
 from typing import Callable, Iterator, Sequence
 
 from nnx_surgery import export, surgery
-from nnx_surgery.recipes import corpus, model_inputs, tiny_teacher
-from nnx_surgery.recipes.model_inputs import teacher_folder
+from nnx_surgery.recipes import corpus, tiny_teacher
+from nnx_surgery import model_inputs
+from nnx_surgery.model_inputs import teacher_folder
 from nnx_surgery.refusals import REFUSED_PATHS, RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.atomic import NAME_MAX, _clean_leftovers, temp_prefix
 

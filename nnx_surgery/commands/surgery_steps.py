@@ -6,7 +6,7 @@ import os
 
 from nnx_surgery import distill, surgery
 from nnx_surgery.commands import empty_folder, input_paths, new_file, shape_line, teacher_source, text_batches
-from nnx_surgery.recipes import model_inputs
+from nnx_surgery import model_inputs
 from nnx_surgery import refusals
 
 

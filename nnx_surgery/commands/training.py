@@ -14,7 +14,7 @@ from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_f
 from nnx_surgery.distill.inputs.cache_format import CacheError
 from nnx_surgery.evaluation.heldout_sets import interval_text
 from nnx_surgery.evaluation import final_eval
-from nnx_surgery.recipes import model_inputs
+from nnx_surgery import model_inputs
 from nnx_surgery import refusals
 from nnx_surgery.recipes.config.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection

@@ -34,7 +34,8 @@ from flax import nnx
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import model_inputs, tiny_teacher
+from nnx_surgery import model_inputs
+from nnx_surgery.recipes import tiny_teacher
 from nnx_surgery import refusals
 from nnx_surgery.distill.inputs.batches import stdlib_corpus
 from nnx_surgery.distill.loop.trainer import DivergenceError

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import model_inputs  # noqa: E402
+from nnx_surgery import model_inputs  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
 
 

@@ -172,7 +172,7 @@ def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_
 
 
 def test_vocab_values_parse_and_bad_ones_are_one_line_and_exit_2(teacher, tmp_path):
-    from nnx_surgery.recipes import model_inputs
+    from nnx_surgery import model_inputs
     from nnx_surgery import surgery
 
     config = surgery.ModelConfig.from_file(teacher[0])

@@ -17,7 +17,8 @@ import jax
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import model_inputs, tiny_teacher
+from nnx_surgery import model_inputs
+from nnx_surgery.recipes import tiny_teacher
 from nnx_surgery.recipes.compress import phase_configs, shape_search
 from nnx_surgery.recipes.config.layering import freeze
 from nnx_surgery.recipes.config.sections import RecipeConfig

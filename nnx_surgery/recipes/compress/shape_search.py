@@ -45,7 +45,7 @@ from nnx_surgery import distill
 from nnx_surgery import evaluation
 from nnx_surgery import surgery
 from nnx_surgery.evaluation import final_eval
-from nnx_surgery.recipes import model_inputs
+from nnx_surgery import model_inputs
 from nnx_surgery.recipes.compress import phase_configs, student_refit, teacher_caching
 from nnx_surgery import refusals
 from nnx_surgery.recipes.config.sections import RecipeConfig
