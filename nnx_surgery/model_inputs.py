@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from nnx_surgery import surgery
+from nnx_surgery import export, surgery
+from nnx_surgery.paths import check_folder_files
 from nnx_surgery.refusals import RecipeError, wrong_kind
 from nnx_surgery.surgery.storage.hf_checkpoint import resolve_source
 from nnx_surgery.surgery.plans.vocab_selection import TeacherTokenizer, check_vocab_size
@@ -77,7 +78,7 @@ def output_folder(path: str, *, resume: bool, overwrite: bool, dry_run: bool) ->
 def teacher_folder(teacher: str, revision: str | None) -> str:
     """A local HF folder for `--teacher`: `gguf:gemma3-270m` (the real model from its package), a `.gguf` file
     (imported once in float32, cached: GGUF's quantised values are not exact in bfloat16), a folder or a Hub id;
-    its config.json and tokenizer.json checked (commands.check_folder_files)."""
+    its config.json and tokenizer.json checked (paths.check_folder_files)."""
     if teacher == "gguf:gemma3-270m":
         teacher = real_gguf_path()
     elif teacher.startswith("gguf:"):
@@ -92,7 +93,6 @@ def teacher_folder(teacher: str, revision: str | None) -> str:
                           "gguf:gemma3-270m or a Hub id (user/name).")
     else:
         folder = resolve_source(teacher, revision)
-    from nnx_surgery.commands import check_folder_files
     check_folder_files(folder, "--teacher")  # config.json and tokenizer.json readable: one line naming the file
     return folder
 
@@ -111,3 +111,28 @@ def position_limit(folder: str, config: surgery.ModelConfig | None = None) -> di
     if not isinstance(limit, int):
         return {}
     return {"max_positions": limit, "max_positions_source": f"max_position_embeddings in {path}"}
+
+
+def teacher_source(text: str, name: str, revision: str | None = None) -> str:
+    """`teacher_folder` (a folder, a .gguf file, gguf:gemma3-270m or a Hub id), with a missing local
+    path refused here, before it could be taken for a Hub id, and one that could be either named as both."""
+    path = os.path.expanduser(text)
+    local = path.startswith((".", os.sep)) or path.count("/") > 1
+    if os.path.lexists(path) and not text.endswith(".gguf") and not os.path.isdir(path):
+        raise RecipeError(f"{name} {text}: {wrong_kind(path, 'folder')}; give a model folder, a .gguf file, "
+                          "gguf:gemma3-270m or a Hub id (user/name).")
+    if text.endswith(".gguf") and os.path.lexists(path) and not os.path.isfile(path):
+        raise RecipeError(f"{name} {text}: {wrong_kind(path, 'file')}; give a .gguf file.")
+    if local and not text.endswith(".gguf") and not os.path.exists(path):
+        raise RecipeError(f"{name} {text}: no such folder; give a model folder, a .gguf file, gguf:gemma3-270m "
+                          "or a Hub id (user/name).")
+    try:
+        folder = teacher_folder(text, revision)
+    except RecipeError as error:  # it names --teacher, the recipe's flag
+        raise RecipeError(str(error).replace("--teacher", name, 1)) from None
+    except (surgery.CheckpointError, export.HubError) as error:
+        if os.path.exists(path) or text.endswith(".gguf"):
+            raise
+        raise RecipeError(f"{name} {text}: no such local folder, and not found on the Hub ({error}); check the "
+                          "path, or give a Hub id (user/name).") from None
+    return folder

@@ -7,7 +7,8 @@ import os
 import sys
 
 from nnx_surgery import export, surgery
-from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
+from nnx_surgery.commands import checked, shape_line
+from nnx_surgery.paths import empty_folder, input_paths, model_folder, new_file
 from nnx_surgery.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
 from nnx_surgery.model_inputs import position_limit
 from nnx_surgery.surgery.modeling.generation import TextCodec

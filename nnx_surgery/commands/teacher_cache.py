@@ -11,8 +11,9 @@ from typing import Iterator
 import jax
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
-                                  text_batches)
+from nnx_surgery.commands import kept_vocab, text_batches
+from nnx_surgery.model_inputs import teacher_source
+from nnx_surgery.paths import empty_folder, input_paths, model_folder
 from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 from nnx_surgery import refusals
 from nnx_surgery.surgery.storage.atomic import atomic_folder, missing_folders

@@ -9,8 +9,9 @@ import os
 
 from nnx_surgery import distill, evaluation, surgery
 from nnx_surgery.evaluation import lm_eval_scores
-from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
-                                  staged_files, teacher_source, text_batches)
+from nnx_surgery.commands import kept_vocab, plan_of, shape_line, text_batches
+from nnx_surgery.model_inputs import teacher_source
+from nnx_surgery.paths import empty_folder, input_paths, model_folder, staged_files
 from nnx_surgery.distill.inputs.cache_format import CacheError
 from nnx_surgery.evaluation.heldout_sets import interval_text
 from nnx_surgery.evaluation import final_eval

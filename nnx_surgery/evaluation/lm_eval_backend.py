@@ -55,6 +55,7 @@ from nnx_surgery.evaluation.lm_eval_scoring import (bucket_for, length_buckets, 
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.distill.mesh import data_split, make_mesh
 from nnx_surgery.surgery.modeling.generation import TextCodec, generate
+from nnx_surgery.model_inputs import teacher_source
 from nnx_surgery import surgery
 
 DEFAULT_BATCH = 16
@@ -371,8 +372,6 @@ class NNXSurgeryLM(TemplateLM):
 # ------------------------------------------------------------------------------------------------ arguments
 def resolve_model_folder(pretrained: str) -> str:
     """A local HF folder for `pretrained` (what the recipe's --teacher reads), or an LMEvalBackendError."""
-    from nnx_surgery.commands import teacher_source
-
     if os.path.isdir(pretrained) and not os.path.isfile(os.path.join(pretrained, "config.json")):
         raise LMEvalBackendError(f"pretrained={pretrained}: no config.json there, so it is not a model folder; give "
                                  "a Hugging Face model folder, a .gguf file, gguf:gemma3-270m or a Hub id.")

@@ -108,7 +108,7 @@ def _check_output(config: RecipeConfig) -> None:
     holding one, and writable (not in a dry run, which writes nothing): --overwrite deletes
     it (--config is read whole before that: `--config RUN/resolved_config.json --output RUN` repeats or resumes a
     run); and --push-to-hub's token and Hub checked now, not after the run."""
-    from nnx_surgery.commands import guard_folder, input_paths
+    from nnx_surgery.paths import guard_folder, input_paths
 
     run = config.run
     cache = run.cache_dir
