@@ -136,7 +136,7 @@ def compile_one(key: str, index: int) -> dict:
     """In this (fresh) process: the config's index-th setting's main train step, compiled and measured."""
     from nnx_surgery.recipes.aot import sizing as aot, programs as aot_programs, targets as aot_targets
     from nnx_surgery.recipes.aot.report import measure
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.compress import resolution
 
     config, setting = BY_KEY[key], BY_KEY[key].ladder[index]
     started = time.perf_counter()
@@ -163,7 +163,7 @@ def persistent_bytes(target_name: str, seq: int = 2048, rows_per_chip: int = 2) 
     their arguments)."""
     from nnx_surgery.recipes.aot import programs as aot_programs, targets as aot_targets
     from nnx_surgery.recipes.aot.report import device_bytes
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.compress import resolution
 
     target = aot_targets.resolve_target(target_name)
     chips = len(target.devices)

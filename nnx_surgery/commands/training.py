@@ -17,7 +17,7 @@ from nnx_surgery.evaluation.heldout_sets import interval_text
 from nnx_surgery.evaluation import final_eval
 from nnx_surgery import model_inputs
 from nnx_surgery import refusals
-from nnx_surgery.recipes.config.resolution import parse_ramp
+from nnx_surgery.recipes.compress.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
 from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 

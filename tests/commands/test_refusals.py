@@ -257,7 +257,7 @@ def test_a_run_may_read_its_settings_from_its_own_folder(w, tmp_path):
     run_folder = tmp_path / "run"
     run_folder.mkdir()
     (run_folder / "resolved_config.json").write_text(json.dumps({"steps": 3}))
-    from nnx_surgery.recipes.config.resolution import resolve
+    from nnx_surgery.recipes.compress.resolution import resolve
 
     config = resolve(["--config", str(run_folder / "resolved_config.json"), "--output", str(run_folder),
                       "--teacher", w["teacher"], "--overwrite"])

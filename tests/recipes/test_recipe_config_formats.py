@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from nnx_surgery.recipes.config import command_line, files, layering, resolution
+from nnx_surgery.recipes.config import command_line, layering
+from nnx_surgery.recipes.compress import files, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.refusals import RecipeError
 

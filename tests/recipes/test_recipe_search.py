@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import surgery  # noqa: E402
 from nnx_surgery.recipes.compress import phase_configs, shape_search  # noqa: E402
-from nnx_surgery.recipes.config import resolution  # noqa: E402
+from nnx_surgery.recipes.compress import resolution  # noqa: E402
 from nnx_surgery.refusals import RecipeError# noqa: E402
 from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG  # noqa: E402
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from nnx_surgery.recipes.compress import run_settings  # noqa: E402
-from nnx_surgery.recipes.config import files, resolution  # noqa: E402
+from nnx_surgery.recipes.compress import files, resolution  # noqa: E402
 from tiny_tokenizers import save_gemma_tokenizer  # noqa: E402
 
 GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,

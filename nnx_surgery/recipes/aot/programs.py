@@ -27,7 +27,7 @@ from nnx_surgery.distill.loop import lowering as abstract_step
 from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
 from nnx_surgery.recipes.compress import phase_configs, run_settings, shape_search, student_refit
 from nnx_surgery.recipes.aot import released
-from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.compress import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.recipes.aot.targets import Target, target_mesh
 from nnx_surgery.refusals import RecipeError

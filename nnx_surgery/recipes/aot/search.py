@@ -18,7 +18,7 @@ from nnx_surgery.recipes.aot import programs as aot_programs
 from nnx_surgery.recipes.aot.report import HEADROOM, measure
 from nnx_surgery.recipes.aot.targets import GIB, KNOWN_TOPOLOGIES, Target
 from nnx_surgery.refusals import RecipeError
-from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.compress import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 
 MAX_COMPILES = 6

@@ -17,7 +17,7 @@ import time
 
 from nnx_surgery.recipes.aot import programs as aot_programs, search as aot_search, targets as aot_targets
 from nnx_surgery.recipes.aot.report import HEADROOM, days_to, format_table, measure
-from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.compress import resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.surgery.storage.atomic import write_json

@@ -65,7 +65,8 @@ from nnx_surgery.recipes.compress import (compile_cache, multi_host, run_phases,
                                           vocabulary)
 from nnx_surgery.evaluation import final_eval
 from nnx_surgery import refusals
-from nnx_surgery.recipes.config import checks, files, layering, resolution
+from nnx_surgery.recipes.compress import checks, files, resolution
+from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.compress.reporting import (card_writer, dry_run_report, plot_curves, results_table,
                                                     write_results)

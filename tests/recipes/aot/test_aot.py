@@ -146,7 +146,7 @@ def test_a_single_chip_is_a_target():
 SEVEN_B_STEP = """
 import dataclasses, json, sys
 from nnx_surgery.recipes.aot import programs as aot_programs, report as aot_report, targets as aot_targets
-from nnx_surgery.recipes.config import resolution
+from nnx_surgery.recipes.compress import resolution
 config = resolution.resolve(sys.argv[1:])
 target = aot_targets.resolve_target(config.aot.target)
 run = aot_programs.aot_run(resolution.replaced(config, training={"mesh": "fsdp=8"}))
@@ -190,7 +190,7 @@ def test_oom_refusal_is_read_as_an_answer():
 
 
 def test_candidates_keep_the_tokens_per_step(monkeypatch):
-    from nnx_surgery.recipes.config.resolution import resolve
+    from nnx_surgery.recipes.compress.resolution import resolve
     flags = resolve(["--preset", "tiny", "--batch-size", "8", "--output", "/nonexistent/out"])
     found = aot_search.candidates(flags, 4)
     assert found and all(c.batch_size * c.grad_accum == 8 and c.batch_size % c.mesh["fsdp"] == 0 for c in found)

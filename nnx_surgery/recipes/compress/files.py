@@ -92,14 +92,14 @@ def comparable(before: dict, path: str) -> dict:
     the defaults they had then."""
     tree = layering.defaults_tree()
     layering.merge(tree, layering.checked_layer(layering.sectioned(before, path), path))
-    from nnx_surgery.recipes.config.resolution import build
+    from nnx_surgery.recipes.compress.resolution import build
     return saved_config(build(tree))
 
 
 def with_defaults(before: dict) -> dict:
     """A sectioned resolved_config.json with the settings added since it was saved (e.g. data.general_source) read
     as their defaults, which the run ran with."""
-    from nnx_surgery.recipes.config.resolution import build
+    from nnx_surgery.recipes.compress.resolution import build
     return layering.merge(saved_config(build(layering.defaults_tree())), before)
 
 

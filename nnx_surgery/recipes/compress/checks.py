@@ -31,7 +31,7 @@ def check(config: RecipeConfig) -> None:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
     from nnx_surgery.recipes.compress import phase_configs
-    from nnx_surgery.recipes.config.resolution import named_by_flags
+    from nnx_surgery.recipes.compress.resolution import named_by_flags
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
     from nnx_surgery.recipes.compress import teacher_caching

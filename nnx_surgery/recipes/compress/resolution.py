@@ -13,9 +13,10 @@ from typing import Any, Iterator
 from nnx_surgery.distill import terms
 from nnx_surgery.distill.loop.run_config import DistillConfig
 from nnx_surgery.distill.mesh import MeshError
-from nnx_surgery.recipes.config import checks, command_line, fields, layering
+from nnx_surgery.recipes.compress import checks
+from nnx_surgery.recipes.config import command_line, fields, layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.config.files import load_config_file
+from nnx_surgery.recipes.compress.files import load_config_file
 from nnx_surgery.refusals import RecipeError
 
 
