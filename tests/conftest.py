@@ -87,7 +87,7 @@ def pytest_runtest_setup(item) -> None:
         gc.freeze()
 
 
-_PREPARE = ("import sys\nfrom nnx_surgery.recipes import compress, tiny_teacher\n"
+_PREPARE = ("import sys\nfrom nnx_surgery.recipes import tiny_teacher\nfrom nnx_surgery.recipes.compress import pipeline as compress\n"
             "print(tiny_teacher.prepare_for(compress.parse_args(sys.argv[1:]))[0])")
 
 

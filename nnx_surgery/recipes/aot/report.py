@@ -19,10 +19,9 @@ from typing import Any
 
 import jax
 
-from nnx_surgery.recipes.aot.targets import GIB, Target
+from nnx_surgery.recipes.aot.targets import GIB, Target, out_of_memory
 
 HEADROOM = 0.10  # the share of a device's memory a setting must leave free to be recommended
-UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
 def device_bytes(tree: Any) -> int:
@@ -36,22 +35,6 @@ def device_bytes(tree: Any) -> int:
 
 def parameter_count(tree: Any) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
-
-
-def out_of_memory(error: BaseException) -> dict | None:
-    """XLA's out-of-memory refusal as {"needed": bytes, "available": bytes, "message"}, or None for other errors."""
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
-        return None
-    found = re.search(r"\(([\d.]+)([KMGT])\) exceeds? available \w+ \(([\d.]+)([KMGT])\)", text) or \
-        re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", text)
-    line = next((part.strip() for part in text.splitlines() if "exceed" in part or "Ran out" in part),
-                text.splitlines()[0] if text else "")
-    row: dict[str, str | float] = {"message": " ".join(line.split())[:300]}
-    if found:
-        row["needed"] = float(found.group(1)) * UNITS[found.group(2)]
-        row["available"] = float(found.group(3)) * UNITS[found.group(4)]
-    return row
 
 
 # remat policies whose backward pass recomputes the student's matmuls ("dots" and "layers_dots" keep their outputs)
@@ -179,5 +162,5 @@ def _row(cells: list) -> str:
     return " ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
-__all__ = ["measure", "format_table", "device_bytes", "parameter_count", "out_of_memory", "analytic_flops",
+__all__ = ["measure", "format_table", "device_bytes", "parameter_count", "analytic_flops",
            "days_to", "HEADROOM"]

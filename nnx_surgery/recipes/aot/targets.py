@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from nnx_surgery.refusals import RecipeError
+from nnx_surgery.distill.mesh import format_mesh_spec, sizes_using
 
 GIB = 2 ** 30
 DOCS = "https://cloud.google.com/tpu/docs/"
@@ -126,8 +127,6 @@ def usable_memory(devices: list, nominal: int) -> int:
     compile of well under a second); `nominal` if the refusal does not say."""
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from nnx_surgery.recipes.aot.report import out_of_memory
 
     one = NamedSharding(Mesh(np.asarray(devices[:1]), ("device",)), PartitionSpec())
     try:
@@ -241,7 +240,6 @@ def target_mesh(target: Target, sizes: dict[str, int]):
     from jax.sharding import AxisType, Mesh
     needed = math.prod(sizes.values())
     if needed != len(target.devices):
-        from nnx_surgery.distill.mesh import format_mesh_spec, sizes_using
         raise RecipeError(f"--mesh {format_mesh_spec(sizes)} uses {needed} device(s) but --aot {target.name} has "
                           f"{len(target.devices)}; e.g. --mesh "
                           f"{' or --mesh '.join(sizes_using(list(sizes), len(target.devices), sizes))}.")
@@ -253,5 +251,25 @@ def target_mesh(target: Target, sizes: dict[str, int]):
         return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
-__all__ = ["Chip", "CHIPS", "KNOWN_TOPOLOGIES", "Target", "resolve_target", "host_target", "prepare_host_devices",
+
+UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def out_of_memory(error: BaseException) -> dict | None:
+    """XLA's out-of-memory refusal as {"needed": bytes, "available": bytes, "message"}, or None for other errors."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    found = re.search(r"\(([\d.]+)([KMGT])\) exceeds? available \w+ \(([\d.]+)([KMGT])\)", text) or \
+        re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", text)
+    line = next((part.strip() for part in text.splitlines() if "exceed" in part or "Ran out" in part),
+                text.splitlines()[0] if text else "")
+    row: dict[str, str | float] = {"message": " ".join(line.split())[:300]}
+    if found:
+        row["needed"] = float(found.group(1)) * UNITS[found.group(2)]
+        row["available"] = float(found.group(3)) * UNITS[found.group(4)]
+    return row
+
+
+__all__ = ["out_of_memory", "Chip", "CHIPS", "KNOWN_TOPOLOGIES", "Target", "resolve_target", "host_target", "prepare_host_devices",
            "cpu_count_asked", "find_libtpu", "host_bounds", "libtpu_pin", "topology_devices", "usable_memory", "target_mesh", "GIB"]

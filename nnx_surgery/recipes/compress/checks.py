@@ -4,13 +4,39 @@ named, the output folder against the inputs, the Hub token). `check_devices` is 
 a multi-host run calls it after jax.distributed has started."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from typing import Iterator
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.distill.inputs import sources
+from nnx_surgery.distill.inputs import packaged_prose, sources
+from nnx_surgery.distill.mesh import MeshError, make_mesh, parse_mesh_spec
+from nnx_surgery.export import gguf_export
+from nnx_surgery.export.hub import check_push_access
+from nnx_surgery.paths import guard_folder, input_paths
+from nnx_surgery.recipes.compress import phase_configs, teacher_caching
+from nnx_surgery.recipes.config import layering
 from nnx_surgery.surgery.plans.search_space import parse_budget
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.refusals import RecipeError, wrong_kind
+
+
+@contextlib.contextmanager
+def named_by_flags() -> Iterator[None]:
+    """DistillConfig's refusals (ValueError, TypeError, ArithmeticError) as a RecipeError naming the flags."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except (ValueError, TypeError, ArithmeticError) as error:
+        raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
+
+
+def flag_names(text: str) -> str:
+    """DistillConfig's field names in an error (`top_k=...`) as the flags that set them (`--top-k ...`)."""
+    flags = {item.path[-1]: item.flag for item in layering.every_field() if item.flag and item.path[0] == "distill"}
+    return re.sub(r"\b(\w+)=", lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), text)
 
 
 def check(config: RecipeConfig) -> None:
@@ -19,7 +45,6 @@ def check(config: RecipeConfig) -> None:
         raise RecipeError(f"--warmup-steps {training.warmup_steps}: give from 0 to --steps {training.steps} warm-up "
                           "steps (a longer warm-up never reaches the peak learning rate).")
     if config.run.gguf is not None:
-        import nnx_surgery.export.gguf_export as gguf_export
         try:
             gguf_export.resolve_export_dtype(config.run.gguf)
         except ValueError as err:
@@ -30,11 +55,8 @@ def check(config: RecipeConfig) -> None:
     if training.schedule == "progressive" and training.trainable:
         raise RecipeError("--trainable cannot be combined with --schedule progressive, which sets what trains in "
                           "each stage; use --frozen for patterns to keep frozen throughout.")
-    from nnx_surgery.recipes.compress import phase_configs
-    from nnx_surgery.recipes.compress.resolution import named_by_flags
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
-    from nnx_surgery.recipes.compress import teacher_caching
     teacher_caching.check(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
@@ -47,7 +69,6 @@ def check_devices(config: RecipeConfig) -> None:
     mesh = config.training.mesh
     if not mesh:
         return
-    from nnx_surgery.distill.mesh import MeshError, make_mesh, parse_mesh_spec
     try:
         if config.run.dry_run or config.aot.target:
             parse_mesh_spec(mesh)
@@ -79,7 +100,6 @@ def _check_general_source(config: RecipeConfig) -> None:
     if not config.data.general_mix or config.data.general_source != "packages" or run.dry_run or run.print_config \
             or config.aot.target:
         return
-    from nnx_surgery.distill.inputs import packaged_prose
     try:
         for package in packaged_prose.PACKAGES:
             packaged_prose.installed_path(package)
@@ -108,8 +128,6 @@ def _check_output(config: RecipeConfig) -> None:
     holding one, and writable (not in a dry run, which writes nothing): --overwrite deletes
     it (--config is read whole before that: `--config RUN/resolved_config.json --output RUN` repeats or resumes a
     run); and --push-to-hub's token and Hub checked now, not after the run."""
-    from nnx_surgery.paths import guard_folder, input_paths
-
     run = config.run
     cache = run.cache_dir
     if cache and os.path.lexists(cache) and not os.path.isdir(cache):
@@ -120,8 +138,7 @@ def _check_output(config: RecipeConfig) -> None:
                                                          _cache_folder(config.training.teacher_cache)),
                      probe=not run.dry_run)
     if run.push_to_hub and not run.print_config:
-        from nnx_surgery.export.hub import check_push_access
         check_push_access(run.push_to_hub)
 
 
-__all__ = ["check", "check_devices"]
+__all__ = ["check", "check_devices", "named_by_flags", "flag_names"]

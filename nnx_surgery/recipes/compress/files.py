@@ -1,5 +1,5 @@
-"""Config files: a JSON or YAML mapping read for --config, and a run's resolved_config.json written and compared
-on --resume."""
+"""A run's resolved_config.json written, and compared on --resume (the --config file itself is read by
+recipes/config/layering.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,32 +11,8 @@ import jax
 
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.refusals import RecipeError, wrong_kind
-
-
-def load_config_file(path: str) -> dict:
-    """A JSON or YAML (.yaml / .yml, needs pyyaml) mapping."""
-    if not os.path.isfile(path):
-        raise RecipeError(f"--config {path}: {wrong_kind(path, 'file')}; give a JSON or YAML file of settings.")
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError:
-            raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise RecipeError(f"--config {path}: not valid YAML: {error}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except ValueError as error:
-            raise RecipeError(f"--config {path}: not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"--config {path}: the file must hold a mapping of settings, not {type(data).__name__}.")
-    return data
+from nnx_surgery.recipes.compress.resolution import build
+from nnx_surgery.refusals import RecipeError
 
 
 def saved_config(config: RecipeConfig) -> dict:
@@ -92,14 +68,12 @@ def comparable(before: dict, path: str) -> dict:
     the defaults they had then."""
     tree = layering.defaults_tree()
     layering.merge(tree, layering.checked_layer(layering.sectioned(before, path), path))
-    from nnx_surgery.recipes.compress.resolution import build
     return saved_config(build(tree))
 
 
 def with_defaults(before: dict) -> dict:
     """A sectioned resolved_config.json with the settings added since it was saved (e.g. data.general_source) read
     as their defaults, which the run ran with."""
-    from nnx_surgery.recipes.compress.resolution import build
     return layering.merge(saved_config(build(layering.defaults_tree())), before)
 
 
@@ -115,4 +89,4 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
-__all__ = ["load_config_file", "saved_config", "section_values", "save_resolved", "check_resumable"]
+__all__ = ["saved_config", "section_values", "save_resolved", "check_resumable"]

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from nnx_surgery.recipes.compress.run_settings import RunSettings
     from nnx_surgery.recipes.compress.shape_search import StudentChoice
 from nnx_surgery.recipes.compress.shape_search import GUESS, eval_points
+from nnx_surgery.distill.inputs.source_reads import reads_line
+from nnx_surgery.recipes.compress.teacher_caching import summary_line
+from nnx_surgery.evaluation.lm_eval_scores import task_scores_text
 
 BYTES = {"bf16": 2, "fp32": 4}
 
@@ -147,13 +150,10 @@ def results_table(results: dict) -> str:
         lines += ["", results["trimmed_vocabulary"]]
     lines += ["", *verdicts(results), *pairing_lines(results), *search_summary(results.get("search"))]
     if results.get("corpus_reads"):  # (older results.json files do not say)
-        from nnx_surgery.distill.inputs.source_reads import reads_line
         lines.append(f"Text read by the distillation (and the control): {reads_line(results['corpus_reads'])}.")
     if "teacher_cache" in results:  # (older results.json files do not say)
-        from nnx_surgery.recipes.compress.teacher_caching import summary_line
         lines.append(summary_line(results["teacher_cache"]))
     if results.get("lm_eval"):  # --eval-tasks
-        from nnx_surgery.evaluation.lm_eval_scores import task_scores_text
         lines += [task_scores_text(results["lm_eval"]), ""]
     times = results.get("phase_times_s") or {}
     if times:

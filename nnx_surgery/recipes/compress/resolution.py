@@ -3,27 +3,24 @@ settings written out, every value checked against its declaration, and built int
 run's `DistillConfig`. Nothing here touches a device (a multi-host run starts jax.distributed after it)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import re
-from typing import Any, Iterator
+from typing import Any
 
 from nnx_surgery.distill import terms
 from nnx_surgery.distill.loop.run_config import DistillConfig
 from nnx_surgery.distill.mesh import MeshError
-from nnx_surgery.recipes.compress import checks
+from nnx_surgery.recipes.compress import checks, phase_configs
 from nnx_surgery.recipes.config import command_line, fields, layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.compress.files import load_config_file
 from nnx_surgery.refusals import RecipeError
 
 
 def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
     """Every setting of the run from the command line (and its --config file), checked, frozen."""
     given, source, overrides = command_line.parse(argv, description, prog)
-    file = load_config_file(source) if source else None
+    file = layering.load_config_file(source) if source else None
     config = build(layering.layered(given, file, overrides, source))
     checks.check(config)
     return config
@@ -133,10 +130,8 @@ def replaced(config: RecipeConfig, **changes: dict[str, Any]) -> RecipeConfig:
 def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
     """The run's DistillConfig: the distill section, the recipe's own sizes, precision, mesh, seed and evaluation
     batches, and the one stage the flags make (each phase replaces it: phase_configs.py)."""
-    from nnx_surgery.recipes.compress import phase_configs
-
     values = {**section, **managed_values(config)}
-    with named_by_flags():
+    with checks.named_by_flags():
         try:
             return DistillConfig.from_dict({**values, "stages": [
                 phase_configs.flag_stage(config, "main", config.training.steps)]})
@@ -144,22 +139,4 @@ def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
             raise RecipeError(f"--mesh {config.training.mesh!r}: {error}") from None
 
 
-@contextlib.contextmanager
-def named_by_flags() -> Iterator[None]:
-    """DistillConfig's refusals (ValueError, TypeError, ArithmeticError) as a RecipeError naming the flags."""
-    try:
-        yield
-    except RecipeError:
-        raise
-    except (ValueError, TypeError, ArithmeticError) as error:
-        raise RecipeError(f"distill settings: {flag_names(str(error))}") from None
-
-
-def flag_names(text: str) -> str:
-    """DistillConfig's field names in an error (`top_k=...`) as the flags that set them (`--top-k ...`)."""
-    flags = {item.path[-1]: item.flag for item in layering.every_field() if item.flag and item.path[0] == "distill"}
-    return re.sub(r"\b(\w+)=", lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), text)
-
-
-__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced", "flag_names",
-           "named_by_flags"]
+__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced"]

@@ -38,6 +38,7 @@ from nnx_surgery.distill.inputs import topk_cache
 from nnx_surgery.distill.inputs.cache_format import CacheError, atomic_json, bytes_per_token
 from nnx_surgery.distill.trimmed_vocab import vocab_map_of
 from nnx_surgery.refusals import RecipeError
+from nnx_surgery.recipes.compress import phase_configs
 
 FOLDER = "teacher_cache"
 RECORD = "teacher_cache.json"
@@ -64,7 +65,6 @@ def check(config: Any) -> None:
     if setting not in SETTINGS and not os.path.isfile(os.path.join(setting, topk_cache.MANIFEST)):
         raise RecipeError(f"--teacher-cache {setting}: no finished teacher cache there (no {topk_cache.MANIFEST}); "
                           "give none, auto, always, or a folder written by `nnx-surgery cache-teacher`.")
-    from nnx_surgery.recipes.compress import phase_configs
     needy = sorted(name for name, weight in phase_configs.term_weights(config).items() if weight)
     if needy:  # the config file's stages are checked when their phase opens the cache (distill.loop.cache_replay)
         raise RecipeError(f"--teacher-cache {setting}: --{needy[0].replace('_', '-')}-weight weights a term that "

@@ -26,7 +26,7 @@ from nnx_surgery.distill.loop.run_config import DistillConfig, moved_options
 from nnx_surgery.field_docs import documented
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError, wrong_kind
 
 FORMAT = "nnx-surgery recipe config 2"
 FIRST_FORMAT = "nnx-surgery recipe config 1"
@@ -266,5 +266,30 @@ def layered(given: Mapping[str, Any], file: Mapping[str, Any] | None, overrides:
     return tree
 
 
-__all__ = ["FORMAT", "FIRST_FORMAT", "MANAGED", "SCHEDULES", "every_field", "layered", "sectioned", "set_layer",
+
+def load_config_file(path: str) -> dict:
+    """A JSON or YAML (.yaml / .yml, needs pyyaml) mapping."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"--config {path}: {wrong_kind(path, 'file')}; give a JSON or YAML file of settings.")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise RecipeError(f"--config {path}: not valid YAML: {error}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise RecipeError(f"--config {path}: not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"--config {path}: the file must hold a mapping of settings, not {type(data).__name__}.")
+    return data
+
+__all__ = ["load_config_file", "FORMAT", "FIRST_FORMAT", "MANAGED", "SCHEDULES", "every_field", "layered", "sectioned", "set_layer",
            "freeze", "thaw", "merge", "put", "preset"]

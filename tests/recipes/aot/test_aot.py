@@ -135,7 +135,7 @@ def test_tiny_step_compiles_for_a_tpu_slice(tmp_path_factory):
 def test_a_single_chip_is_a_target():
     """v5e:1x1 (and a two-chip v5e:2x1): slices smaller than a host, which libtpu refuses under its default host
     bounds, resolve with their own bounds; a v5e chip's usable HBM as XLA states it."""
-    code = ("import json; from nnx_surgery.recipes import aot_targets as a; "
+    code = ("import json; from nnx_surgery.recipes.aot import targets as a; "
             "print(json.dumps([(len(t.devices), t.memory_per_device, t.hosts) for t in "
             "(a.resolve_target('v5e:1x1'), a.resolve_target('v5e:2x1'))]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -184,9 +184,9 @@ def test_gemma_7b_to_2b_step_compiles_for_a_v5e_8(tmp_path):
 def test_oom_refusal_is_read_as_an_answer():
     error = RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
                          "hbm. HLO temporaries (16.10G) exceeds available HBM (15.75G).")
-    found = aot_report.out_of_memory(error)
+    found = aot_targets.out_of_memory(error)
     assert found["needed"] == pytest.approx(16.10 * 2 ** 30) and found["available"] == pytest.approx(15.75 * 2 ** 30)
-    assert aot_report.out_of_memory(ValueError("shapes differ")) is None
+    assert aot_targets.out_of_memory(ValueError("shapes differ")) is None
 
 
 def test_candidates_keep_the_tokens_per_step(monkeypatch):
