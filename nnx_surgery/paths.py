@@ -6,6 +6,7 @@ empty folder (new_file, empty_folder), and files staged beside their folder unti
 from __future__ import annotations
 
 import contextlib
+import glob
 import functools
 import json
 import os
@@ -86,7 +87,7 @@ def _json_object(path: str, name: str) -> dict:
 def input_paths(*given: str | None) -> list[str]:
     """The local paths among a command's inputs (a Hub id, hf:NAME or gguf:NAME is none; a glob gives its
     matches), for `guard_output`."""
-    import glob
+
 
     paths = []
     for text in given:

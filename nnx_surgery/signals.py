@@ -14,6 +14,7 @@ import threading
 from typing import Iterator
 
 from nnx_surgery.distill.loop.interruption import redelivered_later
+from nnx_surgery.surgery.storage.shared_writes import multi_host
 
 OWN_PROCESS = [False]  # set by the installed command (cli.main with no argv): its own process
 _ignored: dict[int, object] = {}
@@ -51,8 +52,6 @@ def raised_in_main_thread() -> Iterator[None]:
             return
         if number == signal.SIGINT:
             raise KeyboardInterrupt
-        from nnx_surgery.surgery.storage.shared_writes import multi_host
-        if multi_host():  # one process of several stops as before (its default effect), for the others to see
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return

@@ -24,12 +24,15 @@ import time
 from typing import Any, TypedDict
 
 from nnx_surgery import distill
-from nnx_surgery import evaluation
+from nnx_surgery.evaluation.cross_vocab import heldout_report_across
+from nnx_surgery.evaluation.heldout_sets import HeldoutSet
+from nnx_surgery.evaluation.suite_scoring import SuiteSettings, evaluate_suite
 from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.surgery.storage.hf_checkpoint import model_tensors
 from nnx_surgery.recipes.config.sections import EvaluationSection, RecipeConfig
 from nnx_surgery.surgery.modeling.generation import generate
 from nnx_surgery.evaluation.lm_eval_scores import checked_tasks
+from nnx_surgery.evaluation import lm_eval_scores
 
 # results.json row keys for the suite's metrics
 SUITE_KEYS = {"top1_agreement": "top1_agreement", "kl": "kl_to_teacher", "bleu": "bleu", "rouge_l": "rouge_l",
@@ -82,15 +85,15 @@ def heldout_sets(args: EvalSettings, data, far: bool = True) -> list:
              FAR: _far_texts() if args.evaluation.general and far else []}
     for name, held in texts.items():  # the packaged general prose trains only (--general-source packages)
         packaged_prose.refuse_held_out(held, name)
-    sets = [evaluation.HeldoutSet.from_texts(IN_DOMAIN, texts[IN_DOMAIN], description=f"held-out documents of the "
+    sets = [HeldoutSet.from_texts(IN_DOMAIN, texts[IN_DOMAIN], description=f"held-out documents of the "
                                           f"training corpus ({args.data_description or 'the --data files'})",
                                           **common)]
     if args.evaluation.general:
-        sets.append(evaluation.HeldoutSet.from_texts(GENERAL, texts[GENERAL], description=(
+        sets.append(HeldoutSet.from_texts(GENERAL, texts[GENERAL], description=(
             "English prose no training corpus contains: the Python language reference's pydoc topics "
             f"(Python {sys.version_info.major}.{sys.version_info.minor}), held-out half"), **common))
     if texts[FAR]:
-        sets.append(evaluation.HeldoutSet.from_texts(FAR, texts[FAR], description=(
+        sets.append(HeldoutSet.from_texts(FAR, texts[FAR], description=(
             "English prose from files of the Python install that no training text comes from: the history of "
             "Python (LICENSE.txt without its terms), IDLE's change logs and notes, the email package's design notes "
             f"(Python {sys.version_info.major}.{sys.version_info.minor})"), **common))
@@ -115,14 +118,14 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
     models = {name: model for name, model, _ in rows}
     vocabularies = vocabularies or {}
     if args.evaluation.prompts > 0:
-        settings = evaluation.SuiteSettings(prompts=args.evaluation.prompts, new_tokens=args.evaluation.new_tokens,
+        settings = SuiteSettings(prompts=args.evaluation.prompts, new_tokens=args.evaluation.new_tokens,
                                          choice_items=args.evaluation.choice_items, seed=args.seed)
-        suite = evaluation.evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
+        suite = evaluate_suite(models, None, data.eval_texts(), tokenizer=args.teacher_folder,
                                        generate=greedy, reference=rows[0][0], settings=settings,
                                        out_path=os.path.join(out, "suite.md"), heldout_sets=heldout_sets(args, data),
                                        pairs=pairs, vocabularies=vocabularies)
     else:  # no generations: the held-out sets alone
-        reports = {held.name: evaluation.heldout_report_across(models, held, reference=rows[0][0], pairs=pairs,
+        reports = {held.name: heldout_report_across(models, held, reference=rows[0][0], pairs=pairs,
                                                             vocabularies=vocabularies)
                    for held in heldout_sets(args, data)}
         suite = {"models": {name: {"sets": {k: r["models"][name] for k, r in reports.items()}} for name in models},
@@ -161,7 +164,6 @@ def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: st
 def add_task_scores(results: dict, args: EvalSettings, models: dict, vocabularies: dict, out: str) -> None:
     """Every model scored on the lm-eval tasks (our backend, in memory; a trimmed student with its own tokenizer),
     in each results row's `lm_eval`, in results["lm_eval"] and in `out`/lm_eval.md."""
-    from nnx_surgery.evaluation import lm_eval_scores
     scores, seconds = {}, {}
     for row in results["rows"]:
         name = row["model"]

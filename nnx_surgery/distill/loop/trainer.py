@@ -30,6 +30,7 @@ from .schedules import resolve_epochs
 from ..trimmed_vocab import in_student_vocabulary
 from .driver import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
+from nnx_surgery.distill.loop.cache_replay import prepare
 
 log = logging.getLogger("distill")
 StudentT = TypeVar("StudentT", bound=nnx.Module)  # the student's class: `run` gives the same module back
@@ -176,7 +177,6 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
 
 def _from_cache(teacher: Any, student: Any, data: Any, config: DistillConfig) -> tuple[Any, DistillConfig]:
     """(the cache's data stream, the config with the cache's top k) of a run from `config.teacher_cache`."""
-    from .cache_replay import prepare
 
     if teacher is not None:
         raise ValueError(f"teacher_cache={config.teacher_cache!r} trains from the cached teacher: pass teacher=None "

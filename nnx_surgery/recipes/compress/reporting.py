@@ -4,18 +4,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING
 
 import jax
 
 from nnx_surgery import export, surgery
 from nnx_surgery.distill.mesh import parse_mesh_spec
 from nnx_surgery.recipes.config.sections import CONTROL_NAMES, RecipeConfig
-
-if TYPE_CHECKING:
-    from nnx_surgery.recipes.compress.run_settings import RunSettings
-    from nnx_surgery.recipes.compress.shape_search import StudentChoice
-from nnx_surgery.recipes.compress.shape_search import GUESS, eval_points
+from nnx_surgery.recipes.compress.run_settings import RunSettings
+from nnx_surgery.recipes.compress.shape_search import GUESS, StudentChoice, eval_points
 from nnx_surgery.distill.inputs.source_reads import reads_line
 from nnx_surgery.recipes.compress.teacher_caching import summary_line
 from nnx_surgery.evaluation.lm_eval_scores import task_scores_text

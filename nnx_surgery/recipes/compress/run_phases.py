@@ -31,7 +31,8 @@ from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.inputs.source_reads import reads_line
 from nnx_surgery.recipes import corpus
-from nnx_surgery.recipes.compress import phase_configs, shape_search, student_refit, teacher_caching, vocabulary
+from nnx_surgery.recipes.compress import (phase_configs, search_phase, student_refit, teacher_caching,
+                                          vocabulary)
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.recipes.compress.run_settings import RunSettings, for_student
 
@@ -118,7 +119,7 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
 
 def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
     """With --student params=...: each shape within the budget distilled briefly; the winner is the student."""
-    spec, search, scores = shape_search.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
+    spec, search, scores = search_phase.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
     return Chosen(for_student(run, spec) if search else run, search, scores)
 
 
