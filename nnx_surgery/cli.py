@@ -225,7 +225,7 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 # name -> (module:function that runs it, one line, examples, flags)
 COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
-    "compress": ("nnx_surgery.recipes.compress.pipeline:entry", "the whole recipe: plan, prune, distil, evaluate, save "
+    "compress": ("nnx_surgery.recipes.compress_command:entry", "the whole recipe: plan, prune, distil, evaluate, save "
                  "(recipes/gemma_7b_to_2b.py; every flag in `nnx-surgery compress --help`)",
                  ["compress --preset tiny --output runs/tiny",
                   "compress --preset gemma3-270m --output runs/gemma3-270m",

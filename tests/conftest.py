@@ -87,8 +87,8 @@ def pytest_runtest_setup(item) -> None:
         gc.freeze()
 
 
-_PREPARE = ("import sys\nfrom nnx_surgery.recipes import tiny_teacher\nfrom nnx_surgery.recipes.compress import pipeline as compress\n"
-            "print(tiny_teacher.prepare_for(compress.parse_args(sys.argv[1:]))[0])")
+_PREPARE = ("import sys\nfrom nnx_surgery.recipes import tiny_teacher\nfrom nnx_surgery.recipes import compress_command\n"
+            "print(tiny_teacher.prepare_for(compress_command.parse_args(sys.argv[1:]))[0])")
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ class Entry:
 
 
 def aot_run(config: RecipeConfig) -> RunSettings:
-    """The run's settings as `run_settings.resolve` makes them, with the teacher's config alone (released.py):
+    """The run's settings as `run_settings.for_config` makes them, with the teacher's config alone (released.py):
     nothing downloaded but a config.json, nothing trained (the tiny preset's teacher) or imported. The GGUF export
     and the data run no program on the devices, so they are not looked at; the output folder is checked as for
     --dry-run (only the report is written there)."""

@@ -35,7 +35,7 @@ def check_settings(config: RecipeConfig) -> None:
                 raise RecipeError(f"{flag} goes with --aot TARGET (the compile it reports on).")
 
 
-def main(config: RecipeConfig) -> dict:
+def report_sizes(config: RecipeConfig) -> dict:
     """Compile, report, search when asked or needed; returns the report (also OUT/aot_report.json)."""
     if config.aot.target is None:
         raise RecipeError("the compile report needs --aot TARGET.")
@@ -118,4 +118,4 @@ def search_line(found: dict | None, budget: float | None) -> str:
             f"{found['flags']}")
 
 
-__all__ = ["main", "check_settings", "REPORT", "DEFAULT_MFU"]
+__all__ = ["report_sizes", "check_settings", "REPORT", "DEFAULT_MFU"]

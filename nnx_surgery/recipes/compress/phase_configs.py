@@ -7,7 +7,7 @@ every flag can be checked against the config it produces.
     control   the baseline on the same number of optimizer steps: plain CE (pruned-ce) or from scratch
     teacher_correction   --teacher-correction only, before any surgery: the teacher fine-tuned with plain CE
 
-Each takes the run's `RecipeConfig`; `run_settings.resolve` builds the stages once, for the student's real depth,
+Each takes the run's `RecipeConfig`; `run_settings.for_config` builds the stages once, for the student's real depth,
 and a phase's DistillConfig is `dataclasses.replace` of the run's (`phase_config`). `check_stage_settings` checks
 what they are built from before any teacher is read.
 """

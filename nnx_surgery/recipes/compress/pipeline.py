@@ -15,7 +15,8 @@ defaults file): a flag, a key of a --config file (JSON/YAML, in sections), or a 
 file. --print-config shows the resolved settings, every run saves them in its folder (resolved_config.json), and
 `--help` lists each, by section, with its default and why.
 
-`main` reads as the list of phases: the configuration resolved once (config/resolution.py), what follows from it
+`compress` reads as the list of phases: the configuration resolved once (compress/resolution.py, by
+recipes/compress_command.py, which sends --aot TARGET to recipes/aot/ before any run starts), what follows from it
 and the teacher (run_settings.py), then each phase (run_phases.py, the documented example of the Python API:
 `surgery` then `distill`) taking them and the earlier phases' outputs.
 
@@ -52,7 +53,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Any, Iterator
 
@@ -60,43 +60,25 @@ import jax
 
 from nnx_surgery import export, surgery
 from nnx_surgery.surgery.storage.atomic import missing_folders, write_json
-from nnx_surgery.recipes.aot import sizing as aot, targets as aot_targets
-from nnx_surgery.recipes.compress import (compile_cache, multi_host, run_phases, run_settings, teacher_caching,
-                                          vocabulary)
+from nnx_surgery.recipes.compress import compile_cache, run_phases, run_settings, teacher_caching, vocabulary
 from nnx_surgery.evaluation import final_eval
 from nnx_surgery import refusals
-from nnx_surgery.recipes.compress import checks, files, resolution
+from nnx_surgery.recipes.compress import files
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
 from nnx_surgery.recipes.compress.reporting import (card_writer, dry_run_report, plot_curves, results_table,
                                                     write_results)
-from nnx_surgery.recipes.compress.run_phases import Interrupted  # noqa: F401  (entry's exit code 3)
 from nnx_surgery.distill.inputs import packaged_prose
 
 ORIGINAL_TEACHER = "teacher before correction"
 
 
-def parse_args(argv=None, prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
-    """The run's configuration (nnx_surgery/recipes/config/): defaults < preset < schedule < --config < flags <
-    --set, checked; nothing read but the --config file."""
-    return resolution.resolve(argv, description=__doc__, prog=prog)
-
-
-def main(argv=None, prog: str = "gemma_7b_to_2b.py") -> dict:
-    """The run: its settings resolved once (run_settings.py), then the phases in order (run_phases.py), each
-    taking the settings and the outputs of the phases before it."""
-    config = parse_args(argv, prog)
-    aot_targets.prepare_host_devices(config.aot.target)  # --aot cpu:N, before JAX starts
-    multi_host.start_distributed(config.multi_host)  # before anything touches devices
-    checks.check_devices(config)
-    if config.run.print_config:
-        print(json.dumps(files.saved_config(config), indent=2))
-        return {}
-    aot.check_settings(config)
-    if config.aot.target:  # the run's programs compiled for the target; nothing trained, only the report written
-        return aot.main(config)
+def compress(config: RecipeConfig) -> dict:
+    """The run, its settings resolved once (compress_command.py: the configuration; run_settings.py: what follows
+    from it and the teacher), then the phases in order (run_phases.py), each taking the settings and the outputs of
+    the phases before it."""
     clock = PhaseClock(time.time())
-    run = run_settings.resolve(config)  # the output folder, the teacher, the student, the stages
+    run = run_settings.for_config(config)  # the output folder, the teacher, the student, the stages
     if config.run.dry_run:  # nothing written
         print(dry_run_report(run))
         return {}
@@ -301,14 +283,4 @@ class PhaseClock:
         self._last = now
 
 
-def entry(argv=None, prog: str = "gemma_7b_to_2b.py") -> None:
-    """The recipe as a command (`prog` names it in --help): one-line errors, exit 3 when --halt-after stops it."""
-    try:
-        refusals.guarded(lambda args: main(args, prog), argv)
-    except Interrupted as stop:
-        print(stop.code if isinstance(stop.code, str) else "interrupted", file=sys.stderr)
-        sys.exit(3)
-
-
-if __name__ == "__main__":
-    entry()
+__all__ = ["compress", "run_all", "PhaseClock", "ORIGINAL_TEACHER"]

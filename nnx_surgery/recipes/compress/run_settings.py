@@ -1,8 +1,8 @@
-"""The run's settings, resolved once before anything trains: the configuration (`config.resolution.resolve`) and
+"""The run's settings, resolved once before anything trains: the configuration (`compress.resolution.resolve`) and
 every value derived from it and the teacher, in one frozen record that the phases read and nothing writes.
 
     config = resolution.resolve(argv)   # defaults < preset < schedule < --config < flags < --set; no teacher read
-    run = run_settings.resolve(config)  # + the output folder, the teacher (its config.json read once), the data,
+    run = run_settings.for_config(config)  # + the output folder, the teacher (its config.json read once), the data,
                                         #   the evaluation, the student (and stage A's shape), its stages
 
 A shape search (`--student params=...`) picks the student while the run goes; `for_student(run, winner)` is then
@@ -101,7 +101,7 @@ class RunSettings:
                                    halt_after=self.output.halt_steps.get(phase))
 
 
-def resolve(config: RecipeConfig) -> RunSettings:
+def for_config(config: RecipeConfig) -> RunSettings:
     """The run's settings: the output folder checked, the teacher found (the tiny preset's trained once and
     cached; a Hub id downloaded; a GGUF imported), its config read, the student chosen and checked against it, the
     stages built. Refusals are RecipeError / SpecError lines, before any weights load."""
@@ -207,5 +207,5 @@ def build_stages(config: RecipeConfig, student: Student) -> Stages:
         raise RecipeError(f"distill settings: {error}") from None
 
 
-__all__ = ["RunSettings", "Output", "Teacher", "Student", "Stages", "resolve", "output_settings", "locate_teacher",
+__all__ = ["RunSettings", "Output", "Teacher", "Student", "Stages", "for_config", "output_settings", "locate_teacher",
            "for_student", "build_stages", "PHASES"]
