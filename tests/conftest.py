@@ -87,7 +87,7 @@ def pytest_runtest_setup(item) -> None:
         gc.freeze()
 
 
-_PREPARE = ("import sys\nfrom nnx_surgery.recipes import tiny_teacher\nfrom nnx_surgery.recipes import compress_command\n"
+_PREPARE = ("import sys\nfrom nnx_surgery.recipes.inputs import tiny_teacher\nfrom nnx_surgery.recipes import compress_command\n"
             "print(tiny_teacher.prepare_for(compress_command.parse_args(sys.argv[1:]))[0])")
 
 

@@ -22,7 +22,7 @@ import tempfile
 from typing import Callable, Iterator, Sequence
 
 from nnx_surgery import model_inputs, surgery
-from nnx_surgery.recipes import corpus, tiny_teacher
+from nnx_surgery.recipes.inputs import corpus, tiny_teacher
 from nnx_surgery.refusals import RecipeError
 
 

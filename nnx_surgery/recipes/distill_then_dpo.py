@@ -4,7 +4,7 @@
     python recipes/distill_then_dpo.py --teacher path/to/gemma-3-270m --student layers=0.5,mlp=0.5 \\
         --distill-steps 200 --dpo-steps 50 --pairs 256 --output runs/dpo-270m
 
-1. the teacher (a folder, Hub id or .gguf; by default the tiny stdlib-trained Gemma of nnx_surgery/recipes/tiny_teacher.py) is
+1. the teacher (a folder, Hub id or .gguf; by default the tiny stdlib-trained Gemma of nnx_surgery/recipes/inputs/tiny_teacher.py) is
    pruned to `--student` by the surgery planner and distilled for `--distill-steps` on the Python standard
    library's source;
 2. preference pairs are built offline from that source: a prompt is a stretch of a file, the chosen response is
@@ -35,7 +35,7 @@ from flax import nnx
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery import model_inputs
-from nnx_surgery.recipes import tiny_teacher
+from nnx_surgery.recipes.inputs import tiny_teacher
 from nnx_surgery import refusals
 from nnx_surgery.distill.inputs.batches import stdlib_corpus
 from nnx_surgery.distill.loop.trainer import DivergenceError

@@ -15,7 +15,7 @@ import os
 from nnx_surgery import surgery
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG
+from nnx_surgery.recipes.inputs.tiny_teacher import TEACHER_CONFIG
 from nnx_surgery.surgery.storage.gguf_import import GGUFFile, hf_config_dict
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "released_configs")

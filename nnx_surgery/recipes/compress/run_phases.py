@@ -30,7 +30,7 @@ from typing import Any
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.inputs.source_reads import reads_line
-from nnx_surgery.recipes import corpus
+from nnx_surgery.recipes.inputs import corpus
 from nnx_surgery.recipes.compress import (phase_configs, search_phase, student_refit, teacher_caching,
                                           vocabulary)
 from nnx_surgery.refusals import RecipeError

@@ -18,11 +18,11 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery import model_inputs
-from nnx_surgery.recipes import tiny_teacher
+from nnx_surgery.recipes.inputs import tiny_teacher
 from nnx_surgery.recipes.compress import phase_configs, shape_search
 from nnx_surgery.recipes.config.layering import freeze
 from nnx_surgery.recipes.config.sections import RecipeConfig
-from nnx_surgery.recipes.corpus import DataSettings
+from nnx_surgery.recipes.inputs.corpus import DataSettings
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.evaluation.final_eval import EvalSettings
 from nnx_surgery.export import gguf_export

@@ -28,7 +28,7 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import evaluation
 from nnx_surgery import surgery
-from nnx_surgery.recipes.tiny_teacher import wait_for_process_0
+from nnx_surgery.recipes.inputs.tiny_teacher import wait_for_process_0
 from nnx_surgery.surgery.storage.atomic import atomic_folder
 from nnx_surgery.surgery.pruning.tokenizer_files import trimmed_tokenizer_files
 

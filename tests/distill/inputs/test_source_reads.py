@@ -11,7 +11,7 @@ import pytest
 from nnx_surgery import distill
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.distill.inputs.source_reads import reads_line, source_table
-from nnx_surgery.recipes import corpus
+from nnx_surgery.recipes.inputs import corpus
 from nnx_surgery.recipes.compress.reporting import results_table
 
 CODE = [f"def f{i}():\n" + "    return 1\n" * (3 + i % 7) for i in range(24)]
