@@ -29,7 +29,7 @@ LAYERS = [
     ["nnx_surgery.paths", "nnx_surgery.model_inputs"],
     ["nnx_surgery.recipes.config"],  # the declarations of the settings, which the evaluation's settings read too
     ["nnx_surgery.evaluation"],
-    ["nnx_surgery.recipes.corpus", "nnx_surgery.recipes.tiny_teacher"],
+    ["nnx_surgery.recipes.inputs"],
     ["nnx_surgery.recipes.compress"],
     ["nnx_surgery.recipes.aot"],
     ["nnx_surgery.recipes"],
