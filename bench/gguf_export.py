@@ -67,7 +67,7 @@ def context() -> dict:
 
 # ------------------------------------------------------------------------------------------------ children
 def child_export(args) -> dict:
-    from nnx_surgery.surgery import export_gguf
+    from nnx_surgery.export import export_gguf
 
     common.read_files_sequentially(common.safetensors_files(args.folder))  # page cache warm
     runs, path = [], os.path.join(args.work, f"{args.model}-{args.dtype}.gguf")

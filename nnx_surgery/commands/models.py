@@ -114,7 +114,7 @@ def push(args: argparse.Namespace) -> str:
     `hf auth login`'s file) and is never printed."""
     token = token_from(args.token_env)
     model_folder(args.folder, "FOLDER")  # its config.json and tokenizer.json readable, before the Hub is asked
-    url = export.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.revision,
+    url = export.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.branch,
                               token=token, commit_message=args.message)
     print(f"pushed {os.path.abspath(args.folder)} to {url}")
     return str(url)

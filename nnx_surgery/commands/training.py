@@ -34,9 +34,9 @@ def distill_student(args: argparse.Namespace) -> str:
                                  "learning rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
-    cache = getattr(args, "teacher_cache", None)
+    cache = getattr(args, "teacher_cache_folder", None)
     if cache and not os.path.isdir(cache):
-        raise refusals.RecipeError(f"--teacher-cache {cache}: {refusals.wrong_kind(cache, 'folder')}; give the folder "
+        raise refusals.RecipeError(f"--teacher-cache-folder {cache}: {refusals.wrong_kind(cache, 'folder')}; give the folder "
                                    "`nnx-surgery cache-teacher` wrote.")
     out = empty_folder(args.output, "--output", args.overwrite,  # writable: checked before any training
                        inputs=input_paths(args.teacher, teacher_folder, args.student, args.data, cache))
@@ -95,7 +95,7 @@ def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str)
     try:
         teacher_cache.check_written_by(cache, teacher_folder, tokenizer if os.path.isfile(tokenizer) else None)
     except teacher_cache.CacheError as error:
-        raise refusals.RecipeError(f"--teacher-cache: {error}") from None
+        raise refusals.RecipeError(f"--teacher-cache-folder: {error}") from None
 
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),

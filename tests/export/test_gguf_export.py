@@ -23,7 +23,8 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from hf_reference import make_hf_model, max_abs_diff, sample_ids
-from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, export_gguf, import_gguf
+from nnx_surgery.export import export_gguf
+from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, import_gguf
 from nnx_surgery.surgery.storage.gguf_import import GGUFFile
 from nnx_surgery.surgery.families.schema import bound_tensors
 

@@ -75,14 +75,18 @@ def reader(kind: type | None, flag: str = "") -> Callable[[str], Any] | None:
 
 
 def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: Any = argparse.SUPPRESS,
-             help_default: str | None = None, help: str | None = None) -> None:
+             help_default: str | None = None, help: str | None = None, required: bool = False) -> None:
     """The flag of `item` (its declaration's name, spellings, reading, choices and action) on `group`, storing
     into `dest` (default: the dotted path). `default` SUPPRESS: only given flags reach the namespace; `help`: what
-    the setting means in this command, instead of the declaration's."""
+    the setting means in this command, instead of the declaration's; `required`: a command that cannot run
+    without it (its default then is no default)."""
     meta = item.meta
-    keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default,
-                                    help=help_text(item, help_default, help).replace("%", "%%"))
+    keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default, required=required,
+                                    help=help_text(item, "required" if required else help_default,
+                                                   help).replace("%", "%%"))
     action = meta.get("action")
+    if action == "append" and isinstance(default, tuple):
+        keywords["default"] = list(default)  # argparse appends to it
     if action == "boolean":
         keywords["action"] = argparse.BooleanOptionalAction
     elif action:

@@ -35,7 +35,7 @@ class RunSection:
                              "tests)", flag="--preset",
                              choices=PRESET_NAMES)
     output: str | None = documented(None, "run folder: student, plans, results, checkpoints, resolved_config.json",
-                                    flag="--output", saved=False)
+                                    flag="--output", also=("-o",), saved=False)
     resume: bool = documented(False, "continue an interrupted run in --output", flag="--resume",
                               action="store_true", saved=False)
     overwrite: bool = documented(False, "start over, deleting what is in --output", flag="--overwrite",
