@@ -58,21 +58,15 @@ def _own(group: argparse._ActionsContainer, path: str, help: str | None = None, 
 
 
 def _add(group: argparse._ActionsContainer, item: fields.Declared, help: str | None, required: bool) -> None:
-    fields.add_flag(group, item, dest=item.name.lstrip("-").replace("-", "_"), default=item.default, help=help,
-                    required=required)
+    fields.add_option(group, item, help=help, required=required)
 
 
 def checked(args: argparse.Namespace) -> list[str]:
     """The declared settings given to a subcommand (the recipe's it shares, and its own), checked as the recipe
     checks them: one line per refusal."""
-    errors = []
-    for item in [*SHARED.values(), *(item for item in OWN.values() if item.path[0] == args.command)]:
-        dest = item.name.lstrip("-").replace("-", "_")
-        if hasattr(args, dest):
-            why = fields.check(item, getattr(args, dest))
-            if why:
-                errors.append(f"{item.name} {getattr(args, dest)}: {why}.")
-    return errors
+    own = [item for item in OWN.values() if item.path[0] == args.command]
+    return fields.refusals_of(args, [item for item in [*SHARED.values(), *own]
+                                     if hasattr(args, fields.option_dest(item))])
 
 
 SHARED = {item.dest: item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,)) if item.flag}

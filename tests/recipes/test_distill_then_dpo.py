@@ -50,7 +50,8 @@ def test_recipe_distils_then_dpo_and_saves(teacher, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dpo-steps", "0"], "--dpo-steps must be at least 1"),
+    (["--dpo-steps", "0"], "--dpo-steps 0: give at least 1"),
+    (["--learning-rate", "0"], "--learning-rate 0"),
     (["--teacher", "/nonexistent/teacher-folder"], "teacher-folder"),
 ])
 def test_refusals_are_one_line(tmp_path, capsys, argv, message):

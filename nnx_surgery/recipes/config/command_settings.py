@@ -113,6 +113,26 @@ class CacheTeacherSettings:
                                      check=POSITIVE)
 
 
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """recipes/distill_then_dpo.py's own settings (the rest are the compress recipe's: --teacher, --student,
+    --output, --learning-rate, --seq-len, ...)."""
+
+    distill_steps: int = documented(60, "distillation steps before DPO", flag="--distill-steps", kind=int,
+                                    check=POSITIVE)
+    dpo_steps: int = documented(20, "DPO steps", flag="--dpo-steps", kind=int, check=POSITIVE)
+    pairs: int = documented(64, "training preference pairs (plus a quarter held out)", flag="--pairs", kind=int,
+                            check=POSITIVE)
+    beta: float = documented(0.1, "DPO's beta (strength of the pull to the reference)", flag="--beta", kind=float,
+                             check=("above 0", lambda v: v > 0))
+    dpo_learning_rate: float = documented(1e-4, "DPO's learning rate", flag="--dpo-learning-rate", kind=float,
+                                          check=("above 0", lambda v: v > 0))
+    prompt_chars: int = documented(48, "characters of context per pair", flag="--prompt-chars", kind=int,
+                                   check=POSITIVE)
+    response_chars: int = documented(24, "characters of each response", flag="--response-chars", kind=int,
+                                     check=POSITIVE)
+
+
 # subcommand -> its own settings (the flags it shares with the recipe come from sections.py)
 COMMAND_SETTINGS: dict[str, type] = {"prune": PruneSettings, "distill": DistillSettings, "eval": EvalSettings,
                                      "generate": GenerateSettings, "import-gguf": ImportGGUFSettings,
@@ -120,4 +140,5 @@ COMMAND_SETTINGS: dict[str, type] = {"prune": PruneSettings, "distill": DistillS
                                      "cache-teacher": CacheTeacherSettings}
 
 __all__ = ["COMMAND_SETTINGS", "PruneSettings", "DistillSettings", "EvalSettings", "GenerateSettings",
-           "ImportGGUFSettings", "ExportGGUFSettings", "PushSettings", "CacheTeacherSettings", "WeightDtype"]
+           "ImportGGUFSettings", "ExportGGUFSettings", "PushSettings", "CacheTeacherSettings", "DPOSettings",
+           "WeightDtype"]

@@ -104,6 +104,28 @@ def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: An
                            help=why)
 
 
+def option_dest(item: Declared) -> str:
+    """Where a command's parser stores a declared setting: its flag's name (`--max-new-tokens` -> max_new_tokens)."""
+    return item.name.lstrip("-").replace("-", "_")
+
+
+def add_option(group: Any, item: Declared, help: str | None = None, required: bool = False) -> None:
+    """`item`'s flag for a command other than compress: stored under its flag's name, its declared default."""
+    add_flag(group, item, dest=option_dest(item), default=item.default, help=help, required=required)
+
+
+def refusals_of(args: argparse.Namespace, items: list[Declared]) -> list[str]:
+    """The values of `items` given in `args` (under their flags' names) that their declarations refuse: one line
+    each, naming the flag."""
+    errors = []
+    for item in items:
+        value = getattr(args, option_dest(item), None)
+        why = check(item, value)
+        if why:
+            errors.append(f"{item.name} {value}: {why}.")
+    return errors
+
+
 def help_text(item: Declared, default: str | None = None, help: str | None = None) -> str:
     """The help (or `help`), why the default is what it is, and the default (or `default`, e.g. a preset's)."""
     meta = item.meta
@@ -151,4 +173,4 @@ def _number(value: Any, kind: type) -> bool:
     return kind is float or float(value).is_integer()
 
 
-__all__ = ["Declared", "declared", "add_flag", "help_text", "default_text", "check", "reader"]
+__all__ = ["Declared", "declared", "add_flag", "add_option", "option_dest", "refusals_of", "help_text", "default_text", "check", "reader"]
