@@ -85,7 +85,7 @@ def distill_fields() -> list[fields.Declared]:
 def every_field() -> list[fields.Declared]:
     """Every declared setting of a compress run: the sections', the loss terms' and the distill section's."""
     recipe = [item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,))
-              if item.path != ("training", "term_weights")]
+              if item.path[:2] != ("training", "term_weights")]  # the terms' registry declares their flags
     return recipe + term_weight_fields() + distill_fields() + term_option_fields()
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+import types
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from nnx_surgery.field_docs import documented
 
@@ -153,6 +154,43 @@ class DataSection:
                               check=("at least 2 tokens per row", lambda v: v >= 2))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TermWeights(Mapping[str, float]):
+    """The loss terms' weights beside the divergence (`training.term_weights`; their flags --<term>-weight, made
+    from the terms' registry: distill.losses.term_registry). The built-in terms with a recipe flag are fields;
+    a term registered later with a flag (`distill.register_loss`) has its weight in `registered`. Also read as a
+    mapping, term name -> weight (0 for a term the settings do not name)."""
+
+    attention: float = 0.0
+    feature: float = 0.0
+    cosine: float = 0.0
+    registered: Mapping[str, float] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    @classmethod
+    def of(cls, weights: Mapping[str, float]) -> "TermWeights":
+        """`weights` by term name: the built-in terms' as fields, the others in `registered`."""
+        if isinstance(weights, TermWeights):
+            return weights
+        built_in = {name: float(weight) for name, weight in weights.items() if name in BUILT_IN_TERMS}
+        others = {name: float(weight) for name, weight in weights.items() if name not in BUILT_IN_TERMS}
+        return cls(**built_in, registered=types.MappingProxyType(others))
+
+    def __getitem__(self, name: str) -> float:
+        if name in BUILT_IN_TERMS:
+            return getattr(self, name)
+        return self.registered[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from BUILT_IN_TERMS
+        yield from self.registered
+
+    def __len__(self) -> int:
+        return len(BUILT_IN_TERMS) + len(self.registered)
+
+
+BUILT_IN_TERMS = ("attention", "feature", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingSection:
     """What the distillation stages are built from (the distill section holds the rest of DistillConfig)."""
@@ -175,8 +213,8 @@ class TrainingSection:
                                   "3:1: soft targets first, then sharp)", flag="--temperature")
     loss: str = documented("kl", "the divergence to the teacher: forward KL (mass-covering, the standard), reverse "
                            "KL (mode-seeking), or JSD (bounded)", flag="--loss", choices=("kl", "reverse_kl", "jsd"))
-    term_weights: Mapping[str, float] = documented(help="the loss terms' weights beside the divergence (their "
-                                                   "flags: --<term>-weight)", factory=dict)
+    term_weights: TermWeights = documented(help="the loss terms' weights beside the divergence (their flags: "
+                                           "--<term>-weight)", factory=TermWeights)
     trainable: tuple[str, ...] | None = documented(None, "train only these parameters in every phase but the K/V "
                                                    "warm-up (e.g. 'layers.{6-8}.*'); repeatable", flag="--trainable",
                                                    action="append", metavar="PATTERN", none_means="everything")
@@ -222,6 +260,9 @@ class TrainingSection:
     @property
     def compute_dtype(self) -> str:
         return "bfloat16" if self.precision == "bf16" else "float32"
+
+    def __post_init__(self) -> None:  # the settings tree holds term weights as a mapping
+        object.__setattr__(self, "term_weights", TermWeights.of(self.term_weights))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,5 +405,5 @@ SECTION_TITLES = {"run": "Run", "teacher": "Teacher", "student": "Student and ba
                   "trained)", "multi_host": "Multi-host (jax.distributed; every process runs the same command)"}
 
 __all__ = ["RecipeConfig", "RunSection", "TeacherSection", "StudentSection", "SurgerySection", "DataSection",
-           "TrainingSection", "SearchSection", "EvaluationSection", "AotSection", "MultiHostSection", "SECTIONS",
+           "TrainingSection", "TermWeights", "SearchSection", "EvaluationSection", "AotSection", "MultiHostSection", "SECTIONS",
            "SECTION_TITLES", "PRESET_NAMES", "SCHEDULE_NAMES", "CONTROL_NAMES"]
