@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Iterator
 
-from nnx_surgery.distill.loop.interruption import redelivered_later
+from nnx_surgery.distill.interruption import redelivered_later
 from nnx_surgery.surgery.storage.shared_writes import multi_host
 
 OWN_PROCESS = [False]  # set by the installed command (cli.main with no argv): its own process

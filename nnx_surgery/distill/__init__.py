@@ -32,7 +32,7 @@ from .losses import term_registry as terms
 from .loop.metrics import MetricsLogger, make_logger, plot_history, step_flops
 from .inputs.batches import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
 from .inputs.sources import far_prose, general_mix, general_prose
-from .loop.interruption import RunInterrupted
+from .interruption import RunInterrupted
 from .fingerprints import batch_digest, compare_sequences, sequence_digest, weights_digest
 from .trimmed_vocab import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
 

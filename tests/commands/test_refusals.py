@@ -316,7 +316,7 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
     """Ctrl-C inside export-gguf's and import-gguf's writes, distill's training and push's upload: exit 130, no
     temporary left, and no --resume (these commands have none) nor Python-API advice."""
     from nnx_surgery import distill, export
-    from nnx_surgery.distill.loop.interruption import RunInterrupted, interruption_message
+    from nnx_surgery.distill.interruption import RunInterrupted, interruption_message
     from nnx_surgery.surgery.storage import gguf_import
     from nnx_surgery.export import gguf_export
 

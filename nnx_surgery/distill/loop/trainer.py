@@ -22,7 +22,7 @@ from flax import nnx
 from ..losses import term_registry as terms
 from .run_config import DistillConfig
 from ..interface import Correspondence, Sampler, check_model, correspondence_from_plan
-from .interruption import RunInterrupted
+from ..interruption import RunInterrupted
 from ..losses.representations import init_projections
 from ..mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
 from .oom import OutOfMemoryError
