@@ -1,6 +1,7 @@
 """The package's imports flow one way (ARCHITECTURE.md, "Layers"): each module's imports, read with `ast`, go to
-its own layer or a lower one, no two folders (or top-level modules) import each other, and an import inside a
-function or under TYPE_CHECKING is one of the few listed below, each with the reason it waits (never a circle)."""
+its own layer and the ones below it, no two folders (or top-level modules) import each other, no folder holds
+more than 20 modules, and an import inside a function or under TYPE_CHECKING is one of the few listed below, each
+with the reason it waits (never a circle)."""
 from __future__ import annotations
 
 import ast
@@ -224,3 +225,10 @@ def test_the_modules_that_wait_for_jax_import_none():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
     assert out == "[]", out
+
+
+def test_no_folder_holds_more_than_20_modules():
+    """A folder a newcomer can read: at most 20 modules (its __init__ counted)."""
+    crowded = {str(folder.relative_to(ROOT)): count for folder in (ROOT / PACKAGE).rglob("*")
+               if folder.is_dir() and (count := len(list(folder.glob("*.py")))) > 20}
+    assert not crowded, crowded
