@@ -208,7 +208,8 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                       "training rows and write its top-k log-probabilities (checksummed, resumable shards)",
                       ["cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/",
                        "cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/ --resume",
-                       "cache-teacher TEACHER --student-folder trimmed/ --data 'corpus/*.txt' --top-k 64 --output cache/"],
+                       "cache-teacher TEACHER --student-folder trimmed/ --data 'corpus/*.txt' --top-k 64 "
+                       "--output cache/"],
                       _cache_flags),
     "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
              "(in-domain and general prose), generations and multiple choice; writes suite.md",
@@ -230,7 +231,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
 }
 
 
-# what an interrupted command leaves, where it is not "nothing was written" (recipes.refusals.guarded)
+# what an interrupted command leaves, where it is not "nothing was written" (nnx_surgery.refusals.guarded)
 STOPPED = {"push": "the Hub has this push only if its commit was made; run the same command again (files already "
                    "uploaded are not uploaded again).",
            "generate": "nothing was written."}
@@ -259,8 +260,8 @@ def _load(target: str) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.refusals.guarded`);
-    `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
+    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr
+    (`nnx_surgery.refusals.guarded`); `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
     own_process, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] == "compress":  # the recipe's own flags, --help and exit codes
@@ -295,7 +296,7 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
 
 def _own_process(own: bool) -> None:
     """The command runs in a process of its own (not `main([...])` in a caller's): an interrupted run exits without
-    the interpreter's shutdown (recipes.refusals.exit_now)."""
+    the interpreter's shutdown (nnx_surgery.refusals.exit_now)."""
     if own:
         from nnx_surgery import refusals
         refusals.OWN_PROCESS[0] = True

@@ -11,7 +11,7 @@ passages (texts, documents, bytes) in its own tokens, against the reference rest
 the kept pieces, renormalised, on the student's tokens. CE per token is in each model's own tokens, so between
 groups only CE per byte compares: a pair across groups gets the CE-per-byte difference with the paired bootstrap
 over documents (passage i is the same text in both sets, so passages and documents pair exactly) and None for the
-per-token metrics, with a note saying why. `in_own_tokens` gives `distill.evals.suite_scoring`'s prompts and multiple-choice
+per-token metrics, with a note saying why. `in_own_tokens` gives `evaluation.suite_scoring`'s prompts and multiple-choice
 items in a trimmed student's tokens, so it generates and chooses with its own tokenizer.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _comparison(a: str, b: str, scores: dict, sets: dict, seed: int) -> dict:
 
 
 def in_own_tokens(prompts: Sequence[Any], items: Sequence[Any], tokenizer: Any) -> tuple[list, list]:
-    """`distill.evals.suite_scoring`'s prompts and multiple-choice items in another tokenizer's tokens (a trimmed student's):
+    """`evaluation.suite_scoring`'s prompts and multiple-choice items in another tokenizer's tokens (a trimmed student's):
     the same texts, encoded by it, with its own start token; what the model generates is decoded by it too."""
 
     tok = load_tokenizer(tokenizer)
@@ -132,7 +132,7 @@ def in_own_tokens(prompts: Sequence[Any], items: Sequence[Any], tokenizer: Any) 
 
 
 def trimmed_note(result: dict) -> list[str]:
-    """Lines for `distill.evals.suite_scoring`'s Markdown saying how its trimmed students were judged (none: no line)."""
+    """Lines for `evaluation.suite_scoring`'s Markdown saying how its trimmed students were judged (none: no line)."""
     trimmed = result.get("vocabularies") or {}
     if not trimmed:
         return []

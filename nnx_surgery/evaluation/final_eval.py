@@ -10,7 +10,7 @@ log-likelihood, and the same prompts answered by every model (`suite.md` / `suit
 held-out batches; the scores are those of the global batches, the same on every process) and process 0 writes.
 
 Students with a trimmed vocabulary (`--student ...,vocab=N`; nnx_surgery/recipes/compress/vocabulary.py) are scored on the same
-passages in their own tokens (`distill.evals.cross_vocab`): KL and top-1 agreement against the teacher restricted to
+passages in their own tokens (`evaluation.cross_vocab`): KL and top-1 agreement against the teacher restricted to
 their kept pieces, renormalised; against the teacher (another tokenizer) only CE per byte compares, so the verdicts
 and their intervals are per byte; generations and multiple choice use their own tokenizer.
 """

@@ -21,7 +21,7 @@ argument (`surgery.generate` binds it). Continuations are cut at the first EOS b
 
 Multi-host (`jax.distributed`): every process runs the suite together, with its own rows of the held-out batches
 (`TokenBatches(process_index=, process_count=)`) and all the held-out documents; the scores are computed on the
-global batches (`distill.evals.perplexity.batch_arrays`), prompts and multiple-choice items are the same on every process,
+global batches (`evaluation.perplexity.batch_arrays`), prompts and multiple-choice items are the same on every process,
 so every process returns the same result, and only process 0 writes the files.
 """
 from __future__ import annotations
@@ -297,7 +297,7 @@ def evaluate_suite(models: Mapping[str, Any], batches: Sequence[dict[str, Any]] 
     model; `sets`: each held-out set's report; `samples`: every model's continuation of each prompt;
     `multiple_choice`, `settings`); with `out_path`, also writes it as Markdown (metrics table, the sets, then the
     samples) and as JSON next to it (same name, .json). `log` gets a line per finished part (default: print).
-    `vocabularies`: models with a trimmed vocabulary (name -> `distill.evals.cross_vocab.Vocabulary`), scored in their
+    `vocabularies`: models with a trimmed vocabulary (name -> `evaluation.cross_vocab.Vocabulary`), scored in their
     own tokens on the held-out sets against the reference restricted to their pieces, prompted and asked in their
     own tokens, their continuations decoded by their own tokenizer (`batches`, in one tokenizer's ids, must be None)."""
     if reference not in models:

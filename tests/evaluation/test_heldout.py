@@ -1,4 +1,4 @@
-"""distill.evals.heldout_sets: passages, per-passage scores, per-byte losses and the paired bootstrap, each against an
+"""evaluation.heldout_sets: passages, per-passage scores, per-byte losses and the paired bootstrap, each against an
 independent computation (full float32 log-softmaxes in numpy, bytes counted from the text, a normal-theory
 interval for a synthetic difference), and the general-domain prose set that no training corpus touches."""
 import jax

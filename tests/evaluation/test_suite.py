@@ -1,4 +1,4 @@
-"""distill.evals.suite_scoring and the scoring functions of distill.evals.perplexity, each against an independent computation on tiny
+"""evaluation.suite_scoring and the scoring functions of evaluation.perplexity, each against an independent computation on tiny
 models: agreement and KL from full float32 logits, log-likelihoods from full log-softmaxes, ROUGE-L from a plain
 LCS, a multiple-choice task whose answer is known by construction, and the whole suite (a model scored against
 itself gives KL 0, agreement 1, BLEU 100) with its Markdown and JSON files."""

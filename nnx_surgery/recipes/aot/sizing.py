@@ -3,11 +3,11 @@
     python recipes/gemma_7b_to_2b.py --teacher gemma-7b --student gemma-2b --precision bf16 --seq-len 2048 \\
         --batch-size 8 --aot v5e:2x4 --aot-tokens 94e9 --output runs/7b-on-v5e-8
 
-With every other flag as the run would get it, the programs it would execute (aot_programs.py) are compiled by
-XLA for TARGET (aot_targets.py: a TPU slice through libtpu, or cpu:N), then it stops like --dry-run: the report
-(aot_report.py) is printed and saved as OUT/aot_report.json, the only file written (an earlier report there is
+With every other flag as the run would get it, the programs it would execute (programs.py) are compiled by
+XLA for TARGET (targets.py: a TPU slice through libtpu, or cpu:N), then it stops like --dry-run: the report
+(report.py) is printed and saved as OUT/aot_report.json, the only file written (an earlier report there is
 replaced; nothing else in the folder is touched). When the asked settings do not fit with 10% free, or with
---aot-search, the search (aot_search.py) compiles other settings and prints the fastest that fits as flags.
+--aot-search, the search (search.py) compiles other settings and prints the fastest that fits as flags.
 """
 from __future__ import annotations
 

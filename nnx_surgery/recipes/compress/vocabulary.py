@@ -11,7 +11,7 @@ teacher's). Once the plan fixes them:
     mapped to its own and teach its distribution restricted to the kept pieces, renormalised. The control (the same
     pruned, trimmed student with plain CE) trains on the same student-tokenised pipeline;
   * evaluation: each model is scored on the same held-out passages in its own tokens, trimmed students against the
-    teacher restricted to their pieces (`distill.evals.cross_vocab`), and compared with the teacher per byte.
+    teacher restricted to their pieces (`evaluation.cross_vocab`), and compared with the teacher per byte.
 
 Staged compression keeps the teacher's vocabulary in stage A (its spec has no vocab) and trims in the final plan,
 made on the stage-A student, whose ids are still the teacher's. Stage B's batches then start their own stream: rows
