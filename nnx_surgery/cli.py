@@ -211,7 +211,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                        "cache-teacher TEACHER --student-folder trimmed/ --data 'corpus/*.txt' --top-k 64 "
                        "--output cache/"],
                       _cache_flags),
-    "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
+    "eval": ("nnx_surgery.commands.training:eval_folders", "judge model folders against a teacher on held-out text "
              "(in-domain and general prose), generations and multiple choice; writes suite.md",
              ["eval --teacher TEACHER student/ distilled/ --output eval/",
               "eval --teacher TEACHER student/ --data 'corpus/*.txt' --eval-prompts 4 --output eval/"], _eval_flags),

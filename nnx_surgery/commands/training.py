@@ -158,7 +158,7 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
                                   "give fewer new tokens.")
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def eval_folders(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
     --no-general-eval, general prose near and far from the training text), with generations and multiple choice;
     write suite.md/json and results.json."""
@@ -193,7 +193,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     vocabularies = {name: evaluation.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
                     if (kept_ids := kept[name]) is not None}
     with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
-        results = final_eval.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
+        results = final_eval.evaluate_rows(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
         for row in results["rows"]:
             row.pop("tokens")  # the recipe's training tokens: not known here
         results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}

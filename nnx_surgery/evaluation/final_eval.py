@@ -109,7 +109,7 @@ def _far_texts() -> list[str]:
         return []
 
 
-def evaluate(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: str, pairs=(),
+def evaluate_rows(args: EvalSettings, rows: list[tuple[str, Any, int]], data, out: str, pairs=(),
              vocabularies=None) -> dict:
     """`rows`: (name, model, training tokens used), the teacher first; `pairs`: (a, b) model names whose
     differences get 95% intervals; `vocabularies`: the rows with a trimmed vocabulary (name ->

@@ -39,7 +39,7 @@ def flag_names(text: str) -> str:
     return re.sub(r"\b(\w+)=", lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), text)
 
 
-def check(config: RecipeConfig) -> None:
+def check_settings(config: RecipeConfig) -> None:
     training = config.training
     if training.warmup_steps is not None and not 0 <= training.warmup_steps <= training.steps:
         raise RecipeError(f"--warmup-steps {training.warmup_steps}: give from 0 to --steps {training.steps} warm-up "
@@ -57,7 +57,7 @@ def check(config: RecipeConfig) -> None:
                           "each stage; use --frozen for patterns to keep frozen throughout.")
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
-    teacher_caching.check(config)
+    teacher_caching.check_cache_settings(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
     _check_general_source(config)
@@ -141,4 +141,4 @@ def _check_output(config: RecipeConfig) -> None:
         check_push_access(run.push_to_hub)
 
 
-__all__ = ["check", "check_devices", "named_by_flags", "flag_names"]
+__all__ = ["check_settings", "check_devices", "named_by_flags", "flag_names"]

@@ -1,7 +1,7 @@
 """The recipe's training phases as DistillConfigs, built from the resolved settings without touching a model, so
 every flag can be checked against the config it produces.
 
-    stage_a   staged compression only: one stage after the depth + MLP cut
+    stage_a_stage   staged compression only: one stage after the depth + MLP cut
     stage_b   after the final cut: a K/V warm-up when KV heads were merged, then the main stages (one stage from
               the loss flags, a named --schedule, or the config file's distill.stages)
     control   the baseline on the same number of optimizer steps: plain CE (pruned-ce) or from scratch
@@ -42,7 +42,7 @@ def loss_weights(config: RecipeConfig, feature: float = 0.0) -> distill.LossWeig
     return distill.LossWeights.mixed(training.alpha, training.loss, **{**term_weights(config), "feature": feature})
 
 
-def stage_a(config: RecipeConfig) -> distill.Stage:
+def stage_a_stage(config: RecipeConfig) -> distill.Stage:
     return flag_stage(config, "A: depth+MLP",
                       max(1, round(config.training.steps * config.surgery.stage_a_fraction)))
 
@@ -166,5 +166,5 @@ def phase_config(config: RecipeConfig, phase: str, stages, plan: Any, out: str, 
     return schedules.resolve_epochs(phase_run, data) if data is not None else phase_run
 
 
-__all__ = ["loss_weights", "term_weights", "check_stage_settings", "schedule_options", "stage_a", "flag_stage",
+__all__ = ["loss_weights", "term_weights", "check_stage_settings", "schedule_options", "stage_a_stage", "flag_stage",
            "kv_warmup", "main_stages", "scheduled", "control_stage", "teacher_correction_stage", "phase_config"]

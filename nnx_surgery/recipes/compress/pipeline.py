@@ -115,7 +115,7 @@ def run_all(run: run_settings.RunSettings, clock: "PhaseClock") -> dict:
     control = run_phases.train_control(run, loaded, teacher, first, cut, distilled)  # same batches and steps
     if control is not None:
         clock.lap("control")
-    results = evaluate(run, loaded, teacher, cut, distilled, control)
+    results = evaluate_or_read(run, loaded, teacher, cut, distilled, control)
     clock.lap("evaluation")
     results = summarise(run, results, clock, chosen.search, distilled, control)
     results["pairing"] = run_phases.pairing(run, first, cut, distilled, control)
@@ -175,7 +175,7 @@ def record_settings(run: run_settings.RunSettings) -> None:
             json.dump(record, f, indent=2, default=str)
 
 
-def evaluate(run: run_settings.RunSettings, loaded, teacher, cut, distilled, control) -> dict:
+def evaluate_or_read(run: run_settings.RunSettings, loaded, teacher, cut, distilled, control) -> dict:
     """Every model on the held-out sets, then generations and multiple choice (final_eval.py); kept in
     OUT/phases/evaluation.json, so a resumed run whose models are all finished (say to add --push-to-hub, or
     killed while writing the student) reads the scores back instead of spending the evaluation again."""
@@ -206,7 +206,7 @@ def evaluate_models(run: run_settings.RunSettings, loaded, teacher, cut, distill
     print(f"[eval] {len(rows)} models on the held-out sets ({run.config.evaluation.tokens:,} tokens each), then "
           "generations and multiple choice", flush=True)
     vocabularies = vocabulary.vocabularies(rows, cut.plan, cut.tokenizer, run.teacher.config.vocab_size)
-    return final_eval.evaluate(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
+    return final_eval.evaluate_rows(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
 
 
 def summarise(run: run_settings.RunSettings, results: dict, clock, search: dict | None, distilled, control) -> dict:

@@ -22,7 +22,7 @@ def resolve(argv: list[str] | None = None, description: str = "", prog: str = "g
     given, source, overrides = command_line.parse(argv, description, prog)
     file = layering.load_config_file(source) if source else None
     config = build(layering.layered(given, file, overrides, source))
-    checks.check(config)
+    checks.check_settings(config)
     return config
 
 

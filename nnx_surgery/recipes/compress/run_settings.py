@@ -192,7 +192,7 @@ def build_stages(config: RecipeConfig, student: Student) -> Stages:
     """Every phase's stages for `student` (phase_configs.py), checked with the distill section. After the final cut the
     main stages share --steps with stage A and the K/V warm-up (--kv-warmup of --steps, when KV heads merge)."""
     try:
-        stage_a = phase_configs.stage_a(config) if student.stage_a_spec is not None else None
+        stage_a = phase_configs.stage_a_stage(config) if student.stage_a_spec is not None else None
         steps_b = config.training.steps - (stage_a.steps if stage_a else 0)
         share = config.surgery.kv_warmup
         warmup = max(1, round(config.training.steps * share)) if share > 0 and student.kv_merged else 0

@@ -45,7 +45,7 @@ RECORD = "teacher_cache.json"
 SETTINGS = ("none", "auto", "always")
 
 
-def check(config: Any) -> None:
+def check_cache_settings(config: Any) -> None:
     """--teacher-cache's value and what it needs, before any model loads: auto needs --top-k; a folder must hold a
     finished cache; the loss may only read the teacher's distribution (a cache holds nothing else)."""
     setting, run = config.training.teacher_cache, config.distill
@@ -197,4 +197,4 @@ def summary_line(uses: dict[str, dict]) -> str:
     return "Teacher cache: " + "; ".join(parts) + ". Other phases ran the teacher."
 
 
-__all__ = ["FOLDER", "RECORD", "check", "for_phase", "read_uses", "summary_line"]
+__all__ = ["FOLDER", "RECORD", "check_cache_settings", "for_phase", "read_uses", "summary_line"]

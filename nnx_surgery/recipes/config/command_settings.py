@@ -44,7 +44,7 @@ class DistillSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSettings:
+class EvalCommandSettings:
     compare: tuple[str, ...] = documented((), "also the differences A - B of two FOLDERs (named as in the table) "
                                           "with 95% intervals, e.g. distilled:control; repeatable (every FOLDER "
                                           "is compared with the teacher anyway)", flag="--compare", action="append",
@@ -134,11 +134,11 @@ class DPOSettings:
 
 
 # subcommand -> its own settings (the flags it shares with the recipe come from sections.py)
-COMMAND_SETTINGS: dict[str, type] = {"prune": PruneSettings, "distill": DistillSettings, "eval": EvalSettings,
+COMMAND_SETTINGS: dict[str, type] = {"prune": PruneSettings, "distill": DistillSettings, "eval": EvalCommandSettings,
                                      "generate": GenerateSettings, "import-gguf": ImportGGUFSettings,
                                      "export-gguf": ExportGGUFSettings, "push": PushSettings,
                                      "cache-teacher": CacheTeacherSettings}
 
-__all__ = ["COMMAND_SETTINGS", "PruneSettings", "DistillSettings", "EvalSettings", "GenerateSettings",
+__all__ = ["COMMAND_SETTINGS", "PruneSettings", "DistillSettings", "EvalCommandSettings", "GenerateSettings",
            "ImportGGUFSettings", "ExportGGUFSettings", "PushSettings", "CacheTeacherSettings", "DPOSettings",
            "WeightDtype"]
