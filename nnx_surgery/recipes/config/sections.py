@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from nnx_surgery.field_docs import documented
+from nnx_surgery.recipes.config.loss_term_weights import TermWeights
 
 if TYPE_CHECKING:
     from nnx_surgery.distill.loop.run_config import DistillConfig
@@ -152,43 +152,6 @@ class DataSection:
                                  kind=int, check=("at least 1 row per batch", lambda v: v >= 1))
     seq_len: int = documented(256, "tokens per sequence", flag="--seq-len", kind=int,
                               check=("at least 2 tokens per row", lambda v: v >= 2))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TermWeights(Mapping[str, float]):
-    """The loss terms' weights beside the divergence (`training.term_weights`; their flags --<term>-weight, made
-    from the terms' registry: distill.losses.term_registry). The built-in terms with a recipe flag are fields;
-    a term registered later with a flag (`distill.register_loss`) has its weight in `registered`. Also read as a
-    mapping, term name -> weight (0 for a term the settings do not name)."""
-
-    attention: float = 0.0
-    feature: float = 0.0
-    cosine: float = 0.0
-    registered: Mapping[str, float] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
-
-    @classmethod
-    def of(cls, weights: Mapping[str, float]) -> "TermWeights":
-        """`weights` by term name: the built-in terms' as fields, the others in `registered`."""
-        if isinstance(weights, TermWeights):
-            return weights
-        built_in = {name: float(weight) for name, weight in weights.items() if name in BUILT_IN_TERMS}
-        others = {name: float(weight) for name, weight in weights.items() if name not in BUILT_IN_TERMS}
-        return cls(**built_in, registered=types.MappingProxyType(others))
-
-    def __getitem__(self, name: str) -> float:
-        if name in BUILT_IN_TERMS:
-            return getattr(self, name)
-        return self.registered[name]
-
-    def __iter__(self) -> Iterator[str]:
-        yield from BUILT_IN_TERMS
-        yield from self.registered
-
-    def __len__(self) -> int:
-        return len(BUILT_IN_TERMS) + len(self.registered)
-
-
-BUILT_IN_TERMS = ("attention", "feature", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,5 +368,5 @@ SECTION_TITLES = {"run": "Run", "teacher": "Teacher", "student": "Student and ba
                   "trained)", "multi_host": "Multi-host (jax.distributed; every process runs the same command)"}
 
 __all__ = ["RecipeConfig", "RunSection", "TeacherSection", "StudentSection", "SurgerySection", "DataSection",
-           "TrainingSection", "TermWeights", "SearchSection", "EvaluationSection", "AotSection", "MultiHostSection", "SECTIONS",
+           "TrainingSection", "SearchSection", "EvaluationSection", "AotSection", "MultiHostSection", "SECTIONS",
            "SECTION_TITLES", "PRESET_NAMES", "SCHEDULE_NAMES", "CONTROL_NAMES"]
