@@ -334,10 +334,10 @@ def test_nothing_else_in_the_package_imports_lm_eval():
     package = REPO / "nnx_surgery"
     importers = sorted(str(path.relative_to(REPO)) for path in package.rglob("*.py") if _lm_eval_imports(path))
     assert importers == ["nnx_surgery/evaluation/lm_eval_backend.py", "nnx_surgery/evaluation/lm_eval_scores.py"]
-    scorer = ast.parse((package / "recipes" / "lm_eval_scores.py").read_text())
+    scorer = ast.parse((package / "evaluation" / "lm_eval_scores.py").read_text())
     top_level = [node for node in scorer.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    assert not any(node in top_level for node in _lm_eval_imports(package / "recipes" / "lm_eval_scores.py"))
-    assert len(_lm_eval_imports(package / "recipes" / "lm_eval_scores.py")) >= 2
+    assert not any(node in top_level for node in _lm_eval_imports(package / "evaluation" / "lm_eval_scores.py"))
+    assert len(_lm_eval_imports(package / "evaluation" / "lm_eval_scores.py")) >= 2
 
 
 @pytest.mark.slow
