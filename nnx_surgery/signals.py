@@ -42,7 +42,7 @@ def by_sigterm(stop: BaseException) -> bool:
 def raised_in_main_thread() -> Iterator[None]:
     """SIGINT raises KeyboardInterrupt and SIGTERM `Terminated` while the block runs, where they can propagate
     (elsewhere the handlers are left as they are; a signal the process ignores stays ignored; on a multi-host run
-    SIGTERM keeps its default effect, as distill.loop.interruption.StopSignals leaves it there)."""
+    SIGTERM keeps its default effect, as distill.interruption.StopSignals leaves it there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -111,7 +111,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(teacher, tmp_path
 
 def test_loss_weight_flags_reach_the_stages():
     """--alpha, --feature-weight and --cosine-weight become the stage's LossWeights (cosine with feature)."""
-    from nnx_surgery.recipes.compress import pipeline as recipe, phase_configs
+    from nnx_surgery.recipes import compress_command as recipe
+    from nnx_surgery.recipes.compress import phase_configs
     from nnx_surgery import distill
 
     args = recipe.parse_args(["--preset", "tiny", "--output", "unused", "--alpha", "0.75", "--cosine-weight", "0.2"])

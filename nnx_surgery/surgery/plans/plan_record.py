@@ -10,7 +10,7 @@ student keeps, in teacher numbering:
     kv_weights[s][j]      their weights (the merge is sum(w_i * W_i) / sum(w_i), in float32)
     kept_heads[s][j]      teacher query heads attached to student KV head j, each from a group in kv_groups[s][j]
     kept_vocab            teacher token ids, ascending: student token i is teacher token kept_vocab[i] (embedding
-                          and LM head rows; None: the whole vocabulary, see `surgery.planning.vocab_selection`)
+                          and LM head rows; None: the whole vocabulary, see `surgery.plans.vocab_selection`)
     embed_scale           factor on the kept embedding columns (compensates sqrt(hidden) shrinking)
     norm_scales           factor f on each RMSNorm's (1 + w): (1 + w') = (1 + w) * f, with the tied-head fold
 

@@ -1,7 +1,7 @@
 """What student to derive: `StudentSpec`, named target shapes, and the checks that run before any work.
 
 A spec fixes five sizes and, optionally, the vocabulary's (`vocab_size`: a number of pieces or a fraction of the
-teacher's; `surgery.planning.vocab_selection` chooses them); everything else (`head_dim`, `query_pre_attn_scalar`, soft-caps, RoPE,
+teacher's; `surgery.plans.vocab_selection` chooses them); everything else (`head_dim`, `query_pre_attn_scalar`, soft-caps, RoPE,
 the family) stays the teacher's, and every surviving layer keeps its attention type. Widths are uniform across
 layers because a Hugging Face config has one value per size. `StudentSpec.from_text` reads the
 "layers=12,mlp=0.5,vocab=16384" form.

@@ -10,7 +10,7 @@ given, so plain copies land in the output tensor without an intermediate.
   data-free planning from a folder).
 
 The slice recipes (`surgery.pruning.tensor_slices`), the magnitude scores (`surgery.planning.importance`) and the plan's teacher
-fingerprint (`surgery.planning.plan_record`) take any `Reader`, so they never know where the teacher lives.
+fingerprint (`surgery.plans.plan_record`) take any `Reader`, so they never know where the teacher lives.
 """
 from __future__ import annotations
 

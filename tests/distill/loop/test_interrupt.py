@@ -32,7 +32,7 @@ UNFINISHED = ".orbax-checkpoint-tmp"
 
 # ---------------------------------------------------------------------------------------------- the child
 def _stop_requested() -> bool:
-    """Whether the run's SIGINT handler (distill.loop.interruption.StopSignals) has noted a signal."""
+    """Whether the run's SIGINT handler (distill.interruption.StopSignals) has noted a signal."""
     return getattr(getattr(signal.getsignal(signal.SIGINT), "__self__", None), "received", None) is not None
 
 

@@ -596,7 +596,7 @@ CASES = {
     "spec zero layers": (SpecError, _spec(num_layers=0)),
     "spec boolean size": (SpecError, _spec(hidden_size=True)),
     "spec heads not a multiple of KV heads": (SpecError, _spec(num_attention_heads=4, num_key_value_heads=3)),
-    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.planning.student_spec.StudentSpec.named(
+    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec.named(
         "gemma-99b"), "'gemma-99b'")),
     "spec larger than the teacher": (SpecError, _spec_against(("num_layers=3", "num_hidden_layers=2"), num_layers=3)),
     "spec hidden not a multiple of heads": (SpecError, _spec_against(("hidden_size=30",), hidden_size=30,
@@ -604,9 +604,9 @@ CASES = {
     "spec unknown kv_mode": (SpecError, _spec_against(("kv_mode='bogus'",), kv_mode="bogus")),
     "spec select impossible": (SpecError, _spec_against(("kv_mode='select'", "4 query heads"), kv_mode="select",
                                                         num_attention_heads=4, hidden_size=24)),
-    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.planning.student_spec.StudentSpec.from_dict(
+    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec.from_dict(
         {**SPEC, "depth": 2}), "depth")),
-    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.planning.student_spec.StudentSpec
+    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec
                                                        .scaled(w["teacher"].config, depth=1.5), "1.5")),
     "spec named shape with another head_dim": (SpecError, _call(_named_shape_other_head_dim, "head_dim 256",
                                                                 "head_dim 160")),
