@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	# test extra lists (the `tunix` extra's packages); the parts we use import with them.
 	$(VENV)/bin/pip install -q --no-deps google-tunix==0.1.7
 	# libtpu (jax's `tpu` extra pin) in a side folder off the import path, for `--aot` compiles for TPU slices
-	# (nnx_surgery/recipes/aot_targets.py loads it from there): importable, it would make every `import jax` try
+	# (nnx_surgery/recipes/aot/targets.py loads it from there): importable, it would make every `import jax` try
 	# to start a TPU. About 250 MB.
 	$(VENV)/bin/pip install -q --no-deps --no-compile --target $(VENV)/libtpu 'libtpu==0.0.42.*'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
@@ -68,12 +68,12 @@ llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(VENV)/bin/pip install llama-cpp-python==0.3.36
 
 test-llama: llama-cpp
-	$(PY) -m pytest -q tests/surgery/storage/test_gguf_export.py -k llama_cpp
+	$(PY) -m pytest -q tests/export/test_gguf_export.py -k llama_cpp
 
 # The recipe's own job compiled for a v5e-8 (Gemma 7B teaching gemma-2b, libtpu from .venv/libtpu): 6 minutes of
 # XLA's CPU time and 6 GB of memory (12 minutes beside another run), so `make test` leaves it to this target.
 test-aot-7b: $(STAMP)
-	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/recipes/test_aot.py -k gemma_7b_to_2b
+	NNX_SURGERY_AOT_7B=1 $(PYTEST) tests/recipes/aot/test_aot.py -k gemma_7b_to_2b
 
 # On a machine with a TPU, in the environment that has JAX's TPU build (not .venv): the tests marked `tpu`, in one
 # process (one process at a time holds the chip). `make test` skips them where JAX has no TPU.

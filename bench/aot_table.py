@@ -134,9 +134,9 @@ def command_text(config: Config, setting: Setting) -> str:
 # ---------------------------------------------------------------------------------------------------- one compile
 def compile_one(key: str, index: int) -> dict:
     """In this (fresh) process: the config's index-th setting's main train step, compiled and measured."""
-    from nnx_surgery.recipes import aot, aot_programs, aot_targets
-    from nnx_surgery.recipes.aot_report import measure
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.aot import sizing as aot, programs as aot_programs, targets as aot_targets
+    from nnx_surgery.recipes.aot.report import measure
+    from nnx_surgery.recipes.compress import resolution
 
     config, setting = BY_KEY[key], BY_KEY[key].ladder[index]
     started = time.perf_counter()
@@ -161,9 +161,9 @@ def persistent_bytes(target_name: str, seq: int = 2048, rows_per_chip: int = 2) 
     """Without compiling: the argument bytes per device of the main step (teacher, student, Adam, batch) under fsdp
     over every chip of `target_name`, from the abstract arguments' shardings (what the compiled rows report as
     their arguments)."""
-    from nnx_surgery.recipes import aot_programs, aot_targets
-    from nnx_surgery.recipes.aot_report import device_bytes
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.aot import programs as aot_programs, targets as aot_targets
+    from nnx_surgery.recipes.aot.report import device_bytes
+    from nnx_surgery.recipes.compress import resolution
 
     target = aot_targets.resolve_target(target_name)
     chips = len(target.devices)
@@ -210,7 +210,7 @@ def _append(path: str, row: dict) -> None:
 
 
 def good(row: dict) -> bool:
-    from nnx_surgery.recipes.aot_report import HEADROOM
+    from nnx_surgery.recipes.aot.report import HEADROOM
     return bool(row.get("fits")) and row.get("headroom", 0) >= HEADROOM
 
 
@@ -288,9 +288,9 @@ CHIP_MFU = 0.518
 def tokens_at(row: dict, mfu: float) -> float:
     """A compiled row's tokens/s at `mfu` of the chip's peak: its compute time scaled from the MFU it was estimated
     at, its HBM-bandwidth bound unchanged (the slower of the two, as `--aot` estimates)."""
-    from nnx_surgery.recipes import aot
+    from nnx_surgery.recipes.aot.sizing import DEFAULT_MFU
 
-    step = max(row["step_s_compute"] * aot.DEFAULT_MFU / mfu, row["step_s_memory"])
+    step = max(row["step_s_compute"] * DEFAULT_MFU / mfu, row["step_s_memory"])
     return row["step_tokens"] / step
 
 

@@ -40,8 +40,8 @@ def measure_in_this_process(preset: str, workdir: str) -> dict:
     import numpy as np
 
     from nnx_surgery.distill.loop.step_runner import release_free_heap
-    from nnx_surgery.recipes import aot_programs, aot_targets
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.aot import programs as aot_programs, targets as aot_targets
+    from nnx_surgery.recipes.compress import resolution
 
     flags = resolution.resolve([*PRESETS[preset], "--output", os.path.join(workdir, preset), "--aot", "cpu:1",
                               "--mesh", "fsdp=1"])

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nnx_surgery.recipes.demo_choice import LM_EVAL, RECIPE  # noqa: E402
-from nnx_surgery.recipes.reporting import SET_KEYS, gap_closed  # noqa: E402
+from nnx_surgery.recipes.compress.reporting import SET_KEYS, gap_closed  # noqa: E402
 
 PRESET = "gemma3-270m-tpu"
 CPU_TOKENS = 56 * 4 * 256  # the gemma3-270m preset's training tokens

@@ -1,4 +1,4 @@
-"""GGUF export (`surgery.export_gguf`) of the real Gemma 3 270M and of students pruned from it, and decoding the
+"""GGUF export (`export.export_gguf`) of the real Gemma 3 270M and of students pruned from it, and decoding the
 exported files with llama.cpp (llama-cpp-python) beside our own `surgery.generate`, on CPU.
 
     python bench/gguf_export.py --out bench/results/gguf-export.jsonl
@@ -22,7 +22,7 @@ every line), then one summary line per model:
   - llama.cpp on the f32, f16 and q8_0 exports: `n_threads` = the machine's cores (and 1: on a machine shared with
     other jobs ggml's threads wait for each other at every operation), KV cache in float32 (as ours;
     at these lengths attention is a small part of a step), greedy as the argmax of its logits fed back by
-    `Llama.eval` (no sampler in the loop, as in tests/surgery/storage/test_gguf_export.py); its warm-up generates 8 tokens.
+    `Llama.eval` (no sampler in the loop, as in tests/export/test_gguf_export.py); its warm-up generates 8 tokens.
   Prefill time runs from the call to the first new token; decode time over the remaining `new - 1` steps.
 * agreement: llama.cpp's tokens against ours (`same_tokens`: all equal; `agree_prefix`: leading equal tokens).
 """
@@ -67,7 +67,7 @@ def context() -> dict:
 
 # ------------------------------------------------------------------------------------------------ children
 def child_export(args) -> dict:
-    from nnx_surgery.surgery import export_gguf
+    from nnx_surgery.export import export_gguf
 
     common.read_files_sequentially(common.safetensors_files(args.folder))  # page cache warm
     runs, path = [], os.path.join(args.work, f"{args.model}-{args.dtype}.gguf")

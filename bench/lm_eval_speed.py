@@ -1,10 +1,10 @@
 """lm-eval requests per second, ours (`nnx-surgery`) against lm-eval's own `hf` backend, on the same folder and CPU.
 
-    python bench/lm_eval_speed.py                         # the tiny random Gemma 3 of tests/test_lm_eval_backend.py
+    python bench/lm_eval_speed.py                         # the tiny random Gemma 3 of tests/evaluation/test_lm_eval_backend.py
     python bench/lm_eval_speed.py --model real            # the real Gemma 3 270M (float32 import of the GGUF)
     python bench/lm_eval_speed.py --model real --loglikelihood 64 --generate 16 --batch 8
 
-Requests come from the offline tasks (nnx_surgery.lm_eval_tasks): `loglikelihood` are the multiple-choice task's
+Requests come from the offline tasks (nnx_surgery.evaluation.lm_eval_tasks): `loglikelihood` are the multiple-choice task's
 (context, choice) pairs, `generate_until` the completion task's (greedy, until "\\n", at most 24 new tokens). Both
 peers get the same requests, batch size and float32 weights, `--passes` times: the first pass is cold (our
 compilations, torch's first calls), the last warm; both are reported. Peers run one after the other in this process
@@ -42,7 +42,7 @@ def model_folder(kind: str, work: str) -> str:
 def requests(folder: str, loglikelihood: int, generate: int) -> dict[str, list]:
     """{kind: requests} as lm-eval Instances."""
     from lm_eval.api.instance import Instance
-    from nnx_surgery.lm_eval_tasks import completion_docs, next_line_docs
+    from nnx_surgery.evaluation.lm_eval_tasks import completion_docs, next_line_docs
 
     pairs = [(doc["context"], choice) for doc in next_line_docs() for choice in doc["choices"]]
     settings = {"until": ["\n"], "max_gen_toks": 24, "do_sample": False, "temperature": 0.0}
@@ -52,7 +52,7 @@ def requests(folder: str, loglikelihood: int, generate: int) -> dict[str, list]:
 
 
 def make_peer(name: str, folder: str, batch: int):
-    import nnx_surgery.lm_eval_backend  # noqa: F401  (registers nnx-surgery)
+    import nnx_surgery.evaluation.lm_eval_backend  # noqa: F401  (registers nnx-surgery)
     from lm_eval.api.registry import get_model
     args = dict(pretrained=folder, dtype="float32", batch_size=batch)
     return get_model(name)(**args, **({"device": "cpu"} if name == "hf" else {}))

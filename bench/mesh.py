@@ -112,7 +112,7 @@ def main(argv=None) -> None:
         teacher = ensure_checkpoint(TEACHER[0], os.path.join(common.CKPT_DIR, "mesh-teacher"), overrides=TEACHER[1])
         student = os.path.join(common.CKPT_DIR, "mesh-student")
         if not os.path.exists(os.path.join(student, "config.json")):
-            plan = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")(teacher, _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")(*STUDENT),
+            plan = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")(teacher, _import("nnx_surgery.surgery.plans.student_spec", "StudentSpec")(*STUDENT),
                                                               depth="uniform", width="magnitude")
             _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")(teacher, plan, student, report=False)
     records = []

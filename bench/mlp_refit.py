@@ -22,9 +22,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nnx_surgery import distill  # noqa: E402
+from nnx_surgery import distill, evaluation  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes.model_inputs import teacher_folder  # noqa: E402
+from nnx_surgery.model_inputs import teacher_folder  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,9 +45,9 @@ def main(argv=None) -> None:
     mix = distill.general_mix(sum(os.path.getsize(f) for f in files), 0.5)
     data = distill.TokenBatches.from_files(files, folder, batch_size=4, seq_len=256, seed=0, eval_batch_size=4,
                                            extra_train=mix, restart_id=distill.load_tokenizer(folder).bos_id)
-    sets = [distill.HeldoutSet.from_texts("in-domain", data.eval_texts(), folder, seq_len=256,
+    sets = [evaluation.HeldoutSet.from_texts("in-domain", data.eval_texts(), folder, seq_len=256,
                                           max_tokens=args.eval_tokens, seed=0),
-            distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), folder, seq_len=256,
+            evaluation.HeldoutSet.from_texts("general", distill.general_prose("heldout"), folder, seq_len=256,
                                           max_tokens=args.eval_tokens, seed=0)]
     spec = surgery.StudentSpec.from_text(args.student, teacher.config)
     plan = surgery.plan_student(teacher, spec, calibration=data.calibration_ids(32, seed=0), seed=0)
@@ -59,9 +59,9 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d"), "sets": {}}
     cache: dict = {}
     for held in sets:
-        per = distill.score_heldout({"teacher": teacher, "sliced": sliced, "refitted": refitted}, held,
+        per = evaluation.score_heldout({"teacher": teacher, "sliced": sliced, "refitted": refitted}, held,
                                     reference="teacher", reference_cache=cache)
-        found = {name: distill.summarise(per[name], held) for name in per}
+        found = {name: evaluation.summarise(per[name], held) for name in per}
         t, s, r = (found[name]["ce_per_byte"] for name in ("teacher", "sliced", "refitted"))
         record["sets"][held.name] = {
             "teacher_ce_per_byte": round(t, 4), "sliced_ce_per_byte": round(s, 4),

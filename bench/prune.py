@@ -47,14 +47,14 @@ def child(args) -> dict:
         start = time.perf_counter()
         spec = args.student_shape
         if "," in spec:  # explicit sizes: layers,hidden,intermediate,heads,kv_heads
-            spec = _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")(*map(int, spec.split(",")))
+            spec = _import("nnx_surgery.surgery.plans.student_spec", "StudentSpec")(*map(int, spec.split(",")))
         plan = plan_student(args.teacher, spec, depth="uniform", width="magnitude")
         seconds = time.perf_counter() - start
         plan.save(args.plan)
         return {"step": "plan", "seconds": seconds, "peak_rss_bytes": common.peak_rss_bytes(),
                 "kept_layers": list(plan.kept_layers), "kv": plan.methods.get("kv")}
     prune_checkpoint = _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")
-    Plan = _import("nnx_surgery.surgery.planning.plan_record", "Plan")
+    Plan = _import("nnx_surgery.surgery.plans.plan_record", "Plan")
     plan = Plan.load(args.plan)
     start = time.perf_counter()
     prune_checkpoint(args.teacher, plan, args.out_dir)

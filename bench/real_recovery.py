@@ -7,10 +7,10 @@ in-domain and a general-domain held-out set.
 
 Each `--run` is RECIPE[@LR] (RECIPES below; LR overrides the recipe's learning rate). Every run starts from the
 same pruned student, sees the same batches in the same order, and is scored at each `--eval-at` step on the same
-two `distill.HeldoutSet`s: held-out stdlib modules (in-domain) and the held-out half of the pydoc topics (English
+two `evaluation.HeldoutSet`s: held-out stdlib modules (in-domain) and the held-out half of the pydoc topics (English
 prose no training corpus contains), each `--eval-tokens` tokens: CE per token and per byte, KL(teacher ||
 student), top-1 agreement, and the per-passage NLL sums, so any two runs can be compared with a paired bootstrap
-(`distill.paired_interval`). `--general-mix F` makes about F of the training text general prose (the pydoc
+(`evaluation.paired_interval`). `--general-mix F` makes about F of the training text general prose (the pydoc
 topics' `train` part, repeated; disjoint from the held-out half, never held out itself); `--teacher-correction N`
 fine-tunes the teacher with plain CE on the corpus for N steps before it is pruned and teaches. One JSON line per
 record goes to stdout (and `--out`); each record carries its setup, from which `command_line` rebuilds the command
@@ -30,9 +30,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nnx_surgery import distill  # noqa: E402
+from nnx_surgery import distill, evaluation  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes.model_inputs import teacher_folder  # noqa: E402
+from nnx_surgery.model_inputs import teacher_folder  # noqa: E402
 
 # name -> loss weights, temperature, learning-rate multiplier, frozen patterns
 RECIPES = {
@@ -134,9 +134,9 @@ def main(argv=None) -> None:
     data = distill.TokenBatches.from_files(files, args.teacher, batch_size=args.batch_size, seq_len=args.seq_len,
                                            seed=args.seed, eval_batch_size=args.batch_size, extra_train=mix,
                                            restart_id=restart)
-    sets = [distill.HeldoutSet.from_texts("in-domain", data.eval_texts(), args.teacher, seq_len=args.seq_len,
+    sets = [evaluation.HeldoutSet.from_texts("in-domain", data.eval_texts(), args.teacher, seq_len=args.seq_len,
                                           max_tokens=args.eval_tokens, seed=args.seed),
-            distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), args.teacher,
+            evaluation.HeldoutSet.from_texts("general", distill.general_prose("heldout"), args.teacher,
                                           seq_len=args.seq_len, max_tokens=args.eval_tokens, seed=args.seed)]
     if args.teacher_correction:
         started = time.perf_counter()
@@ -194,9 +194,9 @@ def scores(models: dict, sets, teacher_hidden: dict | None = None) -> dict:
     `teacher_hidden`: `score_heldout`'s reference cache, kept across calls while the teacher is unchanged."""
     found: dict = {name: {} for name in models}
     for held in sets:
-        per = distill.score_heldout(models, held, reference="teacher", log=progress, reference_cache=teacher_hidden)
+        per = evaluation.score_heldout(models, held, reference="teacher", log=progress, reference_cache=teacher_hidden)
         for name in models:
-            summary = distill.summarise(per[name], held)
+            summary = evaluation.summarise(per[name], held)
             found[name][held.name] = {"ce": round(summary["ce"], 4), "ce_per_byte": round(summary["ce_per_byte"], 4),
                                       "kl": round(summary["kl"], 4),
                                       "top1": round(summary["top1_agreement"], 4), "tokens": summary["tokens"],

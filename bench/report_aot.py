@@ -370,7 +370,7 @@ def target_rows() -> list[tuple[str, str, bool | None]]:
 def full_mix_row(record: dict) -> tuple[str, str, bool | None]:
     """The v5e-8 full-mix goal from its latest line: the compile that fits with the most memory free (XLA's own
     verdict; the recipe's --aot search asks 10% headroom on top)."""
-    from nnx_surgery.recipes.aot_report import HEADROOM
+    from nnx_surgery.recipes.aot.report import HEADROOM
     name = "7B -> 2B on v5e-8, full loss mix: fits at >= 16k tokens per step"
     fitting = [t for t in record.get("tried", []) if t.get("fits")]
     if not fitting:

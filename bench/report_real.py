@@ -148,7 +148,7 @@ def _demo_lines(demo: dict, heading: str) -> list[str]:
 def _demo_table_both_sets(demo: dict) -> list[str]:
     """The demo's rows on its held-out sets (in-domain, general and, in records from 2026-12-06 on, far-domain: CE
     per token and per byte, KL and top-1 agreement with the teacher), as the recipe's results table has them."""
-    from nnx_surgery.recipes.reporting import COLUMNS  # the recipe's own results table's columns
+    from nnx_surgery.recipes.compress.reporting import COLUMNS  # the recipe's own results table's columns
 
     columns = [c for c in COLUMNS if c[0] in ("loss", "loss_per_byte") or any(c[0] in r for r in demo["rows"])]
     lines = ["| model | parameters (non-embedding) | tokens | " + " | ".join(c[1] for c in columns) + " |",
@@ -226,7 +226,7 @@ def _correction(setup: dict) -> str:
 
 
 def _sets_table(group: list[dict]) -> list[str]:
-    from nnx_surgery.distill.evals.heldout_sets import HeldoutSet, paired_interval
+    from nnx_surgery.evaluation.heldout_sets import HeldoutSet, paired_interval
     import numpy as np
 
     teacher = next(r for r in group if r.get("event") == "teacher")
@@ -279,7 +279,7 @@ def section_gguf_export(records: list[dict]) -> list[str]:
              f"`python bench/gguf_export.py` ({m['date']}, {m['cpu']}, {cores} cores shared with other jobs: 1-minute "
              f"load average {loads[0]}-{loads[-1]} at the models' summaries): the real 270M and two students pruned "
              "from it (data-free; the trimmed vocabulary planned on stdlib source), exported by "
-             "`surgery.export_gguf`, each export type in a fresh process, median of 3 (f32: once), folder in the "
+             "`export.export_gguf`, each export type in a fresh process, median of 3 (f32: once), folder in the "
              "page cache.", "",
              "| model | safetensors (float32) | " + " | ".join(f"{d} GGUF" for d in ("f32", "f16", "q8_0", "q4_0"))
              + " |", "|---|---|---|---|---|---|"]

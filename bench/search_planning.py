@@ -37,7 +37,7 @@ def calibration_rows(folder: str, rows: int, length: int):
 
 def candidates(config):
     from nnx_surgery import surgery
-    from nnx_surgery.recipes.shape_search import Budget, heads_kept_shape, spread
+    from nnx_surgery.recipes.compress.shape_search import Budget, heads_kept_shape, spread
     budget = Budget("params=0.5", "0.5")
     fitting = surgery.candidate_specs(config, params="0.5", counting="non_embedding", tolerance=0.05)
     guess = surgery.uniform_spec(config, params="0.5", counting="non_embedding")

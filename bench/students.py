@@ -44,7 +44,7 @@ def ensure_pair(scale: str, root: str | None = None) -> tuple[str, str]:
     if not os.path.exists(os.path.join(student, "config.json")):
         plan_student = _import("nnx_surgery.surgery.planning.student_planner", "plan_student")
         prune_checkpoint = _import("nnx_surgery.surgery.pruning.on_disk", "prune_checkpoint")
-        StudentSpec = _import("nnx_surgery.surgery.planning.student_spec", "StudentSpec")
+        StudentSpec = _import("nnx_surgery.surgery.plans.student_spec", "StudentSpec")
         plan = plan_student(teacher, StudentSpec(*sizes), depth="uniform", width="magnitude")
         prune_checkpoint(teacher, plan, student, report=False)
     return teacher, student

@@ -8,18 +8,19 @@
     distill.run(teacher, student, data, distill.DistillConfig(plan=plan))
     surgery.save_student(student, plan, "out/student", source="google/gemma-7b")
 
-`surgery` (models, I/O, importance, plans, apply, export, hub) comes first; `distill` (losses, freeze masks, meshes,
-the training loop, data, evaluation) never imports it and sees a model through its small interface; `recipes`
-(the compress recipe and the command line) uses both. The subpackages are imported on first use, so
+The folders are the stages: `surgery` (load, plan, prune) comes first; `distill` (losses, freeze masks, meshes,
+the training loop, data) never imports it and sees a model through its small interface; `evaluation` (held-out
+sets, the suite, lm-eval) and `export` (GGUF, the Hub) follow; `recipes` (compress, its --aot sizing, DPO) uses
+them all (ARCHITECTURE.md). The subpackages are imported on first use, so
 `import nnx_surgery` alone does not import jax.
 """
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["surgery", "distill", "recipes", "__version__"]
+__all__ = ["surgery", "distill", "evaluation", "export", "recipes", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in ("surgery", "distill", "recipes"):
+    if name in ("surgery", "distill", "evaluation", "export", "recipes"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,9 @@ from typing import Callable
 
 from nnx_surgery import __version__
 from nnx_surgery.recipes.config import fields
+from nnx_surgery.recipes.config.command_settings import COMMAND_SETTINGS
 from nnx_surgery.recipes.config.sections import SECTIONS
+from nnx_surgery.secrets import redact
 
 PROG = "nnx-surgery"
 DATA_HELP = "training text: files, a folder, a glob ('corpus/*.txt') or hf:NAME"
@@ -37,55 +39,44 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        from nnx_surgery.recipes.secrets import redact  # light: no jax
 
         print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)
 
 
-def _number(kind: type, low: float, high: float | None = None, *, above: bool = False) -> Callable:
-    """An argparse type: a finite `kind` number (fields.reader) from `low` (excluded with `above`) up to `high`,
-    else a one-line refusal."""
-    read = fields.reader(kind, "")
-
-    def parse(text: str):
-        value = read(text)
-        if value < low or (above and value == low) or (high is not None and value > high):
-            need = (f"above {low:g}" if above else f"at least {low:g}") if high is None else \
-                f"in {'(' if above else '['}{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"{text} must be {need}")
-        return value
-    return parse
-
-
-POSITIVE = _number(int, 1)
-
-
-def _shared(group: argparse._ActionsContainer, path: str, help: str | None = None) -> None:
+def _shared(group: argparse._ActionsContainer, path: str, help: str | None = None, required: bool = False) -> None:
     """The recipe's flag for the setting at `path` (its declaration in nnx_surgery/recipes/config/sections.py:
     the same name, reading, choices, help and default), stored under its flag's name; `help`: what the setting
     means in this command, where that differs."""
-    item = SHARED[path]
-    fields.add_flag(group, item, dest=item.name.lstrip("-").replace("-", "_"), default=item.default, help=help)
+    _add(group, SHARED[path], help, required)
+
+
+def _own(group: argparse._ActionsContainer, path: str, help: str | None = None, required: bool = False) -> None:
+    """A subcommand's own setting at `path` ("generate.max_new_tokens": its declaration in
+    nnx_surgery/recipes/config/command_settings.py)."""
+    _add(group, OWN[path], help, required)
+
+
+def _add(group: argparse._ActionsContainer, item: fields.Declared, help: str | None, required: bool) -> None:
+    fields.add_option(group, item, help=help, required=required)
 
 
 def checked(args: argparse.Namespace) -> list[str]:
-    """The shared settings given to a subcommand, checked as the recipe checks them: one line per refusal."""
-    errors = []
-    for item in SHARED.values():
-        dest = item.name.lstrip("-").replace("-", "_")
-        if hasattr(args, dest):
-            why = fields.check(item, getattr(args, dest))
-            if why:
-                errors.append(f"{item.name} {getattr(args, dest)}: {why}.")
-    return errors
+    """The declared settings given to a subcommand (the recipe's it shares, and its own), checked as the recipe
+    checks them: one line per refusal."""
+    own = [item for item in OWN.values() if item.path[0] == args.command]
+    return fields.refusals_of(args, [item for item in [*SHARED.values(), *own]
+                                     if hasattr(args, fields.option_dest(item))])
 
 
 SHARED = {item.dest: item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,)) if item.flag}
+OWN = {item.dest: item for name, kind in COMMAND_SETTINGS.items() for item in fields.declared(kind, (name,))}
 # flags renamed so that one name has one meaning in every command: (command, old) -> new
 RENAMED = {("generate", "--temperature"): "--sample-temperature", ("generate", "--top-k"): "--sample-top-k",
            ("generate", "--top-p"): "--sample-top-p", ("eval", "--tasks"): "--eval-tasks",
-           ("eval", "--tasks-limit"): "--eval-tasks-limit"}
+           ("eval", "--tasks-limit"): "--eval-tasks-limit",
+           ("cache-teacher", "--student"): "--student-folder", ("cache-teacher", "--selection"): "--cache-selection",
+           ("push", "--revision"): "--branch", ("distill", "--teacher-cache"): "--teacher-cache-folder"}
 
 
 def _data_flags(parser: argparse.ArgumentParser, *, batch: bool = False) -> None:
@@ -100,12 +91,12 @@ def _data_flags(parser: argparse.ArgumentParser, *, batch: bool = False) -> None
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
-    p.add_argument("--student", required=True, metavar="SPEC",
-                   help="the student's shape: gemma-2b, scaled, layers=18,mlp=0.5 or layers=18,mlp=512,vocab=16384")
-    p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where the plan is written")
+    _shared(p, "student.shape", required=True,
+            help="the student's shape: gemma-2b, scaled, layers=18,mlp=0.5 or layers=18,mlp=512,vocab=16384")
+    _shared(p, "run.output", required=True, help="where the plan (PLAN.json) is written")
     _shared(p, "surgery.calibration_samples")
     _shared(p, "teacher.revision", help="the Hub revision of a Hub teacher")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing plan file")
+    _shared(p, "run.overwrite", help="replace an existing plan file")
     _data_flags(p)
 
 
@@ -113,119 +104,88 @@ def _prune_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="the teacher the plan was made for (folder or .gguf)")
     p.add_argument("plan", metavar="PLAN.json", help="a plan from `nnx-surgery plan` (or a folder holding plan.json)")
     p.add_argument("output", metavar="OUTPUT", help="the student folder to write")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="the student's dtype (default: the teacher checkpoint's)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+    _own(p, "prune.dtype")
+    _shared(p, "run.overwrite", help="replace a non-empty OUTPUT")
 
 
 def _distill_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
     p.add_argument("student", metavar="STUDENT", help="the student folder (e.g. from `nnx-surgery prune`)")
-    p.add_argument("-o", "--output", required=True, help="the distilled student's folder")
+    _shared(p, "run.output", required=True, help="the distilled student's folder")
     for path in ("training.steps", "training.learning_rate", "training.warmup_steps", "training.alpha",
                  "training.temperature", "training.precision"):
         _shared(p, path)
-    # DistillConfig.top_k's flag (reading DistillConfig's declaration would import jax for --help)
-    p.add_argument("--top-k", type=POSITIVE, default=None, metavar="K", help="distil the "
-                   "teacher's top K renormalised [default: the full distribution; with --teacher-cache: the cache's K]")
-    p.add_argument("--teacher-cache", metavar="CACHE", help="train from this teacher cache (`nnx-surgery "
-                   "cache-teacher` with the same TEACHER and data flags) without loading the teacher; TEACHER "
-                   "still gives the tokenizer and is checked against the cache")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    _own(p, "distill.top_k")
+    _own(p, "distill.teacher_cache_folder")
+    _shared(p, "run.overwrite", help="replace a non-empty --output")
     _data_flags(p, batch=True)
 
 
 def _eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folders", metavar="FOLDER", nargs="+", help="model folders to judge against the teacher")
-    p.add_argument("--teacher", required=True, help="the reference: a folder, a .gguf file or gguf:gemma3-270m")
-    p.add_argument("-o", "--output", required=True, help="where suite.md, suite.json and results.json go")
+    _shared(p, "teacher.model", required=True, help="the reference: a folder, a .gguf file or gguf:gemma3-270m")
+    _shared(p, "run.output", required=True, help="where suite.md, suite.json and results.json go")
     for path in ("evaluation.tokens", "evaluation.general", "evaluation.prompts", "evaluation.new_tokens",
                  "evaluation.choice_items", "evaluation.tasks", "evaluation.tasks_limit"):
         _shared(p, path)
-    p.add_argument("--compare", action="append", default=[], metavar="A:B",
-                   help="also the differences A - B of two FOLDERs (named as in the table) with 95%% intervals, "
-                        "e.g. distilled:control; repeatable (every FOLDER is compared with the teacher anyway)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
-    p.add_argument("--include-path", metavar="FOLDER", help="a folder of lm-eval task YAML files for --eval-tasks")
-    p.add_argument("--tasks-batch", type=POSITIVE, default=16, metavar="ROWS",
-                   help="rows per scoring batch of --eval-tasks (default 16)")
+    for path in ("eval.compare", "eval.include_path", "eval.tasks_batch"):
+        _own(p, path)
+    _shared(p, "run.overwrite", help="write into a non-empty --output")
     _data_flags(p)
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a model folder with its tokenizer.json")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="at most this many tokens "
-                   "(default 64; the prompt and these must fit in the model's positions)")
-    p.add_argument("--truncate-prompt", action="store_true", help="keep only the prompt's last tokens when it is "
-                   "longer than the model's positions leave room for (said on stderr); default: refuse")
-    p.add_argument("--sample-temperature", type=_number(float, 0.0), default=0.0,
-                   help="0 (default): greedy; else sample at this temperature")
-    p.add_argument("--sample-top-k", type=POSITIVE, help="sample from the k most likely tokens")
-    p.add_argument("--sample-top-p", type=_number(float, 0.0, 1.0, above=True), help="nucleus sampling: the smallest set of "
-                   "tokens holding this share of the probability, in (0, 1]")
+    _own(p, "generate.prompt", required=True)
+    for path in ("generate.max_new_tokens", "generate.truncate_prompt", "generate.sample_temperature",
+                 "generate.sample_top_k", "generate.sample_top_p"):
+        _own(p, path)
     _shared(p, "run.seed", help="the sampling seed")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="the weights' dtype in memory (default float32)")
+    _own(p, "generate.dtype")
 
 
 def _import_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("gguf", metavar="FILE.gguf", help="a GGUF Gemma (e.g. from llama.cpp or `export-gguf`)")
     p.add_argument("output", metavar="OUTPUT", help="the Hugging Face folder to write (must not hold files)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
-                   help="the folder's weights (default bfloat16; float32 keeps quantised values exact)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT (swapped out only once the "
-                   "new folder is complete)")
+    _own(p, "import-gguf.dtype")
+    _shared(p, "run.overwrite", help="replace a non-empty OUTPUT (swapped out only once the new folder is complete)")
 
 
 def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a Gemma model folder (what prune, distill, compress write)")
     p.add_argument("output", metavar="OUTPUT.gguf", help="the GGUF file to write")
-    p.add_argument("--dtype", default="q8_0", help="the matrices' type: f32, f16, bf16, q8_0 (default), q5_1, q5_0, "
-                   "q4_1, q4_0")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT.gguf")
+    _own(p, "export-gguf.dtype")
+    _shared(p, "run.overwrite", help="replace an existing OUTPUT.gguf")
 
 
 def _push_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a complete model folder (config.json and safetensors)")
     p.add_argument("repo_id", metavar="REPO_ID", help="user/name or org/name (a bare name goes to the token's user)")
-    access = p.add_mutually_exclusive_group()
-    access.add_argument("--private", action="store_true", default=True, help="create the repo private (default)")
-    access.add_argument("--public", action="store_true", help="create the repo public")
-    p.add_argument("--revision", help="the branch to push to (default main)")
-    p.add_argument("--message", help="the commit message")
-    p.add_argument("--token-env", metavar="VAR", help="the environment variable holding the token (default: "
-                   "HF_TOKEN, else `hf auth login`'s); tokens are never taken as flags, printed or written")
+    for path in ("push.public", "push.branch", "push.message", "push.token_env"):
+        _own(p, path)
 
 
 def _cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="a model folder, a .gguf file, gguf:gemma3-270m or a Hub id")
-    p.add_argument("--top-k", type=POSITIVE, required=True, metavar="K",
-                   help="the teacher's most likely tokens kept per position (at most its vocabulary)")
-    p.add_argument("-o", "--output", required=True, metavar="CACHE", help="the cache folder to write")
-    p.add_argument("--student", metavar="STUDENT", help="a student folder with a trimmed vocabulary (its plan.json's "
-                   "kept pieces): the cache is then in its tokens, the teacher's top K over its pieces, for "
-                   "`distill TEACHER STUDENT --teacher-cache`")
-    p.add_argument("--encoding", choices=("q8z", "q8", "q16", "float16", "exact"), default="q8z",
-                   help="how the top k are stored: q8z (q8's values, ids as sorted gaps, compressed row by row: "
-                   "the smallest), q8, q16, float16 or exact (default q8z; BENCHMARKS.md has bytes and errors)")
-    p.add_argument("--selection", choices=("top", "sampled", "mixed"), default="top",
-                   help="what the K slots of a token hold: top (the teacher's K most likely pieces), sampled (K "
-                   "stratified draws of its distribution, each piece with its share of the draws: the full "
-                   "distribution in expectation; drawn with --seed) or mixed (its top K/2 exactly and K/2 draws "
-                   "of the rest: also the full distribution in expectation, nearer it per token) (default top)")
-    p.add_argument("--rows-per-shard", type=POSITIVE, default=256, help="packed rows per shard file (default "
-                   "%(default)s)")
+    _own(p, "cache-teacher.top_k", required=True)
+    _shared(p, "run.output", required=True, help="the cache folder to write")
+    for path in ("cache-teacher.student_folder", "cache-teacher.encoding"):
+        _own(p, path)
+    _shared(p, "training.cache_selection", help="what the K slots of a token hold: top (the teacher's K most likely "
+            "pieces), sampled (K stratified draws of its distribution, each piece with its share of the draws: the "
+            "full distribution in expectation; drawn with --seed) or mixed (its top K/2 exactly and K/2 draws of the "
+            "rest: also the full distribution in expectation, nearer it per token)")
+    _own(p, "cache-teacher.rows_per_shard")
     _shared(p, "training.precision", help="the teacher's weights and compute")
     _shared(p, "training.mesh", help="devices to shard the teacher over, e.g. fsdp=4,tp=2")
-    p.add_argument("--resume", action="store_true", help="continue a partial cache in --output (same settings)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    _shared(p, "run.resume", help="continue a partial cache in --output (same settings)")
+    _shared(p, "run.overwrite", help="replace a non-empty --output")
     _data_flags(p, batch=True)
 
 
 # name -> (module:function that runs it, one line, examples, flags)
 COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
-    "compress": ("nnx_surgery.recipes.compress:entry", "the whole recipe: plan, prune, distil, evaluate, save "
+    "compress": ("nnx_surgery.recipes.compress_command:entry", "the whole recipe: plan, prune, distil, evaluate, save "
                  "(recipes/gemma_7b_to_2b.py; every flag in `nnx-surgery compress --help`)",
                  ["compress --preset tiny --output runs/tiny",
                   "compress --preset gemma3-270m --output runs/gemma3-270m",
@@ -242,15 +202,16 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                 "plus hard-label CE when --alpha < 1) and save it",
                 ["distill TEACHER student/ --output distilled/",
                  "distill TEACHER student/ --data 'corpus/*.txt' --steps 500 --alpha 0.5 --output distilled/",
-                 "distill TEACHER student/ --data 'corpus/*.txt' --teacher-cache cache/ --output distilled/"],
+                 "distill TEACHER student/ --data 'corpus/*.txt' --teacher-cache-folder cache/ --output distilled/"],
                 _distill_flags),
     "cache-teacher": ("nnx_surgery.commands.teacher_cache:cache_teacher", "run the teacher once over the packed "
                       "training rows and write its top-k log-probabilities (checksummed, resumable shards)",
                       ["cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/",
                        "cache-teacher TEACHER --data 'corpus/*.txt' --top-k 64 --output cache/ --resume",
-                       "cache-teacher TEACHER --student trimmed/ --data 'corpus/*.txt' --top-k 64 --output cache/"],
+                       "cache-teacher TEACHER --student-folder trimmed/ --data 'corpus/*.txt' --top-k 64 "
+                       "--output cache/"],
                       _cache_flags),
-    "eval": ("nnx_surgery.commands.training:evaluate", "judge model folders against a teacher on held-out text "
+    "eval": ("nnx_surgery.commands.training:eval_folders", "judge model folders against a teacher on held-out text "
              "(in-domain and general prose), generations and multiple choice; writes suite.md",
              ["eval --teacher TEACHER student/ distilled/ --output eval/",
               "eval --teacher TEACHER student/ --data 'corpus/*.txt' --eval-prompts 4 --output eval/"], _eval_flags),
@@ -270,7 +231,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
 }
 
 
-# what an interrupted command leaves, where it is not "nothing was written" (recipes.refusals.guarded)
+# what an interrupted command leaves, where it is not "nothing was written" (nnx_surgery.refusals.guarded)
 STOPPED = {"push": "the Hub has this push only if its commit was made; run the same command again (files already "
                    "uploaded are not uploaded again).",
            "generate": "nothing was written."}
@@ -299,8 +260,8 @@ def _load(target: str) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr (`recipes.refusals.guarded`);
-    `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
+    """Run one subcommand. The toolkit's refusals exit with code 2 and one line on stderr
+    (`nnx_surgery.refusals.guarded`); `compress` is the recipe's own entry (its exit codes too: 3 when --halt-after stops it)."""
     own_process, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] == "compress":  # the recipe's own flags, --help and exit codes
@@ -309,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         entry(argv[1:], prog="nnx-surgery compress")
         return 0
     args = parse(argv, parser)
-    from nnx_surgery.recipes.refusals import guarded  # imports jax: only once a subcommand runs
+    from nnx_surgery.refusals import guarded  # imports jax: only once a subcommand runs
     run = _load(COMMANDS[args.command][0])
     _own_process(own_process)
     guarded(lambda _: run(args), argv, resumable=False, **({"stopped": STOPPED[args.command]}
@@ -328,7 +289,6 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
     if args.command is None:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
     for error in checked(args):
-        from nnx_surgery.recipes.secrets import redact
         print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
         sys.exit(2)
     return args
@@ -336,9 +296,9 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
 
 def _own_process(own: bool) -> None:
     """The command runs in a process of its own (not `main([...])` in a caller's): an interrupted run exits without
-    the interpreter's shutdown (recipes.refusals.exit_now)."""
+    the interpreter's shutdown (nnx_surgery.refusals.exit_now)."""
     if own:
-        from nnx_surgery.recipes import refusals
+        from nnx_surgery import refusals
         refusals.OWN_PROCESS[0] = True
 
 

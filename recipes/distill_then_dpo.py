@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nnx_surgery.recipes import refusals  # noqa: E402
+from nnx_surgery import refusals  # noqa: E402
 from nnx_surgery.recipes.distill_then_dpo import main  # noqa: E402
 
 if __name__ == "__main__":

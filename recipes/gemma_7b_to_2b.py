@@ -5,7 +5,8 @@
     python recipes/gemma_7b_to_2b.py --help                                           # every flag, its default, why
 
 The same as `nnx-surgery compress ...` once the package is installed; the recipe itself (its phases, defaults and
-the papers they follow) is `nnx_surgery/recipes/compress.py`. This file only makes a checkout runnable without
+the papers they follow) is `nnx_surgery/recipes/compress/pipeline.py`, its command (settings resolved once, then
+--aot or the run) `nnx_surgery/recipes/compress_command.py`. This file only makes a checkout runnable without
 installing it.
 """
 import os
@@ -13,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nnx_surgery.recipes.compress import entry  # noqa: E402
+from nnx_surgery.recipes.compress_command import entry  # noqa: E402
 
 if __name__ == "__main__":
     entry()

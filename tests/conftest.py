@@ -38,11 +38,11 @@ if not os.environ.get("NNX_SURGERY_TEST_TPU"):
 # own order.
 SLOWEST_FIRST = ["tests/recipes/test_recipe.py", "tests/surgery/modeling/test_generate.py", "tests/recipes/test_recipe_vocab.py",
                  "tests/recipes/test_config_surface.py", "tests/recipes/test_recipe_search.py", "tests/recipes/test_recipe_pairing.py",
-                 "tests/recipes/test_aot.py", "tests/test_lm_eval_backend.py", "tests/distill/test_multihost.py", "tests/surgery/modeling/test_llama.py",
+                 "tests/recipes/aot/test_aot.py", "tests/evaluation/test_lm_eval_backend.py", "tests/distill/test_multihost.py", "tests/surgery/modeling/test_llama.py",
                  "tests/distill/loop/test_interrupt.py", "bench/test_bench.py", "tests/surgery/modeling/test_tunix.py", "tests/surgery/storage/test_gguf.py",
                  "tests/commands/test_command_line.py", "tests/commands/test_refusals.py", "tests/distill/loop/test_distill_train.py",
                  "tests/distill/test_distill_mesh.py", "tests/surgery/modeling/test_layer_remat.py", "tests/distill/inputs/test_distill_teacher_cache.py",
-                 "tests/recipes/test_distill_then_dpo.py", "tests/distill/evals/test_search.py", "tests/distill/evals/test_suite.py"]
+                 "tests/recipes/test_distill_then_dpo.py", "tests/evaluation/test_search.py", "tests/evaluation/test_suite.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -86,8 +86,8 @@ def pytest_runtest_setup(item) -> None:
         gc.freeze()
 
 
-_PREPARE = ("import sys\nfrom nnx_surgery.recipes import compress, tiny_teacher\n"
-            "print(tiny_teacher.prepare_for(compress.parse_args(sys.argv[1:]))[0])")
+_PREPARE = ("import sys\nfrom nnx_surgery.recipes.inputs import tiny_teacher\nfrom nnx_surgery.recipes import compress_command\n"
+            "print(tiny_teacher.prepare_for(compress_command.parse_args(sys.argv[1:]))[0])")
 
 
 @pytest.fixture(scope="session")

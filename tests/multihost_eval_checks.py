@@ -2,7 +2,7 @@
 distillation, when its ARGS ask for it; the checks are in tests/distill/test_multihost.py).
 
 Each process holds its own rows of the held-out batches (TokenBatches with process_index / process_count). It
-scores test_suite's tiny teacher and student with `distill.evaluate_suite` on one global mesh, `heldout_loss` /
+scores test_suite's tiny teacher and student with `evaluation.evaluate_suite` on one global mesh, `heldout_loss` /
 `agreement_and_kl` on a mesh whose devices interleave the processes (every batch row on another process than its
 owner's) and on models left on each process's own device (no mesh), and cuts a student from disk with
 `prune_checkpoint`. The suite writes into `suite{process}/` under `out` (only process 0 may), the student into
@@ -18,13 +18,13 @@ from nnx_surgery import surgery
 import nnx_surgery.surgery.pruning.on_disk  # noqa: F401
 from nnx_surgery.distill.inputs.batches import TokenBatches
 from nnx_surgery.distill.distributed import to_host
-from nnx_surgery.distill.evals.perplexity import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
+from nnx_surgery.evaluation.perplexity import agreement_and_kl, batch_arrays, heldout_loss, model_mesh
 from nnx_surgery.distill.mesh import make_mesh, shard_model
-from nnx_surgery.distill.evals.suite_scoring import evaluate_suite
+from nnx_surgery.evaluation.suite_scoring import evaluate_suite
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.surgery.storage.hf_checkpoint import save_pretrained
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 from suite_fixtures import DOCUMENTS, SETTINGS, surgery_greedy, tiny_gemma
 
 GLOBAL_BATCH = 8

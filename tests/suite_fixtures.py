@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_surgery.distill.evals.suite_scoring import SuiteSettings
+from nnx_surgery.evaluation.suite_scoring import SuiteSettings
 from nnx_surgery.distill.inputs.byte_tokenizer import VOCAB_SIZE
 from nnx_surgery.surgery.modeling.model_config import ModelConfig
 from nnx_surgery.surgery.modeling.generation import generate

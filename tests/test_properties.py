@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from nnx_surgery.distill.loop.freeze import expand_braces, pattern_matches
 from nnx_surgery.distill.mesh import MeshError, format_mesh_spec, parse_mesh_spec
 from nnx_surgery.surgery.modeling.model_config import FULL, SLIDING, ConfigError, ModelConfig
-from nnx_surgery.surgery.planning.plan_record import Plan, PlanError
-from nnx_surgery.surgery.planning.student_spec import SpecError, StudentSpec
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
 
 FAST = settings(max_examples=int(__import__("os").environ.get("PROPERTY_EXAMPLES", 60)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True)

@@ -1,15 +1,18 @@
 """`nnx-surgery generate`, `import-gguf`, `export-gguf` and `push`: surgery.generate, surgery.import_gguf,
-surgery.export_gguf and surgery.push_to_hub on a model folder."""
+export.export_gguf and export.push_to_hub on a model folder."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from nnx_surgery import surgery
-from nnx_surgery.commands import checked, empty_folder, input_paths, model_folder, new_file, shape_line
-from nnx_surgery.recipes.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
-from nnx_surgery.recipes.model_inputs import position_limit
+from nnx_surgery import export, surgery
+from nnx_surgery.commands import checked, shape_line
+from nnx_surgery.paths import empty_folder, input_paths, model_folder, new_file
+from nnx_surgery.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
+from nnx_surgery.model_inputs import position_limit
+from nnx_surgery.surgery.modeling.generation import TextCodec
+from nnx_surgery.export.gguf_export import resolve_export_dtype
 
 UNKNOWN_POSITIONS = 1 << 16  # new tokens allowed when config.json states no max_position_embeddings
 
@@ -30,7 +33,6 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
     """The prompt's token ids (BOS first, as generate adds it), checked with --max-new-tokens against the
     model's positions (config.json's max_position_embeddings) before anything is allocated: a longer prompt is
     refused, or with --truncate-prompt cut from the left (BOS kept) with a line on stderr saying so."""
-    from nnx_surgery.surgery.modeling.generation import TextCodec
 
     codec = TextCodec.of(folder)
     ids = codec.encode(prompt_text(args.prompt))
@@ -82,12 +84,11 @@ def import_gguf(args: argparse.Namespace) -> str:
 
 def export_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
-    from nnx_surgery.surgery.storage.gguf_export import resolve_export_dtype
 
     folder = model_folder(args.folder, "FOLDER")
     checked("--dtype", args.dtype, resolve_export_dtype)
     out = new_file(args.output, "OUTPUT.gguf", args.overwrite, inputs=input_paths(args.folder))
-    path = surgery.export_gguf(folder, out, dtype=args.dtype)
+    path = export.export_gguf(folder, out, dtype=args.dtype)
     print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.1f} MiB, {args.dtype}; run it with llama.cpp)")
     return path
 
@@ -113,7 +114,7 @@ def push(args: argparse.Namespace) -> str:
     `hf auth login`'s file) and is never printed."""
     token = token_from(args.token_env)
     model_folder(args.folder, "FOLDER")  # its config.json and tokenizer.json readable, before the Hub is asked
-    url = surgery.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.revision,
+    url = export.push_to_hub(args.folder, args.repo_id, private=not args.public, revision=args.branch,
                               token=token, commit_message=args.message)
     print(f"pushed {os.path.abspath(args.folder)} to {url}")
     return str(url)

@@ -5,8 +5,11 @@ import argparse
 import os
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import empty_folder, input_paths, new_file, shape_line, teacher_source, text_batches
-from nnx_surgery.recipes import model_inputs, refusals
+from nnx_surgery.commands import shape_line, text_batches
+from nnx_surgery.model_inputs import teacher_source
+from nnx_surgery.paths import empty_folder, input_paths, new_file
+from nnx_surgery import model_inputs
+from nnx_surgery import refusals
 
 
 def plan(args: argparse.Namespace) -> str:

@@ -11,10 +11,11 @@ from typing import Iterator
 import jax
 
 from nnx_surgery import distill, surgery
-from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, teacher_source,
-                                  text_batches)
+from nnx_surgery.commands import kept_vocab, text_batches
+from nnx_surgery.model_inputs import teacher_source
+from nnx_surgery.paths import empty_folder, input_paths, model_folder
 from nnx_surgery.distill.inputs import topk_cache as teacher_cache
-from nnx_surgery.recipes import refusals
+from nnx_surgery import refusals
 from nnx_surgery.surgery.storage.atomic import atomic_folder, missing_folders
 
 
@@ -95,20 +96,20 @@ def _undo(out: str, made: list[str], args: argparse.Namespace) -> bool:
 
 
 def cache_teacher(args: argparse.Namespace) -> dict:
-    """Write the cache of TEACHER over the data's packed rows into --output (with --student, in a trimmed student's
+    """Write the cache of TEACHER over the data's packed rows into --output (with --student-folder, in a trimmed student's
     tokens); print where and how big."""
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     config = surgery.ModelConfig.from_file(teacher_folder)
-    student_folder = model_folder(args.student, "--student") if args.student else None
-    kept = kept_vocab(student_folder, "--student", config) if student_folder else None
+    student_folder = model_folder(args.student_folder, "--student-folder") if args.student_folder else None
+    kept = kept_vocab(student_folder, "--student-folder", config) if student_folder else None
     pieces = config.vocab_size if kept is None else len(kept)
     if args.top_k > pieces:
         whose = "the teacher's vocabulary" if kept is None else "the student's trimmed vocabulary"
         raise refusals.RecipeError(f"--top-k {args.top_k}: {whose} has {pieces:,} pieces; give at most that many.")
-    out = _output(args, input_paths(args.teacher, teacher_folder, args.student, args.data))
+    out = _output(args, input_paths(args.teacher, teacher_folder, args.student_folder, args.data))
     settings = teacher_cache.CacheSettings(top_k=args.top_k, encoding=args.encoding,
                                            rows_per_shard=args.rows_per_shard, batch_rows=args.batch_size,
-                                           selection=args.selection, sample_seed=args.seed)
+                                           selection=args.cache_selection, sample_seed=args.seed)
     # a trimmed student's own tokens (kept comes from the student's folder)
     tokenizer_folder = student_folder if kept is not None and student_folder else teacher_folder
     if kept is not None:
@@ -124,7 +125,7 @@ def cache_teacher(args: argparse.Namespace) -> dict:
     if kept is not None:  # the teacher seen in the student's ids: its logits at the kept pieces, renormalised
         teacher = distill.TeacherInStudentVocabulary(teacher, kept)
     mesh = distill.make_mesh(args.mesh) if args.mesh else None
-    what = teacher_cache.slots_text(args.selection, args.top_k)
+    what = teacher_cache.slots_text(args.cache_selection, args.top_k)
     print(f"[cache-teacher] {what} of {pieces:,} ({args.encoding}) over {data.num_rows} rows "
           f"of {args.seq_len} tokens of {description}", flush=True)
     with _kept_only_if_resumable(out, args):

@@ -1,5 +1,5 @@
 """`nnx-surgery distill` (distill.run, then save_student / save_pretrained) and `nnx-surgery eval` (the recipe's
-evaluation: recipes/final_eval.py over distill.evaluate_suite, both held-out sets)."""
+evaluation: evaluation/final_eval.py over evaluation.evaluate_suite, both held-out sets)."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +7,19 @@ import dataclasses
 import json
 import os
 
-from nnx_surgery import distill, surgery
-from nnx_surgery.recipes import lm_eval_scores
-from nnx_surgery.commands import (empty_folder, input_paths, kept_vocab, model_folder, plan_of, shape_line,
-                                  staged_files, teacher_source, text_batches)
+from nnx_surgery import distill, evaluation, surgery
+from nnx_surgery.evaluation import lm_eval_scores
+from nnx_surgery.commands import kept_vocab, plan_of, shape_line, text_batches
+from nnx_surgery.model_inputs import teacher_source
+from nnx_surgery.paths import empty_folder, input_paths, model_folder, staged_files
 from nnx_surgery.distill.inputs.cache_format import CacheError
-from nnx_surgery.distill.evals.heldout_sets import interval_text
-from nnx_surgery.recipes import final_eval, model_inputs, refusals
-from nnx_surgery.recipes.config.resolution import parse_ramp
+from nnx_surgery.evaluation.heldout_sets import interval_text
+from nnx_surgery.evaluation import final_eval
+from nnx_surgery import model_inputs
+from nnx_surgery import refusals
+from nnx_surgery.recipes.compress.resolution import parse_ramp
 from nnx_surgery.recipes.config.sections import EvaluationSection
+from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
 def _tokenizer_source(student: str, teacher: str) -> str:
     return student if os.path.isfile(os.path.join(student, "tokenizer.json")) else teacher
@@ -30,9 +34,9 @@ def distill_student(args: argparse.Namespace) -> str:
                                  "learning rate would never reach its peak; give at most --steps warm-up steps.")
     teacher_folder = teacher_source(args.teacher, "TEACHER")
     student_folder = model_folder(args.student, "STUDENT")
-    cache = getattr(args, "teacher_cache", None)
+    cache = getattr(args, "teacher_cache_folder", None)
     if cache and not os.path.isdir(cache):
-        raise refusals.RecipeError(f"--teacher-cache {cache}: {refusals.wrong_kind(cache, 'folder')}; give the folder "
+        raise refusals.RecipeError(f"--teacher-cache-folder {cache}: {refusals.wrong_kind(cache, 'folder')}; give the folder "
                                    "`nnx-surgery cache-teacher` wrote.")
     out = empty_folder(args.output, "--output", args.overwrite,  # writable: checked before any training
                        inputs=input_paths(args.teacher, teacher_folder, args.student, args.data, cache))
@@ -86,13 +90,12 @@ def distill_student(args: argparse.Namespace) -> str:
 def _check_teacher_cache(cache: str, teacher_folder: str, tokenizer_folder: str) -> None:
     """The cache was written by this teacher (config and weights), with the tokenizer the data is read with (a
     trimmed student's own); else one line. Its vocabulary is checked by the run (distill.loop.cache_replay)."""
-    from nnx_surgery.distill.inputs import topk_cache as teacher_cache
 
     tokenizer = os.path.join(tokenizer_folder, "tokenizer.json")
     try:
         teacher_cache.check_written_by(cache, teacher_folder, tokenizer if os.path.isfile(tokenizer) else None)
     except teacher_cache.CacheError as error:
-        raise refusals.RecipeError(f"--teacher-cache: {error}") from None
+        raise refusals.RecipeError(f"--teacher-cache-folder: {error}") from None
 
 
 SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "in-domain KL", "{:.4f}"),
@@ -155,7 +158,7 @@ def _check_generation(args: argparse.Namespace, folders: list[str]) -> None:
                                   "give fewer new tokens.")
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def eval_folders(args: argparse.Namespace) -> dict:
     """Judge every FOLDER against --teacher on the held-out sets (the data's held-out documents and, unless
     --no-general-eval, general prose near and far from the training text), with generations and multiple choice;
     write suite.md/json and results.json."""
@@ -187,10 +190,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         model = surgery.load_pretrained(folder, dtype="float32")
         print(f"[eval] {name}: {shape_line(model.config)}", flush=True)
         rows.append((name, model, 0))
-    vocabularies = {name: distill.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
+    vocabularies = {name: evaluation.Vocabulary(folder, kept_ids) for name, folder in zip(names, folders)
                     if (kept_ids := kept[name]) is not None}
     with staged_files(out) as staging:  # a failure (a full disk, Ctrl-C) leaves --output as it was
-        results = final_eval.evaluate(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
+        results = final_eval.evaluate_rows(settings, rows, data, staging, pairs=pairs, vocabularies=vocabularies)
         for row in results["rows"]:
             row.pop("tokens")  # the recipe's training tokens: not known here
         results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}

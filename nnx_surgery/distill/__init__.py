@@ -6,7 +6,8 @@
     result = run(teacher, student, TokenBatches.from_files("corpus/", "teacher_folder", batch_size=8, seq_len=1024),
                  config)
 
-The models are used only through the small interface of `distill.interface.DistillModel` (logits from final
+Evaluation (held-out sets, the suite, the shape search's ranking) is `nnx_surgery.evaluation`, above this
+package. The models are used only through the small interface of `distill.interface.DistillModel` (logits from final
 hidden states, plus requested intermediates), so the package does not depend on the surgery's models. Each loss is
 one registered object (`distill.losses.term_registry`, `LossTerm`): `register_loss(term)` adds one.
 """
@@ -29,17 +30,11 @@ from .losses.term_types import LossTerm, ModelSide, TermInputs, TermOption
 from .losses.term_registry import register as register_loss
 from .losses import term_registry as terms
 from .loop.metrics import MetricsLogger, make_logger, plot_history, step_flops
-from .evals.perplexity import agreement_and_kl, heldout_loss
-from .evals.suite_scoring import (SuiteSettings, continuation_scores, evaluate_suite, heldout_prompts, multiple_choice,
-                                  multiple_choice_items)
 from .inputs.batches import DataError, TokenBatches, check_vocabulary, load_tokenizer, stdlib_corpus
 from .inputs.sources import far_prose, general_mix, general_prose
-from .evals.heldout_sets import HeldoutSet, heldout_report, paired_interval, score_heldout, summarise
-from .evals.shape_ranking import SearchCandidate, SearchResult, rank_curves, search
-from .loop.interruption import RunInterrupted
+from .interruption import RunInterrupted
 from .fingerprints import batch_digest, compare_sequences, sequence_digest, weights_digest
 from .trimmed_vocab import TeacherInStudentVocabulary  # a trimmed student's teacher (DistillConfig.vocab_map)
-from .evals.cross_vocab import Vocabulary, heldout_report_across  # judging models whose tokenizers differ
 
 __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "OptimizerConfig", "Ramp", "Stage",
            "TargetsConfig", "OOMConfig", "schedules", "progressive", "resolve_epochs", "sft_then_distil",
@@ -47,12 +42,8 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "shard_model", "Correspondence", "DistillModel", "correspondence_from_plan", "expand_braces",
            "pattern_matches", "selected_paths", "split_trainable", "trainable_filter", "LogitLossSettings",
            "fused_logit_loss", "labels_and_weights", "reference_logit_loss", "attention_transfer_loss",
-           "feature_loss", "plot_history", "step_flops", "heldout_loss", "agreement_and_kl", "SuiteSettings",
-           "continuation_scores", "evaluate_suite", "heldout_prompts", "multiple_choice", "multiple_choice_items",
-           "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
-           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "HeldoutSet",
-           "heldout_report", "paired_interval",
-           "score_heldout", "summarise", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
-           "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings", "SearchCandidate", "SearchResult", "rank_curves", "search"]
-__all__ += ["TeacherInStudentVocabulary", "Vocabulary", "heldout_report_across", "batch_digest",
+           "feature_loss", "plot_history", "step_flops", "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
+           "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
+           "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings"]
+__all__ += ["TeacherInStudentVocabulary", "batch_digest",
             "compare_sequences", "sequence_digest", "weights_digest"]

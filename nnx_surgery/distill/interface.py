@@ -8,7 +8,7 @@ captures the loss terms name (`LossTerm.captures`), e.g. `residual` (embeddings,
 The layer map says which teacher layer output a student layer output should imitate. A student made by the
 surgery keeps teacher layers `kept_layers` in order, so student layer j is teacher layer `kept_layers[j]`; a width
 pruned student keeps the teacher hidden channels `kept_hidden`. `correspondence_from_plan` reads both from any
-object or dict that has them (duck typing: `surgery.planning.plan_record.Plan` or its JSON form).
+object or dict that has them (duck typing: `surgery.plans.plan_record.Plan` or its JSON form).
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def correspondence_from_plan(plan: Any, *, layer_map: Sequence[tuple[int, int]] 
     """Read `kept_layers` (teacher layer index of each student layer) and `kept_hidden` from a surgery plan.
 
     Optional `kept_heads` (per student layer, the teacher query heads kept, flat or grouped per student KV head
-    as `surgery.planning.plan_record.Plan` stores them) becomes `head_map`. `layer_map`
+    as `surgery.plans.plan_record.Plan` stores them) becomes `head_map`. `layer_map`
     overrides the pairs (e.g. to match only a few layers) while `kept_hidden` still comes from the plan.
     """
     kept_layers = _field(plan, "kept_layers")

@@ -4,7 +4,7 @@
     python recipes/distill_then_dpo.py --teacher path/to/gemma-3-270m --student layers=0.5,mlp=0.5 \\
         --distill-steps 200 --dpo-steps 50 --pairs 256 --output runs/dpo-270m
 
-1. the teacher (a folder, Hub id or .gguf; by default the tiny stdlib-trained Gemma of nnx_surgery/recipes/tiny_teacher.py) is
+1. the teacher (a folder, Hub id or .gguf; by default the tiny stdlib-trained Gemma of nnx_surgery/recipes/inputs/tiny_teacher.py) is
    pruned to `--student` by the surgery planner and distilled for `--distill-steps` on the Python standard
    library's source;
 2. preference pairs are built offline from that source: a prompt is a stretch of a file, the chosen response is
@@ -24,8 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
-
 
 import jax
 import jax.numpy as jnp
@@ -34,37 +32,50 @@ from flax import nnx
 
 from nnx_surgery import distill
 from nnx_surgery import surgery
-from nnx_surgery.recipes import model_inputs, refusals, tiny_teacher
+from nnx_surgery import model_inputs
+from nnx_surgery.recipes.inputs import tiny_teacher
+from nnx_surgery import refusals
 from nnx_surgery.distill.inputs.batches import stdlib_corpus
 from nnx_surgery.distill.loop.trainer import DivergenceError
 from tokenizers import Tokenizer
+from nnx_surgery.surgery.modeling.tunix import from_tunix, require_tunix, to_tunix
+from nnx_surgery.recipes.config import fields
+from nnx_surgery.recipes.config.command_line import OneLineParser
+from nnx_surgery.recipes.config.command_settings import DPOSettings
+from nnx_surgery.recipes.config.layering import preset
+from nnx_surgery.recipes.config.sections import SECTIONS
+
+
+# the compress recipe's settings this recipe reads too: the same flags, meanings, defaults and checks
+SHARED = ("teacher.model", "student.shape", "run.output", "run.overwrite", "training.learning_rate",
+          "data.batch_size", "data.seq_len", "data.corpus_bytes", "teacher.steps", "run.cache_dir", "run.seed")
+
+
+def declared_settings() -> list[fields.Declared]:
+    """Every setting of the recipe: the compress recipe's it shares (SHARED), then its own (DPOSettings)."""
+    recipe = {item.dest: item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,))}
+    return [recipe[path] for path in SHARED] + fields.declared(DPOSettings, ("dpo",))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--teacher", help="HF folder, Hub id or .gguf (default: the tiny stdlib-trained teacher)")
-    p.add_argument("--student", default="layers=0.5,mlp=0.5", help="student shape, as in gemma_7b_to_2b.py")
-    p.add_argument("--output", required=True, help="run folder; the student goes to OUTPUT/student")
-    p.add_argument("--overwrite", action="store_true", help="delete a non-empty --output first")
-    p.add_argument("--distill-steps", type=int, default=60)
-    p.add_argument("--dpo-steps", type=int, default=20)
-    p.add_argument("--pairs", type=int, default=64, help="training preference pairs (plus a quarter held out)")
-    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta (strength of the pull to the reference)")
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="distillation learning rate")
-    p.add_argument("--dpo-learning-rate", type=float, default=1e-4)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--prompt-chars", type=int, default=48, help="characters of context per pair")
-    p.add_argument("--response-chars", type=int, default=24, help="characters of each response")
-    p.add_argument("--corpus-bytes", type=int, default=1_000_000)
-    p.add_argument("--teacher-steps", type=int, default=300, help="tiny teacher: training steps (cached)")
-    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/nnx-surgery"))
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for name in ("distill_steps", "dpo_steps", "pairs", "batch_size", "seq_len", "prompt_chars", "response_chars"):
-        if getattr(args, name) < 1:
-            raise refusals.RecipeError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
+    parser = OneLineParser(prog="distill_then_dpo.py", description=__doc__.split("\n\n")[0])
+    for item in declared_settings():
+        fields.add_option(parser, item, required=item.dest == "run.output",
+                          help=SHARED_HELP.get(item.dest))
+    args = parser.parse_args(argv)
+    errors = fields.refusals_of(args, declared_settings())
+    if errors:
+        raise refusals.RecipeError(errors[0])
+    args.student = args.student or preset("tiny")["student"]["shape"]  # None: the tiny preset's, as in compress
+    args.cache_dir = args.cache_dir or os.environ.get("NNX_SURGERY_CACHE", os.path.expanduser("~/.cache/nnx-surgery"))
     return args
+
+
+SHARED_HELP = {"teacher.model": "HF folder, Hub id or .gguf; the preset's here: the tiny stdlib-trained teacher",
+               "student.shape": "student shape, as in gemma_7b_to_2b.py; the preset's here: the tiny preset's",
+               "run.output": "run folder; the student goes to OUTPUT/student",
+               "run.overwrite": "delete a non-empty --output first",
+               "training.learning_rate": "distillation learning rate"}
 
 
 def preference_pairs(files: list[str], count: int, args, rng: np.random.Generator) -> list[tuple[str, str, str]]:
@@ -140,7 +151,6 @@ def distilled_student(args, folder: str, files: list[str]):
 
 def dpo_train(student, pairs: dict[str, np.ndarray], args):
     """`--dpo-steps` of Tunix's DPO on `pairs` (cycled in batches); returns the trained student and its losses."""
-    from nnx_surgery.surgery.modeling.tunix import from_tunix, require_tunix, to_tunix
     require_tunix()
     import optax
     from tunix.sft.dpo import dpo_trainer as dpo
@@ -160,7 +170,6 @@ def dpo_train(student, pairs: dict[str, np.ndarray], args):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        from nnx_surgery.surgery.modeling.tunix import require_tunix
         require_tunix()
     except ImportError as error:
         raise refusals.RecipeError(str(error)) from None

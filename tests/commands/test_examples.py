@@ -29,7 +29,7 @@ def readme_command_lines() -> list[str]:
             line = line.strip()
             starts = [line.find(marker) for marker in RECIPE if marker in line]
             start = min(starts) if starts else 0 if line.startswith("nnx-surgery ") else -1
-            if start >= 0 and "nnx_surgery.lm_eval_backend" not in line:
+            if start >= 0 and "nnx_surgery.evaluation.lm_eval_backend" not in line:
                 found.append(line[start:].rstrip('"'))
     return found
 

@@ -105,6 +105,10 @@ def value_cases(w: dict) -> list[tuple[list[str], str]]:
         (["generate", s, "--prompt", "x", "--sample-top-p", "nan"], "--sample-top-p"),
         (["generate", s, "--prompt", "x", "--top-k", "4"], "renamed --sample-top-k"),
         (["eval", "--teacher", t, s, "-o", new, "--tasks", "nnx_offline"], "renamed --eval-tasks"),
+        (["cache-teacher", t, "--top-k", "4", "-o", new, "--student", s], "renamed --student-folder"),
+        (["cache-teacher", t, "--top-k", "4", "-o", new, "--selection", "sampled"], "renamed --cache-selection"),
+        ([*distill, "--teacher-cache", new], "renamed --teacher-cache-folder"),
+        (["push", s, "me/x", "--revision", "dev"], "renamed --branch"),
         (["compress", "--teacher", t, "--output", new, "--set", "training.steps=0"], "--steps 0"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "3:inf"], "--temperature"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "nan:1"], "--temperature"),
@@ -221,7 +225,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 39, "accepted": 53, "written": 17, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 43, "accepted": 53, "written": 17, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
@@ -257,7 +261,7 @@ def test_a_run_may_read_its_settings_from_its_own_folder(w, tmp_path):
     run_folder = tmp_path / "run"
     run_folder.mkdir()
     (run_folder / "resolved_config.json").write_text(json.dumps({"steps": 3}))
-    from nnx_surgery.recipes.config.resolution import resolve
+    from nnx_surgery.recipes.compress.resolution import resolve
 
     config = resolve(["--config", str(run_folder / "resolved_config.json"), "--output", str(run_folder),
                       "--teacher", w["teacher"], "--overwrite"])
@@ -311,9 +315,10 @@ def test_the_push_example_names_the_command_once():
 def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch):
     """Ctrl-C inside export-gguf's and import-gguf's writes, distill's training and push's upload: exit 130, no
     temporary left, and no --resume (these commands have none) nor Python-API advice."""
-    from nnx_surgery import distill, surgery
-    from nnx_surgery.distill.loop.interruption import RunInterrupted, interruption_message
-    from nnx_surgery.surgery.storage import gguf_import, gguf_export
+    from nnx_surgery import distill, export
+    from nnx_surgery.distill.interruption import RunInterrupted, interruption_message
+    from nnx_surgery.surgery.storage import gguf_import
+    from nnx_surgery.export import gguf_export
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
@@ -327,7 +332,7 @@ def test_interrupted_writes_leave_nothing_and_never_offer_resume(w, monkeypatch)
                                (gguf_import, "write_model_files", ["import-gguf", w["gguf"], new]),
                                (distill, "run", ["distill", w["teacher"], w["student"], "-o", new, *DATA,
                                                  "--data", w["data"]]),
-                               (surgery, "push_to_hub", ["push", w["student"], "alice/x"])):
+                               (export, "push_to_hub", ["push", w["student"], "alice/x"])):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, stop_run if name == "run" else stop)
             before = tree(w["base"])
@@ -363,7 +368,7 @@ def test_ctrl_c_in_distills_final_save_offers_no_resume(w, monkeypatch):
 SIGNALLED = """
 import os, signal, sys
 from nnx_surgery import cli
-from nnx_surgery.surgery.storage import gguf_export
+from nnx_surgery.export import gguf_export
 def write(tmp, *args):
     with open(tmp, "wb") as handle:
         handle.write(b"GGUF partial")

@@ -73,8 +73,8 @@ def test_sigterm_at_an_evaluation_and_in_the_recipe_exits_143(w, tmp_path, monke
     recipe's teacher loading): SIGTERM exits 143 in distill and compress, Ctrl-C 130, and compress leaves no run
     folder that would refuse the same command."""
     from nnx_surgery import distill
-    from nnx_surgery.distill.loop.interruption import RunInterrupted, interruption_message
-    from nnx_surgery.recipes import run_phases
+    from nnx_surgery.distill.interruption import RunInterrupted, interruption_message
+    from nnx_surgery.recipes.compress import run_phases
 
     def stopped_by(name):
         def stop(*args, **kwargs):

@@ -84,16 +84,16 @@ hf_logging.set_verbosity_debug()
 import numpy as np
 sys.path.insert(0, os.path.join({root!r}, "tests"))
 from hf_reference import make_hf_model, save_hf
-import nnx_surgery.surgery.storage.hub as hub_module
+import nnx_surgery.export.hub as hub_module
 from nnx_surgery.distill.loop.run_config import CheckpointConfig, DistillConfig, LossWeights, Stage
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.distill.loop.trainer import run
 from nnx_surgery.surgery.pruning.in_memory import apply_plan, save_student
-from nnx_surgery.surgery.storage.model_card import write_model_card
+from nnx_surgery.export.model_card import write_model_card
 from nnx_surgery.surgery.storage.hf_checkpoint import load_pretrained
-from nnx_surgery.surgery.storage.hub import HubError, push_to_hub
+from nnx_surgery.export.hub import HubError, push_to_hub
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 hub_module.RETRY_WAIT_S = 0.01
 work = sys.argv[1]

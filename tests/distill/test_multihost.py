@@ -196,8 +196,8 @@ def test_a_killed_process_ends_the_other_with_a_clear_error_in_bounded_time(tmp_
 
 def test_recipe_multi_host_flags_become_initialize_arguments():
     from nnx_surgery.distill.distributed import DistributedError, DistributedSettings
-    from nnx_surgery.recipes.config.resolution import resolve
-    from nnx_surgery.recipes.multi_host import distributed_settings as from_section
+    from nnx_surgery.recipes.compress.resolution import resolve
+    from nnx_surgery.recipes.compress.multi_host import distributed_settings as from_section
 
     def distributed_settings(argv):  # the multi-host flags as the recipe reads them (its one parse)
         return from_section(resolve(argv).multi_host)

@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache as recipe runs keep it (recipes.compile_cache): off on the CPU, and where it
+"""JAX's persistent compilation cache as recipe runs keep it (recipes.compress.compile_cache): off on the CPU, and where it
 is on, a second process running the same train step loads the executable instead of compiling it (the step's
 `compile_cache` in the run's history says which, from JAX's own cache events), as a resumed run on a TPU does."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import os
 import subprocess
 import sys
 
-from nnx_surgery.recipes import compile_cache
+from nnx_surgery.recipes.compress import compile_cache
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ONE_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from nnx_surgery.recipes import compile_cache
+from nnx_surgery.recipes.compress import compile_cache
 compile_cache.enable(sys.argv[1], on_cpu=True)
 from distill_fixtures import FAST_COMPILE, student_from, tiny_teacher, teacher_samples
 from nnx_surgery.distill import TokenBatches
@@ -62,7 +62,7 @@ def test_a_cache_folder_given_to_jax_is_kept(tmp_path):
     """JAX_COMPILATION_CACHE_DIR (or jax.config) names a folder: runs in other folders share it."""
     shared = str(tmp_path / "shared")
     code = ("import jax, sys; jax.config.update('jax_compilation_cache_dir', sys.argv[2]); "
-            "from nnx_surgery.recipes import compile_cache; print(compile_cache.enable(sys.argv[1], on_cpu=True))")
+            "from nnx_surgery.recipes.compress import compile_cache; print(compile_cache.enable(sys.argv[1], on_cpu=True))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), shared], capture_output=True,
                           text=True, timeout=300, check=True)
     assert done.stdout.strip() == shared

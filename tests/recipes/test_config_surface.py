@@ -19,9 +19,10 @@ sys.path.insert(0, ROOT)
 
 from nnx_surgery import distill  # noqa: E402
 from nnx_surgery.distill.loop.run_config import Ramp  # noqa: E402
-from nnx_surgery.recipes import phase_configs  # noqa: E402
-from nnx_surgery.recipes.config import command_line, files, layering, resolution  # noqa: E402
-from nnx_surgery.recipes.refusals import RecipeError  # noqa: E402
+from nnx_surgery.recipes.compress import phase_configs  # noqa: E402
+from nnx_surgery.recipes.config import command_line, layering  # noqa: E402
+from nnx_surgery.recipes.compress import files, resolution
+from nnx_surgery.refusals import RecipeError  # noqa: E402
 from recipe_env import TINY_TEACHER, recipe_env  # noqa: E402
 
 

@@ -80,7 +80,7 @@ def test_print_command_and_the_makefile(monkeypatch, capsys):
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu"])
 def test_the_chosen_preset_resolves(platform):
-    from nnx_surgery.recipes.config import resolution
+    from nnx_surgery.recipes.compress import resolution
 
     choice = choose(Backend(platform, "", 1))
     config = resolution.resolve(choice.command("python")[2:] + ["--print-config"])

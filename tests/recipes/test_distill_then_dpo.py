@@ -13,7 +13,8 @@ pytest.importorskip("tunix", reason="the tunix extra is not installed (see surge
 from nnx_surgery import surgery  # noqa: E402
 from nnx_surgery.distill.inputs.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer)  # noqa: E402
 from hf_reference import assert_clean_loading, hf_logits, load_with_info, make_hf_model  # noqa: E402
-from nnx_surgery.recipes import distill_then_dpo, refusals  # noqa: E402
+from nnx_surgery.recipes import distill_then_dpo  # noqa: E402
+from nnx_surgery import refusals
 
 SMALL = ["--distill-steps", "4", "--dpo-steps", "3", "--pairs", "8", "--batch-size", "4", "--seq-len", "32",
          "--corpus-bytes", "200000", "--student", "layers=0.5,mlp=0.5"]
@@ -49,7 +50,8 @@ def test_recipe_distils_then_dpo_and_saves(teacher, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dpo-steps", "0"], "--dpo-steps must be at least 1"),
+    (["--dpo-steps", "0"], "--dpo-steps 0: give at least 1"),
+    (["--learning-rate", "0"], "--learning-rate 0"),
     (["--teacher", "/nonexistent/teacher-folder"], "teacher-folder"),
 ])
 def test_refusals_are_one_line(tmp_path, capsys, argv, message):

@@ -1,11 +1,11 @@
-"""PhaseClock (recipes/phase_clock.py): each phase's wall time over every command of a resumed run, kept in the
+"""PhaseClock (recipes/compress/phase_clock.py): each phase's wall time over every command of a resumed run, kept in the
 run folder after each phase, and results.md's line made from it."""
 from __future__ import annotations
 
 import json
 
-from nnx_surgery.recipes import phase_clock
-from nnx_surgery.recipes.phase_clock import PhaseClock, wall_time_line
+from nnx_surgery.recipes.compress import phase_clock
+from nnx_surgery.recipes.compress.phase_clock import PhaseClock, wall_time_line
 
 
 def _command(folder, start: float, laps: list[tuple[str, float]], monkeypatch, *, stop_at: float | None = None):

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import model_inputs  # noqa: E402
+from nnx_surgery import model_inputs  # noqa: E402
 from nnx_surgery import surgery  # noqa: E402
 
 
@@ -111,7 +111,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(teacher, tmp_path
 
 def test_loss_weight_flags_reach_the_stages():
     """--alpha, --feature-weight and --cosine-weight become the stage's LossWeights (cosine with feature)."""
-    from nnx_surgery.recipes import compress as recipe, phase_configs
+    from nnx_surgery.recipes import compress_command as recipe
+    from nnx_surgery.recipes.compress import phase_configs
     from nnx_surgery import distill
 
     args = recipe.parse_args(["--preset", "tiny", "--output", "unused", "--alpha", "0.75", "--cosine-weight", "0.2"])

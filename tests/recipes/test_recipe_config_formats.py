@@ -11,9 +11,10 @@ import shutil
 
 import pytest
 
-from nnx_surgery.recipes.config import command_line, files, layering, resolution
+from nnx_surgery.recipes.config import command_line, layering
+from nnx_surgery.recipes.compress import files, resolution
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 # what the first format's files were made with (`--print-config` before the sectioned format)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nnx_surgery import distill
-from nnx_surgery.recipes.reporting import pairing_lines
+from nnx_surgery.recipes.compress.reporting import pairing_lines
 from recipe_env import TINY_TEACHER, recipe_env
 from recipe_env import RECIPE
 

@@ -18,10 +18,10 @@ RECIPE = os.path.join(ROOT, "recipes", "gemma_7b_to_2b.py")
 sys.path.insert(0, ROOT)
 
 from nnx_surgery import surgery  # noqa: E402
-from nnx_surgery.recipes import phase_configs, shape_search  # noqa: E402
-from nnx_surgery.recipes.config import resolution  # noqa: E402
-from nnx_surgery.recipes.refusals import RecipeError# noqa: E402
-from nnx_surgery.recipes.tiny_teacher import TEACHER_CONFIG  # noqa: E402
+from nnx_surgery.recipes.compress import phase_configs, shape_search  # noqa: E402
+from nnx_surgery.recipes.compress import resolution  # noqa: E402
+from nnx_surgery.refusals import RecipeError# noqa: E402
+from nnx_surgery.recipes.inputs.tiny_teacher import TEACHER_CONFIG  # noqa: E402
 
 # the tiny teacher of test_recipe.py / test_config_surface.py (same teacher settings: one cached teacher)
 TINY = [*TINY_TEACHER, "--calibration-samples", "8", "--steps", "3", "--kv-warmup", "0", "--control", "none",

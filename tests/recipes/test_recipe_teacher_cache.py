@@ -1,4 +1,4 @@
-"""The recipe's --teacher-cache (nnx_surgery/recipes/teacher_caching.py) at tiny scale: a shape search whose
+"""The recipe's --teacher-cache (nnx_surgery/recipes/compress/teacher_caching.py) at tiny scale: a shape search whose
 candidates train from one cache written by the run gives the search (every candidate's scores at every point) and
 the student of the same run with the teacher running; a cache from `nnx-surgery cache-teacher` serves every
 distillation phase; the CE control pairs with cached phases; results.json and results.md say which phases read a

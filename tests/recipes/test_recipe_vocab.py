@@ -137,10 +137,10 @@ def _restricted_teacher(teacher, out) -> tuple[float, float]:
     per token, and the restricted teacher's own CE per byte on the student's tokens."""
     import jax.numpy as jnp
 
-    from nnx_surgery import distill
+    from nnx_surgery import distill, evaluation
     from nnx_surgery import surgery
 
-    held = distill.HeldoutSet.from_texts("general", distill.general_prose("heldout"), teacher[0], seq_len=32,
+    held = evaluation.HeldoutSet.from_texts("general", distill.general_prose("heldout"), teacher[0], seq_len=32,
                                          max_tokens=256, seed=0).retokenised(str(out / "student"))
     kept = np.asarray(json.loads((out / "student" / "plan.json").read_text())["kept_vocab"])
     teacher_logits = np.asarray(surgery.load_pretrained(teacher[0])(jnp.asarray(kept[held.rows])).logits)
@@ -172,7 +172,7 @@ def test_staged_compression_trims_the_vocabulary_in_the_final_plan(teacher, tmp_
 
 
 def test_vocab_values_parse_and_bad_ones_are_one_line_and_exit_2(teacher, tmp_path):
-    from nnx_surgery.recipes import model_inputs
+    from nnx_surgery import model_inputs
     from nnx_surgery import surgery
 
     config = surgery.ModelConfig.from_file(teacher[0])

@@ -49,8 +49,8 @@ NONE_BY_DEFAULT = ("top_k", "eval_every", "logit_chunk", "logit_block", "logit_v
 def refuses(*argv: str) -> None:
     """The recipe's settings (`resolution.resolve`, which every compress run starts with and which writes
     nothing) refuse `argv` with a RecipeError (one line through `guarded`) or argparse's one-line exit 2."""
-    from nnx_surgery.recipes.config import resolution
-    from nnx_surgery.recipes.refusals import USER_ERRORS
+    from nnx_surgery.recipes.compress import resolution
+    from nnx_surgery.refusals import USER_ERRORS
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -1,5 +1,5 @@
 """The compress recipe's settings are resolved once into a frozen record: the configuration (resolution.resolve)
-and every value derived from it and the teacher (run_settings.resolve), for the tiny and gemma3-270m presets, without
+and every value derived from it and the teacher (run_settings.for_config), for the tiny and gemma3-270m presets, without
 loading weights or training (the tiny preset's dry-run teacher is its config alone; the gemma3-270m teacher here is
 its config.json and a small Gemma tokenizer)."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from nnx_surgery.recipes import run_settings  # noqa: E402
-from nnx_surgery.recipes.config import files, resolution  # noqa: E402
+from nnx_surgery.recipes.compress import run_settings  # noqa: E402
+from nnx_surgery.recipes.compress import files, resolution  # noqa: E402
 from tiny_tokenizers import save_gemma_tokenizer  # noqa: E402
 
 GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
@@ -48,7 +48,7 @@ def test_no_scratch_is_control_none():
 def test_the_tiny_preset_resolves_every_derived_value(tmp_path):
     config = resolution.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
                                  "--output", str(tmp_path / "run"), "--halt-after", "stage_b:5"])
-    run = run_settings.resolve(config)
+    run = run_settings.for_config(config)
     assert not os.path.exists(tmp_path / "run")  # resolving prepares nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.stages = None
@@ -83,7 +83,7 @@ def test_a_schedule_is_built_once_for_the_students_real_depth(tmp_path):
     config = resolution.resolve(["--preset", "tiny", "--dry-run", "--cache-dir", str(tmp_path / "cache"),
                                  "--output", str(tmp_path / "run"), "--schedule", "progressive", "--student",
                                  "layers=10,mlp=0.5"])
-    run = run_settings.resolve(config)
+    run = run_settings.for_config(config)
     frozen = [s.frozen for s in run.stages.main]  # 80% then 50% of the student's 10 layers frozen
     assert frozen == [("layers.{0-7}",), ("layers.{0-4}",), None]
     assert run.student.spec.num_layers == 10 and run.stages.kv_warmup is None  # 4 KV heads kept
@@ -96,7 +96,7 @@ def test_the_gemma3_270m_preset_resolves_every_derived_value(tmp_path):
     save_gemma_tokenizer(str(teacher))
     config = resolution.resolve(["--preset", "gemma3-270m", "--teacher", str(teacher), "--output",
                                  str(tmp_path / "run")])
-    run = run_settings.resolve(config)
+    run = run_settings.for_config(config)
     assert (run.teacher.source, run.teacher.folder, run.teacher.dtype) == (str(teacher), str(teacher), "float32")
     assert (config.training.warmup_steps, config.tokens_per_step, config.distill.eval_every, config.run.gguf) == \
         (2, 1024, 14, "q8_0")
@@ -133,7 +133,7 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
     assert all(getattr(tpu, section) == getattr(cpu, section) for section in same)
     assert (tpu.training.learning_rate, tpu.training.alpha, tpu.training.frozen, tpu.run.gguf) == \
         (cpu.training.learning_rate, cpu.training.alpha, cpu.training.frozen, cpu.run.gguf)
-    cpu_run, tpu_run = run_settings.resolve(cpu), run_settings.resolve(tpu)
+    cpu_run, tpu_run = run_settings.for_config(cpu), run_settings.for_config(tpu)
     assert tpu_run.student.spec == cpu_run.student.spec and tpu_run.teacher.dtype == "bfloat16"
     assert tpu_run.data.corpus and len(tpu_run.data.corpus) > len(cpu_run.data.corpus)  # the stdlib, more of it
     assert tpu_run.data.general_source == "packages"
@@ -141,7 +141,7 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
 
 def test_the_packaged_general_prose_is_refused_before_a_run_without_the_extra(tmp_path, monkeypatch):
     from nnx_surgery.distill.inputs import packaged_prose
-    from nnx_surgery.recipes.refusals import RecipeError
+    from nnx_surgery.refusals import RecipeError
 
     missing = packaged_prose.ProsePackage("no-such-prose-package", "1.0", "x", "x", "x", lambda path: [])
     monkeypatch.setattr(packaged_prose, "PACKAGES", (missing,))

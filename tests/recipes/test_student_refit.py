@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nnx_surgery import surgery
-from nnx_surgery.recipes import student_refit
+from nnx_surgery.recipes.compress import student_refit
 
 
 @pytest.mark.parametrize("seq_len, rows", [(32, 8), (256, 8), (1024, 8), (2048, 4), (4096, 2), (8192, 1),

@@ -444,7 +444,7 @@ class TokenBatches(RowStream):
 
     # ---------------------------------------------------------------------------- evaluation
     def eval_texts(self) -> list[str]:
-        """The held-out documents as text (a prompt/completion record joined), e.g. for `distill.evals.suite_scoring`'s prompts
+        """The held-out documents as text (a prompt/completion record joined), e.g. for `evaluation.suite_scoring`'s prompts
         and multiple-choice items. Only for pipelines built from text (from_files, from_records, ...)."""
         if self.eval_records is None:
             raise DataError("this TokenBatches was built from token arrays, so it has no held-out text; build it "

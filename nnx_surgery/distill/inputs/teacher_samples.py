@@ -30,8 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .topk_cache import final_hidden_and_head
+from ..interface import forward_inputs
 
+
+def final_hidden_and_head(model: Any, batch: Mapping[str, jax.Array], vocab_chunk: int):
+    """(the final hidden states (B, T, D), the head cut in chunks of `vocab_chunk` rows (n, C, D), zero-padded, and
+    the vocabulary size) of the teacher on a batch: what the top k and the draws stream over."""
+    hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
+    head = model.head_matrix()
+    vocab = head.shape[0]
+    chunk = min(vocab_chunk, vocab)
+    return hidden, jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, hidden.shape[-1]), vocab
 
 
 def _normaliser(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, vocab_size: int):

@@ -32,7 +32,9 @@ from flax import nnx
 
 from . import cache_format as fmt
 from .cache_format import CacheError
-from ..interface import forward_inputs
+from nnx_surgery.distill.inputs.batches import packed_batch
+from nnx_surgery.distill.mesh import put_batch, shard_model
+from nnx_surgery.distill.inputs.teacher_samples import final_hidden_and_head, sampled_function
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -66,16 +68,6 @@ def _block_topk(logits_fn: Callable, hidden: jax.Array, head_chunks: jax.Array, 
     logprobs = values - lse[:, None]
     mass = jnp.clip(jnp.sum(jnp.exp(logprobs), -1), 0.0, 1.0)
     return ids, logprobs, jnp.log1p(-mass)  # -inf when the top k hold all of it
-
-
-def final_hidden_and_head(model: Any, batch: Mapping[str, jax.Array], vocab_chunk: int):
-    """(the final hidden states (B, T, D), the head cut in chunks of `vocab_chunk` rows (n, C, D), zero-padded, and
-    the vocabulary size) of the teacher on a batch: what the top k and the draws stream over."""
-    hidden = model(batch["input_ids"], **forward_inputs(model, batch), return_logits=False).final_hidden
-    head = model.head_matrix()
-    vocab = head.shape[0]
-    chunk = min(vocab_chunk, vocab)
-    return hidden, jnp.pad(head, [(0, -vocab % chunk), (0, 0)]).reshape(-1, chunk, hidden.shape[-1]), vocab
 
 
 def topk_logprobs(model: Any, batch: Mapping[str, jax.Array], k: int, *, vocab_chunk: int = 8192,
@@ -238,7 +230,6 @@ def _shard_bytes(teacher_topk: Callable, rows: np.ndarray, weights: np.ndarray, 
                  return_segments: bool) -> bytes:
     from safetensors.numpy import save
 
-    from .batches import packed_batch
 
     parts = []
     for lo in range(0, len(rows), settings.batch_rows):
@@ -280,7 +271,6 @@ def write_cache(teacher: Any, batches: Any, folder: str, settings: CacheSettings
     os.makedirs(folder, exist_ok=True)
     done = _finished(folder, process, record, resume)
     if mesh is not None:
-        from ..mesh import put_batch, shard_model
         teacher = shard_model(teacher, mesh)
         put = lambda batch: put_batch(batch, mesh)  # noqa: E731
     else:
@@ -314,7 +304,6 @@ def _teacher_function(teacher: Any, settings: CacheSettings) -> Callable:
     """(batch, the rows' packed indices) -> the k slots of every token: the top k, or k draws (teacher_samples)."""
     chunks = dict(vocab_chunk=settings.vocab_chunk, block_rows=settings.block_rows)
     if settings.selection in DRAWN:
-        from .teacher_samples import sampled_function
         return sampled_function(teacher, settings.top_k, settings.sample_seed, mixed=settings.selection == "mixed",
                                 **chunks)
     top = topk_function(teacher, settings.top_k, **chunks)
@@ -456,7 +445,6 @@ class TeacherCache:
             for key, value in got.items():
                 parts.setdefault(key, np.empty((len(index), *value.shape[1:]), value.dtype))[where] = value
         flags = parts.pop("flags")
-        from .batches import packed_batch
         batch = packed_batch(parts.pop("input_ids").astype(np.int32), (flags >> 2) & 1, (flags & 3).astype(np.int8),
                              self.packing.get("return_segments", True))
         batch.update(fmt.decode(parts, self.encoding, self.vocab_size, self.top_k))

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .fallbacks import DivergenceError
-from .interruption import remove_unfinished_saves
+from ..interruption import remove_unfinished_saves
 
 
 def abstract_like(tree: Any) -> Any:

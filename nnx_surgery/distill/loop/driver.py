@@ -39,7 +39,7 @@ from .checkpointing import RunCheckpoints, by_step
 from .run_config import DistillConfig
 from .fallbacks import DivergenceError, Fallbacks
 from .guard import DivergenceGuard
-from .interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message
+from ..interruption import RunInterrupted, StopSignals, drop_torn_line, interruption_message
 from .feed import BatchFeed, processes
 from .feed import stack_batches as _stack  # noqa: F401 - tests import it from here
 from ..mesh import put_batch

@@ -18,6 +18,8 @@ from .on_policy import OnPolicyConfig
 from .subconfigs import (COUNT, COUNT0, GUARD_POLICIES, OOM_CHOICES, OOM_STEPS, REMAT, SHARE, CheckpointConfig,
                          GuardConfig, OOMConfig, OptimizerConfig, TargetsConfig, _checked)
 from ..trimmed_vocab import checked_vocab_map
+from nnx_surgery.distill.losses.topk_teacher import check_mode
+from nnx_surgery.distill.mesh import MeshError, parse_mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +201,6 @@ class DistillConfig:
         _checked("DistillConfig", self, grad_accum=COUNT, eval_batches=COUNT, seed=COUNT0, top_k=count_or_none,
                  eval_every=count_or_none, logit_chunk=count_or_none, logit_block=count_or_none,
                  logit_vocab_slice=count_or_none, jsd_beta=SHARE)
-        from ..losses.topk_teacher import check_mode
         check_mode(self.top_k_mode)
         if self.logit_impl not in ("fused", "reference", "two_pass"):
             raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused', 'two_pass' or 'reference'.")
@@ -236,7 +237,6 @@ class DistillConfig:
 
     def _check_mesh(self) -> None:
         """Mesh spec and batch checked when the config is made, not after the models are loaded (MeshError)."""
-        from ..mesh import MeshError, parse_mesh_spec
 
         if self.mesh_devices is not None and (isinstance(self.mesh_devices, bool)
                                               or not isinstance(self.mesh_devices, int) or self.mesh_devices < 1):

@@ -22,7 +22,7 @@ from flax import nnx
 from ..losses import term_registry as terms
 from .run_config import DistillConfig
 from ..interface import Correspondence, Sampler, check_model, correspondence_from_plan
-from .interruption import RunInterrupted
+from ..interruption import RunInterrupted
 from ..losses.representations import init_projections
 from ..mesh import check_mesh_fits, make_mesh, model_on_mesh, replicated, shard_model
 from .oom import OutOfMemoryError
@@ -30,6 +30,7 @@ from .schedules import resolve_epochs
 from ..trimmed_vocab import in_student_vocabulary
 from .driver import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
+from nnx_surgery.distill.loop.cache_replay import prepare
 
 log = logging.getLogger("distill")
 StudentT = TypeVar("StudentT", bound=nnx.Module)  # the student's class: `run` gives the same module back
@@ -176,7 +177,6 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
 
 def _from_cache(teacher: Any, student: Any, data: Any, config: DistillConfig) -> tuple[Any, DistillConfig]:
     """(the cache's data stream, the config with the cache's top k) of a run from `config.teacher_cache`."""
-    from .cache_replay import prepare
 
     if teacher is not None:
         raise ValueError(f"teacher_cache={config.teacher_cache!r} trains from the cached teacher: pass teacher=None "

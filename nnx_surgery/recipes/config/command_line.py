@@ -12,6 +12,7 @@ from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.layering import (MANAGED, PRESET_FILES, distill_fields, preset, term_option_fields,
                                                  term_weight_fields)
 from nnx_surgery.recipes.config.sections import SECTION_TITLES, SECTIONS
+from nnx_surgery.secrets import redact
 
 DISTILL_TITLE = "Distillation (the distill section: DistillConfig)"
 
@@ -24,7 +25,6 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        from nnx_surgery.recipes.secrets import redact
 
         print(redact(f"error: {message} (see `{self.prog} --help`)", sys.argv[1:]), file=sys.stderr)
         sys.exit(2)

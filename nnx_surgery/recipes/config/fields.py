@@ -75,14 +75,18 @@ def reader(kind: type | None, flag: str = "") -> Callable[[str], Any] | None:
 
 
 def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: Any = argparse.SUPPRESS,
-             help_default: str | None = None, help: str | None = None) -> None:
+             help_default: str | None = None, help: str | None = None, required: bool = False) -> None:
     """The flag of `item` (its declaration's name, spellings, reading, choices and action) on `group`, storing
     into `dest` (default: the dotted path). `default` SUPPRESS: only given flags reach the namespace; `help`: what
-    the setting means in this command, instead of the declaration's."""
+    the setting means in this command, instead of the declaration's; `required`: a command that cannot run
+    without it (its default then is no default)."""
     meta = item.meta
-    keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default,
-                                    help=help_text(item, help_default, help).replace("%", "%%"))
+    keywords: dict[str, Any] = dict(dest=dest or item.dest, default=default, required=required,
+                                    help=help_text(item, "required" if required else help_default,
+                                                   help).replace("%", "%%"))
     action = meta.get("action")
+    if action == "append" and isinstance(default, tuple):
+        keywords["default"] = list(default)  # argparse appends to it
     if action == "boolean":
         keywords["action"] = argparse.BooleanOptionalAction
     elif action:
@@ -98,6 +102,28 @@ def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: An
         flag, value, why = meta["shortcut"]
         group.add_argument(flag, dest=keywords["dest"], action="store_const", const=value, default=default,
                            help=why)
+
+
+def option_dest(item: Declared) -> str:
+    """Where a command's parser stores a declared setting: its flag's name (`--max-new-tokens` -> max_new_tokens)."""
+    return item.name.lstrip("-").replace("-", "_")
+
+
+def add_option(group: Any, item: Declared, help: str | None = None, required: bool = False) -> None:
+    """`item`'s flag for a command other than compress: stored under its flag's name, its declared default."""
+    add_flag(group, item, dest=option_dest(item), default=item.default, help=help, required=required)
+
+
+def refusals_of(args: argparse.Namespace, items: list[Declared]) -> list[str]:
+    """The values of `items` given in `args` (under their flags' names) that their declarations refuse: one line
+    each, naming the flag."""
+    errors = []
+    for item in items:
+        value = getattr(args, option_dest(item), None)
+        why = check(item, value)
+        if why:
+            errors.append(f"{item.name} {value}: {why}.")
+    return errors
 
 
 def help_text(item: Declared, default: str | None = None, help: str | None = None) -> str:
@@ -147,4 +173,4 @@ def _number(value: Any, kind: type) -> bool:
     return kind is float or float(value).is_integer()
 
 
-__all__ = ["Declared", "declared", "add_flag", "help_text", "default_text", "check", "reader"]
+__all__ = ["Declared", "declared", "add_flag", "add_option", "option_dest", "refusals_of", "help_text", "default_text", "check", "reader"]

@@ -26,7 +26,7 @@ from nnx_surgery.distill.loop.run_config import DistillConfig, moved_options
 from nnx_surgery.field_docs import documented
 from nnx_surgery.recipes.config import fields
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.refusals import RecipeError
+from nnx_surgery.refusals import RecipeError, wrong_kind
 
 FORMAT = "nnx-surgery recipe config 2"
 FIRST_FORMAT = "nnx-surgery recipe config 1"
@@ -85,7 +85,7 @@ def distill_fields() -> list[fields.Declared]:
 def every_field() -> list[fields.Declared]:
     """Every declared setting of a compress run: the sections', the loss terms' and the distill section's."""
     recipe = [item for name, kind in SECTIONS.items() for item in fields.declared(kind, (name,))
-              if item.path != ("training", "term_weights")]
+              if item.path[:2] != ("training", "term_weights")]  # the terms' registry declares their flags
     return recipe + term_weight_fields() + distill_fields() + term_option_fields()
 
 
@@ -266,5 +266,30 @@ def layered(given: Mapping[str, Any], file: Mapping[str, Any] | None, overrides:
     return tree
 
 
-__all__ = ["FORMAT", "FIRST_FORMAT", "MANAGED", "SCHEDULES", "every_field", "layered", "sectioned", "set_layer",
+
+def load_config_file(path: str) -> dict:
+    """A JSON or YAML (.yaml / .yml, needs pyyaml) mapping."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"--config {path}: {wrong_kind(path, 'file')}; give a JSON or YAML file of settings.")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise RecipeError(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise RecipeError(f"--config {path}: not valid YAML: {error}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise RecipeError(f"--config {path}: not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"--config {path}: the file must hold a mapping of settings, not {type(data).__name__}.")
+    return data
+
+__all__ = ["load_config_file", "FORMAT", "FIRST_FORMAT", "MANAGED", "SCHEDULES", "every_field", "layered", "sectioned", "set_layer",
            "freeze", "thaw", "merge", "put", "preset"]

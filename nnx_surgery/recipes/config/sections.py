@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 from nnx_surgery.field_docs import documented
+from nnx_surgery.recipes.config.loss_term_weights import TermWeights
 
 if TYPE_CHECKING:
     from nnx_surgery.distill.loop.run_config import DistillConfig
@@ -35,7 +36,7 @@ class RunSection:
                              "tests)", flag="--preset",
                              choices=PRESET_NAMES)
     output: str | None = documented(None, "run folder: student, plans, results, checkpoints, resolved_config.json",
-                                    flag="--output", saved=False)
+                                    flag="--output", also=("-o",), saved=False)
     resume: bool = documented(False, "continue an interrupted run in --output", flag="--resume",
                               action="store_true", saved=False)
     overwrite: bool = documented(False, "start over, deleting what is in --output", flag="--overwrite",
@@ -175,8 +176,8 @@ class TrainingSection:
                                   "3:1: soft targets first, then sharp)", flag="--temperature")
     loss: str = documented("kl", "the divergence to the teacher: forward KL (mass-covering, the standard), reverse "
                            "KL (mode-seeking), or JSD (bounded)", flag="--loss", choices=("kl", "reverse_kl", "jsd"))
-    term_weights: Mapping[str, float] = documented(help="the loss terms' weights beside the divergence (their "
-                                                   "flags: --<term>-weight)", factory=dict)
+    term_weights: TermWeights = documented(help="the loss terms' weights beside the divergence (their flags: "
+                                           "--<term>-weight)", factory=TermWeights)
     trainable: tuple[str, ...] | None = documented(None, "train only these parameters in every phase but the K/V "
                                                    "warm-up (e.g. 'layers.{6-8}.*'); repeatable", flag="--trainable",
                                                    action="append", metavar="PATTERN", none_means="everything")
@@ -222,6 +223,9 @@ class TrainingSection:
     @property
     def compute_dtype(self) -> str:
         return "bfloat16" if self.precision == "bf16" else "float32"
+
+    def __post_init__(self) -> None:  # the settings tree holds term weights as a mapping
+        object.__setattr__(self, "term_weights", TermWeights.of(self.term_weights))
 
 
 @dataclasses.dataclass(frozen=True)

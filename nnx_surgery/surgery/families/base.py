@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ..storage.errors import CheckpointError
+from nnx_surgery.surgery.families.errors import CheckpointError
 
 # The divisibility rule a family may impose beyond the universal one (query heads a multiple of the KV heads).
 HIDDEN_MULTIPLE_OF_HEADS = "hidden_size must be a multiple of num_attention_heads"

@@ -29,10 +29,10 @@ from typing import Any
 
 import math
 
-from ..modeling.config_values import FULL, SLIDING, ConfigError, Numbers, Rope, layer_types_given, legacy_rope, \
-    pattern_of, rope_entry
-from ..storage.errors import CheckpointError
-from ..modeling.schema import Tensor
+from nnx_surgery.surgery.families.config_values import (FULL, SLIDING, ConfigError, Numbers, Rope, layer_types_given,
+                                                        legacy_rope, pattern_of, rope_entry)
+from nnx_surgery.surgery.families.errors import CheckpointError
+from nnx_surgery.surgery.families.schema import Tensor
 from .base import Family, GGUFFormat, GGUFKeys
 
 H, G = ("heads", "head_dim"), ("kv_heads", "head_dim")

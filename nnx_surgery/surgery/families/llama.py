@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..modeling.config_values import FULL, SLIDING, ConfigError, Numbers, layer_types_given, legacy_rope
-from ..modeling.schema import Tensor
+from nnx_surgery.surgery.families.config_values import (FULL, SLIDING, ConfigError, Numbers, layer_types_given,
+                                                        legacy_rope)
+from nnx_surgery.surgery.families.schema import Tensor
 from .base import Family
 
 H, G = ("heads", "head_dim"), ("kv_heads", "head_dim")

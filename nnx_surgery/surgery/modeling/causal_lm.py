@@ -2,7 +2,7 @@
 Hugging Face checkpoint.
 
 One module per HF tensor group, with the same names, and every parameter made from its declaration in the
-family's tensor schema (nnx_surgery/surgery/modeling/schema.py, nnx_surgery/surgery/families/): a projection's NNX path is its HF tensor name
+family's tensor schema (nnx_surgery/surgery/families/schema.py, nnx_surgery/surgery/families/): a projection's NNX path is its HF tensor name
 without the `model.` prefix (`model.layers.3.self_attn.q_proj.weight` is `layers.3.self_attn.q_proj.weight`
 here); norms hold HF's `.weight` as `.scale`, and `embed_tokens` / `lm_head` are bare parameters. Every
 projection holds HF's own `[out, in]` weight, only reshaped to name its head axes (q_proj `(N, H, D)` is HF's
@@ -40,7 +40,7 @@ from .kv_cache import KVCache
 from .layer_remat import check_remat, checkpointed_layer
 from .splash import KERNELS, SegmentMask, applies, splash_attention, splash_available
 from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
-from .schema import declared, nnx_shape
+from nnx_surgery.surgery.families.schema import declared, nnx_shape
 from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding
 
 # residual: the stream before the first and after every layer; mid_residual: between attention and MLP;

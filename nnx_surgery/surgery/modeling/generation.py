@@ -9,17 +9,15 @@ import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .causal_lm import CausalLM
 from .kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from .causal_lm import CausalLM
 
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]], np.ndarray]
 Stop = Union[int, str, Sequence[Union[int, str]], None]

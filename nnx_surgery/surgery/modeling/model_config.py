@@ -14,9 +14,9 @@ import math
 import os
 from typing import Any
 
-from .config_values import FULL, SLIDING, ConfigError, Numbers, Rope
+from nnx_surgery.surgery.families.config_values import FULL, SLIDING, ConfigError, Numbers, Rope
 from ..families import ARCHITECTURES, BY_MODEL_TYPE, SUPPORTED_MODEL_TYPES, Family
-from .schema import bound_tensors, nnx_shape
+from nnx_surgery.surgery.families.schema import bound_tensors, nnx_shape
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {t: d for f in BY_MODEL_TYPE.values() for t, d in f.defaults.items()}
 # Keys whose explicit null still means "the default" (elsewhere null means "off", e.g. a soft-cap).

@@ -1,2 +1,2 @@
-"""Planning a student: the spec, the search space, importance scores, vocabulary selection, the
-planner, the plan record and its report."""
+"""Planning a student: importance scores (importance.py) and the planner (student_planner.py), which measures a
+plan's compensation by carrying it out (pruning), so it sits above pruning; the plan itself is surgery/plans/."""

@@ -30,8 +30,8 @@ from flax import nnx
 from ..storage.hf_checkpoint import gathered
 from ..modeling.model_config import ModelConfig
 from ..modeling.causal_lm import CausalLM
-from ..modeling.schema import bound_tensors, hf_shape_of, norm_tensors
-from ..pruning.tensor_readers import Reader
+from nnx_surgery.surgery.families.schema import bound_tensors, hf_shape_of, norm_tensors
+from nnx_surgery.surgery.storage.tensor_readers import Reader
 
 CAPTURE = ("residual", "mid_residual", "attention_outputs", "mlp_outputs", "head_outputs", "mlp_activations",
            "normed_inputs")

@@ -6,7 +6,7 @@ explicit index list, and every score that drove a choice is stored in the plan.
 Depth (`depth=`): "block_influence" (1 - cos(layer input, layer output) on calibration data), "loss" (increase of
 the calibration LM loss when the layer is skipped), or "uniform" (evenly spaced, data-free); the layers with the
 lowest scores go. Width (`width=`): "activation" (Minitron) or "magnitude" (data-free weight norms). Widths are
-uniform across layers. KV heads: see `surgery.planning.student_spec` ("select" or "merge", `kv_merge` "mean" or "importance").
+uniform across layers. KV heads: see `surgery.plans.student_spec` ("select" or "merge", `kv_merge` "mean" or "importance").
 
 Compensation (`compensate=True`), for families that multiply embeddings by sqrt(hidden_size)
 (`config.scales_embeddings`, e.g. Gemma): a narrower student would start its residual stream sqrt(H_s / H_t)
@@ -16,7 +16,7 @@ values, and when the embedding is also the (tied) LM head, 1 / c is folded into 
 every case, so it is on by default. Families that do not scale embeddings (Llama) need no embedding factor.
 
 Vocabulary (`StudentSpec(vocab_size=N)`, needs calibration): the special tokens, the byte pieces, then the pieces
-most frequent in the calibration data, closed under the BPE merges of the teacher's tokenizer.json (`surgery.planning.vocab_selection`);
+most frequent in the calibration data, closed under the BPE merges of the teacher's tokenizer.json (`surgery.plans.vocab_selection`);
 `plan.kept_vocab` lists them and `scores["vocab"]` says what was kept and dropped.
 
 `norm_correction=True` (needs calibration; any family) also multiplies every RMSNorm's effective weight by
@@ -40,10 +40,11 @@ from ..storage.hf_checkpoint import load_pretrained, resolve_source
 from ..modeling.model_config import ModelConfig
 from .importance import SCORES, ScoreInputs, calibration_batches
 from ..modeling.causal_lm import CausalLM
-from .plan_record import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
-from ..pruning.tensor_readers import DiskReader, MemoryReader, Reader
-from .student_spec import SpecError, StudentSpec
-from .vocab_selection import TeacherTokenizer, calibration_counts, choose_vocabulary, with_vocabulary
+from nnx_surgery.surgery.plans.plan_record import FORMAT_VERSION, Plan, PlanError, norm_names, teacher_fingerprint
+from nnx_surgery.surgery.storage.tensor_readers import DiskReader, MemoryReader, Reader
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
+from nnx_surgery.surgery.plans.vocab_selection import (TeacherTokenizer, calibration_counts, choose_vocabulary,
+                                                       with_vocabulary)
 
 KV_MERGES = ("mean", "importance")
 

@@ -18,11 +18,11 @@ from flax import nnx
 from ..storage.hf_checkpoint import read_nnx_block, save_pretrained
 from ..modeling.model_config import ConfigError, ModelConfig
 from ..modeling.causal_lm import CausalLM, abstract_model, parameter_sharding
-from ..planning.plan_record import Plan, PlanError
-from .tensor_readers import MemoryReader
-from ..planning.plan_report import student_files
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
+from nnx_surgery.surgery.storage.tensor_readers import MemoryReader
+from nnx_surgery.surgery.plans.plan_report import student_files
 from .tensor_slices import build, recipes
-from ..storage.tokenizer_files import student_tokenizer
+from nnx_surgery.surgery.pruning.tokenizer_files import student_tokenizer
 
 HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
 

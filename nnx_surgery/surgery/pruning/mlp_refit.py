@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from ..modeling.model_config import ConfigError
-from ..planning.plan_record import Plan
+from nnx_surgery.surgery.plans.plan_record import Plan
 from ..storage.hf_checkpoint import gathered
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -24,13 +24,13 @@ import numpy as np
 
 from ..storage.hf_checkpoint import checkpoint_dtype, resolve_dtype, resolve_source, write_hf_folder
 from ..modeling.model_config import ModelConfig
-from ..planning.plan_record import Plan
-from .tensor_readers import DiskReader
-from ..planning.plan_report import student_files
+from nnx_surgery.surgery.plans.plan_record import Plan
+from nnx_surgery.surgery.storage.tensor_readers import DiskReader
+from nnx_surgery.surgery.plans.plan_report import student_files
 from ..storage.safetensors_stream import PendingTensor
 from ..storage.shared_writes import multi_host, process_0_writes
 from .tensor_slices import build, recipes
-from ..storage.tokenizer_files import student_tokenizer
+from nnx_surgery.surgery.pruning.tokenizer_files import student_tokenizer
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 PRODUCE_AHEAD = 2  # student tensors built at once while one is written: one thread gathers while another reads

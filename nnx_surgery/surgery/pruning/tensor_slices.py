@@ -20,10 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from ..planning.plan_record import Plan
-from .tensor_readers import Reader
-from ..modeling.schema import bound_tensors, hf_shape_of
-from ..modeling.schema import nnx_shape as schema_nnx_shape
+from nnx_surgery.surgery.plans.plan_record import Plan
+from nnx_surgery.surgery.storage.tensor_readers import Reader
+from nnx_surgery.surgery.families.schema import bound_tensors, hf_shape_of
+from nnx_surgery.surgery.families.schema import nnx_shape as schema_nnx_shape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import CheckpointError
+from nnx_surgery.surgery.families.errors import CheckpointError
 
 
 @contextlib.contextmanager
@@ -36,7 +36,7 @@ def atomic_folder(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not a folder; choose another output path.")
     os.makedirs(parent, exist_ok=True)
-    _clean_leftovers(parent, base)
+    clean_leftovers(parent, base)
     if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it (it is "
                               "swapped out only once the new folder is complete), or choose another folder.")
@@ -100,7 +100,7 @@ def temp_prefix(base: str, kind: str, host: str | None = None, *, owner: bool = 
     return f"{start}{os.getpid()}-" if owner else start
 
 
-def _clean_leftovers(parent: str, base: str) -> None:
+def clean_leftovers(parent: str, base: str) -> None:
     """Remove `.base.partial-*` (folders, or files of `atomic_file`) of this host's dead writers; restore a
     `.base.old-*` a dead writer left when the folder itself is missing."""
     host = socket.gethostname()
@@ -130,7 +130,7 @@ def atomic_file(path: str) -> Iterator[str]:
         raise CheckpointError(f"{path} is a folder; give the path of the file to write.")
     try:
         os.makedirs(parent, exist_ok=True)
-        _clean_leftovers(parent, base)
+        clean_leftovers(parent, base)
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(base, "partial"), dir=parent)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot write in {parent} ({err.strerror}); choose a path in a writable "

@@ -35,7 +35,7 @@ import numpy as np
 from .dtypes import resolve_dtype, torch_dtype_name
 from ..modeling.model_config import ARCHITECTURES, ConfigError, ModelConfig
 from ..families import BY_GGUF_ARCHITECTURE, GGUFKeys, without_gguf
-from ..modeling.schema import bound_tensors, hf_shape_of
+from nnx_surgery.surgery.families.schema import bound_tensors, hf_shape_of
 from .gguf_vocab_reader import build_tokenizer, tokenizer_configs
 from .safetensors_stream import CheckpointError, PendingTensor, atomic_folder, write_json, write_model_files
 

@@ -29,7 +29,7 @@ from flax import nnx
 
 from ..modeling.model_config import ModelConfig
 from ..modeling.causal_lm import CausalLM, abstract_model
-from ..modeling.schema import bound_tensors
+from nnx_surgery.surgery.families.schema import bound_tensors
 from ..modeling.sharding import parameter_sharding
 from .block_reads import LoadJob, fill_parameters
 from .dtypes import STORED_DTYPES, resolve_dtype, torch_dtype_name  # noqa: F401  (re-exported)

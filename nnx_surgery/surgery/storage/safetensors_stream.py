@@ -21,7 +21,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; needed before re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
+from nnx_surgery.surgery.families.errors import CheckpointError
 from .atomic import atomic_folder, write_json  # noqa: F401  (re-exported: writers import them from here)
 from .host_buffers import ALIGN, aligned_copy, aligned_empty
 from .pipeline import work_ahead

@@ -221,14 +221,14 @@ def test_command_writes_resumes_and_refuses(w):
                         str(w["base"] / "n3")), "TEACHER")
     assert_refused(*run(*_cache_args(w, str(w["base"] / "n4"), "--resume")), "--resume")
     assert not any(os.path.exists(w["base"] / name) for name in ("n1", "n2", "n3", "n4"))
-    # --selection sampled: k draws of the distribution, resumed under the same settings only
+    # --cache-selection sampled: k draws of the distribution, resumed under the same settings only
     drawn = str(w["base"] / "drawn")
-    code, printed, err = run(*_cache_args(w, drawn, "--selection", "sampled"))
+    code, printed, err = run(*_cache_args(w, drawn, "--cache-selection", "sampled"))
     assert code == 0 and "8 draws of" in printed, err
     assert TeacherCache.open(drawn).selection == "sampled"
     assert_refused(*run(*_cache_args(w, drawn, "--resume")), "in the cache but None here", started=True)
-    mixed = str(w["base"] / "mixed")  # --selection mixed: the top k/2 and draws of the rest
-    code, printed, err = run(*_cache_args(w, mixed, "--selection", "mixed"))
+    mixed = str(w["base"] / "mixed")  # --cache-selection mixed: the top k/2 and draws of the rest
+    code, printed, err = run(*_cache_args(w, mixed, "--cache-selection", "mixed"))
     assert code == 0 and "top 4 and 4 draws of the rest of" in printed, err
     assert TeacherCache.open(mixed).selection == "mixed"
 

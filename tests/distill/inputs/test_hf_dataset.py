@@ -162,7 +162,9 @@ def test_recipe_data_flag_reads_a_local_dataset(sources, tmp_path):
     """`--data hf:SPEC`: the recipe's loader with a teacher folder holding the byte tokenizer."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     sys.path.insert(0, root)
-    from nnx_surgery.recipes import corpus, model_inputs, refusals
+    from nnx_surgery.recipes.inputs import corpus
+    from nnx_surgery import model_inputs
+    from nnx_surgery import refusals
 
     teacher = save_byte_tokenizer(tmp_path / "teacher")
     with open(os.path.join(teacher, "config.json"), "w") as handle:

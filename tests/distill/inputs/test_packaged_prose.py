@@ -18,7 +18,7 @@ from nnx_surgery import distill
 from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.distill.inputs.packaged_prose import ProsePackage
-from nnx_surgery.recipes import final_eval
+from nnx_surgery.evaluation import final_eval
 
 VERSES = [("01001001", "1", "1", "1", "In the beginning God{a footnote.} created the heavens and the earth."),
           ("01001002", "1", "1", "2", "Now the earth was formless and empty."),

@@ -11,8 +11,8 @@ import pytest
 from nnx_surgery import distill
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.distill.inputs.source_reads import reads_line, source_table
-from nnx_surgery.recipes import corpus
-from nnx_surgery.recipes.reporting import results_table
+from nnx_surgery.recipes.inputs import corpus
+from nnx_surgery.recipes.compress.reporting import results_table
 
 CODE = [f"def f{i}():\n" + "    return 1\n" * (3 + i % 7) for i in range(24)]
 PROSE = [f"Chapter {i}. " + "The words of a plain story go on. " * (4 + i % 5) for i in range(6)]
@@ -128,7 +128,7 @@ def test_the_results_table_says_how_often_each_source_was_read():
 def test_the_recipe_counts_the_distillations_rows_and_prints_one_line(folder, capsys):
     from types import SimpleNamespace
 
-    from nnx_surgery.recipes import run_phases
+    from nnx_surgery.recipes.compress import run_phases
 
     data = stream(folder, copies=2)
     start = data.state()

@@ -163,7 +163,7 @@ def test_distill_command_trains_from_the_cache_as_online_top_k(w):
     assert command("cache-teacher", w["teacher"], *data, "--top-k", "8", "--encoding", "exact", "--output",
                    cache)[0] == 0
     losses = {}
-    for name, extra in (("online", ("--top-k", "8")), ("cached", ("--teacher-cache", cache))):
+    for name, extra in (("online", ("--top-k", "8")), ("cached", ("--teacher-cache-folder", cache))):
         out = str(w["base"] / name)
         code, printed, err = command("distill", w["teacher"], w["teacher"], *data, "--steps", "2", "--output", out,
                                      *extra)
@@ -174,11 +174,11 @@ def test_distill_command_trains_from_the_cache_as_online_top_k(w):
     np.testing.assert_allclose(losses["cached"], losses["online"], rtol=1e-5)
     assert_refused(*command("distill", w["teacher"], w["teacher"], "--data", w["data"], "--seq-len", "16",
                             "--batch-size", "4", "--steps", "1", "--output", str(w["base"] / "n1"),
-                            "--teacher-cache", cache), "seq_len 32, not 16", started=True)
+                            "--teacher-cache-folder", cache), "seq_len 32, not 16", started=True)
 
 
 def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
-    """`cache-teacher --student` writes the teacher's top k over a trimmed student's pieces, in its tokens; the
+    """`cache-teacher --student-folder` writes the teacher's top k over a trimmed student's pieces, in its tokens; the
     student trains from it as online top-k distillation through the teacher in its vocabulary does, and a cache
     in another vocabulary is refused in one line."""
     import json
@@ -195,12 +195,13 @@ def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
                    "8", "--output", plan)[0] == 0
     assert command("prune", w["teacher"], plan, student)[0] == 0
     cache = str(w["base"] / "trimmed-cache")
-    code, printed, err = command("cache-teacher", w["teacher"], "--student", student, *data, "--top-k", "8",
+    code, printed, err = command("cache-teacher", w["teacher"], "--student-folder", student, *data, "--top-k", "8",
                                  "--encoding", "exact", "--output", cache)
     assert code == 0, err
     assert "top 8 of 300 " in printed and TeacherCache.open(cache).vocab_size == 300
     losses = {}
-    for name, extra in (("trimmed-online", ("--top-k", "8")), ("trimmed-cached", ("--teacher-cache", cache))):
+    for name, extra in (("trimmed-online", ("--top-k", "8")),
+                        ("trimmed-cached", ("--teacher-cache-folder", cache))):
         out = str(w["base"] / name)
         code, _, err = command("distill", w["teacher"], student, *data, "--steps", "2", "--output", out, *extra)
         assert code == 0, err
@@ -209,7 +210,7 @@ def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
     np.testing.assert_allclose(losses["trimmed-cached"], losses["trimmed-online"], rtol=1e-5)
     # the teacher's own vocabulary against this cache: refused (its tokenizer is not the one the rows were read with)
     assert_refused(*command("distill", w["teacher"], w["teacher"], *data, "--steps", "1", "--output",
-                            str(w["base"] / "n-trim"), "--teacher-cache", cache), "--teacher-cache")
+                            str(w["base"] / "n-trim"), "--teacher-cache-folder", cache), "--teacher-cache-folder")
     # the run's map against the cache's, through the API: another trimmed map, or none
     model = surgery.load_pretrained(student, dtype="float32")
     kept = surgery.Plan.load(plan).kept_vocab

@@ -10,7 +10,7 @@ from flax import nnx
 import nnx_surgery.distill.loop.train_step as step_lib
 from nnx_surgery.distill.loop.run_config import DistillConfig, Stage
 from nnx_surgery.distill.inputs.batches import TokenBatches
-from nnx_surgery.distill.evals.perplexity import agreement_and_kl, heldout_loss
+from nnx_surgery.evaluation.perplexity import agreement_and_kl, heldout_loss
 from nnx_surgery.distill.loop.freeze import split_trainable
 from nnx_surgery.distill.interface import Correspondence, forward_inputs, next_token_targets
 from nnx_surgery.distill.losses.divergence import LogitLossSettings

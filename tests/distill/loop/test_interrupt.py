@@ -32,7 +32,7 @@ UNFINISHED = ".orbax-checkpoint-tmp"
 
 # ---------------------------------------------------------------------------------------------- the child
 def _stop_requested() -> bool:
-    """Whether the run's SIGINT handler (distill.loop.interruption.StopSignals) has noted a signal."""
+    """Whether the run's SIGINT handler (distill.interruption.StopSignals) has noted a signal."""
     return getattr(getattr(signal.getsignal(signal.SIGINT), "__self__", None), "received", None) is not None
 
 
@@ -227,7 +227,7 @@ def _assert_same_as_reference(reference, out) -> dict:
 
 
 def test_stop_signals_note_the_first_signal_raise_on_the_second_and_restore_the_handlers():
-    from nnx_surgery.distill.loop.interruption import StopSignals
+    from nnx_surgery.distill.interruption import StopSignals
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with StopSignals() as stop:

@@ -139,8 +139,9 @@ def test_a_term_with_an_option_is_one_registration(registry, monkeypatch):
     assert record["loss/scaled_gap"] == pytest.approx(3.0 * gap, rel=1e-4)  # the metric before the update
     assert record["loss"] == pytest.approx(record["loss/logit"] + 2.0 * record["loss/scaled_gap"], rel=1e-5)
 
-    from nnx_surgery.recipes import phase_configs
-    from nnx_surgery.recipes.config import command_line, resolution
+    from nnx_surgery.recipes.compress import phase_configs
+    from nnx_surgery.recipes.config import command_line
+    from nnx_surgery.recipes.compress import resolution
 
     flags = {name for action in command_line.build_parser()._actions for name in action.option_strings}
     assert {"--scaled-gap-weight", "--feature-weight", "--cosine-weight", "--attention-weight",

@@ -12,7 +12,7 @@ from nnx_surgery.surgery import CheckpointError, ConfigError, ModelConfig, SpecE
 from nnx_surgery.surgery.families import BY_GGUF_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, GEMMA, \
     HIDDEN_MULTIPLE_OF_HEADS, LLAMA
 from nnx_surgery.surgery.storage.gguf_import import GGUFFile, hf_config_dict
-from nnx_surgery.surgery.storage.gguf_export import add_model_metadata, check_exportable
+from nnx_surgery.export.gguf_export import add_model_metadata, check_exportable
 
 SIZES = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=6, num_attention_heads=8,
              num_key_value_heads=4, head_dim=8)

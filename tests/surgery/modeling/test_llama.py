@@ -19,7 +19,7 @@ from nnx_surgery.surgery import load_pretrained, save_pretrained  # noqa: E402
 from nnx_surgery.surgery.pruning.in_memory import apply_plan  # noqa: E402
 from nnx_surgery.surgery.modeling.model_config import ConfigError, ModelConfig  # noqa: E402
 from nnx_surgery.surgery.planning.student_planner import plan_student  # noqa: E402
-from nnx_surgery.surgery.planning.student_spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery.plans.student_spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=21)  # longer than the sliding windows (5) and the llama3 context (16)
 

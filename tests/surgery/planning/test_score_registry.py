@@ -5,7 +5,7 @@ import pytest
 from nnx_surgery.surgery import ModelConfig, create_model
 from nnx_surgery.surgery.planning.importance import SCORES, Score, register_score
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.planning.student_spec import SpecError, StudentSpec
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
 
 CONFIG = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))

@@ -6,9 +6,9 @@ import torch
 import transformers
 
 from nnx_surgery.surgery import ModelConfig
-from nnx_surgery.surgery.planning.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget,
-                                                       uniform_spec)
-from nnx_surgery.surgery.planning.student_spec import SpecError, StudentSpec
+from nnx_surgery.surgery.plans.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget,
+                                                    uniform_spec)
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
 
 from hf_reference import LLAMA_FAMILIES, tiny_config
 

@@ -6,10 +6,10 @@ import pytest
 
 from nnx_surgery.surgery import ModelConfig, create_model, save_pretrained
 from nnx_surgery.surgery.pruning.in_memory import apply_plan
-from nnx_surgery.surgery.planning.plan_record import Plan, PlanError
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
 from nnx_surgery.surgery.planning.student_planner import plan_student
 from nnx_surgery.surgery.pruning.on_disk import prune_checkpoint
-from nnx_surgery.surgery.planning.student_spec import NAMED_SHAPES, SpecError, StudentSpec
+from nnx_surgery.surgery.plans.student_spec import NAMED_SHAPES, SpecError, StudentSpec
 
 
 def config(model_type="gemma2", **changes) -> ModelConfig:

@@ -18,13 +18,13 @@ from tiny_tokenizers import SAVERS, stdlib_text  # noqa: E402
 
 from nnx_surgery.surgery import ModelConfig, load_pretrained  # noqa: E402
 from nnx_surgery.surgery.pruning.in_memory import apply_plan, save_student  # noqa: E402
-from nnx_surgery.surgery.planning.plan_record import Plan, PlanError  # noqa: E402
+from nnx_surgery.surgery.plans.plan_record import Plan, PlanError  # noqa: E402
 from nnx_surgery.surgery.planning.student_planner import plan_student  # noqa: E402
 from nnx_surgery.surgery.pruning.on_disk import prune_checkpoint  # noqa: E402
-from nnx_surgery.surgery.planning.plan_report import format_report  # noqa: E402
-from nnx_surgery.surgery.planning.student_spec import SpecError, StudentSpec  # noqa: E402
-from nnx_surgery.surgery.planning.vocab_selection import (TeacherTokenizer, calibration_counts, choose_vocabulary)  # noqa: E402
-from nnx_surgery.surgery.storage.tokenizer_files import trimmed_tokenizer_json  # noqa: E402
+from nnx_surgery.surgery.plans.plan_report import format_report  # noqa: E402
+from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec  # noqa: E402
+from nnx_surgery.surgery.plans.vocab_selection import TeacherTokenizer, calibration_counts, choose_vocabulary  # noqa: E402
+from nnx_surgery.surgery.pruning.tokenizer_files import trimmed_tokenizer_json  # noqa: E402
 
 CALIBRATION = ("fnmatch.py", "glob.py", "genericpath.py", "tabnanny.py")
 HELD_OUT = ("posixpath.py", "copy.py")

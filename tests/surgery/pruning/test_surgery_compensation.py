@@ -9,8 +9,8 @@ from nnx_surgery.surgery import ModelConfig, create_model
 from nnx_surgery.surgery.pruning.in_memory import apply_plan
 from nnx_surgery.surgery.planning.importance import activation_stats, calibration_batches
 from nnx_surgery.surgery.planning.student_planner import plan_student
-from nnx_surgery.surgery.pruning.tensor_readers import MemoryReader
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.storage.tensor_readers import MemoryReader
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}

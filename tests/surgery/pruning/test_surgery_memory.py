@@ -21,7 +21,7 @@ from nnx_surgery.surgery.storage.hf_checkpoint import hf_shape, tensor_table
 from nnx_surgery.surgery.modeling.model_config import ModelConfig
 from nnx_surgery.surgery.storage.safetensors_stream import PendingTensor, write_json, write_model_files
 from nnx_surgery.surgery.pruning.tensor_slices import nnx_shape
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 # The peak is the child's own high-water mark, so these run beside other tests (measured under a 2-core load:
 # the same bounds held).
@@ -59,10 +59,10 @@ def write_teacher(folder: str) -> ModelConfig:
 PHASE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from nnx_surgery.surgery.planning.plan_record import Plan
+    from nnx_surgery.surgery.plans.plan_record import Plan
     from nnx_surgery.surgery.planning.student_planner import plan_student
     from nnx_surgery.surgery.pruning.on_disk import prune_checkpoint
-    from nnx_surgery.surgery.planning.student_spec import StudentSpec
+    from nnx_surgery.surgery.plans.student_spec import StudentSpec
     jax.devices()  # initialise the runtime before the baseline
     phase, src, spec, plan_path, dst = sys.argv[1:6]
     plan = Plan.load(plan_path) if phase == "prune" else None

@@ -17,7 +17,7 @@ from hf_reference import FAMILIES, make_hf_model, sample_ids, save_hf  # noqa: E
 from nnx_surgery.surgery import load_pretrained  # noqa: E402
 from nnx_surgery.surgery.pruning.in_memory import apply_plan  # noqa: E402
 from nnx_surgery.surgery.planning.student_planner import plan_student  # noqa: E402
-from nnx_surgery.surgery.planning.student_spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery.plans.student_spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=13)
 CALIBRATION = np.random.default_rng(7).integers(0, 96, (8, 16))

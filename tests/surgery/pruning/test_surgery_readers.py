@@ -15,10 +15,10 @@ from nnx_surgery.surgery.storage.hf_checkpoint import tensor_table
 from nnx_surgery.surgery.modeling.model_config import SUPPORTED_MODEL_TYPES
 from nnx_surgery.surgery.planning.student_planner import plan_student
 from nnx_surgery.surgery.pruning.on_disk import prune_checkpoint
-from nnx_surgery.surgery.pruning.tensor_readers import DiskReader, MemoryReader, Reader, expected_hf_shapes
+from nnx_surgery.surgery.storage.tensor_readers import DiskReader, MemoryReader, Reader, expected_hf_shapes
 from nnx_surgery.surgery.storage.safetensors_stream import CheckpointError
 from nnx_surgery.surgery.pruning.tensor_slices import head_rows
-from nnx_surgery.surgery.planning.student_spec import StudentSpec
+from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 8,

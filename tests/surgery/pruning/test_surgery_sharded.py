@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from nnx_surgery.surgery.pruning.mlp_refit import refit_mlp
     from nnx_surgery.surgery.modeling.causal_lm import parameter_sharding
     from nnx_surgery.surgery.planning.student_planner import plan_student
-    from nnx_surgery.surgery.planning.student_spec import StudentSpec
+    from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
     config = ModelConfig.from_hf_dict({
         "model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

@@ -15,11 +15,11 @@ from hf_reference import (FAMILIES, assert_clean_loading, hf_logits, load_with_i
 
 from nnx_surgery.surgery import ModelConfig, load_pretrained  # noqa: E402
 from nnx_surgery.surgery.pruning.in_memory import apply_plan, save_student  # noqa: E402
-from nnx_surgery.surgery.planning.plan_record import Plan  # noqa: E402
+from nnx_surgery.surgery.plans.plan_record import Plan  # noqa: E402
 from nnx_surgery.surgery.planning.student_planner import plan_student  # noqa: E402
 from nnx_surgery.surgery.pruning.on_disk import prune_checkpoint  # noqa: E402
-from nnx_surgery.surgery.planning.plan_report import format_report  # noqa: E402
-from nnx_surgery.surgery.planning.student_spec import StudentSpec  # noqa: E402
+from nnx_surgery.surgery.plans.plan_report import format_report  # noqa: E402
+from nnx_surgery.surgery.plans.student_spec import StudentSpec  # noqa: E402
 
 IDS = sample_ids(batch=2, length=11)
 CALIBRATION = np.random.default_rng(11).integers(0, 96, (8, 16))  # one batch: one compile

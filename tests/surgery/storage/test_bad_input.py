@@ -288,7 +288,7 @@ def world(good, tmp_path_factory):
     """What the rows share: the good teacher loaded, a data-free plan for it, and another teacher of the same
     shapes with other weights (same config, seed 4)."""
     from nnx_surgery.surgery.planning.student_planner import plan_student
-    from nnx_surgery.surgery.planning.student_spec import StudentSpec
+    from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
     other = tmp_path_factory.mktemp("other")
     make_hf_model("gemma2", seed=4, num_hidden_layers=2, layer_types=None).save_pretrained(other)
@@ -379,14 +379,14 @@ def _config(culprits, **changes):
 # ------------------------------------------------------------------------------------------------ specs
 def _spec(**changes):
     def make(w, ckpt, tmp):
-        from nnx_surgery.surgery.planning.student_spec import StudentSpec
+        from nnx_surgery.surgery.plans.student_spec import StudentSpec
         return lambda: StudentSpec(**{**SPEC, **changes}), tuple(f"{k}={v!r}" for k, v in changes.items())
     return make
 
 
 def _spec_against(culprits, kv_mode="auto", **changes):
     def make(w, ckpt, tmp):
-        from nnx_surgery.surgery.planning.student_spec import StudentSpec
+        from nnx_surgery.surgery.plans.student_spec import StudentSpec
         return lambda: StudentSpec(**{**SPEC, **changes}).check_against(w["teacher"].config, kv_mode), culprits
     return make
 
@@ -396,7 +396,7 @@ def _call(fn, *culprits):
 
 
 def _named_shape_other_head_dim(w, tmp):
-    from nnx_surgery.surgery.planning.student_spec import StudentSpec
+    from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
     big = ModelConfig.from_hf_dict({"model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640,
                                     "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -407,7 +407,7 @@ def _named_shape_other_head_dim(w, tmp):
 def _plan_student(**kwargs):
     def fn(w, tmp):
         from nnx_surgery.surgery.planning.student_planner import plan_student
-        from nnx_surgery.surgery.planning.student_spec import StudentSpec
+        from nnx_surgery.surgery.plans.student_spec import StudentSpec
         return plan_student(w["teacher"], StudentSpec(**SPEC), **kwargs)
     return fn
 
@@ -415,7 +415,7 @@ def _plan_student(**kwargs):
 # ------------------------------------------------------------------------------------------------ plans
 def _edited_plan(edit, culprits):
     def make(w, ckpt, tmp):
-        from nnx_surgery.surgery.planning.plan_record import Plan
+        from nnx_surgery.surgery.plans.plan_record import Plan
 
         data = json.loads(w["plan"].to_json())
         edit(data)
@@ -427,7 +427,7 @@ def _edited_plan(edit, culprits):
 
 def _plan_file(content, culprits):
     def make(w, ckpt, tmp):
-        from nnx_surgery.surgery.planning.plan_record import Plan
+        from nnx_surgery.surgery.plans.plan_record import Plan
 
         path = tmp / "plan.json"
         if content is not None:
@@ -448,7 +448,7 @@ def _other_teacher_on_disk(w, tmp):
 
 def _plan_for_other_config(w, tmp):
     from nnx_surgery.surgery.pruning.in_memory import apply_plan
-    from nnx_surgery.surgery.planning.plan_record import Plan
+    from nnx_surgery.surgery.plans.plan_record import Plan
 
     data = json.loads(w["plan"].to_json())
     data["teacher"]["config"]["rms_norm_eps"] = 1e-5
@@ -552,8 +552,8 @@ def _prune(w, out):
 def _errors():
     from nnx_surgery.distill.mesh import MeshError
     from nnx_surgery.distill.inputs.sources import DataError
-    from nnx_surgery.surgery.planning.plan_record import PlanError
-    from nnx_surgery.surgery.planning.student_spec import SpecError
+    from nnx_surgery.surgery.plans.plan_record import PlanError
+    from nnx_surgery.surgery.plans.student_spec import SpecError
     return MeshError, DataError, PlanError, SpecError
 
 
@@ -596,7 +596,7 @@ CASES = {
     "spec zero layers": (SpecError, _spec(num_layers=0)),
     "spec boolean size": (SpecError, _spec(hidden_size=True)),
     "spec heads not a multiple of KV heads": (SpecError, _spec(num_attention_heads=4, num_key_value_heads=3)),
-    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.planning.student_spec").surgery.planning.student_spec.StudentSpec.named(
+    "spec unknown named shape": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec.named(
         "gemma-99b"), "'gemma-99b'")),
     "spec larger than the teacher": (SpecError, _spec_against(("num_layers=3", "num_hidden_layers=2"), num_layers=3)),
     "spec hidden not a multiple of heads": (SpecError, _spec_against(("hidden_size=30",), hidden_size=30,
@@ -604,9 +604,9 @@ CASES = {
     "spec unknown kv_mode": (SpecError, _spec_against(("kv_mode='bogus'",), kv_mode="bogus")),
     "spec select impossible": (SpecError, _spec_against(("kv_mode='select'", "4 query heads"), kv_mode="select",
                                                         num_attention_heads=4, hidden_size=24)),
-    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.planning.student_spec").surgery.planning.student_spec.StudentSpec.from_dict(
+    "spec unknown field": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec.from_dict(
         {**SPEC, "depth": 2}), "depth")),
-    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.planning.student_spec").surgery.planning.student_spec.StudentSpec
+    "spec scaling fraction above 1": (SpecError, _call(lambda w, tmp: __import__("nnx_surgery.surgery.plans.student_spec").surgery.plans.student_spec.StudentSpec
                                                        .scaled(w["teacher"].config, depth=1.5), "1.5")),
     "spec named shape with another head_dim": (SpecError, _call(_named_shape_other_head_dim, "head_dim 256",
                                                                 "head_dim 160")),

@@ -19,7 +19,7 @@ import nnx_surgery.surgery.storage.block_reads as block_reads
 import nnx_surgery.surgery.storage.host_buffers as host_buffers
 from nnx_surgery.surgery import load_pretrained, save_pretrained
 from nnx_surgery.surgery.storage.pipeline import work_ahead
-from nnx_surgery.surgery.pruning.tensor_readers import DiskReader, Reader, row_runs
+from nnx_surgery.surgery.storage.tensor_readers import DiskReader, Reader, row_runs
 from nnx_surgery.surgery.storage.safetensors_stream import (ALIGN, CheckpointError, PendingTensor, RowSlice,
                                                             open_safetensors, write_safetensors)
 
