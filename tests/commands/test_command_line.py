@@ -306,6 +306,7 @@ def bad_inputs(w: dict) -> list[tuple[list[str], str]]:
         (["export-gguf", w["teacher"], missing + ".gguf", "--dtype", "q4_k_m"], "--dtype"),
         (["export-gguf", missing, missing + ".gguf"], "FOLDER"),
         (["push", missing, "alice/x"], missing),
+        (["push", w["student"], "alice/x", "--public", "--private"], "--private"),  # a contradiction, refused
     ]
 
 

@@ -97,6 +97,8 @@ def add_flag(group: Any, item: Declared, *, dest: str | None = None, default: An
             keywords["choices"] = meta["choices"]
         if meta.get("metavar") or not meta.get("choices"):  # not the dotted destination
             keywords["metavar"] = meta.get("metavar") or item.name.lstrip("-").replace("-", "_").upper()
+    if meta.get("shortcut"):  # the flag and its shortcut set one setting: both given is a contradiction, refused
+        group = group.add_mutually_exclusive_group()
     group.add_argument(item.flag, *meta.get("also", ()), **keywords)
     if meta.get("shortcut"):
         flag, value, why = meta["shortcut"]
