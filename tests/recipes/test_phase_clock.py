@@ -44,6 +44,23 @@ def test_a_resumed_run_counts_every_commands_phases(tmp_path, monkeypatch):
                     "evaluation 236 s, 200 s in phases a stopped command did not finish; 705 s in all.")
 
 
+def test_nothing_is_written_before_the_first_phase_ends(tmp_path, monkeypatch):
+    """A command refused or failing before its first phase leaves the run folder as it found it."""
+    _command(tmp_path, 5.0, [], monkeypatch, stop_at=3)
+    assert not (tmp_path / phase_clock.FILE).exists()
+    _command(tmp_path, 10.0, [("teacher and data", 2)], monkeypatch, stop_at=4)
+    assert json.loads((tmp_path / phase_clock.FILE).read_text())["commands"][0]["unfinished_s"] == 2.0
+
+
+def test_a_write_that_fails_leaves_the_runs_own_error_to_report(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(phase_clock, "write_json", full_disk)
+    clock = _command(tmp_path, 1.0, [("teacher and data", 2)], monkeypatch, stop_at=3)  # no error raised
+    assert clock.totals()["phases"] == {"teacher and data": 2.0}
+
+
 def test_a_run_in_one_command_reads_as_before(tmp_path, monkeypatch):
     clock = _command(tmp_path, 10.0, [("teacher and data", 5), ("evaluation", 12)], monkeypatch)
     totals = clock.totals()

@@ -5,9 +5,15 @@ A run on a machine that limits each command (a TPU lease's 10 minutes, a preempt
 every phase): a resumed command adds its own, and the run's report gives each phase's time summed over the
 commands, the number of commands and the time a stopped command spent in a phase it did not finish, so that the
 times add up to the run's whole wall time.
+
+Nothing is written before the command's first phase ends: until then the folder holds no run to resume, and a run
+refused or failing there leaves its folder as it found it (empty folders it made are removed). A command that ends
+before its first phase (a refusal, a kill) is not counted. The record is best effort: a write that fails (a full
+disk) is skipped, so that the run's own error is the one reported.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,6 +33,7 @@ class PhaseClock:
         self._last = start
         self._earlier: list[dict] = []
         self._path: str | None = None
+        self._written = False  # this command's record is in the file (after its first phase)
 
     def keep_in(self, folder: str) -> None:
         """Read the earlier commands' phases from `folder` and write this command's there after each phase."""
@@ -34,7 +41,6 @@ class PhaseClock:
         if os.path.exists(self._path):
             with open(self._path) as handle:
                 self._earlier = list(json.load(handle).get("commands", []))
-        self._save()
 
     def lap(self, name: str) -> None:
         now = time.time()
@@ -43,8 +49,10 @@ class PhaseClock:
         self._save()
 
     def stop(self) -> None:
-        """The command ends (finished, stopped or failed): the time since its last phase is kept as unfinished."""
-        self._save(stopping=True)
+        """The command ends (finished, stopped or failed): the time since its last phase is kept as unfinished
+        (where the command has a record: it finished a phase)."""
+        if self._written:
+            self._save(stopping=True)
 
     def _record(self, stopping: bool = False) -> dict:
         now = time.time()
@@ -55,7 +63,9 @@ class PhaseClock:
 
     def _save(self, stopping: bool = False) -> None:
         if self._path is not None:
-            write_json(self._path, {"commands": [*self._earlier, self._record(stopping)]})
+            with contextlib.suppress(OSError):  # best effort (module docstring)
+                write_json(self._path, {"commands": [*self._earlier, self._record(stopping)]})
+                self._written = True
 
     def totals(self) -> dict:
         """Each phase's seconds summed over the run's commands (this one included), in the order they first
