@@ -89,14 +89,14 @@ def _count_cache_event(event: str, **_: Any) -> None:
 jax.monitoring.register_event_listener(_count_cache_event)
 
 
-def compile_report(compiled: Any, seconds: float, cache_before: dict[str, int] | None = None) -> dict[str, Any]:
+def compile_report(compiled: Any, seconds: float, hits_before: int | None = None) -> dict[str, Any]:
     """What the step's compile took (a persistent compilation cache hit takes well under a second), whether the
     persistent cache supplied it (`compile_cache`: "hit" or "miss"; absent where the cache is off), and XLA's
     memory analysis of the executable the run then calls: per device, arguments + temporaries + outputs not
     aliased to an argument. On a TPU that is what the chip holds for the step (`bytes_in_use + bytes_reserved`)."""
     report: dict[str, Any] = {"compile_s": round(seconds, 3)}
-    if cache_before is not None and getattr(jax.config, "jax_compilation_cache_dir"):
-        report["compile_cache"] = "hit" if _cache_counts["hits"] > cache_before["hits"] else "miss"
+    if hits_before is not None and getattr(jax.config, "jax_compilation_cache_dir"):
+        report["compile_cache"] = "hit" if _cache_counts["hits"] > hits_before else "miss"
     try:
         memory = compiled.memory_analysis()
     except Exception:  # noqa: BLE001  (a backend without the analysis: the time alone)
@@ -239,9 +239,9 @@ class StepRunner:
             run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
-            started, cache_before = time.perf_counter(), dict(_cache_counts)
+            started, hits_before = time.perf_counter(), _cache_counts["hits"]
             compiled = train_fn.lower(*args).compile()
-            self.compile_report = compile_report(compiled, time.perf_counter() - started, cache_before)
+            self.compile_report = compile_report(compiled, time.perf_counter() - started, hits_before)
             release_free_heap()
             self._lowered.append(signature)
         self.params, self.opt, step_metrics = train_fn(*args)
