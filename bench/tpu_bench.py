@@ -4,7 +4,8 @@ renders them for BENCHMARKS.md.
 
     python bench/tpu_bench.py --points 270m:8:none:xla,270m:8:none:splash --out $OUT/tpu.jsonl
 
-A point is PAIR:BATCH:REMAT:ATTENTION. Pairs (bench/students.py's shapes, synthetic weights made on the chip):
+A point is PAIR:BATCH:REMAT:ATTENTION[:CHUNK[:BLOCK]][@LOGIT_IMPL] (DistillConfig.logit_impl: fused, the
+default, is the Pallas kernels on a TPU; fused_xla XLA's chunked loss). Pairs (bench/students.py's shapes, synthetic weights made on the chip):
 `270m` Gemma 3 270M -> its 9-layer student (640, MLP 2048, 4 heads, 1 KV head), `1b` Gemma 3 1B -> (13 layers,
 1152, MLP 3456, 4 heads, 1 KV head). bf16 compute, float32 master weights, forward KL, AdamW, seq 2048.
 
@@ -38,13 +39,16 @@ PAIRS = {"270m": ("gemma-3-270m", {"num_hidden_layers": 9}),
 def parse_points(text: str) -> list[dict]:
     points = []
     for item in filter(None, text.split(",")):
+        item, _, impl = item.partition("@")  # PAIR:...@LOGIT_IMPL (DistillConfig.logit_impl; default fused)
+        impl = impl or "fused"
         pair, batch, remat, attention, *chunking = item.split(":")
         if pair not in PAIRS or attention not in ("xla", "splash", "auto") or len(chunking) > 2:
             raise SystemExit(f"--points {item}: PAIR:BATCH:REMAT:ATTENTION[:CHUNK[:BLOCK]] with PAIR in "
                              f"{sorted(PAIRS)} and ATTENTION xla, splash or auto")
         chunk, block = (list(map(int, chunking)) + [0, 0])[:2]
         points.append({"pair": pair, "batch": int(batch), "remat": None if remat == "none" else remat,
-                       "attention": attention, "logit_chunk": chunk or None, "logit_block": block or None})
+                       "attention": attention, "logit_chunk": chunk or None, "logit_block": block or None,
+                       "logit_impl": impl})
     return points
 
 
@@ -69,7 +73,8 @@ def point_config(point: dict, steps: int):
                          optimizer=OptimizerConfig(weight_decay=1e-4, clip_norm=None, decay_matrices_only=False),
                          guard=GuardConfig(enabled=False), progress=False, plots=False, compute_dtype="bfloat16",
                          remat=point["remat"], attention_kernel=point["attention"],
-                         logit_chunk=point.get("logit_chunk"), logit_block=point.get("logit_block"))
+                         logit_chunk=point.get("logit_chunk"), logit_block=point.get("logit_block"),
+                         logit_impl=point.get("logit_impl", "fused"))
 
 
 def measure(point: dict, models: tuple, args) -> dict:
@@ -113,14 +118,16 @@ def measure(point: dict, models: tuple, args) -> dict:
     return record
 
 
-def loss_temporaries(rows_per_batch: int, batch: int) -> dict:
-    """XLA's temporaries of the fused logit loss alone (value and gradient for the 270M pair's head shapes at
-    batch x 2048 tokens), compiled for this chip with the chunk the run picks."""
+def loss_temporaries(rows_per_batch: int, batch: int, impl: str = "fused_xla") -> dict:
+    """XLA's temporaries of the logit loss alone (value and gradient for the 270M pair's head shapes at
+    batch x 2048 tokens), compiled for this chip: XLA's chunked loss with the chunk the run picks (`fused_xla`),
+    or the Pallas kernels (`kernel`)."""
     import jax
     import jax.numpy as jnp
 
     from nnx_surgery.distill.losses.divergence import LogitLossSettings, fused_logit_loss
     from nnx_surgery.distill.losses.logit_term import DEFAULT_LOGIT_BLOCK, accelerator_logit_chunk
+    from nnx_surgery.distill.losses.tpu_kernel import kernel_logit_loss
 
     vocab, width = 262144, 640
     chunk = accelerator_logit_chunk(jax.devices()[0].memory_stats().get("bytes_limit"))
@@ -132,6 +139,9 @@ def loss_temporaries(rows_per_batch: int, batch: int) -> dict:
 
     def loss(hs, head_s, ht, head_t, labels, weights):
         coeffs = {"kl": 1.0, "ce": 0.0, "temperature": 1.0}
+        if impl == "kernel":
+            return kernel_logit_loss(hs, head_s, ht, head_t, labels, weights, coeffs, caps=(30.0, 30.0),
+                                     spec=spec)[0]
         return fused_logit_loss(hs, head_s, ht, head_t, labels, weights, coeffs, student_logits=logits,
                                 teacher_logits=logits, spec=spec)[0]
 
@@ -140,7 +150,8 @@ def loss_temporaries(rows_per_batch: int, batch: int) -> dict:
         ((batch, rows_per_batch), jnp.int32), ((batch, rows_per_batch), jnp.float32)
     arguments = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     memory = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*arguments).compile().memory_analysis()
-    return {"bench": "tpu", "event": "loss_memory", "tokens": batch * rows_per_batch, "logit_chunk": chunk,
+    return {"bench": "tpu", "event": "loss_memory", "logit_impl": impl, "tokens": batch * rows_per_batch,
+            "logit_chunk": chunk if impl == "fused_xla" else None,
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
             "output_bytes": int(memory.output_size_in_bytes)}
 
@@ -151,6 +162,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--loss-batches", default="8", help="batches (x 2048 tokens) for the loss-alone compile")
+    parser.add_argument("--loss-impls", default="fused_xla,kernel", help="logit losses for the loss-alone compile")
     parser.add_argument("--trace", default="", help="a point to trace with jax.profiler (bench/trace_summary.py)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--xla-cache", help="JAX's persistent compilation cache here (a later process reuses it)")
@@ -166,7 +178,8 @@ def main(argv=None) -> None:
     common.emit({"bench": "tpu", "event": "device", "kind": device.device_kind, "platform": device.platform,
                  "jax": jax.__version__, **common.device_memory(device.memory_stats())}, args.out)
     for batch in filter(None, args.loss_batches.split(",")):
-        common.emit(common.round_floats(loss_temporaries(SEQ, int(batch)), 6), args.out)
+        for impl in filter(None, args.loss_impls.split(",")):
+            common.emit(common.round_floats(loss_temporaries(SEQ, int(batch), impl), 6), args.out)
     models, loaded = None, None
     for point in parse_points(args.points):
         if loaded != point["pair"]:

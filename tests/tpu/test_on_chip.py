@@ -1,5 +1,5 @@
 """On a TPU chip (the `tpu` marker: skipped where JAX has no TPU, as in CI): the splash attention kernel against
-the XLA path, the fused logit loss against the CPU's, the loss's temporaries bounded by its chunk, XLA's compiled
+the XLA path, the fused logit loss and the logit kernels against the CPU's XLA loss, the kernels' temporaries, the loss's temporaries bounded by its chunk, XLA's compiled
 memory against the chip's own counters (the tiny recipe on the chip: test_recipe_on_chip.py). Run them with `make test-tpu`."""
 from __future__ import annotations
 
@@ -72,6 +72,47 @@ def test_the_loss_temporaries_grow_with_the_chunk_not_the_batch():
             temps[chunk, batch] = compiled.memory_analysis().temp_size_in_bytes
     assert temps[256, 8] <= 1.5e9, temps
     assert all(temps[chunk, 32] - temps[chunk, 8] <= 0.2e9 for chunk, _ in temps), temps
+
+
+def _kernel_loss_grad(caps=(30.0, 30.0)):
+    from nnx_surgery.distill.losses.tpu_kernel import kernel_logit_loss
+
+    spec = LogitLossSettings(kl=True, ce=True, unit_temperature=True)
+
+    def loss(hs, head_s, ht, head_t, labels, weights):
+        coeffs = {"kl": 0.5, "ce": 0.5, "temperature": 1.0}
+        return kernel_logit_loss(hs, head_s, ht, head_t, labels, weights, coeffs, caps=caps, spec=spec)[0]
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def test_the_logit_kernels_on_the_chip_match_the_xla_loss_on_the_cpu():
+    rng = np.random.default_rng(0)
+    b, t, v, d = 2, 512, 32768, 256
+    hs, ht = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16) for _ in range(2))
+    head_s, head_t = (jnp.asarray(rng.normal(size=(v, d)) * 0.1, dtype) for dtype in (jnp.float32, jnp.bfloat16))
+    labels = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    weights = jnp.full((b, t), 1.0 / (b * t), jnp.float32)
+    args = (hs, head_s, ht, head_t, labels, weights)
+    tpu_value, tpu_grads = _kernel_loss_grad()(*args)
+    cpu_value, cpu_grads = _loss_grad(b, t, v, d, 256)(*jax.device_put(args, jax.devices("cpu")[0]))
+    np.testing.assert_allclose(float(tpu_value), float(cpu_value), rtol=1e-2)
+    for got, want in zip(tpu_grads, cpu_grads):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert got.shape == want.shape and np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+def test_the_logit_kernels_temporaries_do_not_grow_with_rows_times_vocabulary():
+    """The 270M pair's head (262,144 x 640): the kernels' temporaries for the loss's value and gradient at 16k
+    tokens stay under 1.5 GB, and four times the tokens add under 0.2 GB."""
+    temps = {}
+    for batch in (8, 32):
+        shapes = [((batch, 2048, 640), jnp.bfloat16), ((262144, 640), jnp.float32),
+                  ((batch, 2048, 640), jnp.bfloat16), ((262144, 640), jnp.bfloat16), ((batch, 2048), jnp.int32),
+                  ((batch, 2048), jnp.float32)]
+        arguments = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+        compiled = _kernel_loss_grad().lower(*arguments).compile()
+        temps[batch] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[8] <= 1.5e9 and temps[32] - temps[8] <= 0.2e9, temps
 
 
 def _attention_config() -> ModelConfig:

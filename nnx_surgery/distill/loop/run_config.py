@@ -15,7 +15,7 @@ from ..losses import term_registry as terms
 from ..interface import Correspondence
 from ..losses.term_weights import LossWeights, Ramp, _plain, _ramp
 from .on_policy import OnPolicyConfig
-from .subconfigs import (COUNT, COUNT0, GUARD_POLICIES, OOM_CHOICES, OOM_STEPS, REMAT, SHARE, CheckpointConfig,
+from .subconfigs import (COUNT, COUNT0, GUARD_POLICIES, LOGIT_IMPLS, OOM_CHOICES, OOM_STEPS, REMAT, SHARE, CheckpointConfig,
                          GuardConfig, OOMConfig, OptimizerConfig, TargetsConfig, _checked)
 from ..trimmed_vocab import checked_vocab_map
 from nnx_surgery.distill.losses.topk_teacher import check_mode
@@ -136,9 +136,12 @@ class DistillConfig:
                                                none_means="32768 on CPU, whole on GPU")
     train_diagnostics: bool = documented(False, "teacher CE, logit correlation and T=1 KL every train step (the "
                                          "evaluations have them anyway)")
-    logit_impl: str = documented("fused", "fused (never materialises logits), two_pass (vocabulary slices: no "
-                                 "(V, D) accumulator, about 1.5x the loss's matmuls) or reference (full logits, "
-                                 "for debugging)")
+    logit_impl: str = documented("fused", "fused (never materialises logits; on a TPU the Pallas kernels of "
+                                 "distill/losses/tpu_kernel.py where they apply, else XLA's chunked loss), "
+                                 "fused_xla (XLA's chunked loss everywhere), kernel (the Pallas kernels, in "
+                                 "Pallas' interpreter off a TPU), two_pass (vocabulary slices: no (V, D) "
+                                 "accumulator, about 1.5x the loss's matmuls) or reference (full logits, for "
+                                 "debugging)")
     # intermediate losses
     correspondence: Correspondence | None = documented(None, "teacher -> student layer map",
                                                        none_means="from the plan, else identity when depths agree")
@@ -202,8 +205,8 @@ class DistillConfig:
                  eval_every=count_or_none, logit_chunk=count_or_none, logit_block=count_or_none,
                  logit_vocab_slice=count_or_none, jsd_beta=SHARE)
         check_mode(self.top_k_mode)
-        if self.logit_impl not in ("fused", "reference", "two_pass"):
-            raise ValueError(f"logit_impl={self.logit_impl!r}: use 'fused', 'two_pass' or 'reference'.")
+        if self.logit_impl not in LOGIT_IMPLS:
+            raise ValueError(f"logit_impl={self.logit_impl!r}: use {', '.join(map(repr, LOGIT_IMPLS))}.")
         if self.logit_impl == "two_pass":
             self._check_two_pass()
         object.__setattr__(self, "loss_options", terms.checked_options(self))

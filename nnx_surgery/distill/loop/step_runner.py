@@ -147,18 +147,32 @@ class StepRunner:
                             terms=tuple(term.name for term in computed), correspondence=self.correspondence,
                             options={term.name: terms.option_values(term, config) for term in computed
                                      if term.options},
-                            logit_impl=config.logit_impl, compute_dtype=jnp.dtype(config.compute_dtype),
+                            logit_impl=self.logit_impl(), compute_dtype=jnp.dtype(config.compute_dtype),
                             remat=self.remat, attention_kernel=self.attention_kernel(),
                             clip_norm=config.optimizer.clip_norm,
                             decay_matrices_only=config.optimizer.decay_matrices_only)
+
+    def on_tpu(self) -> bool:
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        return device.platform == "tpu"
+
+    def logit_impl(self) -> str:
+        """The step's logit loss (`StepSettings.logit_impl`): "fused" is the TPU kernels on TPU devices
+        (`distill.losses.tpu_kernel`, where they apply) and XLA's chunked loss elsewhere; "fused_xla" always the
+        latter; "kernel" the kernels, interpreted off a TPU."""
+        wanted = self.config.logit_impl
+        if wanted == "fused_xla":
+            return "fused"
+        if wanted in ("fused", "kernel"):
+            return "kernel" if self.on_tpu() else ("fused" if wanted == "fused" else "kernel_interpret")
+        return wanted
 
     def attention_kernel(self) -> str:
         """The step's attention: `config.attention_kernel`, where "auto" is the splash kernel on TPU devices."""
         wanted = self.config.attention_kernel
         if wanted != "auto":
             return wanted
-        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
-        return "splash" if device.platform == "tpu" else "xla"
+        return "splash" if self.on_tpu() else "xla"
 
     def current_student(self) -> nnx.Module:
         """The student as it is now: a module merged from the stage's trainable values and the frozen rest,

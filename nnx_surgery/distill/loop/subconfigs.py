@@ -102,6 +102,7 @@ GUARD_POLICIES = ("switch_to_mse", "sft_then_mix")
 # remat values: "dots" / "full" checkpoint the whole student forward; "layers" / "layers_dots" each layer
 # (distill.loop.train_step.LAYER_REMAT, passed to the student's call)
 REMAT = ("dots", "full", "layers", "layers_dots")
+LOGIT_IMPLS = ("fused", "fused_xla", "kernel", "two_pass", "reference")  # DistillConfig.logit_impl
 OOM_STEPS = ("layers_dots", "layers", "halve_batch")  # the default retry ladder (distill/loop/oom.py says why)
 OOM_CHOICES = ("dots", "full", "layers", "layers_dots", "halve_batch")
 

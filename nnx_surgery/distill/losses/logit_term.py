@@ -20,10 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from .divergence import LogitLossSettings, fused_logit_loss, reference_logit_loss
+from .tpu_kernel import kernel_applies, kernel_logit_loss, logit_softcap
 from .two_pass import two_pass_applies, two_pass_logit_loss
 from .term_types import LossTerm, TermInputs
 
 KINDS = ("kl", "reverse_kl", "jsd", "ce")
+KERNEL_IMPLS = ("kernel", "kernel_interpret")  # StepSettings.logit_impl of the TPU kernels (interpreted off a TPU)
 
 
 class LogitKinds(TypedDict):
@@ -124,11 +126,18 @@ class LogitTerm(LossTerm):
                                               inputs.labels, inputs.token_weights, coeffs, spec)
         else:
             t_input = None if teacher is None else (teacher.topk if cached else teacher.hidden)
-            two_pass = settings.logit_impl == "two_pass" and two_pass_applies(spec, cached)
-            loss, sums = (two_pass_logit_loss if two_pass else fused_logit_loss)(
-                s_hidden, s_head, t_input, None if teacher is None else teacher.head, inputs.labels,
-                inputs.token_weights, coeffs, student_logits=student.model.logits_from_hidden,
-                teacher_logits=None if teacher is None or cached else teacher.model.logits_from_hidden, spec=spec)
+            t_head = None if teacher is None else teacher.head
+            caps = (logit_softcap(student.model), None if teacher is None or cached else logit_softcap(teacher.model))
+            if settings.logit_impl in KERNEL_IMPLS and kernel_applies(spec, cached, s_head.shape[0], caps):
+                loss, sums = kernel_logit_loss(s_hidden, s_head, t_input, t_head, inputs.labels, inputs.token_weights,
+                                               coeffs, caps=caps, spec=spec,
+                                               interpret=settings.logit_impl == "kernel_interpret")
+            else:
+                two_pass = settings.logit_impl == "two_pass" and two_pass_applies(spec, cached)
+                loss, sums = (two_pass_logit_loss if two_pass else fused_logit_loss)(
+                    s_hidden, s_head, t_input, t_head, inputs.labels, inputs.token_weights, coeffs,
+                    student_logits=student.model.logits_from_hidden,
+                    teacher_logits=None if teacher is None or cached else teacher.model.logits_from_hidden, spec=spec)
         total = loss if trained else jnp.zeros((), jnp.float32)
         return total, {"loss/logit": loss, **sums}
 

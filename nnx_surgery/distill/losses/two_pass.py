@@ -117,7 +117,7 @@ def _statistics(rows, labels, tau, spec, logits_of, width, vocab):
     return stats
 
 
-def _loss_and_metrics(stats, weights, coeffs, tau, spec):
+def loss_from_statistics(stats, weights, coeffs, tau, spec):
     """The loss and metric sums of `logit_gradient.closed_form`, from the row statistics."""
     student_ce = stats["lse_s"] - stats["label_s"]
     metrics, per_token = {"student_ce": student_ce}, jnp.zeros_like(student_ce)
@@ -203,7 +203,7 @@ def two_pass_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None
         tau = coeffs["temperature"] if spec.kl else 1.0
         logits_of = _LogitsOf(flat(h_s), head_s, flat(h_t), head_t, width, student_logits, teacher_logits)
         stats = _statistics(batch * length, flat(labels), tau, logits_of=logits_of, **shapes)
-        loss, sums = _loss_and_metrics(stats, flat(weights).astype(jnp.float32), coeffs, tau, spec)
+        loss, sums = loss_from_statistics(stats, flat(weights).astype(jnp.float32), coeffs, tau, spec)
         return (loss, sums), stats
 
     @jax.custom_vjp
@@ -233,4 +233,4 @@ def two_pass_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None
     return loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs)
 
 
-__all__ = ["two_pass_logit_loss", "two_pass_applies"]
+__all__ = ["two_pass_logit_loss", "two_pass_applies", "loss_from_statistics"]

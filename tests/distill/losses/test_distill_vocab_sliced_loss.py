@@ -111,7 +111,7 @@ def test_settings_it_does_not_compute_are_refused():
         DistillConfig(stages=(stage,), logit_impl="two_pass")
     with pytest.raises(ValueError, match="not top_k"):
         DistillConfig(stages=(Stage(steps=1),), logit_impl="two_pass", top_k=8)
-    with pytest.raises(ValueError, match="'fused', 'two_pass' or 'reference'"):
+    with pytest.raises(ValueError, match="'fused', 'fused_xla', 'kernel', 'two_pass', 'reference'"):
         DistillConfig(stages=(Stage(steps=1),), logit_impl="sliced")
 
 
