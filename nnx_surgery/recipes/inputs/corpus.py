@@ -12,8 +12,7 @@ import jax
 from nnx_surgery import distill
 from nnx_surgery import refusals
 from nnx_surgery.distill.inputs import packaged_prose, sources
-
-GENERAL_SOURCES = ("pydoc", "packages")  # --general-source
+from nnx_surgery.recipes.config.sections import GENERAL_SOURCES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +71,22 @@ def _batches(settings: DataSettings, tokenizer: str) -> distill.TokenBatches:
 
 
 def general_parts(settings: DataSettings, corpus_bytes: int) -> list[tuple[str, list[str]]]:
-    """(source name, documents) of the general mix beside a corpus of `corpus_bytes` bytes: the pydoc topics' train
-    part repeated, or the `prose` extra's packaged prose (nnx_surgery/distill/inputs/packaged_prose.py); training
-    text only, never held out."""
-    if settings.general_source == "packages":
-        return packaged_prose.prose_mix(corpus_bytes, settings.general_mix, settings.seed)
-    if settings.general_source != "pydoc":
-        raise refusals.RecipeError(f"--general-source {settings.general_source!r}: choose from "
-                                   f"{', '.join(GENERAL_SOURCES)}.")
-    return [("pydoc topics", distill.general_mix(corpus_bytes, settings.general_mix))]
+    """(source name, documents) of the general mix beside a corpus of `corpus_bytes` bytes (about --general-mix of
+    the corpus plus it): the pydoc topics' train part repeated ("pydoc"), the `prose` extra's packaged prose
+    ("packages"; nnx_surgery/distill/inputs/packaged_prose.py), or both ("pydoc+packages"), each sized as though
+    beside half the corpus, so that each makes half the general share by bytes (the pydoc part in whole copies).
+    Training text only, never held out: the pydoc part is the topics' train part, disjoint from the general
+    held-out set."""
+    source, share = settings.general_source, settings.general_mix
+    if source == "pydoc":
+        return [("pydoc topics", distill.general_mix(corpus_bytes, share))]
+    if source == "packages":
+        return packaged_prose.prose_mix(corpus_bytes, share, settings.seed)
+    if source != "pydoc+packages":
+        raise refusals.RecipeError(f"--general-source {source!r}: choose from {', '.join(GENERAL_SOURCES)}.")
+    half = corpus_bytes // 2
+    return [("pydoc topics", distill.general_mix(half, share)),
+            *packaged_prose.prose_mix(corpus_bytes - half, share, settings.seed)]
 
 
 __all__ = ["DataSettings", "load_data", "general_parts", "GENERAL_SOURCES"]

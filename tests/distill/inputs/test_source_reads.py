@@ -113,7 +113,7 @@ def test_the_recipes_general_mix_names_its_sources(folder, tmp_path):
     assert data.sources.names == ("corpus", "pydoc topics")
     reads = data.source_reads(None, data.num_rows)
     assert reads["pydoc topics"]["reads"] > 0 and reads["corpus"]["reads"] == pytest.approx(1.0, abs=0.05)
-    with pytest.raises(Exception, match="--general-source 'wiki': choose from pydoc, packages"):
+    with pytest.raises(Exception, match=r"--general-source 'wiki': choose from pydoc, packages, pydoc\+packages\."):
         corpus.load_data(dataclasses.replace(settings, general_source="wiki"))
 
 
