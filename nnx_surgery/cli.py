@@ -76,7 +76,8 @@ RENAMED = {("generate", "--temperature"): "--sample-temperature", ("generate", "
            ("generate", "--top-p"): "--sample-top-p", ("eval", "--tasks"): "--eval-tasks",
            ("eval", "--tasks-limit"): "--eval-tasks-limit",
            ("cache-teacher", "--student"): "--student-folder", ("cache-teacher", "--selection"): "--cache-selection",
-           ("push", "--revision"): "--branch", ("distill", "--teacher-cache"): "--teacher-cache-folder"}
+           ("push", "--revision"): "--branch", ("distill", "--teacher-cache"): "--teacher-cache-folder",
+           ("export-gguf", "--dtype"): "--gguf-type"}
 
 
 def _data_flags(parser: argparse.ArgumentParser, *, batch: bool = False) -> None:
@@ -115,7 +116,8 @@ def _distill_flags(p: argparse.ArgumentParser) -> None:
     for path in ("training.steps", "training.learning_rate", "training.warmup_steps", "training.alpha",
                  "training.temperature", "training.precision"):
         _shared(p, path)
-    _own(p, "distill.top_k")
+    _own(p, "distill.top_k", help="divergence on the teacher's top-k logits only (less memory; the full vocabulary "
+         "is exact); with --teacher-cache-folder at most the cache's K, and the cache's K when not given")
     _own(p, "distill.teacher_cache_folder")
     _shared(p, "run.overwrite", help="replace a non-empty --output")
     _data_flags(p, batch=True)
@@ -154,7 +156,7 @@ def _import_flags(p: argparse.ArgumentParser) -> None:
 def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a Gemma model folder (what prune, distill, compress write)")
     p.add_argument("output", metavar="OUTPUT.gguf", help="the GGUF file to write")
-    _own(p, "export-gguf.dtype")
+    _own(p, "export-gguf.gguf_type")
     _shared(p, "run.overwrite", help="replace an existing OUTPUT.gguf")
 
 
@@ -223,7 +225,7 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
                     ["import-gguf model.gguf folder/", "import-gguf model.gguf folder/ --dtype float32"],
                     _import_flags),
     "export-gguf": ("nnx_surgery.commands.models:folder_to_gguf", "write a Gemma folder as one GGUF file for llama.cpp",
-                    ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --dtype f16"],
+                    ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --gguf-type f16"],
                     _export_flags),
     "push": ("nnx_surgery.commands.models:push", "upload a model folder to the Hugging Face Hub (private by default)",
              ["push student/ me/tiny-student", "push student/ acme/student --token-env HUB_WRITE --public   "

@@ -86,10 +86,10 @@ def folder_to_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
 
     folder = model_folder(args.folder, "FOLDER")
-    resolve_flag_value("--dtype", args.dtype, resolve_export_dtype)
+    resolve_flag_value("--gguf-type", args.gguf_type, resolve_export_dtype)
     out = new_file(args.output, "OUTPUT.gguf", args.overwrite, inputs=input_paths(args.folder))
-    path = export.export_gguf(folder, out, dtype=args.dtype)
-    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.1f} MiB, {args.dtype}; run it with llama.cpp)")
+    path = export.export_gguf(folder, out, dtype=args.gguf_type)
+    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.1f} MiB, {args.gguf_type}; run it with llama.cpp)")
     return path
 
 
