@@ -61,7 +61,7 @@ def _add(group: argparse._ActionsContainer, item: fields.Declared, help: str | N
     fields.add_option(group, item, help=help, required=required)
 
 
-def checked(args: argparse.Namespace) -> list[str]:
+def setting_refusals(args: argparse.Namespace) -> list[str]:
     """The declared settings given to a subcommand (the recipe's it shares, and its own), checked as the recipe
     checks them: one line per refusal."""
     own = [item for item in OWN.values() if item.path[0] == args.command]
@@ -76,7 +76,8 @@ RENAMED = {("generate", "--temperature"): "--sample-temperature", ("generate", "
            ("generate", "--top-p"): "--sample-top-p", ("eval", "--tasks"): "--eval-tasks",
            ("eval", "--tasks-limit"): "--eval-tasks-limit",
            ("cache-teacher", "--student"): "--student-folder", ("cache-teacher", "--selection"): "--cache-selection",
-           ("push", "--revision"): "--branch", ("distill", "--teacher-cache"): "--teacher-cache-folder"}
+           ("push", "--revision"): "--branch", ("distill", "--teacher-cache"): "--teacher-cache-folder",
+           ("export-gguf", "--dtype"): "--gguf-type"}
 
 
 def _data_flags(parser: argparse.ArgumentParser, *, batch: bool = False) -> None:
@@ -115,7 +116,8 @@ def _distill_flags(p: argparse.ArgumentParser) -> None:
     for path in ("training.steps", "training.learning_rate", "training.warmup_steps", "training.alpha",
                  "training.temperature", "training.precision"):
         _shared(p, path)
-    _own(p, "distill.top_k")
+    _own(p, "distill.top_k", help="divergence on the teacher's top-k logits only (less memory; the full vocabulary "
+         "is exact); with --teacher-cache-folder at most the cache's K, and the cache's K when not given")
     _own(p, "distill.teacher_cache_folder")
     _shared(p, "run.overwrite", help="replace a non-empty --output")
     _data_flags(p, batch=True)
@@ -154,7 +156,7 @@ def _import_flags(p: argparse.ArgumentParser) -> None:
 def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", metavar="FOLDER", help="a Gemma model folder (what prune, distill, compress write)")
     p.add_argument("output", metavar="OUTPUT.gguf", help="the GGUF file to write")
-    _own(p, "export-gguf.dtype")
+    _own(p, "export-gguf.gguf_type")
     _shared(p, "run.overwrite", help="replace an existing OUTPUT.gguf")
 
 
@@ -215,15 +217,15 @@ COMMANDS: dict[str, tuple[str, str, list[str], Callable | None]] = {
              "(in-domain and general prose), generations and multiple choice; writes suite.md",
              ["eval --teacher TEACHER student/ distilled/ --output eval/",
               "eval --teacher TEACHER student/ --data 'corpus/*.txt' --eval-prompts 4 --output eval/"], _eval_flags),
-    "generate": ("nnx_surgery.commands.models:generate", "continue a prompt with a model folder (greedy by default)",
+    "generate": ("nnx_surgery.commands.models:continue_prompt", "continue a prompt with a model folder (greedy by default)",
                  ["generate student/ --prompt 'def main('",
                   "generate student/ --prompt 'Once' --sample-temperature 0.8 --sample-top-p 0.9 --max-new-tokens 100"],
                  _generate_flags),
-    "import-gguf": ("nnx_surgery.commands.models:import_gguf", "write a GGUF Gemma as a Hugging Face folder",
+    "import-gguf": ("nnx_surgery.commands.models:gguf_to_folder", "write a GGUF Gemma as a Hugging Face folder",
                     ["import-gguf model.gguf folder/", "import-gguf model.gguf folder/ --dtype float32"],
                     _import_flags),
-    "export-gguf": ("nnx_surgery.commands.models:export_gguf", "write a Gemma folder as one GGUF file for llama.cpp",
-                    ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --dtype f16"],
+    "export-gguf": ("nnx_surgery.commands.models:folder_to_gguf", "write a Gemma folder as one GGUF file for llama.cpp",
+                    ["export-gguf student/ student.gguf", "export-gguf student/ student-f16.gguf --gguf-type f16"],
                     _export_flags),
     "push": ("nnx_surgery.commands.models:push", "upload a model folder to the Hugging Face Hub (private by default)",
              ["push student/ me/tiny-student", "push student/ acme/student --token-env HUB_WRITE --public   "
@@ -288,7 +290,7 @@ def parse(argv: list[str], parser: Parser | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
-    for error in checked(args):
+    for error in setting_refusals(args):
         print(redact(f"error: {error} (see `{PROG} {args.command} --help`)", argv), file=sys.stderr)
         sys.exit(2)
     return args

@@ -42,7 +42,7 @@ def make_workspace(base, cache) -> dict:
              cache=str(cache / "gguf"), new=str(base / "new"))
     assert run("plan", teacher, "--student", SPEC, "--calibration-samples", "0", "-o", w["plan"])[0] == 0
     assert run("prune", teacher, w["plan"], w["student"])[0] == 0
-    assert run("export-gguf", teacher, w["gguf"], "--dtype", "f32")[0] == 0
+    assert run("export-gguf", teacher, w["gguf"], "--gguf-type", "f32")[0] == 0
     os.symlink(teacher, w["link"])
     open(w["empty"], "w").close()
     return w

@@ -16,7 +16,7 @@ PACKAGE = "nnx_surgery"
 # Lowest first. A module belongs to the most specific entry naming it or a folder above it; it may import its own
 # layer and the ones before it.
 LAYERS = [
-    ["nnx_surgery.field_docs", "nnx_surgery.secrets"],
+    ["nnx_surgery.field_docs", "nnx_surgery.secrets", "nnx_surgery.shared_settings"],
     ["nnx_surgery.surgery.families"],
     ["nnx_surgery.surgery.modeling"],
     ["nnx_surgery.surgery.storage"],

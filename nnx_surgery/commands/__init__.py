@@ -51,7 +51,7 @@ def kept_vocab(folder: str, name: str, teacher: "surgery.ModelConfig") -> tuple[
     return None
 
 
-def checked(flag: str, value, resolve: Callable):
+def resolve_flag_value(flag: str, value, resolve: Callable):
     """`resolve(value)`, its ValueError turned into a RecipeError naming the flag."""
     try:
         return resolve(value)
@@ -83,4 +83,4 @@ def shape_line(config) -> str:
 
 __all__ = ["teacher_source", "model_folder", "check_folder_files", "writable_place", "input_paths", "guard_output",
            "guard_folder", "empty_folder", "new_file",
-           "staged_files", "checked", "text_batches", "shape_line", "plan_of", "kept_vocab", "PLAN_FILE"]
+           "staged_files", "resolve_flag_value", "text_batches", "shape_line", "plan_of", "kept_vocab", "PLAN_FILE"]

@@ -7,7 +7,7 @@ import os
 import sys
 
 from nnx_surgery import export, surgery
-from nnx_surgery.commands import checked, shape_line
+from nnx_surgery.commands import resolve_flag_value, shape_line
 from nnx_surgery.paths import empty_folder, input_paths, model_folder, new_file
 from nnx_surgery.refusals import VARIABLE_NAME, RecipeError, looks_like_token, wrong_kind
 from nnx_surgery.model_inputs import position_limit
@@ -55,7 +55,7 @@ def prompt_ids(args: argparse.Namespace, folder: str) -> list[int]:
     return ids
 
 
-def generate(args: argparse.Namespace) -> str:
+def continue_prompt(args: argparse.Namespace) -> str:
     """Continue --prompt with the model in FOLDER and print the continuation (greedy unless
     --sample-temperature > 0)."""
     folder = model_folder(args.folder, "FOLDER")
@@ -71,7 +71,7 @@ def generate(args: argparse.Namespace) -> str:
     return result.texts[0]
 
 
-def import_gguf(args: argparse.Namespace) -> str:
+def gguf_to_folder(args: argparse.Namespace) -> str:
     """Write the GGUF file as a Hugging Face folder at OUTPUT."""
     if not os.path.isfile(args.gguf):
         raise RecipeError(f"FILE.gguf {args.gguf}: {wrong_kind(args.gguf, 'file')}; give a .gguf file (llama.cpp's, "
@@ -82,14 +82,14 @@ def import_gguf(args: argparse.Namespace) -> str:
     return folder
 
 
-def export_gguf(args: argparse.Namespace) -> str:
+def folder_to_gguf(args: argparse.Namespace) -> str:
     """Write the Gemma in FOLDER as one GGUF file (its tokenizer included) for llama.cpp."""
 
     folder = model_folder(args.folder, "FOLDER")
-    checked("--dtype", args.dtype, resolve_export_dtype)
+    resolve_flag_value("--gguf-type", args.gguf_type, resolve_export_dtype)
     out = new_file(args.output, "OUTPUT.gguf", args.overwrite, inputs=input_paths(args.folder))
-    path = export.export_gguf(folder, out, dtype=args.dtype)
-    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.1f} MiB, {args.dtype}; run it with llama.cpp)")
+    path = export.export_gguf(folder, out, dtype=args.gguf_type)
+    print(f"gguf: {path}  ({os.path.getsize(path) / 2**20:.1f} MiB, {args.gguf_type}; run it with llama.cpp)")
     return path
 
 

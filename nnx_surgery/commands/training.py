@@ -106,7 +106,7 @@ SUMMARY = (("loss_per_byte", "in-domain CE/byte", "{:.4f}"), ("kl_to_teacher", "
            ("distinct_2", "distinct-2", "{:.3f}"))
 
 
-def summary(rows: list[dict]) -> str:
+def eval_table(rows: list[dict]) -> str:
     """The results' rows as a Markdown table (suite.md has every set in full, with intervals and samples)."""
     columns = [c for c in SUMMARY if any(row.get(c[0]) is not None for row in rows)]
     lines = ["| model | parameters | vocabulary | " + " | ".join(title for _, title, _ in columns) + " |",
@@ -199,7 +199,7 @@ def eval_folders(args: argparse.Namespace) -> dict:
         results["folders"] = {"teacher": teacher_folder, **dict(zip(names, folders))}
         with open(os.path.join(staging, "results.json"), "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)
-    print(summary(results["rows"]))
+    print(eval_table(results["rows"]))
     if tasks is not None:
         print("\n" + lm_eval_scores.task_scores_text(results["lm_eval"]))
     for line in compared_lines(results["sets"], pairs[len(names):]):

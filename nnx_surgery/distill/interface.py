@@ -23,7 +23,7 @@ from .labels import labels_and_weights
 
 
 @runtime_checkable
-class ModelOutput(Protocol):
+class DistillModelOutput(Protocol):
     final_hidden: jax.Array  # (B, T, D), input of the LM head (after the final norm)
     residual: tuple[jax.Array, ...] | None  # L + 1 entries: embeddings, then each layer's output
     attention_probs: tuple[jax.Array, ...] | None  # per layer (B, N, T, S)
@@ -50,7 +50,7 @@ class DistillModel(Protocol):
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  capture: Iterable[str] = (), return_logits: bool = True,
-                 inputs_embeds: jax.Array | None = None) -> ModelOutput:
+                 inputs_embeds: jax.Array | None = None) -> DistillModelOutput:
         """`positions` (B, T) int: RoPE positions (restarting at 0 in each packed document); `segment_ids`
         (B, T) int: which packed document a token belongs to (0: padding), attention stays inside a document;
         `inputs_embeds` (B, T, D): replaces the embedding lookup. `positions` and `segment_ids` are passed only
@@ -206,5 +206,6 @@ def _flat_heads(heads: Any) -> tuple[int, ...] | None:
     return tuple(int(h) for entry in heads for h in (entry if isinstance(entry, (list, tuple)) else [entry]))
 
 
-__all__ = ["DistillModel", "ModelOutput", "Sampler", "FORWARD_KEYS", "forward_inputs", "kernel_inputs", "next_token_targets",
+__all__ = ["DistillModel", "DistillModelOutput", "Sampler",
+           "FORWARD_KEYS", "forward_inputs", "kernel_inputs", "next_token_targets",
            "Correspondence", "correspondence_from_plan", "check_model"]

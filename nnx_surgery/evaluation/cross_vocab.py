@@ -131,7 +131,7 @@ def in_own_tokens(prompts: Sequence[Any], items: Sequence[Any], tokenizer: Any) 
              for i, ids in zip(items, context_ids)])
 
 
-def trimmed_note(result: dict) -> list[str]:
+def trimmed_note_lines(result: dict) -> list[str]:
     """Lines for `evaluation.suite_scoring`'s Markdown saying how its trimmed students were judged (none: no line)."""
     trimmed = result.get("vocabularies") or {}
     if not trimmed:
@@ -143,4 +143,4 @@ def trimmed_note(result: dict) -> list[str]:
 
 
 __all__ = ["Vocabulary", "heldout_report_across", "vocabulary_groups", "restricted_name", "in_own_tokens",
-           "trimmed_note", "ACROSS_NOTE"]
+           "trimmed_note_lines", "ACROSS_NOTE"]

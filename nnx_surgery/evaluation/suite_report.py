@@ -7,7 +7,7 @@ import os
 
 from nnx_surgery.distill.distributed import is_main_process
 from nnx_surgery.evaluation.heldout_sets import report_markdown
-from nnx_surgery.evaluation.cross_vocab import trimmed_note
+from nnx_surgery.evaluation.cross_vocab import trimmed_note_lines
 
 
 COLUMNS = (("parameters", "parameters", "{:,}"), ("loss", "held-out CE (nats)", "{:.4f}"),
@@ -35,7 +35,7 @@ def suite_markdown(result: dict) -> str:
                   f"ROUGE-L compare greedy continuations of {len(result['samples'])} held-out prompts "
                   f"({result['settings']['new_tokens']} new tokens). Multiple choice: {mc['items']} items, the "
                   f"true next line among {mc['choices']} candidates, scored by {mc['scored_by']}; chance "
-                  f"{mc['chance']:.2%}.", *degeneration_note(result), *trimmed_note(result), "",
+                  f"{mc['chance']:.2%}.", *degeneration_note(result), *trimmed_note_lines(result), "",
               "## Sample generations", ""]
     for number, sample in enumerate(result["samples"], start=1):
         where = f"held-out document {sample['document']}, continued from line {sample['line'] + 1}"

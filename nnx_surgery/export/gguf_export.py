@@ -37,7 +37,7 @@ import numpy as np
 from nnx_surgery.surgery.storage.atomic import atomic_file
 from nnx_surgery.surgery.modeling.model_config import FULL, ModelConfig
 from nnx_surgery.surgery.families import BY_GGUF_ARCHITECTURE, without_gguf
-from nnx_surgery.export.gguf_vocab_writer import Vocabulary, add_to_writer, read_vocabulary
+from nnx_surgery.export.gguf_vocab_writer import GGUFVocabulary, add_to_writer, read_vocabulary
 from nnx_surgery.surgery.storage.safetensors_stream import (DTYPE_CODES, CheckpointError, checkpoint_weight_map,
                                                             open_safetensors)
 from nnx_surgery.surgery.families.schema import BoundTensor, bound_tensors, hf_shape_of
@@ -98,7 +98,7 @@ def export_gguf(folder: str | os.PathLike, path: str | os.PathLike, *, dtype: st
     config = ModelConfig.from_file(folder)
     arch = check_exportable(config, folder)
     weight_map = checkpoint_weight_map(folder)
-    plans = tensor_plans(config, weight_map, qtype, folder)
+    plans = export_tensor_plans(config, weight_map, qtype, folder)
     vocab = read_vocabulary(folder, config.vocab_size)
     with atomic_file(path) as tmp:
         write_gguf(tmp, folder, config, arch, vocab, plans, weight_map, dtype)
@@ -128,7 +128,7 @@ def check_exportable(config: ModelConfig, folder: str) -> str:
     return ARCHITECTURES[config.model_type]
 
 
-def tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder: str) -> list[ExportTensor]:
+def export_tensor_plans(config: ModelConfig, weight_map: dict[str, str], qtype, folder: str) -> list[ExportTensor]:
     """Every tensor to write, its source checked against the checkpoint (present, shaped as config.json says)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
@@ -177,7 +177,7 @@ def stored_shapes(folder: str, weight_map: dict[str, str]) -> dict[str, tuple[in
     return shapes
 
 
-def write_gguf(tmp: str, folder: str, config: ModelConfig, arch: str, vocab: Vocabulary,
+def write_gguf(tmp: str, folder: str, config: ModelConfig, arch: str, vocab: GGUFVocabulary,
                plans: list[ExportTensor], weight_map: dict[str, str], dtype: str) -> None:
     """Metadata and tensor table first, then the tensors one at a time in that order."""
     import gguf

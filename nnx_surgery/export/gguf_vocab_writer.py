@@ -36,7 +36,7 @@ SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # tokenizer_config's `<name>_token
 
 
 @dataclasses.dataclass(frozen=True)
-class Vocabulary:
+class GGUFVocabulary:
     """What llama.cpp's `tokenizer.ggml.*` keys hold: per id a token, score and type; special ids by name (bos,
     eos, unk, pad); whether BOS/EOS are added and the text gets a leading space; the chat template, if any."""
 
@@ -50,7 +50,7 @@ class Vocabulary:
     chat_template: str | None
 
 
-def read_vocabulary(folder: str, vocab_size: int) -> Vocabulary:
+def read_vocabulary(folder: str, vocab_size: int) -> GGUFVocabulary:
     """The SentencePiece vocabulary of `folder`'s tokenizer.json (with tokenizer_config.json, config.json and
     chat_template.jinja for special tokens and flags), `vocab_size` entries long."""
     where = os.path.join(folder, "tokenizer.json")
@@ -69,7 +69,7 @@ def read_vocabulary(folder: str, vocab_size: int) -> Vocabulary:
     special_ids = _special_ids(tokenizer_config, _read_json(os.path.join(folder, "config.json")), by_text,
                                vocab_size, folder)
     add_bos, add_eos = _add_flags(tokenizer_config, tokenizer.get("post_processor"), tokens, special_ids)
-    return Vocabulary(tokens, _scores(tokens, types, model.get("merges") or []), types, special_ids, add_bos, add_eos,
+    return GGUFVocabulary(tokens, _scores(tokens, types, model.get("merges") or []), types, special_ids, add_bos, add_eos,
                       _adds_space_prefix(tokenizer), _chat_template(tokenizer_config, folder))
 
 
@@ -211,7 +211,7 @@ def _chat_template(tokenizer_config: dict, folder: str) -> str | None:
     return None
 
 
-def add_to_writer(writer, vocab: Vocabulary) -> None:
+def add_to_writer(writer, vocab: GGUFVocabulary) -> None:
     """The `tokenizer.ggml.*` keys, in the converter's order and spelling."""
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -230,4 +230,4 @@ def add_to_writer(writer, vocab: Vocabulary) -> None:
         writer.add_chat_template(vocab.chat_template)
 
 
-__all__ = ["Vocabulary", "read_vocabulary", "add_to_writer"]
+__all__ = ["GGUFVocabulary", "read_vocabulary", "add_to_writer"]

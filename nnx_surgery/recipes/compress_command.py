@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> dict:
     if config.run.print_config:
         print(json.dumps(files.saved_config(config), indent=2))
         return {}
-    sizing.check_settings(config)
+    sizing.check_aot_settings(config)
     if config.aot.target:  # the run's programs compiled for the target; nothing trained, only the report written
         return sizing.report_sizes(config)
     return pipeline.compress(config)

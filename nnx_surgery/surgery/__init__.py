@@ -16,7 +16,7 @@ from .families import SUPPORTED_MODEL_TYPES
 from .storage.safetensors_stream import CheckpointError
 from .storage.hf_checkpoint import load_pretrained, resolve_dtype, save_pretrained, tensor_table
 from nnx_surgery.surgery.plans.student_spec import NAMED_SHAPES, SpecError, StudentSpec
-from nnx_surgery.surgery.plans.search_space import Candidate, candidate_specs, parameter_counts, uniform_spec
+from nnx_surgery.surgery.plans.search_space import ShapeCandidate, candidate_specs, parameter_counts, uniform_spec
 from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
 from .planning.student_planner import TeacherScores, plan_student, score_teacher
 from .pruning.in_memory import apply_plan, compensation_effect, logit_distance, save_student
@@ -30,7 +30,7 @@ from .modeling.tunix import from_tunix, to_tunix, tunix_sampler  # Tunix itself 
 __all__ = ["ConfigError", "CheckpointError", "ModelConfig", "CausalLM", "ModelOutput", "SUPPORTED_MODEL_TYPES",
            "abstract_model",
            "create_model", "load_pretrained", "save_pretrained", "resolve_dtype", "tensor_table", "NAMED_SHAPES",
-           "SpecError", "StudentSpec", "Candidate", "candidate_specs", "parameter_counts", "uniform_spec",
+           "SpecError", "StudentSpec", "ShapeCandidate", "candidate_specs", "parameter_counts", "uniform_spec",
            "Plan", "PlanError", "plan_student", "score_teacher", "TeacherScores", "apply_plan",
            "compensation_effect",
            "logit_distance", "save_student", "prune_checkpoint", "refit_mlp", "RefitReport", "format_report",

@@ -154,7 +154,7 @@ def test_gguf_export_then_import_gives_the_same_tensors(workspace):
     from safetensors.numpy import load_file
 
     gguf_path, back = str(workspace["base"] / "teacher.gguf"), str(workspace["base"] / "back")
-    assert "f32" in ok("export-gguf", workspace["teacher"], gguf_path, "--dtype", "f32")
+    assert "f32" in ok("export-gguf", workspace["teacher"], gguf_path, "--gguf-type", "f32")
     ok("import-gguf", gguf_path, back, "--dtype", "float32")
     source = load_file(os.path.join(workspace["teacher"], "model.safetensors"))
     imported = load_file(os.path.join(back, "model.safetensors"))
@@ -165,7 +165,7 @@ def test_gguf_export_then_import_gives_the_same_tensors(workspace):
             np.testing.assert_array_equal(imported[name] + np.float32(1), values + np.float32(1), err_msg=name)
         else:
             np.testing.assert_array_equal(imported[name], values, err_msg=name)
-    code, _, err = run("export-gguf", workspace["teacher"], gguf_path, "--dtype", "f32")  # exists: refused
+    code, _, err = run("export-gguf", workspace["teacher"], gguf_path, "--gguf-type", "f32")  # exists: refused
     assert_one_line_refusal(code, err, "--overwrite")
 
 
@@ -303,7 +303,7 @@ def bad_inputs(w: dict) -> list[tuple[list[str], str]]:
         (["generate", w["student"], "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["import-gguf", missing + ".gguf", missing], "FILE.gguf"),
         (["import-gguf", os.path.join(w["teacher"], "config.json"), missing], "config.json"),
-        (["export-gguf", w["teacher"], missing + ".gguf", "--dtype", "q4_k_m"], "--dtype"),
+        (["export-gguf", w["teacher"], missing + ".gguf", "--gguf-type", "q4_k_m"], "--gguf-type"),
         (["export-gguf", missing, missing + ".gguf"], "FOLDER"),
         (["push", missing, "alice/x"], missing),
         (["push", w["student"], "alice/x", "--public", "--private"], "--private"),  # a contradiction, refused

@@ -46,12 +46,12 @@ def argv_of(line: str) -> tuple[str, list[str]]:
 
 def parsed(kind: str, argv: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of parsing `argv`; 0 when it is read."""
-    from nnx_surgery.recipes.config.command_line import build_parser
+    from nnx_surgery.recipes.config.command_line import build_recipe_parser
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            cli.parse(argv) if kind == "cli" else build_parser(prog="nnx-surgery compress").parse_args(argv)
+            cli.parse(argv) if kind == "cli" else build_recipe_parser(prog="nnx-surgery compress").parse_args(argv)
         except SystemExit as stop:
             return int(stop.code or 0), err.getvalue()
     return 0, err.getvalue()

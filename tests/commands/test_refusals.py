@@ -109,6 +109,8 @@ def value_cases(w: dict) -> list[tuple[list[str], str]]:
         (["cache-teacher", t, "--top-k", "4", "-o", new, "--selection", "sampled"], "renamed --cache-selection"),
         ([*distill, "--teacher-cache", new], "renamed --teacher-cache-folder"),
         (["push", s, "me/x", "--revision", "dev"], "renamed --branch"),
+        (["export-gguf", t, new + ".gguf", "--dtype", "f16"], "export-gguf --dtype: renamed --gguf-type"),
+        (["export-gguf", t, new + ".gguf", "--dtype=q8_0"], "renamed --gguf-type"),
         (["compress", "--teacher", t, "--output", new, "--set", "training.steps=0"], "--steps 0"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "3:inf"], "--temperature"),
         (["compress", "--teacher", t, "--output", new, "--temperature", "nan:1"], "--temperature"),
@@ -183,7 +185,7 @@ def written_on_refusal_cases(w: dict) -> list[tuple[list[str], str]]:
     return [
         (["export-gguf", str(w["base"] / "missing"), nested + ".gguf"], "FOLDER"),
         (["export-gguf", w["data"], nested + ".gguf"], "config.json"),
-        (["export-gguf", t, nested + ".gguf", "--dtype", "q4_k_m"], "--dtype"),
+        (["export-gguf", t, nested + ".gguf", "--gguf-type", "q4_k_m"], "--gguf-type"),
         (["import-gguf", w["empty"], nested], "not a GGUF file"),
         (["import-gguf", os.path.join(t, "config.json"), nested], "not a GGUF file"),
         (["plan", t, "--student", "layers=99", "-o", nested + ".json"], "--student"),
@@ -225,7 +227,7 @@ def secret_cases(w: dict) -> list[tuple[list[str], str]]:
 
 TABLES = {"overwrite": overwrite_cases, "value": value_cases, "accepted": accepted_though_wrong_cases,
           "written": written_on_refusal_cases, "secret": secret_cases}
-COUNTS = {"overwrite": 35, "value": 43, "accepted": 53, "written": 17, "secret": 6}
+COUNTS = {"overwrite": 35, "value": 45, "accepted": 53, "written": 17, "secret": 6}
 
 
 @pytest.mark.parametrize("table,index", [(name, i) for name, count in COUNTS.items() for i in range(count)])
@@ -394,7 +396,7 @@ def test_sigterm_and_sigkill_during_export_leave_no_temporary_behind(w, tmp_path
     assert kill.returncode == -signal.SIGKILL
     (left,) = os.listdir(tmp_path)
     assert left.startswith(".x.gguf.partial-")
-    code, _, err = run("export-gguf", w["teacher"], str(out), "--dtype", "f16")
+    code, _, err = run("export-gguf", w["teacher"], str(out), "--gguf-type", "f16")
     assert code == 0, err
     assert os.listdir(tmp_path) == ["x.gguf"]
 

@@ -208,7 +208,7 @@ def test_help_lists_every_knob_with_its_default_and_print_config_needs_no_output
     proc = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    parser = command_line.build_parser()
+    parser = command_line.build_recipe_parser()
     declared = {item.dest: item for item in layering.every_field()}
     for action in parser._actions:
         if action.option_strings and action.dest != "help":

@@ -103,7 +103,7 @@ def test_the_sectioned_config_file_and_the_flags_are_one_declaration(tmp_path):
 
 
 def test_every_flag_comes_from_one_declared_field_and_no_flag_is_declared_twice():
-    parser = command_line.build_parser()
+    parser = command_line.build_recipe_parser()
     names = [name for action in parser._actions for name in action.option_strings]
     assert len(names) == len(set(names))
     declared = {item.dest for item in layering.every_field()}

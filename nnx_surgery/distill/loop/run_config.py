@@ -11,6 +11,7 @@ from typing import Any
 import optax
 
 from ...field_docs import documented
+from ...shared_settings import distill_top_k
 from ..losses import term_registry as terms
 from ..interface import Correspondence
 from ..losses.term_weights import LossWeights, Ramp, _plain, _ramp
@@ -119,9 +120,7 @@ class DistillConfig:
                                  "its memory)", flag="--grad-accum", kind=int)
     optimizer: OptimizerConfig = documented(OptimizerConfig(), "AdamW moments, decay, gradient clipping")
     # logit loss
-    top_k: int | None = documented(None, "divergence on the teacher's top-k logits only (less memory; the full "
-                                   "vocabulary is exact)", flag="--top-k", kind=int,
-                                   none_means="the full vocabulary")
+    top_k: int | None = distill_top_k()  # the distill subcommand's --top-k too
     top_k_mode: str = documented("renormalised", "renormalised, or residual: the top k plus a bucket for the rest "
                                  "(distill.losses.topk_teacher)")
     teacher_cache: str | None = documented(None, "train from a teacher cache folder (`nnx-surgery cache-teacher`) "

@@ -30,7 +30,7 @@ from .schedules import resolve_epochs
 from ..trimmed_vocab import in_student_vocabulary
 from .driver import DivergenceError, TrainingLoop
 from .step_runner import StepRunner, release_free_heap
-from nnx_surgery.distill.loop.cache_replay import prepare
+from nnx_surgery.distill.loop.cache_replay import prepare_cached_run
 
 log = logging.getLogger("distill")
 StudentT = TypeVar("StudentT", bound=nnx.Module)  # the student's class: `run` gives the same module back
@@ -159,7 +159,7 @@ def _check_models(teacher: Any, student: Any, config: DistillConfig) -> None:
     """Both follow the DistillModel interface, share a vocabulary, and a teacher-less run weights no teacher loss."""
     check_model(student, "student")
     if teacher is None and config.teacher_cache is not None:
-        return  # a teacher cache: checked by cache_training.prepare
+        return  # a teacher cache: checked by cache_replay.prepare_cached_run
     if teacher is None:
         needy = {s.name or str(i): terms.needing_teacher(s.weights) for i, s in enumerate(config.stages)}
         needy = {stage: names for stage, names in needy.items() if names}
@@ -181,7 +181,7 @@ def _from_cache(teacher: Any, student: Any, data: Any, config: DistillConfig) ->
     if teacher is not None:
         raise ValueError(f"teacher_cache={config.teacher_cache!r} trains from the cached teacher: pass teacher=None "
                          "(or drop teacher_cache to distil from the teacher model).")
-    config, stream = prepare(config, student, data)
+    config, stream = prepare_cached_run(config, student, data)
     return stream, config
 
 

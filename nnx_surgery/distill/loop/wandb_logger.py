@@ -33,14 +33,14 @@ def _secret_key(name: str) -> bool:
     return bool(_SECRET_KEY.search(name)) and not _SPECIAL_TOKEN_KEY.match(name)
 
 
-def redact(values: Any, key: str = "") -> Any:
+def redact_values(values: Any, key: str = "") -> Any:
     """A copy of nested dicts / lists with secret-looking keys and token-shaped strings replaced by "<redacted>"
     (a 40-hex-digit string under a key naming a revision, commit or hash is kept: that is a git or Hub revision)."""
     if isinstance(values, Mapping):
         return {name: REDACTED if _secret_key(str(name)) and value not in (None, "", False)
-                else redact(value, str(name)) for name, value in values.items()}
+                else redact_values(value, str(name)) for name, value in values.items()}
     if isinstance(values, (list, tuple)):
-        return [redact(value, key) for value in values]
+        return [redact_values(value, key) for value in values]
     if isinstance(values, str) and _SECRET_VALUE.match(values) and not _REVISION_KEY.search(key):
         return REDACTED
     return values
@@ -86,7 +86,8 @@ class WandbSink:
             os.makedirs(path, exist_ok=True)
         project = project or os.environ.get("WANDB_PROJECT") or "nnx-surgery"
         try:
-            run = wandb.init(project=project, id=run_id, resume="allow", dir=folder, config=redact(config_values),
+            run = wandb.init(project=project, id=run_id, resume="allow", dir=folder,
+                             config=redact_values(config_values),
                              name=name or (os.path.basename(os.path.normpath(run_dir)) if run_dir else None),
                              settings=wandb.Settings(console="off", save_code=False, disable_code=True))
         except Exception as error:  # wandb's own errors (no login, no network) carry no hint of the fallbacks
@@ -112,11 +113,11 @@ class WandbSink:
         step = int(record.get("step", self.last_step))
         details = {k: v for k, v in record.items() if k not in ("step", "event", "message")}
         self.events.append([step, str(record["event"]), str(record.get("message", "")),
-                            json.dumps(redact(details), default=repr)])
+                            json.dumps(redact_values(details), default=repr)])
         self._log(step, {f"event/{record['event']}": 1})
 
     def summary(self, values: Mapping[str, Any]) -> None:
-        self.run.summary.update(redact(dict(values)))
+        self.run.summary.update(redact_values(dict(values)))
 
     def close(self, plot_path: str | None = None) -> None:
         extras: dict[str, Any] = {}
@@ -129,4 +130,4 @@ class WandbSink:
         self.run.finish()
 
 
-__all__ = ["WandbSink", "redact", "import_wandb", "WANDB_EXTRA", "RUN_ID_FILE"]
+__all__ = ["WandbSink", "redact_values", "import_wandb", "WANDB_EXTRA", "RUN_ID_FILE"]

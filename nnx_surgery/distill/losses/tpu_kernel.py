@@ -212,7 +212,7 @@ def _matmul_flops(tiles: Tiles, rows: int, vocab: int, hs, ht) -> int:
     return 2 * rows * vocab * (hs.shape[1] + (ht.shape[1] if tiles.kl else 0))
 
 
-def statistics(tiles: Tiles, scalars, hs, ws, ht, wt, labels) -> jax.Array:
+def kernel_statistics(tiles: Tiles, scalars, hs, ws, ht, wt, labels) -> jax.Array:
     """(rows, 8) float32: the STATISTICS columns of every row. hs (N, D_s), ws (V, D_s), ht (N, D_t), wt (V, D_t)
     (None without KL), labels (N,) int32; N a multiple of `tiles.rows`, V of `tiles.vocab`."""
     rows, vocab = hs.shape[0], ws.shape[0]
@@ -228,7 +228,7 @@ def statistics(tiles: Tiles, scalars, hs, ws, ht, wt, labels) -> jax.Array:
         scalars, *inputs, labels[:, None])
 
 
-def hidden_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats) -> jax.Array:
+def kernel_hidden_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats) -> jax.Array:
     """d(loss)/d(hs) (N, D_s) in hs's dtype, for per-row loss weights `weights` (N,) float32."""
     rows, vocab = hs.shape[0], ws.shape[0]
     grid = (rows // tiles.rows, vocab // tiles.vocab)
@@ -243,7 +243,7 @@ def hidden_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stat
         scalars, *inputs, labels[:, None], weights[:, None], stats)
 
 
-def head_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats, dtype) -> jax.Array:
+def kernel_head_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats, dtype) -> jax.Array:
     """d(loss)/d(head) (V, D_s) in `dtype`, accumulated in float32."""
     rows, vocab = hs.shape[0], ws.shape[0]
     grid = (vocab // tiles.vocab, rows // tiles.rows)
@@ -295,7 +295,7 @@ def kernel_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None, 
 
     def forward(h_s, head_s, h_t, head_t, labels, weights, coeffs):
         tau, values = scalars(coeffs)
-        columns = statistics(tiles, values, *operands(h_s, head_s, h_t, head_t, labels))[:batch * length]
+        columns = kernel_statistics(tiles, values, *operands(h_s, head_s, h_t, head_t, labels))[:batch * length]
         stats = {name: columns[:, k] for k, name in enumerate(STATISTICS)}
         flat_weights = weights.reshape(-1).astype(jnp.float32)
         return loss_from_statistics(stats, flat_weights, coeffs, tau, spec), columns
@@ -319,14 +319,15 @@ def kernel_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None, 
         inputs = operands(h_s, head_s, h_t, head_t, labels)
         d_hidden = d_head = None
         if want_hidden is not None:
-            d_hidden = hidden_gradient(tiles, values, *inputs, scaled, stats)[:batch * length].reshape(h_s.shape)
+            d_hidden = kernel_hidden_gradient(tiles, values, *inputs, scaled, stats)[:batch * length]
+            d_hidden = d_hidden.reshape(h_s.shape)
         if want_head is not None:
-            d_head = head_gradient(tiles, values, *inputs, scaled, stats, head_dtype)
+            d_head = kernel_head_gradient(tiles, values, *inputs, scaled, stats, head_dtype)
         return d_hidden, d_head, None, None, None, None, None
 
     loss_fn.defvjp(loss_fwd, loss_bwd, symbolic_zeros=True)
     return loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs)
 
 
-__all__ = ["kernel_logit_loss", "kernel_applies", "logit_softcap", "Tiles", "statistics", "hidden_gradient",
-           "head_gradient", "UNKNOWN", "ROW_BLOCK"]
+__all__ = ["kernel_logit_loss", "kernel_applies", "logit_softcap", "Tiles", "kernel_statistics",
+           "kernel_hidden_gradient", "kernel_head_gradient", "UNKNOWN", "ROW_BLOCK"]

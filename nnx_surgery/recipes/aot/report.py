@@ -33,7 +33,7 @@ def device_bytes(tree: Any) -> int:
     return total
 
 
-def parameter_count(tree: Any) -> int:
+def leaf_parameter_count(tree: Any) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
 
@@ -45,8 +45,8 @@ def analytic_flops(program) -> tuple[float, str]:
     """FLOPs per step over all devices: 6·N_student + 2·N_teacher per token for a train step (8·N_student with a
     remat that recomputes the forward's matmuls; 2·N for a forward of each model for the evaluation and the
     calibration forward), and the formula. Attention's T² work is not counted."""
-    n_teacher = parameter_count(program.parts.get("teacher"))
-    n_student = parameter_count(program.parts.get("student")) + parameter_count(program.parts.get("frozen"))
+    n_teacher = leaf_parameter_count(program.parts.get("teacher"))
+    n_student = leaf_parameter_count(program.parts.get("student")) + leaf_parameter_count(program.parts.get("frozen"))
     if "optimizer" in program.parts:
         if program.remat in RECOMPUTES_MATMULS:  # the student's forward runs twice
             return (8 * n_student + 2 * n_teacher) * program.tokens, "8·N_student + 2·N_teacher per token (remat)"
@@ -162,5 +162,5 @@ def _row(cells: list) -> str:
     return " ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
-__all__ = ["measure", "format_table", "device_bytes", "parameter_count", "analytic_flops",
+__all__ = ["measure", "format_table", "device_bytes", "leaf_parameter_count", "analytic_flops",
            "days_to", "HEADROOM"]

@@ -33,7 +33,7 @@ LOGIT_IMPL_COST = {"fused": 1.0, "two_pass": 1.1}
 
 
 @dataclasses.dataclass(frozen=True)
-class Candidate:
+class SettingsCandidate:
     mesh: dict
     batch_size: int
     grad_accum: int
@@ -87,7 +87,7 @@ def logit_impls(config: RecipeConfig) -> list[str]:
     return [asked, "two_pass"]
 
 
-def candidates(config: RecipeConfig, devices: int) -> list[Candidate]:
+def candidates(config: RecipeConfig, devices: int) -> list[SettingsCandidate]:
     """Every split of the devices into fsdp x tp, micro-batch (a divisor of the step's rows the data axis splits),
     remat policy and logit loss implementation, cheapest estimate first."""
     rows = config.data.batch_size * config.distill.grad_accum
@@ -98,11 +98,11 @@ def candidates(config: RecipeConfig, devices: int) -> list[Candidate]:
         for micro in (b for b in range(rows, 0, -1) if rows % b == 0 and b % fsdp == 0):
             for remat in remat_policies():
                 for impl in logit_impls(config):
-                    found.append(Candidate(mesh, micro, rows // micro, remat, impl))
+                    found.append(SettingsCandidate(mesh, micro, rows // micro, remat, impl))
     return sorted(found, key=lambda c: (c.cost, -c.batch_size))
 
 
-def search(config: RecipeConfig, target: Target, program_name: str, mfu: float, asked: dict) -> dict:
+def search_fitting_settings(config: RecipeConfig, target: Target, program_name: str, mfu: float, asked: dict) -> dict:
     """The first candidate (cheapest estimate first) whose `program_name` fits with HEADROOM free, or why none
     does. `asked`: the asked settings' row of that program."""
     tried = []
@@ -125,7 +125,7 @@ def search(config: RecipeConfig, target: Target, program_name: str, mfu: float, 
     return {"program": program_name, "tried": tried, "best": None, "why": why_nothing_fits(asked, target, config)}
 
 
-def _same(candidate: Candidate, config: RecipeConfig) -> bool:
+def _same(candidate: SettingsCandidate, config: RecipeConfig) -> bool:
     return (candidate.batch_size, candidate.grad_accum, candidate.remat, candidate.logit_impl) == \
         (config.data.batch_size, config.distill.grad_accum, config.distill.remat, config.distill.logit_impl) and \
         format_mesh_spec(candidate.mesh) == (config.training.mesh or "")
@@ -160,4 +160,5 @@ def why_nothing_fits(row: dict, target: Target, config: RecipeConfig) -> str:
             f"({parts[dominant] / GIB:.2f} GiB of {target.memory_per_device / GIB:.2f}); try {hint}.")
 
 
-__all__ = ["Candidate", "candidates", "logit_impls", "search", "remat_policies", "why_nothing_fits", "MAX_COMPILES"]
+__all__ = ["SettingsCandidate", "candidates", "logit_impls", "search_fitting_settings", "remat_policies",
+           "why_nothing_fits", "MAX_COMPILES"]

@@ -26,7 +26,7 @@ REPORT = "aot_report.json"
 DEFAULT_MFU = 0.4
 
 
-def check_settings(config: RecipeConfig) -> None:
+def check_aot_settings(config: RecipeConfig) -> None:
     """--aot's companions not without --aot (their ranges are checked with their declarations)."""
     if config.aot.target is None:
         for flag, value in (("--aot-tokens", config.aot.tokens), ("--aot-mfu", config.aot.mfu),
@@ -55,10 +55,10 @@ def report_sizes(config: RecipeConfig) -> dict:
         rows.append(row)
         print(f"[aot] {entry.name}: compiled in {time.perf_counter() - started:.0f} s", flush=True)
     print(format_table(rows, target, mfu, config.aot.tokens))
-    report = summary(config, run, target, rows, mfu)
+    report = sizing_report(config, run, target, rows, mfu)
     worst = critical(rows)
     if config.aot.search or not report["fits"]:
-        found = aot_search.search(config, target, worst["program"], mfu, worst) if worst else None
+        found = aot_search.search_fitting_settings(config, target, worst["program"], mfu, worst) if worst else None
         report["search"] = found
         print(search_line(found, config.aot.tokens))
     os.makedirs(run.folder, exist_ok=True)
@@ -84,7 +84,7 @@ def critical(rows: list[dict]) -> dict | None:
                                      r.get("out_of_memory", {}).get("needed") or 0))
 
 
-def summary(config: RecipeConfig, run, target, rows: list[dict], mfu: float) -> dict:
+def sizing_report(config: RecipeConfig, run, target, rows: list[dict], mfu: float) -> dict:
     """The report: the target and its figures, the settings, each program's row, whether all fit with HEADROOM
     free, and the main stage's time to --aot-tokens."""
     chip = target.chip
@@ -118,4 +118,4 @@ def search_line(found: dict | None, budget: float | None) -> str:
             f"{found['flags']}")
 
 
-__all__ = ["report_sizes", "check_settings", "REPORT", "DEFAULT_MFU"]
+__all__ = ["report_sizes", "check_aot_settings", "REPORT", "DEFAULT_MFU"]

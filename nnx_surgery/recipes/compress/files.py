@@ -11,7 +11,7 @@ import jax
 
 from nnx_surgery.recipes.config import layering
 from nnx_surgery.recipes.config.sections import SECTIONS, RecipeConfig
-from nnx_surgery.recipes.compress.resolution import build
+from nnx_surgery.recipes.compress.resolution import build_config
 from nnx_surgery.refusals import RecipeError
 
 
@@ -68,13 +68,13 @@ def comparable(before: dict, path: str) -> dict:
     the defaults they had then."""
     tree = layering.defaults_tree()
     layering.merge(tree, layering.checked_layer(layering.sectioned(before, path), path))
-    return saved_config(build(tree))
+    return saved_config(build_config(tree))
 
 
 def with_defaults(before: dict) -> dict:
     """A sectioned resolved_config.json with the settings added since it was saved (e.g. data.general_source) read
     as their defaults, which the run ran with."""
-    return layering.merge(saved_config(build(layering.defaults_tree())), before)
+    return layering.merge(saved_config(build_config(layering.defaults_tree())), before)
 
 
 def differences(before: dict, now: dict, prefix: str = "") -> list[str]:

@@ -122,7 +122,7 @@ def run_all(run: run_settings.RunSettings, clock: PhaseClock) -> dict:
         clock.lap("control")
     results = evaluate_or_read(run, loaded, teacher, cut, distilled, control)
     clock.lap("evaluation")
-    results = summarise(run, results, clock, chosen.search, distilled, control)
+    results = results_record(run, results, clock, chosen.search, distilled, control)
     results["pairing"] = run_phases.pairing(run, first, cut, distilled, control)
     results["corpus_reads"] = reads
     results["mlp_refit"] = {phase: refit.report.to_dict() for phase, refit in (("stage_a", first.refit),
@@ -214,8 +214,8 @@ def evaluate_models(run: run_settings.RunSettings, loaded, teacher, cut, distill
     return final_eval.evaluate_rows(run.evaluation, rows, cut.data, run.folder, pairs=pairs, vocabularies=vocabularies)
 
 
-def summarise(run: run_settings.RunSettings, results: dict, clock: PhaseClock, search: dict | None, distilled,
-              control) -> dict:
+def results_record(run: run_settings.RunSettings, results: dict, clock: PhaseClock, search: dict | None, distilled,
+                   control) -> dict:
     """results.json: the evaluation, the run's wall times (over every command of a resumed run) and settings, the
     search, the final losses, step speed and the recovery curves."""
     config, history = run.config, distilled.history
@@ -226,7 +226,7 @@ def summarise(run: run_settings.RunSettings, results: dict, clock: PhaseClock, s
                    teacher_correction=config.teacher.correction)
     results.update({"search": search} if search else {})
     if config.data.general_mix and config.data.general_source in PACKAGED_SOURCES:  # which packages, what licence
-        results["general_prose"] = packaged_prose.describe()
+        results["general_prose"] = packaged_prose.describe_packages()
     results["teacher_cache"] = teacher_caching.read_uses(run.folder)  # the phases that trained from a cache
     results["final_losses"] = {k: round(v, 4) for k, v in (history[-1] if history else {}).items()
                                if k in ("loss", "kl", "feature", "student_ce") and isinstance(v, float)}

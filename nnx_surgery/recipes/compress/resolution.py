@@ -19,14 +19,14 @@ from nnx_surgery.refusals import RecipeError
 
 def resolve(argv: list[str] | None = None, description: str = "", prog: str = "gemma_7b_to_2b.py") -> RecipeConfig:
     """Every setting of the run from the command line (and its --config file), checked, frozen."""
-    given, source, overrides = command_line.parse(argv, description, prog)
+    given, source, overrides = command_line.parse_recipe_flags(argv, description, prog)
     file = layering.load_config_file(source) if source else None
-    config = build(layering.layered(given, file, overrides, source))
+    config = build_config(layering.layered(given, file, overrides, source))
     checks.check_settings(config)
     return config
 
 
-def build(tree: dict) -> RecipeConfig:
+def build_config(tree: dict) -> RecipeConfig:
     """The settings tree (layering.layered) with its derived defaults filled in, checked and frozen."""
     derive(tree)
     for item in layering.every_field():
@@ -139,4 +139,4 @@ def distill_config(section: dict, config: RecipeConfig) -> DistillConfig:
             raise RecipeError(f"--mesh {config.training.mesh!r}: {error}") from None
 
 
-__all__ = ["resolve", "build", "derive", "parse_ramp", "distill_config", "managed_values", "replaced"]
+__all__ = ["resolve", "build_config", "derive", "parse_ramp", "distill_config", "managed_values", "replaced"]

@@ -119,7 +119,7 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
 
 def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
     """With --student params=...: each shape within the budget distilled briefly; the winner is the student."""
-    spec, search, scores = search_phase.choose_student(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
+    spec, search, scores = search_phase.choose_student_spec(run, teacher, loaded.data, loaded.calibration, loaded.mesh)
     return Chosen(for_student(run, spec) if search else run, search, scores)
 
 

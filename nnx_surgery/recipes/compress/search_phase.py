@@ -14,7 +14,7 @@ from nnx_surgery.recipes.compress.shape_search import FOLDER, GUESS, StudentChoi
 from nnx_surgery.recipes.config.sections import RecipeConfig
 
 
-def candidate_plan(run: RunSettings, teacher, candidate: surgery.Candidate, calibration, directory: str,
+def candidate_plan(run: RunSettings, teacher, candidate: surgery.ShapeCandidate, calibration, directory: str,
                    scored=None) -> surgery.Plan:
     """The one-shot plan of `candidate` from the teacher, read back when an earlier run of this search made it.
     `scored`: a callable giving the teacher's `surgery.TeacherScores` on `calibration` (measured once for every
@@ -51,7 +51,7 @@ def search_candidates(run: RunSettings, choice: StudentChoice, teacher, calibrat
     return found
 
 
-def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
+def choose_student_spec(run: RunSettings, teacher, data, calibration, mesh=None):
     """(the main run's student spec, the search's summary for results.json or None, the teacher's
     `surgery.TeacherScores` on `calibration` or None): the explicit student as it is, or the winner of the search
     (module docstring), parsed as an explicit `--student WINNER` would be. The scores are returned when the search
@@ -79,10 +79,10 @@ def choose_student(run: RunSettings, teacher, data, calibration, mesh=None):
                             sampler=surgery.make_sampler() if phase.on_policy.fraction else None,
                             teacher_cache=cache)
     measured = scored() if scored.cache_info().currsize else None
-    return model_inputs.student_spec(result.winner, run.teacher.config), summary(config, choice, result), measured
+    return model_inputs.student_spec(result.winner, run.teacher.config), search_record(config, choice, result), measured
 
 
-def summary(config: RecipeConfig, choice: StudentChoice, result: evaluation.SearchResult) -> dict:
+def search_record(config: RecipeConfig, choice: StudentChoice, result: evaluation.SearchResult) -> dict:
     """What results.json records of the search: the budget, the candidates (ranked), the winner, the uniform
     guess's rank, the ranking at every scored step, and where search.md is (relative to the run folder)."""
     last, steps = result.eval_at[-1], config.search.steps or 1
@@ -103,4 +103,4 @@ def summary(config: RecipeConfig, choice: StudentChoice, result: evaluation.Sear
             "report": os.path.join(FOLDER, "search.md")}
 
 
-__all__ = ["choose_student", "candidate_plan", "search_candidates", "summary"]
+__all__ = ["choose_student_spec", "candidate_plan", "search_candidates", "search_record"]

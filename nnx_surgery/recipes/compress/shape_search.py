@@ -3,7 +3,7 @@ or `params=0.5,counting=total` (the whole checkpoint) chooses the student among 
 the main run, Minitron's way (nnx_surgery/evaluation/shape_ranking.py), and the main run distils the winner.
 
     choice = student_choice(flags, teacher_config, tokenizer)   # an explicit --student, or a budget and shapes to try
-    spec, summary, scores = search_phase.choose_student(run, teacher, data, calibration)   # the winner
+    spec, summary, scores = search_phase.choose_student_spec(run, teacher, data, calibration)   # the winner
 
 This module decides what the search tries from the settings alone (run_settings.py reads it); search_phase.py runs
 the search as a phase of the run.
@@ -72,16 +72,16 @@ class StudentChoice:
 
     spec: surgery.StudentSpec
     budget: Budget | None = None
-    candidates: tuple[surgery.Candidate, ...] = ()
+    candidates: tuple[surgery.ShapeCandidate, ...] = ()
     fitting: int = 0
     target: int = 0
     heads_kept: str | None = None
 
     @property
-    def guess(self) -> surgery.Candidate:
+    def guess(self) -> surgery.ShapeCandidate:
         return self.candidates[0]
 
-    def note(self, candidate: surgery.Candidate) -> str | None:
+    def note(self, candidate: surgery.ShapeCandidate) -> str | None:
         """What search.md and the dry run say beside `candidate`'s name: why the search tries it, if not spread."""
         if candidate.text == self.guess.text:
             return GUESS
@@ -139,8 +139,8 @@ def student_choice(config: RecipeConfig, teacher: surgery.ModelConfig, tokenizer
                          heads_kept)
 
 
-def spread(fitting: list[surgery.Candidate], guess: surgery.Candidate, count: int,
-           near: surgery.Candidate | None = None) -> list[surgery.Candidate]:
+def spread(fitting: list[surgery.ShapeCandidate], guess: surgery.ShapeCandidate, count: int,
+           near: surgery.ShapeCandidate | None = None) -> list[surgery.ShapeCandidate]:
     """The uniform guess; from 3 candidates on, `near` second (when given and not the guess); then the middle shape
     of each of the remaining slots' equal slices of `fitting` (all of them when fewer fit)."""
     first = [guess] + ([near] if near is not None and count >= 3 and near.text != guess.text else [])
@@ -156,7 +156,7 @@ def _sizes(spec: surgery.StudentSpec) -> tuple[int, ...]:
 
 
 def heads_kept_shape(teacher: surgery.ModelConfig, budget: Budget,
-                     fitting: list[surgery.Candidate]) -> surgery.Candidate | None:
+                     fitting: list[surgery.ShapeCandidate]) -> surgery.ShapeCandidate | None:
     """The shape of `fitting` nearest (summed |log ratio| over the axes) to the uniform cut of depth, hidden and MLP
     that keeps every attention and KV head: on the real Gemma 3 270M at half its non-embedding parameters that
     shape beat the uniform guess, which also cuts heads, on both held-out sets (BENCHMARKS.md). None when no such
@@ -173,8 +173,8 @@ def heads_kept_shape(teacher: surgery.ModelConfig, budget: Budget,
     return min(same_heads, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(_sizes(c.spec), target)))
 
 
-def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Candidate, teacher: surgery.ModelConfig,
-                 budget: Budget, tolerance: float) -> list[surgery.Candidate]:
+def given_shapes(text: str, fitting: list[surgery.ShapeCandidate], guess: surgery.ShapeCandidate,
+                 teacher: surgery.ModelConfig, budget: Budget, tolerance: float) -> list[surgery.ShapeCandidate]:
     """The uniform guess, then each shape of `--search-shapes` ('SHAPE;SHAPE', in the order given, the guess and
     repeats dropped). A shape outside the budget is refused: the search compares shapes of one size."""
     within = {c.text: c for c in fitting}
@@ -186,7 +186,7 @@ def given_shapes(text: str, fitting: list[surgery.Candidate], guess: surgery.Can
             spec = model_inputs.student_spec(shape, teacher)
         except surgery.SpecError as error:
             raise surgery.SpecError(f"--search-shapes {shape!r}: {error}") from None
-        candidate = surgery.Candidate(spec, *surgery.parameter_counts(teacher, spec))
+        candidate = surgery.ShapeCandidate(spec, *surgery.parameter_counts(teacher, spec))
         if candidate.text not in within and candidate.text != guess.text:
             counted = (candidate.non_embedding if budget.counting == "non_embedding" else candidate.parameters)
             raise refusals.RecipeError(f"--search-shapes {shape!r}: {counted:,} {budget.counting.replace('_', '-')} "

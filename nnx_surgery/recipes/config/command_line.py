@@ -30,7 +30,7 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
+def build_recipe_parser(description: str = "", prog: str = "gemma_7b_to_2b.py") -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description or "Compress a causal LM: plan, prune, distil, save.",
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=distill_epilog())
     presets = {name: preset(name) for name in PRESET_FILES}
@@ -73,10 +73,10 @@ def preset_default(item: fields.Declared, presets: dict[str, dict]) -> str | Non
     return text
 
 
-def parse(argv: list[str] | None, description: str = "", prog: str = "gemma_7b_to_2b.py"
+def parse_recipe_flags(argv: list[str] | None, description: str = "", prog: str = "gemma_7b_to_2b.py"
           ) -> tuple[dict[str, Any], str | None, list[str]]:
     """(the flags given, by dotted path; --config's file; --set's items)."""
-    given = vars(build_parser(description, prog).parse_args(argv))
+    given = vars(build_recipe_parser(description, prog).parse_args(argv))
     return given, given.pop("config", None), given.pop("set", None) or []
 
 
@@ -94,4 +94,4 @@ def distill_epilog() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["build_parser", "parse", "OneLineParser", "distill_epilog"]
+__all__ = ["build_recipe_parser", "parse_recipe_flags", "OneLineParser", "distill_epilog"]

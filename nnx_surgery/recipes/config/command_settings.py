@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 from nnx_surgery.field_docs import documented
+from nnx_surgery.shared_settings import distill_top_k
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 WeightDtype = Literal["float32", "bfloat16", "float16"]
@@ -38,9 +39,7 @@ class DistillSettings:
         None, "train from this teacher cache (`nnx-surgery cache-teacher` with the same TEACHER and data flags) "
         "without loading the teacher; TEACHER still gives the tokenizer and is checked against the cache",
         flag="--teacher-cache-folder", metavar="CACHE", none_means="the teacher runs")
-    top_k: int | None = documented(None, "distil the teacher's top K renormalised", flag="--top-k", kind=int,
-                                   metavar="K", check=POSITIVE,
-                                   none_means="the full distribution; with --teacher-cache-folder: the cache's K")
+    top_k: int | None = distill_top_k()  # DistillConfig's (compress's --top-k): one declaration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,9 @@ class ImportGGUFSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ExportGGUFSettings:
-    dtype: str = documented("q8_0", f"the matrices' type: {', '.join(GGUF_TYPES)}", flag="--dtype")
+    gguf_type: str = documented("q8_0", f"the GGUF tensor type of the matrices: {', '.join(GGUF_TYPES)} (compress "
+                                "--gguf's types; --dtype elsewhere is the weights' dtype in memory)",
+                                flag="--gguf-type", metavar="TYPE")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,9 +57,9 @@ class RunSection:
     seed: int = documented(0, "seeds the data split and order, the plan's calibration, new weights and sampling",
                            flag="--seed", kind=int, check=("a whole number from 0 to 4294967295",
                                                            lambda v: 0 <= v < 2 ** 32))
-    gguf: str | None = documented(None, "also write the student as OUT/student-DTYPE.gguf for llama.cpp (f32, f16, "
+    gguf: str | None = documented(None, "also write the student as OUT/student-TYPE.gguf for llama.cpp (f32, f16, "
                                   "bf16, q8_0, q5_1, q5_0, q4_1, q4_0; Gemma families)", flag="--gguf",
-                                  also=("--export-gguf",), metavar="DTYPE", none_means="no GGUF file")
+                                  also=("--export-gguf",), metavar="TYPE", none_means="no GGUF file")
     push_to_hub: str | None = documented(None, "publish the student (private unless --public)",
                                          flag="--push-to-hub", metavar="REPO_ID", saved=False)
     public: bool = documented(False, "make the pushed repo public", flag="--public", action="store_true",

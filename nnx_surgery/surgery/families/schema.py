@@ -6,7 +6,7 @@ weight (and which activation stream it normalises), and when it exists. Everythi
 shape derives from this list, so nothing else knows it by heart:
 
     loading and saving        `tensor_table(config)`: HF name <-> NNX path and layout (hf_checkpoint.py)
-    the model's parameters    `declared(config, name)`: shape, logical axes (causal_lm.py)
+    the model's parameters    `declared_tensor(config, name)`: shape, logical axes (causal_lm.py)
     the surgery               `Tensor.axes`: a plan prunes by axis name (tensor_slices.py)
     importance scores         tensors that read/write the residual (`embed`), heads and MLP neurons (importance.py)
     norm lists                `norm_names(config)`, `Tensor.reads` (student_planner.py, importance.py)
@@ -151,7 +151,7 @@ def bound_tensors(config: Any) -> list[BoundTensor]:
     return out
 
 
-def declared(config: Any, name: str) -> Tensor:
+def declared_tensor(config: Any, name: str) -> Tensor:
     """The declaration whose NNX path ends with `name` (dotted, layer index left out), e.g. "self_attn.q_proj.weight"
     or "embed_tokens": what the model builds its parameters from."""
     wanted = tuple(name.split("."))
@@ -173,4 +173,4 @@ def norm_names(config: Any) -> tuple[str, ...]:
 
 
 __all__ = ["Tensor", "BoundTensor", "AXIS_SIZES", "axis_size", "nnx_shape", "hf_shape_of", "declarations",
-           "bound_tensors", "declared", "norm_tensors", "norm_names"]
+           "bound_tensors", "declared_tensor", "norm_tensors", "norm_names"]

@@ -40,7 +40,7 @@ from .kv_cache import KVCache
 from .layer_remat import check_remat, checkpointed_layer
 from .splash import KERNELS, SegmentMask, applies, splash_attention, splash_available
 from .positions import apply_rope, attention_mask, rope_frequencies, segment_positions, softcap
-from nnx_surgery.surgery.families.schema import declared, nnx_shape
+from nnx_surgery.surgery.families.schema import declared_tensor, nnx_shape
 from .sharding import fitted_spec, mesh_axes, model_shardings, parameter_sharding
 
 # residual: the stream before the first and after every layer; mid_residual: between attention and MLP;
@@ -79,7 +79,7 @@ def _param(init, rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str,
 
 def _declared(cfg: ModelConfig, name: str, init, rngs, dtype) -> nnx.Param:
     """The parameter the family's schema declares under `name` (shape and axes from the declaration)."""
-    decl = declared(cfg, name)
+    decl = declared_tensor(cfg, name)
     return _param(init, rngs, nnx_shape(cfg, decl), decl.axes, dtype, sharded=not decl.norm)
 
 

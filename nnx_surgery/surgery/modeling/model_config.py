@@ -50,7 +50,7 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))  # `replace(layer_types=[...])` too
-        validate(self)
+        validate_config(self)
 
     def __hash__(self) -> int:  # `rope` and `raw` are dicts; modules holding a config must stay hashable
         return hash(json.dumps(self.to_hf_dict(), sort_keys=True, default=str))
@@ -185,7 +185,7 @@ class ModelConfig:
         return cls.from_hf_dict(data, where=path)
 
 
-def validate(cfg: ModelConfig) -> None:
+def validate_config(cfg: ModelConfig) -> None:
     where = f"{cfg.model_type} config"
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {cfg.model_type!r} is not supported; expected one of "

@@ -77,7 +77,7 @@ def calibration_batches(calibration, batch_size: int = 8, num_samples: int | Non
     return [sequences[i:i + batch_size] for i in range(0, len(sequences), batch_size)]
 
 
-def check_vocabulary(batches: list[np.ndarray], config: ModelConfig) -> None:
+def check_calibration_ids(batches: list[np.ndarray], config: ModelConfig) -> None:
     top = max(int(b.max()) for b in batches)
     low = min(int(b.min()) for b in batches)
     if low < 0 or top >= config.vocab_size:
@@ -132,7 +132,7 @@ def _captured(values: tuple[jax.Array, ...] | None, name: str) -> tuple[jax.Arra
 
 def activation_stats(teacher: CausalLM, batches: list[np.ndarray]) -> ActivationStats:
     """Forward passes over the calibration batches, reduced on device, summed on the host in float64."""
-    check_vocabulary(batches, teacher.config)
+    check_calibration_ids(batches, teacher.config)
     total = None
     for ids in batches:
         # gathered: on a multi-host mesh the statistics may be sharded over processes
@@ -159,7 +159,7 @@ def _skip_loss(model: CausalLM, ids: jax.Array, skip: jax.Array) -> jax.Array:
 
 def layer_removal_loss(teacher: CausalLM, batches: list[np.ndarray]) -> tuple[float, np.ndarray]:
     """(mean calibration LM loss of the teacher, (L,) increase of that loss when each layer is removed)."""
-    check_vocabulary(batches, teacher.config)
+    check_calibration_ids(batches, teacher.config)
     num_layers = teacher.config.num_hidden_layers
     sums = np.zeros(num_layers + 1)
     for batch in batches:

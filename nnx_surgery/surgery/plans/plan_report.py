@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from nnx_surgery.surgery.plans.plan_record import PLAN_FILE, Plan
-from nnx_surgery.surgery.plans.vocab_selection import describe as describe_vocab
+from nnx_surgery.surgery.plans.vocab_selection import describe_vocab
 
 REPORT_PNG, REPORT_TXT = "surgery_report.png", "surgery_report.txt"
 

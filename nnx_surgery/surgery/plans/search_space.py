@@ -30,7 +30,7 @@ _COUNT_INDEX = {"total": 0, "non_embedding": 1}  # where each counting is in `pa
 
 
 @dataclasses.dataclass(frozen=True)
-class Candidate:
+class ShapeCandidate:
     """One student shape and its parameter counts (the whole checkpoint, and without the embedding and head)."""
 
     spec: StudentSpec
@@ -109,7 +109,7 @@ def budget_target(teacher: ModelConfig, params: int | float | str, counting: str
 
 def candidate_specs(teacher: ModelConfig, *, params: int | float | str, counting: str = "non_embedding",
                     tolerance: float = 0.05, axes=DEFAULT_AXES, max_cut: dict | None = None, grid: int = 8,
-                    align: int = 64) -> list[Candidate]:
+                    align: int = 64) -> list[ShapeCandidate]:
     """Every valid student shape whose `counting` parameters are within `tolerance` of the budget, largest first.
 
     `params` is a fraction of the teacher's count or a count ("120M"); `axes` the sizes that may change (others
@@ -124,7 +124,7 @@ def candidate_specs(teacher: ModelConfig, *, params: int | float | str, counting
     if bad:
         raise SpecError(f"max_cut {bad}: each axis of {AXES} may lose a fraction in [0, 1).")
     target = budget_target(teacher, params, counting)
-    found: dict[tuple, Candidate] = {}
+    found: dict[tuple, ShapeCandidate] = {}
     cache: dict = {}
     for sizes in itertools.product(*_axis_values(teacher, axes, cuts, grid, align)):
         try:
@@ -135,7 +135,7 @@ def candidate_specs(teacher: ModelConfig, *, params: int | float | str, counting
         total, non_embedding = parameter_counts(teacher, spec, cache)
         count = total if counting == "total" else non_embedding
         if abs(count - target) <= tolerance * target:
-            found[sizes] = Candidate(spec, total, non_embedding)
+            found[sizes] = ShapeCandidate(spec, total, non_embedding)
     if not found:
         raise SpecError(
             f"no student shape over the axes {tuple(axes)} has {target:,} {counting.replace('_', '-')} parameters "
@@ -145,7 +145,7 @@ def candidate_specs(teacher: ModelConfig, *, params: int | float | str, counting
 
 
 def uniform_spec(teacher: ModelConfig, *, params: int | float | str, counting: str = "non_embedding",
-                 axes=DEFAULT_AXES) -> Candidate:
+                 axes=DEFAULT_AXES) -> ShapeCandidate:
     """The shape a user would guess: every axis in `axes` scaled by the same ratio, the ratio chosen (by bisection)
     so that the count is as close to the budget as `StudentSpec.scaled` allows."""
     target = budget_target(teacher, params, counting)
@@ -164,7 +164,7 @@ def uniform_spec(teacher: ModelConfig, *, params: int | float | str, counting: s
         middle = (low + high) / 2
         low, high = (middle, high) if parameter_counts(teacher, at(middle))[index] < target else (low, middle)
     best = min((at(low), at(high)), key=lambda s: abs(parameter_counts(teacher, s)[index] - target))
-    return Candidate(best, *parameter_counts(teacher, best))
+    return ShapeCandidate(best, *parameter_counts(teacher, best))
 
 
 def _spec_of(sizes: tuple) -> StudentSpec:

@@ -272,7 +272,7 @@ def _record(kind, forced, specials, reserved, kept, chosen, counts, tokenizer) -
             "unseen_pieces": len(kept - seen - forced), "merge_parents": len(kept - chosen - forced)}
 
 
-def describe(record: dict[str, Any]) -> str:
+def describe_vocab(record: dict[str, Any]) -> str:
     """One paragraph for the surgery report."""
     text = (f"vocab: {record['kept']:,} pieces kept: {record['special']} special, {record['bytes']} byte "
             f"({record['tokenizer']}), {record['calibration_pieces_kept']:,} of the {record['calibration_pieces']:,} "

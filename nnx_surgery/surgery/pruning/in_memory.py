@@ -21,7 +21,7 @@ from ..modeling.causal_lm import CausalLM, abstract_model, parameter_sharding
 from nnx_surgery.surgery.plans.plan_record import Plan, PlanError
 from nnx_surgery.surgery.storage.tensor_readers import MemoryReader
 from nnx_surgery.surgery.plans.plan_report import student_files
-from .tensor_slices import build, recipes
+from .tensor_slices import build_tensor, recipes
 from nnx_surgery.surgery.pruning.tokenizer_files import student_tokenizer
 
 HOST_CHUNK_BYTES = 256 << 20  # float32 rows worked on at once (bounds host memory beside the output tensor)
@@ -53,7 +53,7 @@ def apply_plan(teacher: CausalLM, plan: Plan, *, mesh=None, check_weights: bool 
     variables = dict(nnx.to_flat_state(state))
     for recipe in recipes(plan):
         variable = variables[recipe.path]
-        hf_array = build(recipe, read, dtype, HOST_CHUNK_BYTES)
+        hf_array = build_tensor(recipe, read, dtype, HOST_CHUNK_BYTES)
         value = read_nnx_block(hf_array, recipe.layout, tuple(variable.shape), ())
         variable.set_value(jax.device_put(np.ascontiguousarray(value), parameter_sharding(variable, mesh)))
     return nnx.merge(graphdef, state)

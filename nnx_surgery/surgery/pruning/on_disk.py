@@ -29,7 +29,7 @@ from nnx_surgery.surgery.storage.tensor_readers import DiskReader
 from nnx_surgery.surgery.plans.plan_report import student_files
 from ..storage.safetensors_stream import PendingTensor
 from ..storage.shared_writes import multi_host, process_0_writes
-from .tensor_slices import build, recipes
+from .tensor_slices import build_tensor, recipes
 from nnx_surgery.surgery.pruning.tokenizer_files import student_tokenizer
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -68,7 +68,7 @@ def _write_student(folder: str, plan: Plan, dst: str, config: ModelConfig, wante
     source, tokenizer_files = student_tokenizer(plan, folder)  # trimmed tokenizer files for a kept_vocab
     with contextlib.ExitStack() as stack:
         read = DiskReader(folder, wanted, stack, config)
-        tensors = [PendingTensor(r.hf_name, r.shape, wanted, functools.partial(build, r, read, wanted, chunk_bytes))
+        tensors = [PendingTensor(r.hf_name, r.shape, wanted, functools.partial(build_tensor, r, read, wanted, chunk_bytes))
                    for r in recipes(plan)]
         return write_hf_folder(dst, plan.student, tensors, source=source, max_shard_size=max_shard_size,
                                extra_files={**student_files(plan, report), **tokenizer_files},

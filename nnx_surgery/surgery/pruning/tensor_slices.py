@@ -105,7 +105,7 @@ def recipes(plan: Plan) -> list[Recipe]:
     return [recipe_for(plan, student, tensor) for tensor in bound_tensors(student)]
 
 
-def build(recipe: Recipe, read: Reader, dtype, chunk_bytes: int | None = None) -> np.ndarray:
+def build_tensor(recipe: Recipe, read: Reader, dtype, chunk_bytes: int | None = None) -> np.ndarray:
     """The student tensor (HF layout, `dtype`), made `chunk_bytes` of float32 rows at a time (None: at once)."""
     dtype = np.dtype(dtype)
     out = np.empty(recipe.shape, dtype)
@@ -148,7 +148,7 @@ def _arithmetic(recipe: Recipe, block: np.ndarray, dtype: np.dtype) -> np.ndarra
     raise AssertionError(recipe.kind)
 
 
-def nnx_shape(config, path: tuple) -> tuple[int, ...]:
+def nnx_shape_at(config, path: tuple) -> tuple[int, ...]:
     """The NNX shape of the parameter at `path` (a tensor_table path) for `config`."""
     for tensor in bound_tensors(config):
         if tensor.path == tuple(path):

@@ -261,7 +261,7 @@ class _Sizes:
         return float(value)
 
 
-def tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
+def import_tensor_plans(config: ModelConfig, file: GGUFFile) -> list[GGUFTensorPlan]:
     """Every HF tensor of `config` (in transformers' order), matched to its GGUF tensor, shape and type checked;
     GGUF tensors left over are an error too (a file this mapping does not describe)."""
     from gguf import GGMLQuantizationType
@@ -348,7 +348,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
         config = ModelConfig.from_hf_dict(config_dict, where=f"{path} (metadata)")
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
-    plans = tensor_plans(config, file)
+    plans = import_tensor_plans(config, file)
     tokenizer = build_tokenizer(metadata, path)
     tokenizer_config, special_map = tokenizer_configs(metadata, list(metadata["tokenizer.ggml.tokens"]), path)
     generation = {"_from_model_config": True, **{k: config_dict[k] for k in

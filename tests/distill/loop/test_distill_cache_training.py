@@ -185,7 +185,7 @@ def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
     import os
 
     from nnx_surgery import surgery
-    from nnx_surgery.distill.loop.cache_replay import prepare
+    from nnx_surgery.distill.loop.cache_replay import prepare_cached_run
     from nnx_surgery.distill.inputs.topk_cache import TeacherCache
     from refusal_env import assert_refused, run as command
 
@@ -217,10 +217,10 @@ def test_a_trimmed_student_trains_from_a_cache_in_its_own_vocabulary(w):
     config = DistillConfig(teacher_cache=cache, batch_size=4, seq_len=32,
                            stages=(Stage(steps=1, weights=LossWeights(kl=1.0)),))
     with pytest.raises(CacheError, match="another trimmed vocabulary"):
-        prepare(dataclasses.replace(config, vocab_map=tuple(reversed(kept))), model)
+        prepare_cached_run(dataclasses.replace(config, vocab_map=tuple(reversed(kept))), model)
     with pytest.raises(CacheError, match="made in a trimmed student's vocabulary, but the run's student"):
-        prepare(config, model)
-    assert prepare(dataclasses.replace(config, vocab_map=tuple(kept)), model)[0].top_k == 8
+        prepare_cached_run(config, model)
+    assert prepare_cached_run(dataclasses.replace(config, vocab_map=tuple(kept)), model)[0].top_k == 8
 
 
 def test_a_cache_of_the_rows_ahead_trains_from_where_the_data_stands(tmp_path, online):

@@ -14,7 +14,7 @@ import pytest
 
 from nnx_surgery.distill.loop.run_config import DistillConfig, LossWeights, Stage
 from nnx_surgery.distill.loop.metrics import make_logger
-from nnx_surgery.distill.loop.wandb_logger import RUN_ID_FILE, redact
+from nnx_surgery.distill.loop.wandb_logger import RUN_ID_FILE, redact_values
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
                                  reason="the wandb extra is not installed (pip install 'nnx-surgery[wandb]')")
@@ -212,7 +212,7 @@ def test_missing_wandb_names_the_extra(offline, monkeypatch):
 def test_redact_hides_secret_keys_and_token_shaped_values():
     values = {"hub_token": "abc", "api_key": "k", "password": "p", "max_tokens": 5, "push_to_hub": "me/model",
               "note": SECRET, "nested": [{"WANDB_API_KEY": "x"}, "d" * 40], "revision": "a" * 40, "token": None, "eos_token": "<eos>"}
-    assert redact(values) == {"hub_token": "<redacted>", "api_key": "<redacted>", "password": "<redacted>",
+    assert redact_values(values) == {"hub_token": "<redacted>", "api_key": "<redacted>", "password": "<redacted>",
                               "max_tokens": 5, "push_to_hub": "me/model", "note": "<redacted>",
                               "nested": [{"WANDB_API_KEY": "<redacted>"}, "<redacted>"], "revision": "a" * 40,
                               "token": None, "eos_token": "<eos>"}

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from nnx_surgery.surgery import ModelConfig
-from nnx_surgery.surgery.plans.search_space import (Candidate, candidate_specs, parameter_counts, parse_budget,
+from nnx_surgery.surgery.plans.search_space import (ShapeCandidate, candidate_specs, parameter_counts, parse_budget,
                                                     uniform_spec)
 from nnx_surgery.surgery.plans.student_spec import SpecError, StudentSpec
 
@@ -75,7 +75,7 @@ def test_the_grid_is_exhaustive_within_its_limits():
             continue  # max_cut 0.75 of 128
         spec = StudentSpec(layers, 64, mlp, 8, 4)
         if abs(parameter_counts(teacher, spec)[1] - target) <= 0.08 * target:
-            expected.add(Candidate(spec, *parameter_counts(teacher, spec)).text)
+            expected.add(ShapeCandidate(spec, *parameter_counts(teacher, spec)).text)
     assert found == expected and found
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from nnx_surgery.surgery.storage.hf_checkpoint import hf_shape, tensor_table
 from nnx_surgery.surgery.modeling.model_config import ModelConfig
 from nnx_surgery.surgery.storage.safetensors_stream import PendingTensor, write_json, write_model_files
-from nnx_surgery.surgery.pruning.tensor_slices import nnx_shape
+from nnx_surgery.surgery.pruning.tensor_slices import nnx_shape_at
 from nnx_surgery.surgery.plans.student_spec import StudentSpec
 
 # The peak is the child's own high-water mark, so these run beside other tests (measured under a 2-core load:
@@ -33,7 +33,7 @@ BOUND = 1.0  # peak / (largest teacher tensor + largest student tensor)
 
 
 def shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {e.hf_name: hf_shape(e.layout, nnx_shape(config, e.path)) for e in tensor_table(config)}
+    return {e.hf_name: hf_shape(e.layout, nnx_shape_at(config, e.path)) for e in tensor_table(config)}
 
 
 def nbytes(shape) -> int:
