@@ -168,7 +168,7 @@ def test_results_name_the_packaged_prose_and_its_licence_when_a_run_mixes_it_in(
                                  "--print-config"])
     run = SimpleNamespace(config=config, folder=str(tmp_path))
     clock = SimpleNamespace(totals=lambda: {"wall_s": 1.0, "phases": {}, "commands": 1, "unfinished_s": 0.0})
-    results = pipeline.summarise(run, {}, clock, None, SimpleNamespace(history=[], evals=[]), None)
+    results = pipeline.results_record(run, {}, clock, None, SimpleNamespace(history=[], evals=[]), None)
     assert ("general_prose" in results) == noted
     if noted:
         assert results["general_prose"] == packaged_prose.describe_packages()
