@@ -11,7 +11,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _loss(record: dict) -> str:
+    """Which logit loss a record ran: the Pallas kernels (DistillConfig.logit_impl fused or kernel on a TPU, since
+    they exist) or XLA's chunked loss (fused_xla; every record made before the kernels has no logit_impl)."""
+    return "kernels" if record.get("logit_impl") in ("fused", "kernel") else "XLA chunked"
+
+
 def _chunk(record: dict) -> str:
+    if _loss(record) == "kernels":
+        return "-"
     chunk, block = record.get("logit_chunk"), record.get("logit_block")
     if not chunk:
         return "256 (default then)"
@@ -19,14 +27,15 @@ def _chunk(record: dict) -> str:
 
 
 def step_table(records: list[dict]) -> str:
-    lines = ["| pair | batch x 2048 | remat | attention | logit chunk | step | tokens/s | TFLOP/s | MFU of 197 | "
-             "compile | XLA's step bytes | chip's peak | chip / XLA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pair | batch x 2048 | remat | attention | logit loss | logit chunk | step | tokens/s | TFLOP/s | "
+             "MFU of 197 | compile | XLA's step bytes | chip's peak | chip / XLA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("event") != "step" or "error" in r:
             continue
         ratio = f"{r['chip_to_compiled']:.3f}" if r.get("chip_to_compiled") else "(not first in its process)"
-        lines.append(f"| {r['pair']} | {r['batch']} | {r['remat'] or 'none'} | {r['attention']} | {_chunk(r)} | "
+        lines.append(f"| {r['pair']} | {r['batch']} | {r['remat'] or 'none'} | {r['attention']} | {_loss(r)} | "
+                     f"{_chunk(r)} | "
                      f"{r['median_step_s']:.3f} s | {r['tokens_per_s']:,.0f} | {r['tflop_per_s']:.1f} | "
                      f"{100 * r['mfu']:.1f}% | {r['compile_s']:.0f} s | {r['compiled_bytes'] / 1e9:.2f} GB | "
                      f"{r['peak_device_bytes'] / 1e9:.2f} GB | {ratio} |")
@@ -34,10 +43,12 @@ def step_table(records: list[dict]) -> str:
 
 
 def loss_table(records: list[dict]) -> str:
-    lines = ["| tokens | logit chunk | temporaries | arguments | outputs |", "|---|---|---|---|---|"]
+    lines = ["| tokens | logit loss | logit chunk | temporaries | arguments | outputs |", "|---|---|---|---|---|---|"]
     for r in records:
         if r.get("event") == "loss_memory":
-            lines.append(f"| {r['tokens']:,} | {r['logit_chunk']} | {r['temp_bytes'] / 1e9:.2f} GB | "
+            loss = "kernels" if r.get("logit_impl") == "kernel" else "XLA chunked"
+            chunk = "-" if loss == "kernels" else r["logit_chunk"]
+            lines.append(f"| {r['tokens']:,} | {loss} | {chunk} | {r['temp_bytes'] / 1e9:.2f} GB | "
                          f"{r['argument_bytes'] / 1e9:.2f} GB | {r['output_bytes'] / 1e9:.2f} GB |")
     return "\n".join(lines)
 

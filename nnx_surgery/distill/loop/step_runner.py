@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from . import freeze
 from ..losses import term_registry as terms
 from .run_config import DistillConfig
-from ..losses.logit_term import LOGIT, logit_chunk
+from ..losses.logit_term import KERNEL_IMPLS, LOGIT, logit_chunk
+from ..losses.tpu_kernel import kernel_applies, logit_softcap
 from ..losses.logit_term import (accelerator_logit_chunk, logit_block, logit_vocab_slice)  # noqa: F401 - importable here too
 from ..mesh import replicated
 from .oom import CompileRequest, run_compile_hooks
@@ -117,6 +118,7 @@ class StepRunner:
         self.config, self.mesh, self.student = config, mesh, student
         self.given_dtypes = jax.tree.map(lambda x: x.dtype, nnx.state(student, nnx.Param))  # given back in these
         self.correspondence = correspondence
+        self.teacher = teacher
         self.teacher_graph, self.teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
         opt = config.optimizer
         self.adam_settings = AdamSettings(b1=opt.b1, b2=opt.b2, eps=opt.eps)
@@ -166,6 +168,19 @@ class StepRunner:
         if wanted in ("fused", "kernel"):
             return "kernel" if self.on_tpu() else ("fused" if wanted == "fused" else "kernel_interpret")
         return wanted
+
+    def logit_loss(self, index: int) -> str:
+        """Which logit loss stage `index`'s step computes, for its compile record: "kernels" (the TPU kernels,
+        `distill.losses.tpu_kernel`) or the XLA loss's name ("fused", "two_pass", "reference"), by the test the
+        logit term makes when it is traced (`kernel_applies`)."""
+        settings = self.step_settings(index)
+        if settings.logit_impl not in KERNEL_IMPLS or (self.mesh is not None and self.mesh.size > 1):
+            return "fused" if settings.logit_impl in KERNEL_IMPLS else settings.logit_impl
+        vocab = getattr(getattr(self.student, "config", None), "vocab_size", None) or \
+            self.student.head_matrix().shape[0]
+        teacher = None if self.teacher is None or settings.cached_teacher else self.teacher
+        caps = (logit_softcap(self.student), None if teacher is None else logit_softcap(teacher))
+        return "kernels" if kernel_applies(settings.logit, settings.cached_teacher, vocab, caps) else "fused"
 
     def attention_kernel(self) -> str:
         """The step's attention: `config.attention_kernel`, where "auto" is the splash kernel on TPU devices."""
@@ -256,6 +271,7 @@ class StepRunner:
             started, hits_before = time.perf_counter(), _cache_counts["hits"]
             compiled = train_fn.lower(*args).compile()
             self.compile_report = compile_report(compiled, time.perf_counter() - started, hits_before)
+            self.compile_report["logit_loss"] = self.logit_loss(self.stage_index)
             release_free_heap()
             self._lowered.append(signature)
         self.params, self.opt, step_metrics = train_fn(*args)

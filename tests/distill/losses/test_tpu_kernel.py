@@ -137,3 +137,26 @@ def test_a_train_step_with_the_kernels_gives_the_fused_steps_loss_and_gradients(
     assert sorted(got[2]) == sorted(want[2])
     for path, w in want[2].items():
         np.testing.assert_allclose(got[2][path], w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()), err_msg=path)
+
+
+def test_a_runs_first_step_records_which_logit_loss_it_compiled(tmp_path):
+    """`logit_loss` in the history of the step that compiled: "kernels" where the kernels ran (forced here, in
+    the interpreter), "fused" for the XLA loss (the default off a TPU), and "fused" again where the kernels do not
+    apply (a vocabulary of 96 is not whole 128-lane tiles)."""
+    from nnx_surgery.distill.loop.trainer import run
+    from nnx_surgery.surgery.modeling.causal_lm import create_model
+    from nnx_surgery.surgery.modeling.model_config import ModelConfig
+    from distill_fixtures import BATCH, FAST_COMPILE, LENGTH, ArrayBatches, tiny_config
+
+    def first_record(vocab, impl):
+        sized = lambda layers: ModelConfig.from_hf_dict({**tiny_config(layers).to_hf_dict(), "vocab_size": vocab})
+        teacher, student = create_model(sized(3), seed=0), create_model(sized(2), seed=1)
+        ids = np.random.default_rng(0).integers(0, vocab, (BATCH, LENGTH)).astype(np.int32)
+        config = DistillConfig(stages=(Stage(steps=1, weights=LossWeights(kl=1.0)),), batch_size=BATCH,
+                               seq_len=LENGTH, progress=False, plots=False, logit_impl=impl,
+                               run_dir=str(tmp_path / f"{vocab}-{impl}"), compiler_options=FAST_COMPILE)
+        return run(teacher, student, ArrayBatches([{"input_ids": ids}]), config).history[0]
+
+    assert first_record(128, "kernel")["logit_loss"] == "kernels"
+    assert first_record(128, "fused")["logit_loss"] == "fused"
+    assert first_record(96, "kernel")["logit_loss"] == "fused"
