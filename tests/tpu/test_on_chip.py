@@ -1,6 +1,7 @@
 """On a TPU chip (the `tpu` marker: skipped where JAX has no TPU, as in CI): the splash attention kernel against
-the XLA path, the fused logit loss and the logit kernels against the CPU's XLA loss, the kernels' temporaries, the loss's temporaries bounded by its chunk, XLA's compiled
-memory against the chip's own counters (the tiny recipe on the chip: test_recipe_on_chip.py). Run them with `make test-tpu`."""
+the XLA path, the fused logit loss and the logit kernels against the CPU's XLA loss, the kernels' temporaries and
+the XLA loss's bounded by its chunk, XLA's compiled memory against the chip's own counters (the tiny recipe on the
+chip: test_recipe_on_chip.py). Run them with `make test-tpu`."""
 from __future__ import annotations
 
 import os
