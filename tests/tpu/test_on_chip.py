@@ -41,14 +41,18 @@ def _loss_grad(batch: int, length: int, vocab: int, width: int, chunk: int):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def test_fused_loss_on_the_chip_matches_the_cpu_at_bf16_tolerance():
+def _loss_inputs(b: int, t: int, v: int, d: int) -> tuple:
+    """(hs, head_s, ht, head_t, labels, weights): bf16 hidden states, a float32 student head, a bf16 teacher head."""
     rng = np.random.default_rng(0)
-    b, t, v, d = 2, 512, 32768, 256
     hs, ht = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16) for _ in range(2))
     head_s, head_t = (jnp.asarray(rng.normal(size=(v, d)) * 0.1, dtype) for dtype in (jnp.float32, jnp.bfloat16))
     labels = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
-    weights = jnp.full((b, t), 1.0 / (b * t), jnp.float32)
-    args = (hs, head_s, ht, head_t, labels, weights)
+    return hs, head_s, ht, head_t, labels, jnp.full((b, t), 1.0 / (b * t), jnp.float32)
+
+
+def test_fused_loss_on_the_chip_matches_the_cpu_at_bf16_tolerance():
+    b, t, v, d = 2, 512, 32768, 256
+    args = _loss_inputs(b, t, v, d)
     tpu_value, tpu_grads = _loss_grad(b, t, v, d, 256)(*args)
     cpu = jax.devices("cpu")[0]
     cpu_value, cpu_grads = _loss_grad(b, t, v, d, 256)(*jax.device_put(args, cpu))
@@ -87,13 +91,8 @@ def _kernel_loss_grad(caps=(30.0, 30.0)):
 
 
 def test_the_logit_kernels_on_the_chip_match_the_xla_loss_on_the_cpu():
-    rng = np.random.default_rng(0)
     b, t, v, d = 2, 512, 32768, 256
-    hs, ht = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16) for _ in range(2))
-    head_s, head_t = (jnp.asarray(rng.normal(size=(v, d)) * 0.1, dtype) for dtype in (jnp.float32, jnp.bfloat16))
-    labels = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
-    weights = jnp.full((b, t), 1.0 / (b * t), jnp.float32)
-    args = (hs, head_s, ht, head_t, labels, weights)
+    args = _loss_inputs(b, t, v, d)
     tpu_value, tpu_grads = _kernel_loss_grad()(*args)
     cpu_value, cpu_grads = _loss_grad(b, t, v, d, 256)(*jax.device_put(args, jax.devices("cpu")[0]))
     np.testing.assert_allclose(float(tpu_value), float(cpu_value), rtol=1e-2)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .divergence import LogitLossSettings
-from .two_pass import loss_from_statistics
+from .two_pass import loss_from_statistics, statistics_loss
 
 ROW_BLOCK = 512  # rows per tile (a multiple of 128: the d(head) kernel puts rows in lanes)
 VOCAB_BLOCKS = (1024, 512, 256, 128)  # vocabulary rows per tile: the first that divides the vocabulary
@@ -300,33 +300,21 @@ def kernel_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None, 
         flat_weights = weights.reshape(-1).astype(jnp.float32)
         return loss_from_statistics(stats, flat_weights, coeffs, tau, spec), columns
 
-    @jax.custom_vjp
-    def loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs):
-        return forward(h_s, head_s, h_t, head_t, labels, weights, coeffs)[0]
-
-    def loss_fwd(h_s, head_s, h_t, head_t, labels, weights, coeffs):
-        args = jax.tree.map(lambda a: a.value, (h_s, head_s, h_t, head_t, labels, weights, coeffs),
-                            is_leaf=lambda a: hasattr(a, "perturbed"))
-        out, columns = forward(*args)
-        wanted = (jnp.zeros(()) if h_s.perturbed else None, jnp.zeros(()) if head_s.perturbed else None)
-        return out, (args, columns, wanted)
-
-    def loss_bwd(residuals, cotangents):
-        (h_s, head_s, h_t, head_t, labels, weights, coeffs), columns, (want_hidden, want_head) = residuals
+    def gradients(args, columns, cotangent, grad_hidden: bool, grad_head: bool):
+        h_s, head_s, h_t, head_t, labels, weights, coeffs = args
         _, values = scalars(coeffs)
-        scaled = jnp.pad(weights.reshape(-1).astype(jnp.float32) * cotangents[0].astype(jnp.float32), (0, padded))
+        scaled = jnp.pad(weights.reshape(-1).astype(jnp.float32) * cotangent.astype(jnp.float32), (0, padded))
         stats = jnp.pad(columns, [(0, padded), (0, 0)])
         inputs = operands(h_s, head_s, h_t, head_t, labels)
         d_hidden = d_head = None
-        if want_hidden is not None:
+        if grad_hidden:
             d_hidden = kernel_hidden_gradient(tiles, values, *inputs, scaled, stats)[:batch * length]
             d_hidden = d_hidden.reshape(h_s.shape)
-        if want_head is not None:
+        if grad_head:
             d_head = kernel_head_gradient(tiles, values, *inputs, scaled, stats, head_dtype)
-        return d_hidden, d_head, None, None, None, None, None
+        return d_hidden, d_head
 
-    loss_fn.defvjp(loss_fwd, loss_bwd, symbolic_zeros=True)
-    return loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs)
+    return statistics_loss(forward, gradients)(h_s, head_s, h_t, head_t, labels, weights, coeffs)
 
 
 __all__ = ["kernel_logit_loss", "kernel_applies", "logit_softcap", "Tiles", "kernel_statistics",

@@ -206,6 +206,23 @@ def two_pass_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None
         loss, sums = loss_from_statistics(stats, flat(weights).astype(jnp.float32), coeffs, tau, spec)
         return (loss, sums), stats
 
+    def gradients(args, stats, cotangent, grad_hidden: bool, grad_head: bool):
+        h_s, head_s, h_t, head_t, labels, weights, coeffs = args
+        tau = coeffs["temperature"] if spec.kl else 1.0
+        scaled = flat(weights).astype(jnp.float32) * cotangent.astype(jnp.float32)
+        logits_of = _LogitsOf(flat(h_s), head_s, flat(h_t), head_t, width, student_logits, teacher_logits)
+        d_hidden, d_head = _gradients(flat(h_s), head_s, flat(labels), scaled, coeffs, tau, stats, spec, logits_of,
+                                      width, vocab, grad_hidden=grad_hidden,
+                                      head_dtype=head_dtype if grad_head else None)
+        return (None if d_hidden is None else d_hidden.reshape(h_s.shape)), d_head
+
+    return statistics_loss(forward, gradients)(h_s, head_s, h_t, head_t, labels, weights, coeffs)
+
+
+def statistics_loss(forward: Callable, gradients: Callable) -> Callable:
+    """The `jax.custom_vjp` of a two-pass loss over (h_s, head_s, h_t, head_t, labels, weights, coeffs):
+    `forward(*args) -> ((loss, metric sums), stats)` and `gradients(args, stats, cotangent, grad_hidden,
+    grad_head) -> (d_hidden, d_head)` (None where not asked for: a frozen head costs no gradient pass)."""
     @jax.custom_vjp
     def loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs):
         return forward(h_s, head_s, h_t, head_t, labels, weights, coeffs)[0]
@@ -219,18 +236,12 @@ def two_pass_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None
         return out, (args, stats, wanted)
 
     def loss_bwd(residuals, cotangents):
-        (h_s, head_s, h_t, head_t, labels, weights, coeffs), stats, (want_hidden, want_head) = residuals
-        tau = coeffs["temperature"] if spec.kl else 1.0
-        scaled = flat(weights).astype(jnp.float32) * cotangents[0].astype(jnp.float32)
-        logits_of = _LogitsOf(flat(h_s), head_s, flat(h_t), head_t, width, student_logits, teacher_logits)
-        d_hidden, d_head = _gradients(flat(h_s), head_s, flat(labels), scaled, coeffs, tau, stats, spec, logits_of,
-                                      width, vocab, grad_hidden=want_hidden is not None,
-                                      head_dtype=head_dtype if want_head is not None else None)
-        d_hidden = None if d_hidden is None else d_hidden.reshape(h_s.shape)
+        args, stats, (want_hidden, want_head) = residuals
+        d_hidden, d_head = gradients(args, stats, cotangents[0], want_hidden is not None, want_head is not None)
         return d_hidden, d_head, None, None, None, None, None
 
     loss_fn.defvjp(loss_fwd, loss_bwd, symbolic_zeros=True)
-    return loss_fn(h_s, head_s, h_t, head_t, labels, weights, coeffs)
+    return loss_fn
 
 
-__all__ = ["two_pass_logit_loss", "two_pass_applies", "loss_from_statistics"]
+__all__ = ["two_pass_logit_loss", "two_pass_applies", "loss_from_statistics", "statistics_loss"]
