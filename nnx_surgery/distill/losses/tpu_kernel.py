@@ -305,13 +305,13 @@ def kernel_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None, 
         _, values = scalars(coeffs)
         scaled = jnp.pad(weights.reshape(-1).astype(jnp.float32) * cotangent.astype(jnp.float32), (0, padded))
         stats = jnp.pad(columns, [(0, padded), (0, 0)])
-        inputs = operands(h_s, head_s, h_t, head_t, labels)
+        hs, ws, ht, wt, rows_labels = operands(h_s, head_s, h_t, head_t, labels)
         d_hidden = d_head = None
         if grad_hidden:
-            d_hidden = kernel_hidden_gradient(tiles, values, *inputs, scaled, stats)[:batch * length]
-            d_hidden = d_hidden.reshape(h_s.shape)
+            d_hidden = kernel_hidden_gradient(tiles, values, hs, ws, ht, wt, rows_labels, scaled, stats)
+            d_hidden = d_hidden[:batch * length].reshape(h_s.shape)
         if grad_head:
-            d_head = kernel_head_gradient(tiles, values, *inputs, scaled, stats, head_dtype)
+            d_head = kernel_head_gradient(tiles, values, hs, ws, ht, wt, rows_labels, scaled, stats, head_dtype)
         return d_hidden, d_head
 
     return statistics_loss(forward, gradients)(h_s, head_s, h_t, head_t, labels, weights, coeffs)

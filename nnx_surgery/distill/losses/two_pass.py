@@ -209,7 +209,7 @@ def two_pass_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None
     def gradients(args, stats, cotangent, grad_hidden: bool, grad_head: bool):
         h_s, head_s, h_t, head_t, labels, weights, coeffs = args
         tau = coeffs["temperature"] if spec.kl else 1.0
-        scaled = flat(weights).astype(jnp.float32) * cotangent.astype(jnp.float32)
+        scaled = weights.reshape(-1).astype(jnp.float32) * cotangent.astype(jnp.float32)
         logits_of = _LogitsOf(flat(h_s), head_s, flat(h_t), head_t, width, student_logits, teacher_logits)
         d_hidden, d_head = _gradients(flat(h_s), head_s, flat(labels), scaled, coeffs, tau, stats, spec, logits_of,
                                       width, vocab, grad_hidden=grad_hidden,
