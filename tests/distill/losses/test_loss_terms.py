@@ -143,7 +143,7 @@ def test_a_term_with_an_option_is_one_registration(registry, monkeypatch):
     from nnx_surgery.recipes.config import command_line
     from nnx_surgery.recipes.compress import resolution
 
-    flags = {name for action in command_line.build_parser()._actions for name in action.option_strings}
+    flags = {name for action in command_line.build_recipe_parser()._actions for name in action.option_strings}
     assert {"--scaled-gap-weight", "--feature-weight", "--cosine-weight", "--attention-weight",
             "--feature-kind"} <= flags and "--mse-weight" not in flags  # the MSE term has no recipe flag
     config = resolution.resolve(["--preset", "tiny", "--scaled-gap-weight", "0.5"])
