@@ -18,6 +18,7 @@ from common import fmt, latest  # noqa: E402
 from report_gpu import GPU_MFU_TARGET, GPU_RESULTS, gpu_run, section_gpu  # noqa: E402
 import report_aot  # noqa: E402
 import report_lm_eval  # noqa: E402
+import report_tpu  # noqa: E402
 import report_real  # noqa: E402
 
 PEER_NAMES = {"ours": "ours (`load_pretrained` / `distill.run`)",
@@ -300,6 +301,7 @@ def section_targets(records: list[dict]) -> list[str]:
     rows += report_aot.target_rows()
     rows += report_real.sweep_target_rows()
     rows += report_lm_eval.target_rows()
+    rows += report_tpu.committed_target_rows()
     _, gpu_events = gpu_run(records)
     gpu_steps = [e for e in gpu_events if e.get("event") == "distill" and e.get("peer") == "ours" and e.get("mfu")]
     if gpu_steps:

@@ -450,3 +450,23 @@ def test_tpu_report_renders_the_committed_records():
     assert len(report_tpu.step_table(records).splitlines()) == 2 + len(steps)
     traced = report_tpu.trace_tables(records)
     assert "line `XLA Ops`" in traced and "| `bitcast_add_fusion.11` | fusion | 32 | 76.8 |" in traced
+
+
+def test_tpu_targets_come_from_the_committed_records():
+    """"Targets at a glance"'s TPU rows: the best kernel step per pair against its MFU goal, the kernels' loss
+    temporaries, compiled against chip bytes, the TPU demo's closure and its one-command seconds (each phase's lap
+    in the first command that finished it), with a goal missed where the records miss it."""
+    import report_tpu
+
+    rows = {name.split(":")[0]: (text, met) for name, text, met in report_tpu.committed_target_rows()}
+    assert rows["TPU v5e, seq 2048"] == ("52.3% and 57.9% (the Pallas logit kernels; 42.2% and 54.1% with XLA's "
+                                         "chunked loss)", True)
+    assert rows["TPU v5e"][1] is True  # compiled within 10% (the last TPU v5e row of the two with that prefix)
+    assert rows["TPU demo (`gemma3-270m-tpu`)"] == ("115% / 98% / 55%", False)
+    assert rows["TPU demo"][1] is False and "about 632 s" in rows["TPU demo"][0]
+    laps = {"commands": [{"wall_s": 500, "laps": {"a": 100.0, "b": 50.0}},
+                         {"wall_s": 90, "laps": {"a": 20.0, "c": 60.0}}]}
+    assert report_tpu.uninterrupted_seconds(laps) == 210.0
+    records = [{"event": "loss_memory", "logit_impl": "kernel", "tokens": 16384, "temp_bytes": 1.6e9}]
+    assert report_tpu.target_rows(records) == [("TPU v5e: the logit loss's temporaries at 16k tokens (270M pair's "
+                                                "head) <= 1.5 GB", "1.60 GB (kernels)", False)]
