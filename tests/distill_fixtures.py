@@ -91,3 +91,22 @@ class ArrayBatches:
 
     def restore(self, state):
         self.position = state["position"]
+
+
+def step_gradients(teacher, student, settings, ids):
+    """One train step's loss, metrics and student gradients (no update) for (B, LENGTH) `ids` under
+    `settings` (a `StepSettings`), at KL 1 and CE 0.5, temperature 2: (loss, {metric: float}, {path: array})."""
+    import nnx_surgery.distill.loop.train_step as step_lib
+    from nnx_surgery.distill.loop.freeze import split_trainable
+    from nnx_surgery.distill.loop.run_config import LossWeights, Stage
+
+    hyper = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=0.5), temperature=2.0), 0, 0.0)
+    rows = ids.shape[0]
+    counts = {"tokens": jnp.float32(rows * (LENGTH - 1)), "positions": jnp.float32(rows * LENGTH)}
+    graph, trainable, rest = split_trainable(student, None, None)
+    teacher_graph, teacher_state = nnx.split(teacher)
+    grad_fn = jax.jit(step_lib.make_grad_fn(graph, teacher_graph, settings), compiler_options=FAST_COMPILE)
+    (loss, metrics), grads = grad_fn({"student": trainable, "proj": {}}, rest, teacher_state, {"input_ids": ids},
+                                     counts, hyper)
+    flat = {path_string(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads["student"])}
+    return float(loss), {k: float(v) for k, v in metrics.items()}, flat

@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from . import freeze
 from ..losses import term_registry as terms
 from .run_config import DistillConfig
-from ..losses.logit_term import KERNEL_IMPLS, LOGIT, logit_chunk
-from ..losses.tpu_kernel import kernel_applies, logit_softcap
+from ..losses.logit_term import LOGIT, chosen_loss, logit_chunk
+from ..losses.tpu_kernel import model_caps
 from ..losses.logit_term import (accelerator_logit_chunk, logit_block, logit_vocab_slice)  # noqa: F401 - importable here too
 from ..mesh import replicated
 from .oom import CompileRequest, run_compile_hooks
@@ -170,17 +170,14 @@ class StepRunner:
         return wanted
 
     def logit_loss(self, index: int) -> str:
-        """Which logit loss stage `index`'s step computes, for its compile record: "kernels" (the TPU kernels,
-        `distill.losses.tpu_kernel`) or the XLA loss's name ("fused", "two_pass", "reference"), by the test the
-        logit term makes when it is traced (`kernel_applies`)."""
+        """Which logit loss stage `index`'s step computes, for its compile record (`logit_term.chosen_loss`, the
+        choice the logit term makes when it is traced)."""
         settings = self.step_settings(index)
-        if settings.logit_impl not in KERNEL_IMPLS or (self.mesh is not None and self.mesh.size > 1):
-            return "fused" if settings.logit_impl in KERNEL_IMPLS else settings.logit_impl
         vocab = getattr(getattr(self.student, "config", None), "vocab_size", None) or \
             self.student.head_matrix().shape[0]
-        teacher = None if self.teacher is None or settings.cached_teacher else self.teacher
-        caps = (logit_softcap(self.student), None if teacher is None else logit_softcap(teacher))
-        return "kernels" if kernel_applies(settings.logit, settings.cached_teacher, vocab, caps) else "fused"
+        caps = model_caps(self.student, None if settings.cached_teacher else self.teacher)
+        return chosen_loss(settings.logit_impl, settings.logit, settings.cached_teacher, vocab, caps,
+                           self.mesh.size if self.mesh is not None else 1)
 
     def attention_kernel(self) -> str:
         """The step's attention: `config.attention_kernel`, where "auto" is the splash kernel on TPU devices."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .divergence import LogitLossSettings, fused_logit_loss, reference_logit_loss
-from .tpu_kernel import kernel_applies, kernel_logit_loss, logit_softcap
+from .tpu_kernel import kernel_applies, kernel_logit_loss, model_caps
 from .two_pass import two_pass_applies, two_pass_logit_loss
 from .term_types import LossTerm, TermInputs
 
@@ -78,6 +78,15 @@ def logit_vocab_slice(config: Any) -> int | None:
     return 32768 if jax.default_backend() == "cpu" else None
 
 
+def chosen_loss(impl: str, spec: LogitLossSettings, cached_teacher: bool, vocab: int, caps: tuple[Any, Any],
+                devices: int | None = None) -> str:
+    """The logit loss a step with `StepSettings.logit_impl` `impl` computes: "kernels" (the TPU kernels, where
+    `kernel_applies`), else the XLA loss's name ("fused", "two_pass", "reference")."""
+    if impl not in KERNEL_IMPLS:
+        return impl
+    return "kernels" if kernel_applies(spec, cached_teacher, vocab, caps, devices) else "fused"
+
+
 @dataclasses.dataclass(frozen=True)
 class LogitTerm(LossTerm):
     """The fused logit loss; its static settings are `StepSettings.logit` (a `LogitLossSettings`). The
@@ -127,8 +136,8 @@ class LogitTerm(LossTerm):
         else:
             t_input = None if teacher is None else (teacher.topk if cached else teacher.hidden)
             t_head = None if teacher is None else teacher.head
-            caps = (logit_softcap(student.model), None if teacher is None or cached else logit_softcap(teacher.model))
-            if settings.logit_impl in KERNEL_IMPLS and kernel_applies(spec, cached, s_head.shape[0], caps):
+            caps = model_caps(student.model, None if teacher is None or cached else teacher.model)
+            if chosen_loss(settings.logit_impl, spec, cached, s_head.shape[0], caps) == "kernels":
                 loss, sums = kernel_logit_loss(s_hidden, s_head, t_input, t_head, inputs.labels, inputs.token_weights,
                                                coeffs, caps=caps, spec=spec,
                                                interpret=settings.logit_impl == "kernel_interpret")
@@ -144,5 +153,5 @@ class LogitTerm(LossTerm):
 
 LOGIT = LogitTerm()
 
-__all__ = ["LOGIT", "LogitTerm", "KINDS", "logit_chunk", "accelerator_logit_chunk", "logit_block",
+__all__ = ["LOGIT", "LogitTerm", "KINDS", "KERNEL_IMPLS", "chosen_loss", "logit_chunk", "accelerator_logit_chunk", "logit_block",
            "logit_vocab_slice"]

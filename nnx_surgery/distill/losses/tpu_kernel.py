@@ -53,11 +53,20 @@ def logit_softcap(model: Any) -> Any:
     return float(cap) if cap else None
 
 
-def kernel_applies(spec: LogitLossSettings, cached_teacher: bool, vocab: int, caps: tuple[Any, Any]) -> bool:
+def model_caps(student: Any, teacher: Any | None) -> tuple[Any, Any]:
+    """(student's, teacher's) soft-caps for the kernels; the teacher's None where no teacher model computes logits
+    (none, or a cached teacher's top k)."""
+    return logit_softcap(student), None if teacher is None else logit_softcap(teacher)
+
+
+def kernel_applies(spec: LogitLossSettings, cached_teacher: bool, vocab: int, caps: tuple[Any, Any],
+                   devices: int | None = None) -> bool:
     """Whether the kernels compute this loss: two_pass's objectives, a vocabulary of whole 128-lane tiles, both
-    soft-caps known, and no mesh of several devices in context."""
-    mesh = jax.sharding.get_abstract_mesh()
-    single = mesh is None or mesh.empty or mesh.size == 1
+    soft-caps known, and one device (`devices`: the mesh's size; None: the mesh in context)."""
+    if devices is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = 1 if mesh is None or mesh.empty else mesh.size
+    single = devices == 1
     objectives = not (cached_teacher or spec.top_k is not None or spec.reverse_kl or spec.jsd or spec.diagnostics)
     return objectives and single and vocab % 128 == 0 and UNKNOWN not in caps
 
@@ -188,13 +197,17 @@ def _head_kernel(tiles: Tiles, scalars, hs, ws, *refs):
         out[...] = acc[...].astype(out.dtype)
 
 
-def _call(kernel, tiles: Tiles, grid, in_specs, out_spec, out_shape, scratch, flops: int, transcendentals: int):
+def _call(kernel, tiles: Tiles, grid, in_specs, out_spec, out_shape, scratch, flops: int, transcendentals: int,
+          operands: tuple) -> jax.Array:
+    """The kernel over `grid` applied to `operands` (the SMEM scalars first). Its cost for XLA's scheduler: the
+    given FLOPs and transcendentals, and each operand and the output read or written once."""
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    moved = sum(x.size * x.dtype.itemsize for x in (*operands, out_shape))
     return pl.pallas_call(
         functools.partial(kernel, tiles), grid=grid, in_specs=[smem, *in_specs], out_specs=out_spec,
         out_shape=out_shape, scratch_shapes=scratch, compiler_params=params, interpret=tiles.interpret,
-        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=0))
+        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=moved))(*operands)
 
 
 def _row_major_specs(tiles: Tiles, hs, ht, by_row, by_vocab):
@@ -224,8 +237,8 @@ def kernel_statistics(tiles: Tiles, scalars, hs, ws, ht, wt, labels) -> jax.Arra
     inputs = (hs, ws, ht, wt) if tiles.kl else (hs, ws)
     return _call(_statistics_kernel, tiles, grid, specs, pl.BlockSpec((tiles.rows, 8), lambda i, j: (i, 0)),
                  jax.ShapeDtypeStruct((rows, 8), jnp.float32), [column] * 8,
-                 _matmul_flops(tiles, rows, vocab, hs, ht), rows * vocab * (1 + tiles.kl + (not tiles.unit)))(
-        scalars, *inputs, labels[:, None])
+                 _matmul_flops(tiles, rows, vocab, hs, ht), rows * vocab * (1 + tiles.kl + (not tiles.unit)),
+                 (scalars, *inputs, labels[:, None]))
 
 
 def kernel_hidden_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats) -> jax.Array:
@@ -239,8 +252,8 @@ def kernel_hidden_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weight
     width = hs.shape[1]
     return _call(_hidden_kernel, tiles, grid, specs, pl.BlockSpec((tiles.rows, width), lambda i, j: (i, 0)),
                  jax.ShapeDtypeStruct(hs.shape, hs.dtype), [pltpu.VMEM((tiles.rows, width), jnp.float32)],
-                 _matmul_flops(tiles, rows, vocab, hs, ht) + 2 * rows * vocab * width, 2 * rows * vocab)(
-        scalars, *inputs, labels[:, None], weights[:, None], stats)
+                 _matmul_flops(tiles, rows, vocab, hs, ht) + 2 * rows * vocab * width, 2 * rows * vocab,
+                 (scalars, *inputs, labels[:, None], weights[:, None], stats))
 
 
 def kernel_head_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights, stats, dtype) -> jax.Array:
@@ -254,8 +267,8 @@ def kernel_head_gradient(tiles: Tiles, scalars, hs, ws, ht, wt, labels, weights,
     width = hs.shape[1]
     return _call(_head_kernel, tiles, grid, specs, pl.BlockSpec((tiles.vocab, width), lambda j, i: (j, 0)),
                  jax.ShapeDtypeStruct(ws.shape, dtype), [pltpu.VMEM((tiles.vocab, width), jnp.float32)],
-                 _matmul_flops(tiles, rows, vocab, hs, ht) + 2 * rows * vocab * width, 2 * rows * vocab)(
-        scalars, *inputs, labels[None, :], weights[None, :], stats.T)
+                 _matmul_flops(tiles, rows, vocab, hs, ht) + 2 * rows * vocab * width, 2 * rows * vocab,
+                 (scalars, *inputs, labels[None, :], weights[None, :], stats.T))
 
 
 def _tiles(spec: LogitLossSettings, rows: int, vocab: int, caps, interpret: bool, row_block: int) -> Tiles:
@@ -317,5 +330,5 @@ def kernel_logit_loss(h_s: jax.Array, head_s: jax.Array, h_t: jax.Array | None, 
     return statistics_loss(forward, gradients)(h_s, head_s, h_t, head_t, labels, weights, coeffs)
 
 
-__all__ = ["kernel_logit_loss", "kernel_applies", "logit_softcap", "Tiles", "kernel_statistics",
+__all__ = ["kernel_logit_loss", "kernel_applies", "logit_softcap", "model_caps", "Tiles", "kernel_statistics",
            "kernel_hidden_gradient", "kernel_head_gradient", "UNKNOWN", "ROW_BLOCK"]

@@ -144,29 +144,20 @@ def test_compiled_temporaries_hold_no_head_sized_accumulator_and_no_full_vocabul
 
 
 def test_a_train_step_with_two_pass_gives_the_fused_steps_loss_and_gradients():
-    from flax import nnx
-
     import nnx_surgery.distill.loop.train_step as step_lib
-    from nnx_surgery.distill.loop.freeze import path_string, split_trainable
-    from distill_fixtures import FAST_COMPILE, LENGTH, VOCAB, student_from, tiny_teacher
+    from nnx_surgery.distill.loop.freeze import split_trainable
+    from distill_fixtures import LENGTH, VOCAB, step_gradients, student_from, tiny_teacher
 
     teacher = tiny_teacher()
     student = student_from(teacher)
-    hyper = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=0.5), temperature=2.0), 0, 0.0)
-    counts = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
     ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH)).astype(np.int32))
 
     def run(impl):
-        graph, trainable, rest = split_trainable(student, None, None)
-        teacher_graph, teacher_state = nnx.split(teacher)
         settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8, vocab_slice=24),
                                          logit_impl=impl)
+        graph, trainable, rest = split_trainable(student, None, None)
         assert step_lib._embedding_fold(graph, {"student": trainable}, rest, settings)  # tied: folded in both
-        grad_fn = jax.jit(step_lib.make_grad_fn(graph, teacher_graph, settings), compiler_options=FAST_COMPILE)
-        (loss, metrics), grads = grad_fn({"student": trainable, "proj": {}}, rest, teacher_state,
-                                         {"input_ids": ids}, counts, hyper)
-        flat = {path_string(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads["student"])}
-        return float(loss), {k: float(v) for k, v in metrics.items()}, flat
+        return step_gradients(teacher, student, settings, ids)
 
     want, got = run("fused"), run("two_pass")
     assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == pytest.approx(want[1], rel=1e-5)

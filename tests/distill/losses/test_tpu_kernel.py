@@ -107,30 +107,19 @@ def test_distill_config_names_the_logit_losses():
 
 
 def test_a_train_step_with_the_kernels_gives_the_fused_steps_loss_and_gradients():
-    from flax import nnx
-
     import nnx_surgery.distill.loop.train_step as step_lib
-    from nnx_surgery.distill.loop.freeze import path_string, split_trainable
     from nnx_surgery.surgery.modeling.causal_lm import create_model
     from nnx_surgery.surgery.modeling.model_config import ModelConfig
-    from distill_fixtures import FAST_COMPILE, LENGTH, tiny_config
+    from distill_fixtures import LENGTH, step_gradients, tiny_config
 
     vocab = 128  # the fixtures' 96 is not whole 128-lane tiles
     sized = lambda layers: ModelConfig.from_hf_dict({**tiny_config(layers).to_hf_dict(), "vocab_size": vocab})
     teacher, student = create_model(sized(3), seed=0), create_model(sized(2), seed=1)
-    hyper = step_lib.hyper_values(Stage(steps=1, weights=LossWeights(kl=1.0, ce=0.5), temperature=2.0), 0, 0.0)
-    counts = {"tokens": jnp.float32(2 * (LENGTH - 1)), "positions": jnp.float32(2 * LENGTH)}
     ids = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (2, LENGTH)).astype(np.int32))
 
     def run(impl):
-        graph, trainable, rest = split_trainable(student, None, None)
-        teacher_graph, teacher_state = nnx.split(teacher)
         settings = step_lib.StepSettings(logit=LogitLossSettings(kl=True, ce=True, chunk=8), logit_impl=impl)
-        grad_fn = jax.jit(step_lib.make_grad_fn(graph, teacher_graph, settings), compiler_options=FAST_COMPILE)
-        (loss, metrics), grads = grad_fn({"student": trainable, "proj": {}}, rest, teacher_state,
-                                         {"input_ids": ids}, counts, hyper)
-        flat = {path_string(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads["student"])}
-        return float(loss), {k: float(v) for k, v in metrics.items()}, flat
+        return step_gradients(teacher, student, settings, ids)
 
     want, got = run("fused"), run("kernel_interpret")
     assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6)
