@@ -153,5 +153,5 @@ class LogitTerm(LossTerm):
 
 LOGIT = LogitTerm()
 
-__all__ = ["LOGIT", "LogitTerm", "KINDS", "KERNEL_IMPLS", "chosen_loss", "logit_chunk", "accelerator_logit_chunk", "logit_block",
-           "logit_vocab_slice"]
+__all__ = ["LOGIT", "LogitTerm", "KINDS", "KERNEL_IMPLS", "chosen_loss", "logit_chunk", "accelerator_logit_chunk",
+           "logit_block", "logit_vocab_slice"]
