@@ -1,14 +1,14 @@
 """The compress recipe as a command (`nnx-surgery compress`, recipes/gemma_7b_to_2b.py): its settings resolved
-once (compress/resolution.py), the devices prepared before JAX touches them (an `--aot cpu:N` target's host
-devices, a multi-host run's jax.distributed), then exactly one of `--print-config`, `--aot TARGET` (aot/sizing.py:
-the run's programs compiled for TARGET, nothing trained) or the run (compress/pipeline.py)."""
+once (compress/resolution.py), then exactly one of `--print-config`, `--aot TARGET` (aot/sizing.py: the run's
+programs compiled for TARGET, nothing trained) or the run (compress/pipeline.py), whose devices are prepared
+before JAX touches them (a multi-host run's jax.distributed)."""
 from __future__ import annotations
 
 import json
 import sys
 
 from nnx_surgery import refusals
-from nnx_surgery.recipes.aot import sizing, targets
+from nnx_surgery.recipes.aot import sizing
 from nnx_surgery.recipes.compress import checks, files, multi_host, pipeline, resolution
 from nnx_surgery.recipes.compress.run_phases import Interrupted
 from nnx_surgery.recipes.config.sections import RecipeConfig
@@ -23,17 +23,16 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> RecipeConfig:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> dict:
-    """Resolve, prepare the devices, then print the settings, size the run for --aot, or run it."""
+    """Resolve the settings, then exactly one of: print them, size the run for --aot TARGET, or run it (its
+    devices prepared first: a multi-host run's jax.distributed, then --mesh against the devices)."""
     config = parse_args(argv, prog)
-    targets.prepare_host_devices(config.aot.target)  # --aot cpu:N, before JAX starts
-    multi_host.start_distributed(config.multi_host)  # before anything touches devices
-    checks.check_devices(config)
-    if config.run.print_config:
+    if config.run.print_config:  # touches no device: settings for another machine print as well
         print(json.dumps(files.saved_config(config), indent=2))
         return {}
-    sizing.check_aot_settings(config)
     if config.aot.target:  # the run's programs compiled for the target; nothing trained, only the report written
         return sizing.report_sizes(config)
+    multi_host.start_distributed(config.multi_host)  # before anything touches devices
+    checks.check_devices(config)
     return pipeline.compress(config)
 
 

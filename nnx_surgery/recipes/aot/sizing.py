@@ -17,7 +17,7 @@ import time
 
 from nnx_surgery.recipes.aot import programs as aot_programs, search as aot_search, targets as aot_targets
 from nnx_surgery.recipes.aot.report import HEADROOM, days_to, format_table, measure
-from nnx_surgery.recipes.compress import resolution
+from nnx_surgery.recipes.compress import checks, resolution
 from nnx_surgery.recipes.config.sections import RecipeConfig
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.surgery.storage.atomic import write_json
@@ -26,19 +26,12 @@ REPORT = "aot_report.json"
 DEFAULT_MFU = 0.4
 
 
-def check_aot_settings(config: RecipeConfig) -> None:
-    """--aot's companions not without --aot (their ranges are checked with their declarations)."""
-    if config.aot.target is None:
-        for flag, value in (("--aot-tokens", config.aot.tokens), ("--aot-mfu", config.aot.mfu),
-                            ("--aot-search", config.aot.search)):
-            if value:
-                raise RecipeError(f"{flag} goes with --aot TARGET (the compile it reports on).")
-
-
 def report_sizes(config: RecipeConfig) -> dict:
     """Compile, report, search when asked or needed; returns the report (also OUT/aot_report.json)."""
     if config.aot.target is None:
         raise RecipeError("the compile report needs --aot TARGET.")
+    aot_targets.prepare_host_devices(config.aot.target)  # --aot cpu:N, before JAX starts
+    checks.check_devices(config)  # --mesh's syntax (its fit is the target's, checked with the programs)
     mfu = config.aot.mfu or DEFAULT_MFU
     target = aot_targets.resolve_target(config.aot.target)
     if not config.training.mesh:  # a run on the slice is given a mesh over all of it
@@ -118,4 +111,4 @@ def search_line(found: dict | None, budget: float | None) -> str:
             f"{found['flags']}")
 
 
-__all__ = ["report_sizes", "check_aot_settings", "REPORT", "DEFAULT_MFU"]
+__all__ = ["report_sizes", "REPORT", "DEFAULT_MFU"]

@@ -58,10 +58,20 @@ def check_settings(config: RecipeConfig) -> None:
     with named_by_flags():  # the stages are built once the student's depth is known (run_settings)
         phase_configs.check_stage_settings(config)
     teacher_caching.check_cache_settings(config)
+    _check_aot_companions(config)
     _check_budget(config.student.shape)
     _check_data(config.data.files)
     _check_general_source(config)
     _check_output(config)
+
+
+def _check_aot_companions(config: RecipeConfig) -> None:
+    """--aot's companions not without --aot (their ranges are checked with their declarations)."""
+    if config.aot.target is None:
+        for flag, value in (("--aot-tokens", config.aot.tokens), ("--aot-mfu", config.aot.mfu),
+                            ("--aot-search", config.aot.search)):
+            if value:
+                raise RecipeError(f"{flag} goes with --aot TARGET (the compile it reports on).")
 
 
 def check_devices(config: RecipeConfig) -> None:

@@ -216,17 +216,14 @@ def flag_layer(given: Mapping[str, Any]) -> dict:
 
 
 def defaults_tree() -> dict:
-    """Every declared default as a layer (the distill section: DistillConfig's, what the recipe manages left
-    out)."""
+    """Every declared default as a layer: the sections' and the distill section's (DistillConfig's fields but
+    what the recipe manages and the stages, which it builds; term options only where given)."""
     tree: dict = {name: {} for name in SECTIONS}
-    for name, kind in SECTIONS.items():
-        for field in dataclasses.fields(kind):
-            value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-            tree[name][field.name] = thaw(value)
-    section = {k: v for k, v in DistillConfig().to_dict().items() if k not in MANAGED and k != "stages"}
-    for key in MANAGED_CHECKPOINT:
-        section["checkpoint"].pop(key)
-    tree["distill"] = section
+    for item in every_field():
+        if item.path[0] == "distill" and (item.path[1] in ("stages", "loss_options") or
+                                          item.path[1:] in (("checkpoint", key) for key in MANAGED_CHECKPOINT)):
+            continue
+        put(tree, item.path, thaw(item.default))
     return tree
 
 
