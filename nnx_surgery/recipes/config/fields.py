@@ -14,46 +14,31 @@ FIELD_KINDS = {int: "an integer", float: "a number"}
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    """One declared field: where it lives (`path`, e.g. ("training", "steps")), its dataclass field and default."""
+    """One declared field: where it lives (`path`, e.g. ("training", "steps")), its dataclass field, and what is
+    read from it: its metadata, flag, dotted path (`dest`), default and the name refusals call it by (its flag,
+    else its dotted path)."""
 
     path: tuple[str, ...]
     field: dataclasses.Field
-
-    @property
-    def meta(self) -> Any:
-        return self.field.metadata
-
-    @property
-    def flag(self) -> str | None:
-        return self.meta.get("flag")
-
-    @property
-    def dest(self) -> str:
-        return ".".join(self.path)
-
-    @property
-    def default(self) -> Any:
-        if self.field.default is not dataclasses.MISSING:
-            return self.field.default
-        if self.field.default_factory is not dataclasses.MISSING:
-            return self.field.default_factory()
-        return None
-
-    @property
-    def name(self) -> str:
-        """What refusals call it: its flag, else its dotted path."""
-        return self.flag or self.dest
+    meta: Any
+    flag: str | None
+    dest: str
+    default: Any
+    name: str
 
 
 def declared(kind: type, prefix: tuple[str, ...] = ()) -> list[Declared]:
     """Every field of dataclass `kind` and of the dataclasses nested in its defaults, with their paths."""
     out = []
     for field in dataclasses.fields(kind):
-        item = Declared((*prefix, field.name), field)
-        if dataclasses.is_dataclass(item.default) and not field.metadata.get("flag"):
-            out.extend(declared(type(item.default), item.path))
+        path, flag = (*prefix, field.name), field.metadata.get("flag")
+        default = field.default if field.default is not dataclasses.MISSING else \
+            field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default) and not flag:
+            out.extend(declared(type(default), path))
         else:
-            out.append(item)
+            dest = ".".join(path)
+            out.append(Declared(path, field, field.metadata, flag, dest, default, flag or dest))
     return out
 
 
