@@ -162,9 +162,9 @@ def test_the_dry_run_path_is_measured(measured):
 # settings and its report, 9 preparing the devices), 144 returns to a module already left (91 back to a caller's
 # module, 53 calls into a module read before). Then 168 places in 37 modules, 134 returns: the distill section's
 # defaults read from the declarations (no DistillConfig made and written out for them: it is built once), --aot
-# dispatched before the run's devices are prepared, a declaration's flag, path and default read once. Every module entered is returned from, so the returns are at
-# least the modules less one: the goal needs a path through at most 31 modules. Strict: once the path meets the
-# goal, this fails until the mark goes.
+# dispatched before the run's devices are prepared, a declaration's flag, path and default read once. Every module
+# entered is returned from, so the returns are at least the modules less one: the goal needs a path through at
+# most 31 modules. Strict: once the path meets the goal, this fails until the mark goes.
 @pytest.mark.xfail(strict=True, reason="the dry run's path is longer than the goal: 168 places, 134 returns")
 def test_the_dry_run_path_meets_the_goal(measured):
     counted, _ = measured
