@@ -27,6 +27,10 @@ import json
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.inputs.source_reads import reads_line
@@ -106,15 +110,11 @@ def correct_teacher(run: RunSettings, loaded: Loaded):
     config, dtype = run.config, run.teacher.dtype
     print(f"[teacher correction] {config.teacher.correction} steps of plain CE on the corpus, learning rate "
           f"{config.teacher.correction_lr:g}", flush=True)
+    # trained from the stored weights in float32; `train` gives it back in the run's precision, to teach in
     trainee = loaded.teacher if dtype == "float32" else surgery.load_pretrained(run.teacher.folder, dtype="float32",
                                                                                 mesh=loaded.mesh)
     phase = run.phase_config("teacher_correction", [run.stages.teacher_correction])
-    corrected = train(run, "teacher_correction", None, trainee, copy.deepcopy(loaded.data), phase, loaded.mesh,
-                      dtype=dtype).model
-    if dtype != "float32":  # trained in float32, teaches in the run's precision
-        corrected = surgery.load_pretrained(os.path.join(run.folder, "phases", "teacher_correction"), dtype=dtype,
-                                            mesh=loaded.mesh)
-    return corrected
+    return train(run, "teacher_correction", None, trainee, copy.deepcopy(loaded.data), phase, loaded.mesh).model
 
 
 def choose_student(run: RunSettings, loaded: Loaded, teacher) -> Chosen:
@@ -194,7 +194,8 @@ def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut:
     elif config.student.control == "pruned-ce":
         control = pruned_student(teacher, first.plan, cut.plan)
     else:
-        control = surgery.create_model(cut.pruned.config, seed=config.run.seed + 1, mesh=loaded.mesh)
+        control = surgery.create_model(cut.pruned.config, dtype=run.teacher.dtype, seed=config.run.seed + 1,
+                                       mesh=loaded.mesh)
     start_weights = distill.weights_digest(control)
     if same_start and distilled.start_weights not in (None, start_weights):
         raise RecipeError(f"the control would start from weights {start_weights} but the distilled student "
@@ -278,11 +279,17 @@ def pairing(run: RunSettings, first: StageA, cut: Cut, distilled: Trained, contr
     return record
 
 
-def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dtype: str = "float32",
-          source: str | None = None, start_weights: str | None = None) -> Trained:
+def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, source: str | None = None,
+          start_weights: str | None = None) -> Trained:
     """Distil one phase and save it in OUT/phases/PHASE (with the tokenizer files of `source`, default the
-    teacher's), or reload it when an earlier run finished it (in `dtype`). `steps` is the phase's own; the
-    phase's start (data position, `start_weights` = the student's weights digest) is saved with it."""
+    teacher's), or reload it when an earlier run finished it. `steps` is the phase's own; the phase's start (data
+    position, `start_weights` = the student's weights digest) is saved with it.
+
+    The model it returns, and the folder, are in the run's precision (`run.teacher.dtype`, `in_precision`): the
+    float32 master weights live only in training and the checkpoints, and a phase reloaded by a resumed run is the
+    model the finished run held (so the evaluation and the next phases see the same weights and compile the same
+    programs either way)."""
+    dtype = run.teacher.dtype
     done = os.path.join(run.folder, "phases", phase)
     if os.path.exists(os.path.join(done, "history.json")):
         print(f"[{phase}] finished in an earlier run: loading {done}")
@@ -307,6 +314,7 @@ def train(run: RunSettings, phase: str, teacher, student, data, config, mesh, dt
         raise Interrupted(f"[{phase}] stopped after step {result.steps} as asked (--halt-after); "
                           "rerun with --resume to continue.")
     history, evals = result.full_history, result.full_evals  # across resumes
+    in_precision(result.student, dtype)  # a float32 trainee (the teacher correction's) given back as it teaches
     surgery.save_pretrained(result.student, done, source=source or run.teacher.folder, overwrite=True,
                             extra_files={"history.json": {"train": history, "eval": evals, "start": start,
                                                           "data_state": result.data_state}})
@@ -324,12 +332,27 @@ def pruned_student(teacher, plan_a, plan):
 
 def make_student(run: RunSettings, source_model, plan, phase: str, mesh):
     """Apply `plan` in memory, or with --from-disk (when the source is the teacher itself) write the student with
-    prune_checkpoint, which reads only the kept slices of the teacher's files, and load it."""
+    prune_checkpoint, which reads only the kept slices of the teacher's files, and load it. Either way the
+    student is in the run's precision, as the teacher it is cut from (`in_precision`)."""
     if run.config.surgery.from_disk and source_model is not None and plan.teacher_config == run.teacher.config:
         folder = os.path.join(run.folder, "surgery", phase)
-        surgery.prune_checkpoint(run.teacher.folder, plan, folder, overwrite=True)
-        return surgery.load_pretrained(folder, dtype="float32", mesh=mesh)
+        surgery.prune_checkpoint(run.teacher.folder, plan, folder, dtype=run.teacher.dtype, overwrite=True)
+        return surgery.load_pretrained(folder, dtype=run.teacher.dtype, mesh=mesh)
     return surgery.apply_plan(source_model, plan)
+
+
+def in_precision(model, dtype: str):
+    """`model` with its floating parameters cast, in place, to `dtype` (the run's precision) where they differ.
+
+    The rule for every model folder a run writes (the phases', the student's, --from-disk's cuts): the dtype the
+    run loads the teacher in (`--precision`: float32 for fp32, bfloat16 for bf16), which is the pruned student's,
+    as Hugging Face's save_pretrained writes a model in the dtype it was loaded in. A student then reaches the
+    evaluation in the dtype of the pruned row, and its programs are the pruned student's."""
+    state = nnx.state(model, nnx.Param)
+    wanted = jnp.dtype(dtype)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(wanted) if jnp.issubdtype(x.dtype, jnp.floating)
+                                   and x.dtype != wanted else x, state))
+    return model
 
 
 def composed_map(plan_a, plan_b) -> dict:
@@ -345,4 +368,4 @@ def composed_map(plan_a, plan_b) -> dict:
 __all__ = ["Interrupted", "Loaded", "Chosen", "StageA", "Cut", "Trained", "load_teacher_and_data",
            "correct_teacher", "choose_student", "stage_a", "final_cut", "distil", "train_control", "train",
            "paired_start", "pairing",
-           "pruned_student", "make_student", "composed_map"]
+           "pruned_student", "make_student", "in_precision", "composed_map"]
