@@ -49,12 +49,14 @@ def distill_student(args: argparse.Namespace) -> str:
                                    "most that many.")
     distill.inputs.batches.check_vocabulary(tokenizer, pieces)
     data, description = text_batches(args, teacher_folder, tokenizer=tokenizer, batch_size=args.batch_size)
+    dtype = "bfloat16" if args.precision == "bf16" else "float32"
     if cache:  # the teacher's top k from the cache: the teacher is checked against it, never loaded
         _check_teacher_cache(cache, teacher_folder, tokenizer)
         teacher = None
     else:
-        teacher = surgery.load_pretrained(teacher_folder, dtype="bfloat16" if args.precision == "bf16" else "float32")
-    student = surgery.load_pretrained(student_folder, dtype="float32")
+        teacher = surgery.load_pretrained(teacher_folder, dtype=dtype)
+    # the student in the run's precision, as the recipe's: it trains float32 masters and is saved as it came
+    student = surgery.load_pretrained(student_folder, dtype=dtype)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 50
     stage = distill.Stage(steps=args.steps, name="distill", learning_rate=args.learning_rate, warmup_steps=warmup,
                           weights=distill.LossWeights.mixed(args.alpha),
@@ -62,7 +64,7 @@ def distill_student(args: argparse.Namespace) -> str:
     config = distill.DistillConfig(stages=(stage,), batch_size=args.batch_size, seq_len=args.seq_len,
                                    vocab_map=kept, seed=args.seed, plots=False, top_k=getattr(args, "top_k", None),
                                    teacher_cache=os.path.abspath(cache) if cache else None,
-                                   compute_dtype="bfloat16" if args.precision == "bf16" else "float32")
+                                   compute_dtype=dtype)
     source = f", teacher from the cache {cache}" if cache else ""
     print(f"[distill] {args.steps} steps of {args.batch_size} x {args.seq_len} tokens of {description}{source}",
           flush=True)

@@ -196,6 +196,19 @@ def test_distill_trains_the_student_and_keeps_its_plan_and_tokenizer(workspace, 
     assert any(not np.array_equal(before[k], after[k]) for k in before)
 
 
+def test_distill_in_bf16_saves_the_student_in_bfloat16(workspace):
+    """--precision bf16: float32 masters in training, the folder in the run's precision (half the bytes), as the
+    recipe's; one step is enough to see it."""
+    out = str(workspace["base"] / "distilled-bf16")
+    ok("distill", workspace["teacher"], workspace["student"], "--data", workspace["data"], *DATA, "--batch-size", "2",
+       "--steps", "1", "--precision", "bf16", "--output", out)
+    with open(os.path.join(out, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {entry["dtype"] for name, entry in header.items() if name != "__metadata__"} == {"BF16"}
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+
+
 def test_eval_writes_a_table_with_every_folder(workspace, distilled):
     out = str(workspace["base"] / "eval")
     printed = ok("eval", "--teacher", workspace["teacher"], workspace["student"], distilled[0], "--data",
