@@ -14,6 +14,7 @@ onto the mesh as they are.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable
 
@@ -96,21 +97,23 @@ def same_on_every_process(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> d
 def heldout_loss(model: Any, batches: Iterable[dict[str, Any]], *, chunk: int = 256) -> dict[str, float]:
     """Mean next-token cross-entropy (nats) over the masked targets of `batches`, and its perplexity."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def score(state, batch):
-        logprobs, weights = token_logprobs(nnx.merge(graphdef, state), batch, chunk)
-        return -jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0)), jnp.sum(weights)
-
     mesh = model_mesh(model)
     total, count = 0.0, 0.0
     for batch in batches:
-        nll, n = score(state, batch_arrays(batch, mesh))
+        nll, n = _heldout_sums(graphdef, state, batch_arrays(batch, mesh), chunk)
         total, count = total + float(to_host(nll)), count + float(to_host(n))
     if count == 0:
         raise ValueError("heldout_loss: the batches have no target with a non-zero loss_mask.")
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
+
+
+# The scoring programs are compiled once per model structure and shapes (the graph is static), not once per call:
+# students of one shape and dtype share them.
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _heldout_sums(graphdef, state, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, jax.Array]:
+    logprobs, weights = token_logprobs(nnx.merge(graphdef, state), batch, chunk)
+    return -jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0)), jnp.sum(weights)
 
 
 def parameter_count(model: Any) -> int:
@@ -188,6 +191,12 @@ def _compare_batch(model, reference, batch, vocab_chunk: int, row_chunk: int):
     return jnp.sum(jnp.where(w > 0, kl * w, 0.0)), jnp.sum(agree * w), jnp.sum(w)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 5, 6))
+def _compare_sums(graph, ref_graph, state, ref_state, batch: dict[str, jax.Array], vocab_chunk: int,
+                  row_chunk: int):
+    return _compare_batch(nnx.merge(graph, state), nnx.merge(ref_graph, ref_state), batch, vocab_chunk, row_chunk)
+
+
 def agreement_and_kl(model: Any, reference: Any, batches: Iterable[dict[str, Any]], *, vocab_chunk: int = 16384,
                      row_chunk: int = 256) -> dict[str, float]:
     """Top-1 agreement of `model` with `reference` (the teacher) and KL(reference || model) at temperature 1,
@@ -195,16 +204,11 @@ def agreement_and_kl(model: Any, reference: Any, batches: Iterable[dict[str, Any
     is bounded by (row_chunk, vocab_chunk) float32 blocks whatever the vocabulary size."""
     graph, state = nnx.split(model)
     ref_graph, ref_state = nnx.split(reference)
-
-    @jax.jit
-    def compare(state, ref_state, batch):
-        return _compare_batch(nnx.merge(graph, state), nnx.merge(ref_graph, ref_state), batch, vocab_chunk,
-                              row_chunk)
-
     mesh = model_mesh(model)
     kl = agree = count = 0.0
     for batch in batches:
-        sums = [float(to_host(x)) for x in compare(state, ref_state, batch_arrays(batch, mesh))]
+        sums = [float(to_host(x)) for x in _compare_sums(graph, ref_graph, state, ref_state,
+                                                         batch_arrays(batch, mesh), vocab_chunk, row_chunk)]
         kl, agree, count = kl + sums[0], agree + sums[1], count + sums[2]
     if count == 0:
         raise ValueError("agreement_and_kl: the batches have no target with a non-zero loss_mask.")
@@ -234,29 +238,31 @@ def sequence_loglikelihoods(model: Any, rows: np.ndarray, scored: np.ndarray, *,
     first = np.concatenate([first, np.zeros(fill, np.int32)])
     graph, state = nnx.split(model)
     mesh = model_mesh(model)
-
-    @jax.jit
-    def score(state, batch):
-        net = nnx.merge(graph, state)
-        hidden = net(batch["input_ids"], **forward_inputs(net, batch), return_logits=False).final_hidden
-        raw = batch["first"][:, None] + jnp.arange(width)[None, :]
-        positions = jnp.minimum(raw, hidden.shape[1] - 2)
-        inside = (raw <= hidden.shape[1] - 2).astype(jnp.float32)  # past the row's end: clamped, not counted
-        h = jnp.take_along_axis(hidden, positions[..., None], axis=1).reshape(-1, hidden.shape[-1])
-        targets = jnp.take_along_axis(batch["input_ids"], positions + 1, axis=1).reshape(-1)
-        weights = jnp.take_along_axis(batch["loss_mask"], positions, axis=1) * inside
-        logprobs = target_logprobs(net, h, targets, chunk).reshape(weights.shape)
-        return jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0), axis=-1), jnp.sum(weights, axis=-1)
-
     totals, counts = [], []
     for i in range(0, len(rows), batch_size):
-        total, count = score(state, same_on_every_process({"input_ids": rows[i:i + batch_size],
-                                                           "loss_mask": loss_mask[i:i + batch_size],
-                                                           "first": first[i:i + batch_size]}, mesh))
+        batch = same_on_every_process({"input_ids": rows[i:i + batch_size], "loss_mask": loss_mask[i:i + batch_size],
+                                       "first": first[i:i + batch_size]}, mesh)
+        total, count = _window_sums(graph, state, batch, width, chunk)
         totals.append(to_host(total))
         counts.append(to_host(count))
     n = len(rows) - fill
     return np.concatenate(totals)[:n].astype(np.float64), np.concatenate(counts)[:n].astype(np.int64)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _window_sums(graph, state, batch: dict[str, jax.Array], width: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Per row: the summed log-likelihood of the scored tokens in the `width` positions from `batch["first"]`,
+    and their count (sequence_loglikelihoods)."""
+    net = nnx.merge(graph, state)
+    hidden = net(batch["input_ids"], **forward_inputs(net, batch), return_logits=False).final_hidden
+    raw = batch["first"][:, None] + jnp.arange(width)[None, :]
+    positions = jnp.minimum(raw, hidden.shape[1] - 2)
+    inside = (raw <= hidden.shape[1] - 2).astype(jnp.float32)  # past the row's end: clamped, not counted
+    h = jnp.take_along_axis(hidden, positions[..., None], axis=1).reshape(-1, hidden.shape[-1])
+    targets = jnp.take_along_axis(batch["input_ids"], positions + 1, axis=1).reshape(-1)
+    weights = jnp.take_along_axis(batch["loss_mask"], positions, axis=1) * inside
+    logprobs = target_logprobs(net, h, targets, chunk).reshape(weights.shape)
+    return jnp.sum(jnp.where(weights > 0, logprobs * weights, 0.0), axis=-1), jnp.sum(weights, axis=-1)
 
 
 __all__ = ["heldout_loss", "token_logprobs", "batch_arrays", "parameter_count", "agreement_and_kl",

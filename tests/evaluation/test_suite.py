@@ -94,6 +94,28 @@ def test_loglikelihoods_and_heldout_loss_equal_full_log_softmax(models, heldout)
     np.testing.assert_array_equal(counts, scored.sum(1))
 
 
+def test_models_of_one_shape_share_the_scoring_programs(models, heldout):
+    """Two students of one shape and dtype (other weights) are scored by the programs compiled for the first: the
+    graph is a static argument of module-level jits, not a closure made per call."""
+    from nnx_surgery.evaluation import perplexity
+
+    teacher, student = models
+    twin = tiny_gemma(2, seed=7)
+    batches, _ = heldout
+    rows = np.full((3, 16), 5, np.int32)
+    scored = np.zeros(rows.shape, bool)
+    scored[:, 8:] = True
+    programs = (perplexity._heldout_sums, perplexity._window_sums, perplexity._compare_sums)
+    for model in (student, twin):  # the first call compiles (or finds what earlier tests compiled)
+        before = [program._cache_size() for program in programs]
+        heldout_loss(model, batches)
+        sequence_loglikelihoods(model, rows, scored, batch_size=4)
+        agreement_and_kl(model, teacher, batches)
+        after = [program._cache_size() for program in programs]
+    assert after == before
+    assert heldout_loss(twin, batches)["loss"] != heldout_loss(student, batches)["loss"]
+
+
 class LagCopy(nnx.Module):
     """A model that predicts token t + 1 to be token t + 1 - `lag` (scaled by `strength`; negative: avoids it).
     Documents of identical lines of `lag` tokens are then perfectly predictable: the answer of a next-line item
