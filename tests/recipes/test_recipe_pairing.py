@@ -5,10 +5,19 @@ stage) and a pruned-CE control are the same training twice: with paired batches 
 per-step losses agree. The control used to read the batches after the distillation's, which this catches. The
 same run interrupted in the distillation and in the control and resumed (--halt-after, --resume) must pair too,
 and end with the uninterrupted run's losses.
+
+The runs are in bf16 (--precision bf16, as the gemma3-270m-tpu preset's one-shot cut with a pruned-CE control):
+every model folder is stored in the run's precision, the pruned student's (run_phases.in_precision: bfloat16 here,
+though the tiny teacher's files are float32); the float32 master weights live only in training and the
+checkpoints. The resumed run reads the finished distillation back from its folder and must report the very
+figures and write the very student of the uninterrupted run: the figures are those of the saved weights. (Phases
+used to be read back in float32, so a resumed bf16 run wrote a float32 student and scored it with programs of its
+own, to other figures.)
 """
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 
@@ -23,7 +32,8 @@ from recipe_env import RECIPE
 STEPS = 8
 PAIRED_CE = [*TINY_TEACHER, "--steps", str(STEPS), "--student", "layers=2,mlp=24", "--compression", "oneshot",
              "--control", "pruned-ce", "--alpha", "0", "--feature-weight", "0", "--calibration-samples", "8",
-             "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "2"]
+             "--eval-prompts", "0", "--choice-items", "0", "--eval-batches", "2", "--precision", "bf16"]
+STUDENTS = ("student", "phases/stage_b", "phases/control")  # the distilled student (folder and phase), the control
 
 
 def run(output, cache, *extra) -> subprocess.CompletedProcess:
@@ -89,6 +99,41 @@ def test_interrupted_and_resumed_phases_pair_on_the_uninterrupted_runs_batches(r
     for phase in ("stage_b", "control"):
         start = json.loads((base / "resumed" / "phases" / phase / "history.json").read_text())["start"]
         assert start["data"]["position"] == 0 and start["data"]["epoch"] == 0, (phase, start)
+
+
+def stored_dtypes(folder) -> set[str]:
+    """The dtypes of the tensors in `folder`'s safetensors files, read from their headers."""
+    dtypes = set()
+    for path in folder.glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+        dtypes |= {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
+    return dtypes
+
+
+@pytest.mark.slow
+def test_every_student_folder_is_stored_in_the_pruned_students_bf16(runs):
+    base = runs[0]
+    for folder in (base / "whole", base / "resumed"):
+        for name in STUDENTS:
+            assert stored_dtypes(folder / name) == {"BF16"}, (folder.name, name)
+        assert json.loads((folder / "student" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+        # the evaluated models' own bytes (parameters x their dtype's size): the pruned student's, in bfloat16
+        rows = {row["model"]: row for row in json.loads((folder / "results.json").read_text())["rows"]}
+        control = next(name for name in rows if "control" in name)
+        sizes = {rows[name]["safetensors_bytes"] for name in ("pruned (before distillation)", "distilled student",
+                                                              control)}
+        assert sizes == {2 * rows["distilled student"]["parameters"]}, (folder.name, sizes)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reports_the_figures_of_the_saved_students(runs):
+    base = runs[0]
+    whole, resumed = (json.loads((base / name / "results.json").read_text()) for name in ("whole", "resumed"))
+    assert resumed["rows"] == whole["rows"]
+    assert resumed["sets"] == whole["sets"]
+    assert (base / "resumed" / "student" / "model.safetensors").read_bytes() == \
+        (base / "whole" / "student" / "model.safetensors").read_bytes()
 
 
 def _results(distilled: list[str], control: list[str], starts=("w1", "w1"), same_start=True) -> dict:
