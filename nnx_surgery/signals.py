@@ -52,6 +52,7 @@ def raised_in_main_thread() -> Iterator[None]:
             return
         if number == signal.SIGINT:
             raise KeyboardInterrupt
+        if multi_host():  # one process of several stops as before (its default effect), for the others to see
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return

@@ -68,6 +68,18 @@ def test_distill_stops_with_the_signals_code(w, tmp_path, signals, at_step, code
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("several_processes", [False, True])
+def test_sigterm_in_one_process_of_several_keeps_its_default_effect(several_processes):
+    """One process: SIGTERM raises `Terminated` where the command runs (its cleanup runs, then exit 143). One
+    process of a multi-host run: the signal's default effect, so the process ends at once and the others see it."""
+    script = (f"import os, signal, time\nfrom nnx_surgery import signals\n"
+              f"signals.multi_host = lambda: {several_processes}\n"
+              "try:\n    with signals.raised_in_main_thread():\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(30)\nexcept signals.Terminated:\n    raise SystemExit(7)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, cwd=ROOT, timeout=120, capture_output=True)
+    assert done.returncode == (-signal.SIGTERM if several_processes else 7), done.stderr[-2000:]
+
+
 def test_sigterm_at_an_evaluation_and_in_the_recipe_exits_143(w, tmp_path, monkeypatch):
     """distill's loop names the signal that stopped it (here raised where it stops: an evaluation's end, the
     recipe's teacher loading): SIGTERM exits 143 in distill and compress, Ctrl-C 130, and compress leaves no run
