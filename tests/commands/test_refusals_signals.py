@@ -18,7 +18,8 @@ import pytest
 
 from refusal_env import DATA, FULL_DISK, ROOT, SPEC, make_workspace, run, tree
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+# PYTHONFAULTHANDLER: a child that has to be aborted prints where each of its threads was
+ENV = {**os.environ, "PYTHONFAULTHANDLER": "1", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
 STEP_SHOWN = re.compile(r"\| *[1-9]\d*/\d+ \[")  # the progress bar after a completed step
 
 
@@ -48,7 +49,14 @@ def distill_signalled(w: dict, out: str, signals: list[str], *, at_step: bool) -
     for index, name in enumerate(signals):
         time.sleep(0.3 if index else 0.0)
         proc.send_signal(getattr(signal, name))
-    code = proc.wait(timeout=120)
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:  # stuck: SIGABRT makes faulthandler print every thread's stack, then fail
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=60)
+        reader.join()
+        pytest.fail(f"the child did not exit within 120 s of {signals}; its output and stacks:\n"
+                    f"{seen.decode(errors='replace')[-8000:]}")
     reader.join()
     return code, seen.decode(errors="replace")
 
