@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,21 @@ def pytest_runtest_setup(item) -> None:
 
 _PREPARE = ("import sys\nfrom nnx_surgery.recipes.inputs import tiny_teacher\nfrom nnx_surgery.recipes import compress_command\n"
             "print(tiny_teacher.prepare_for(compress_command.parse_args(sys.argv[1:]))[0])")
+
+
+@pytest.fixture
+def default_signal_handlers():
+    """The test runs with Python's default SIGINT/SIGTERM handlers, whatever earlier tests of this process left,
+    and theirs come back after. Its children inherit them: a signal left ignored here (SIG_IGN, which code run by
+    earlier tests may set) would stay ignored in a child, and the toolkit deliberately leaves an ignored signal
+    ignored (as under nohup), so a test sending SIGINT to a child would wait for a child that never heard it. (Not
+    a preexec_fn: that forks the threaded JAX process before exec.)"""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@ import pytest
 
 from refusal_env import DATA, FULL_DISK, ROOT, SPEC, make_workspace, run, tree
 
+# the signals are sent to children, which inherit this process's handlers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("default_signal_handlers")
 # PYTHONFAULTHANDLER: a child that has to be aborted prints where each of its threads was
 ENV = {**os.environ, "PYTHONFAULTHANDLER": "1", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
 STEP_SHOWN = re.compile(r"\| *[1-9]\d*/\d+ \[")  # the progress bar after a completed step

@@ -157,18 +157,7 @@ def child_env(compile_cache) -> dict[str, str]:
 COMPILE_CACHE: list[str] = []  # set by the module fixture
 
 
-@pytest.fixture(autouse=True)
-def default_handlers():
-    """Each test runs with Python's default SIGINT/SIGTERM handlers, whatever earlier tests left, and restores
-    theirs after. Its children inherit them: a signal left ignored here (SIG_IGN, which libraries imported by
-    earlier tests of the session may set) would stay ignored in a child, and StopSignals deliberately leaves an
-    ignored signal ignored. (Not a preexec_fn: that forks the threaded JAX process before exec.)"""
-    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    yield
-    signal.signal(signal.SIGINT, saved[0])
-    signal.signal(signal.SIGTERM, saved[1])
+pytestmark = pytest.mark.usefixtures("default_signal_handlers")  # tests/conftest.py: children see no ignored signal
 
 
 def _start(mode: str, checkpoint_dir, out) -> subprocess.Popen:
