@@ -16,6 +16,7 @@ from .loop.run_config import (CheckpointConfig, DistillConfig, GuardConfig, Loss
 from .loop import schedules
 from .loop.schedules import progressive, resolve_epochs, sft_then_distil
 from .loop.trainer import DistillResult, DivergenceError, OutOfMemoryError, run
+from .loop.lowering import CompileAhead, compile_ahead  # a run's first programs compiled in a thread beforehand
 from .loop import fallbacks, oom, target_monitor as targets
 from .mesh import MeshError, initialize_distributed, make_mesh, put_batch, shard_model
 from .distributed import DistributedError, DistributedSettings  # multi-host: jax.distributed settings
@@ -45,5 +46,5 @@ __all__ = ["CheckpointConfig", "DistillConfig", "GuardConfig", "LossWeights", "O
            "feature_loss", "plot_history", "step_flops", "DataError", "TokenBatches", "check_vocabulary", "RunInterrupted",
            "load_tokenizer", "stdlib_corpus", "general_prose", "general_mix", "far_prose", "LossTerm", "ModelSide", "TermInputs", "TermOption", "register_loss", "terms", "pool_features", "MetricsLogger", "make_logger",
            "OnPolicyConfig", "Sampler", "DistributedError", "DistributedSettings"]
-__all__ += ["TeacherInStudentVocabulary", "batch_digest",
+__all__ += ["TeacherInStudentVocabulary", "batch_digest", "CompileAhead", "compile_ahead",
             "compare_sequences", "sequence_digest", "weights_digest"]

@@ -50,7 +50,7 @@ def histories(folder) -> dict[str, list[dict]]:
 def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("pairing")
     cache = tiny_teacher_cache
-    whole = run(base / "whole", cache)
+    whole = run(base / "whole", cache, "--compile-ahead", "on")  # the control's step compiled during stage B
     assert whole.returncode == 0, whole.stderr[-3000:]
     stops = []
     for extra in (["--halt-after", "stage_b:3"], ["--resume", "--halt-after", "control:5"], ["--resume"]):
@@ -82,6 +82,21 @@ def test_plain_ce_distillation_and_the_ce_control_take_the_same_steps(runs):
     rows = {r["model"]: r for r in results["rows"]}
     control_name = next(name for name in rows if "control" in name)
     assert rows["distilled student"]["loss"] == pytest.approx(rows[control_name]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_controls_step_compiled_ahead_is_the_one_it_runs(runs):
+    """--compile-ahead on: the control's first step reuses the program compiled while the distillation trained
+    (no compile of its own), and trains to the very losses of the resumed runs, which compiled it themselves (the
+    CPU's "auto" is off)."""
+    base, whole, _ = runs
+    assert "[control] compiled during the distillation: {'train step':" in whole.stdout, whole.stdout[-2000:]
+    logged = histories(base / "whole")
+    assert logged["control"][0]["compile_reused"] is True, logged["control"][0]
+    assert "compile_reused" not in logged["stage_b"][0]  # the distillation compiled its own step
+    resumed = histories(base / "resumed")
+    assert "compile_reused" not in resumed["control"][0]
+    assert [r["loss"] for r in resumed["control"]] == [r["loss"] for r in logged["control"]]
 
 
 @pytest.mark.slow

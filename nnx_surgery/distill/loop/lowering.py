@@ -10,27 +10,53 @@ static settings for the stage (its loss terms, captures, logit chunking, remat),
 Adam state `optax` would make, the batch as the loop stacks it (grad_accum, rows, T) over the data axes, and the
 same output shardings. `parts` groups the arguments by what they hold (teacher, trainable student, frozen rest,
 learned projections, optimizer state, batch), so a report can say where a device's bytes go.
+
+Compiling ahead, on this process's own devices (`compile_ahead`): a run's first train step and its held-out
+evaluation compiled in a thread while something else runs.
+
+    ahead = compile_ahead(None, student_like, data, control_config)   # returns at once
+    ...                                                               # e.g. the distillation trains meanwhile
+    ahead.wait()                                                      # then distill.run(None, control, data, ...)
+
+On a TPU a step's first compile takes about a minute, and the chip idles through it. `compile_ahead` builds the
+programs `distill.run` would build for `config` (the same `trainer.prepare_run` and `StepRunner` settings) with
+abstract arguments that mirror the run's own: the float32 master weights and Adam state placed as
+`StepRunner.enter_stage` places them, the frozen and teacher state as they are (committed to a device or not), the
+batch as the loop stacks and puts it, the traced hyper-parameters. JAX then keeps the lowered
+and compiled program in this process, and the run's first step, which asks for the same program, reuses it
+instead of compiling (its step record says `compile_reused`). A program that differs anyway (another model
+structure, batch shape or placement) is compiled by the run as usual: nothing but the time depends on the match.
+
+`student` is only read (its structure, dtypes and placement), never changed, so a model of the same structure that
+is training meanwhile can stand in for the one the later run trains (the pruned student for its CE control).
+Compiling needs no device memory for the arguments; the thread holds the GIL only while tracing and lowering.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import threading
+import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import freeze
 from ..losses import term_registry as terms
 from .run_config import DistillConfig
 from ..interface import FORWARD_KEYS, Correspondence
-from ..losses.logit_term import CPU_LOGIT_CHUNK, accelerator_logit_chunk
+from ..losses.logit_term import CPU_LOGIT_CHUNK, accelerator_logit_chunk, logit_chunk
 from ..losses.representations import init_projections
 from ..mesh import batch_spec, check_batch_fits, replicated
 from .train_step import build_eval_step, build_train_step
+from .feed import processes, stack_batches
 from .step_runner import StepRunner
-from .trainer import resolve_correspondence
+from .trainer import DataStream, prepare_run, resolve_correspondence
 from ..trimmed_vocab import in_student_vocabulary
 
 BATCH_DTYPES = {"input_ids": jnp.int32, "loss_mask": jnp.float32, "positions": jnp.int32, "segment_ids": jnp.int32}
@@ -169,5 +195,124 @@ def eval_step_program(teacher, student, config: DistillConfig, mesh, *, name: st
     return Program(name, function, arguments, parts, rows * seq_len, mesh)
 
 
-__all__ = ["Program", "abstract", "like_parameters", "batch_arguments", "train_step_program", "eval_step_program",
+# ---- compiling ahead ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AheadProgram:
+    """One program to compile: its jitted `function` and the abstract `arguments` the run will call it with."""
+
+    name: str
+    function: Any  # a jitted function: `function.lower(*arguments).compile()`
+    arguments: tuple
+    mesh: Any
+
+
+class CompileAhead:
+    """Programs compiling in a daemon thread, started at construction. `wait()` joins it and says what it did:
+    {"compiled_s": {name: seconds}, "error": the first failure's line or None}. A failure leaves the run to
+    compile that program itself."""
+
+    def __init__(self, programs: list[AheadProgram]):
+        self.programs = programs
+        self.compiled_s: dict[str, float] = {}
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._compile_all, name="compile-ahead", daemon=True)
+        self._thread.start()
+
+    def _compile_all(self) -> None:
+        for program in self.programs:
+            started = time.perf_counter()
+            try:
+                with jax.set_mesh(program.mesh) if program.mesh is not None else contextlib.nullcontext():
+                    program.function.lower(*program.arguments).compile()
+            except Exception as error:  # noqa: BLE001 - the run compiles it itself then
+                lines = str(error).strip().splitlines()
+                self.error = f"{program.name}: {type(error).__name__}: {lines[0] if lines else ''}"[:300]
+                return
+            self.compiled_s[program.name] = round(time.perf_counter() - started, 3)
+
+    def wait(self) -> dict[str, Any]:
+        self._thread.join()
+        return {"compiled_s": dict(self.compiled_s), "error": self.error}
+
+
+def compile_ahead(teacher: Any, student: Any, data: Any, config: DistillConfig, *,
+                  evaluation: bool = True) -> CompileAhead:
+    """Start compiling, in a thread, the first stage's train step (and, with `evaluation` and held-out batches,
+    the evaluation step) of `distill.run(teacher, <a model like student>, <data at this position>, config)`
+    (module docstring). `data` is copied, not advanced."""
+    data = copy.deepcopy(data)
+    teacher, data, config, mesh, runner = prepare_run(teacher, student, data, config)
+    stream = DataStream(data)
+    host = stack_batches([stream.next() for _ in range(config.grad_accum)], config, processes(mesh))
+    graph, trained, opt, frozen = _stage_state(runner, 0)
+    out = None if mesh is None else (_placements(trained), _placements(opt), replicated(mesh))
+    train = build_train_step(graph, runner.teacher_graph, runner.step_settings(0), runner.adam_settings, out,
+                             config.compiler_options)
+    hyper = {key: jax.ShapeDtypeStruct((), jnp.float32) for key in terms.hyper_keys()}  # jnp.asarray: uncommitted
+    arguments = (trained, opt, frozen, _mirrored(runner.teacher_state), _batch(host, mesh, leading=1), hyper)
+    programs = [AheadProgram("train step", train, arguments, mesh)]
+    held_out = stream.eval_batches(None, config.eval_batches) if evaluation and config.eval_every else []
+    if held_out:
+        state = nnx.merge_state(trained["student"], frozen)  # the module after `sync_student`
+        evaluate = build_eval_step(graph, runner.teacher_graph, logit_chunk(config), config.compiler_options)
+        batch = _batch({key: np.asarray(value) for key, value in held_out[0].items()}, mesh, leading=0)
+        programs.append(AheadProgram("evaluation", evaluate, (state, _mirrored(runner.teacher_state), batch), mesh))
+    return CompileAhead(programs)
+
+
+def _stage_state(runner: StepRunner, index: int) -> tuple[Any, dict[str, Any], Any, Any]:
+    """(graph, {"student", "proj"}, Adam's state, frozen) of stage `index` as `StepRunner.enter_stage` makes them,
+    abstract: the trainable leaves as float32 masters, on the mesh as it shards them or committed to the student's
+    device, Adam's state placed alike; the frozen rest mirrored as it is."""
+    stage = runner.config.stages[index]
+    graph, trainable, frozen = freeze.split_trainable(runner.student, stage.trainable, stage.frozen)
+    mesh = runner.mesh
+    if mesh is not None:
+        def place(x):
+            return x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated(mesh)
+    else:
+        device = SingleDeviceSharding(next(iter(jax.tree.leaves(trainable)[0].devices())))
+
+        def place(x):
+            return device
+    masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, freeze.master_dtype(x.dtype), sharding=place(x)),
+                           {"student": trainable, "proj": runner.projections})
+    opt = jax.eval_shape(runner.adam.init, masters)
+    if mesh is not None:
+        opt = like_parameters(opt, masters, mesh)
+    else:
+        opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place(x)), opt)
+    return graph, masters, opt, _mirrored(frozen)
+
+
+def _mirrored(tree: Any) -> Any:
+    """Each array leaf as a ShapeDtypeStruct placed as the array is: its sharding where it is committed (or
+    sharded), none where JAX may still place it."""
+    def one(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        committed = leaf.committed or isinstance(leaf.sharding, NamedSharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding if committed else None)
+    return jax.tree.map(one, tree)
+
+
+def _placements(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _batch(host: dict[str, np.ndarray], mesh: Any, *, leading: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """A host batch as `mesh.put_batch` places it: uncommitted without a mesh, else split over the data axes."""
+    out = {}
+    for key, value in host.items():
+        dtype = jax.dtypes.canonicalize_dtype(np.asarray(value).dtype)
+        if mesh is None:
+            out[key] = jax.ShapeDtypeStruct(value.shape, dtype)
+            continue
+        rows = value.shape[leading] * jax.process_count()
+        shape = value.shape[:leading] + (rows,) + value.shape[leading + 1:]
+        out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, batch_spec(mesh, rows, leading)))
+    return out
+
+
+__all__ = ["AheadProgram", "CompileAhead", "compile_ahead", "Program", "abstract", "like_parameters", "batch_arguments", "train_step_program", "eval_step_program",
            "target_logit_chunk"]

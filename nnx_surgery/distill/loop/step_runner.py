@@ -78,8 +78,11 @@ def _donatable(tree: Any, stepped: set[int]) -> Any:
 # JAX's own event for an executable its persistent compilation cache supplied, counted for the whole process (a
 # listener cannot be removed through the public API, so one is registered once). With a cache folder set, a
 # compile during which it fired is a "hit", any other a "miss"; with none set, neither is recorded.
+# JAX's event around every executable it builds or loads from that cache (none when it reuses one this process
+# already holds, e.g. compiled ahead: lowering.compile_ahead), counted likewise.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_cache_counts = {"hits": 0}
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_cache_counts = {"hits": 0, "compiles": 0}
 
 
 def _count_cache_event(event: str, **_: Any) -> None:
@@ -87,17 +90,28 @@ def _count_cache_event(event: str, **_: Any) -> None:
         _cache_counts["hits"] += 1
 
 
+def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
+    if event == _BACKEND_COMPILE:
+        _cache_counts["compiles"] += 1
+
+
 jax.monitoring.register_event_listener(_count_cache_event)
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
-def compile_report(compiled: Any, seconds: float, hits_before: int | None = None) -> dict[str, Any]:
+def compile_report(compiled: Any, seconds: float, hits_before: int | None = None,
+                   compiles_before: int | None = None) -> dict[str, Any]:
     """What the step's compile took (a persistent compilation cache hit takes well under a second), whether the
-    persistent cache supplied it (`compile_cache`: "hit" or "miss"; absent where the cache is off), and XLA's
-    memory analysis of the executable the run then calls: per device, arguments + temporaries + outputs not
-    aliased to an argument. On a TPU that is what the chip holds for the step (`bytes_in_use + bytes_reserved`)."""
+    persistent cache supplied it (`compile_cache`: "hit" or "miss"; absent where the cache is off), whether the
+    process already held the executable (`compile_reused`: no compile and no cache load, e.g. compiled ahead),
+    and XLA's memory analysis of the executable the run then calls: per device, arguments + temporaries + outputs
+    not aliased to an argument. On a TPU that is what the chip holds for the step (`bytes_in_use +
+    bytes_reserved`)."""
     report: dict[str, Any] = {"compile_s": round(seconds, 3)}
     if hits_before is not None and getattr(jax.config, "jax_compilation_cache_dir"):
         report["compile_cache"] = "hit" if _cache_counts["hits"] > hits_before else "miss"
+    if compiles_before is not None and _cache_counts["compiles"] == compiles_before:
+        report["compile_reused"] = True
     try:
         memory = compiled.memory_analysis()
     except Exception:  # noqa: BLE001  (a backend without the analysis: the time alone)
@@ -265,9 +279,10 @@ class StepRunner:
             run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
-            started, hits_before = time.perf_counter(), _cache_counts["hits"]
+            started, hits_before, compiles_before = time.perf_counter(), _cache_counts["hits"], _cache_counts["compiles"]
             compiled = train_fn.lower(*args).compile()
-            self.compile_report = compile_report(compiled, time.perf_counter() - started, hits_before)
+            self.compile_report = compile_report(compiled, time.perf_counter() - started, hits_before,
+                                                 compiles_before)
             self.compile_report["logit_loss"] = self.logit_loss(self.stage_index)
             release_free_heap()
             self._lowered.append(signature)

@@ -222,6 +222,24 @@ def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, stud
     return jax.device_put(projections, replicated(mesh)) if mesh is not None else projections
 
 
+def prepare_run(teacher: Any, student: Any, data: Any, config: DistillConfig, sampler: Sampler | None = None
+            ) -> tuple[Any, Any, DistillConfig, Any, StepRunner]:
+    """What `run` does before its loop: (the teacher as the step sees it, the data stream, the config with its
+    epochs in steps, the mesh, the StepRunner), with the models checked and placed. `lowering.compile_ahead` builds
+    its programs from the same runner, so that they are the ones the run then calls."""
+    if config.teacher_cache is not None:  # the teacher's top k read from a cache: no teacher model
+        data, config = _from_cache(teacher, student, data, config)
+    config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
+    teacher = in_student_vocabulary(teacher, student, config)  # a trimmed student: the teacher in its token ids
+    _check_models(teacher, student, config)
+    _check_on_policy(config, teacher, sampler)
+    mesh = _place(teacher, student, config)
+    needs_map = terms.run_needs(config, "uses_layer_map")
+    corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
+    projections = _projections(config, corr, teacher, student, mesh)
+    return teacher, data, config, mesh, StepRunner(teacher, student, config, mesh, corr, projections)
+
+
 def run(teacher: nnx.Module | None, student: StudentT, data: Any, config: DistillConfig, *,
         eval_data: Any = None, sampler: Sampler | None = None) -> DistillResult[StudentT]:
     """Distil `teacher` into `student` (trained in place) following `config`.
@@ -241,17 +259,8 @@ def run(teacher: nnx.Module | None, student: StudentT, data: Any, config: Distil
     With `config.checkpoint.directory` set, a run resumes from the newest complete checkpoint there. A first
     SIGINT (Ctrl-C) or SIGTERM finishes the current step, checkpoints it and raises RunInterrupted (a
     KeyboardInterrupt) saying which step was saved and how to resume; a second one stops at once."""
-    if config.teacher_cache is not None:  # the teacher's top k read from a cache: no teacher model
-        data, config = _from_cache(teacher, student, data, config)
-    config = resolve_epochs(config, data)  # stages given in epochs of `data` -> steps
-    teacher = in_student_vocabulary(teacher, student, config)  # a trimmed student: the teacher in its token ids
-    _check_models(teacher, student, config)
-    _check_on_policy(config, teacher, sampler)
-    mesh = _place(teacher, student, config)
-    needs_map = terms.run_needs(config, "uses_layer_map")
-    corr = resolve_correspondence(config, teacher, student) if needs_map else Correspondence()
-    projections = _projections(config, corr, teacher, student, mesh)
-    runner = StepRunner(teacher, student, config, mesh, corr, projections)
+    teacher, data, config, mesh, runner = prepare_run(teacher, student, data, config, sampler)
+    projections = runner.projections
     release_free_heap()
     loop = TrainingLoop(runner, DataStream(data), config, mesh, eval_data, teacher, student, sampler)
     try:

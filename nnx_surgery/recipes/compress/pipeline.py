@@ -114,10 +114,11 @@ def run_all(run: run_settings.RunSettings, clock: PhaseClock) -> dict:
         clock.lap("stage A")
     cut = run_phases.final_cut(run, loaded, teacher, first, chosen.teacher_scores)  # plans are data (plan.json)
     clock.lap("surgery")
+    ahead = run_phases.control_ahead(run, cut, first)  # on an accelerator: compiles while the distillation trains
     distilled = run_phases.distil(run, loaded, teacher, first, cut)
     clock.lap("distillation")
     reads = run_phases.corpus_reads(run, loaded, first, cut, distilled)  # how often each source was read
-    control = run_phases.train_control(run, loaded, teacher, first, cut, distilled)  # same batches and steps
+    control = run_phases.train_control(run, loaded, teacher, first, cut, distilled, ahead)  # same batches, steps
     if control is not None:
         clock.lap("control")
     results = evaluate_or_read(run, loaded, teacher, cut, distilled, control)

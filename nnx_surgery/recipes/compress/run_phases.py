@@ -179,14 +179,40 @@ def distil(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut) -
     return dataclasses.replace(trained, steps=first.steps + config.total_steps)
 
 
-def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, distilled: Trained
-                  ) -> Trained | None:
+def compiles_ahead(run: RunSettings) -> bool:
+    """--compile-ahead: "auto" is on an accelerator (a TPU compiles the control's step for about a minute while the
+    chip waits), not on the CPU, whose cores the distillation already uses."""
+    wanted = run.config.run.compile_ahead
+    return wanted == "on" or (wanted == "auto" and jax.default_backend() != "cpu")
+
+
+def control_ahead(run: RunSettings, cut: Cut, first: StageA) -> distill.CompileAhead | None:
+    """The control's first step and evaluation compiling in a thread from now (`distill.compile_ahead`, the cut
+    student standing in for the control's model of the same structure), so that `train_control` starts at once;
+    None where --compile-ahead says no (auto: on the CPU), without a control, or when the distillation or the
+    control is already done."""
+    phases = os.path.join(run.folder, "phases")
+    if run.config.student.control == "none" or not compiles_ahead(run) or any(
+            os.path.exists(os.path.join(phases, phase, "history.json")) for phase in ("stage_b", "control")):
+        return None
+    steps = first.steps + run.phase_config("stage_b", run.stages.stage_b, cut.lineage, cut.data).total_steps
+    config = run.phase_config("control", [phase_configs.control_stage(run.config, steps)])
+    return distill.compile_ahead(None, cut.student, cut.data, config)
+
+
+def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, distilled: Trained,
+                  ahead: distill.CompileAhead | None = None) -> Trained | None:
     """The control on the distillation's steps (stage A's included) and batches: the same pruned student
     retrained with plain CE, or the shape from scratch. A one-shot cut's pruned-CE control is made as the
-    distilled student was and must start from its very weights (RecipeError otherwise, before it trains)."""
+    distilled student was and must start from its very weights (RecipeError otherwise, before it trains).
+    `ahead`: its programs compiling since the distillation started (`control_ahead`), waited for here."""
     config = run.config
     if config.student.control == "none":
         return None
+    if ahead is not None:
+        done = ahead.wait()
+        print(f"[control] compiled during the distillation: {done['compiled_s']} s"
+              + (f"; not compiled ahead ({done['error']}), so compiled now" if done["error"] else ""), flush=True)
     same_start = starts_alike(run, first)
     if same_start:
         control = make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)

@@ -1,0 +1,101 @@
+"""distill.compile_ahead: a run's first train step and evaluation compiled in a thread beforehand are the programs
+the run then calls (it compiles neither), from a model that stands in for the trained one and is left unchanged;
+a run of another shape compiles its own, and a failed compile is reported, not raised."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from distill_fixtures import student_from, teacher_samples, tiny_teacher
+from nnx_surgery import distill
+from nnx_surgery.distill.loop.lowering import AheadProgram, CompileAhead
+
+COMPILED: list[str] | None = None  # the functions XLA compiles while a test records them
+
+
+def _record(event: str, _seconds: float, **fields) -> None:
+    if COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
+        COMPILED.append(str(fields.get("fun_name")))
+
+
+jax.monitoring.register_event_duration_secs_listener(_record)
+
+
+class Batches:
+    def __init__(self, batches, length: int, rows: int = 4):
+        self.batches, self.taken = [{"input_ids": b["input_ids"][:rows, :length]} for b in batches], 0
+
+    def next_batch(self):
+        self.taken += 1
+        return self.batches[(self.taken - 1) % len(self.batches)]
+
+    def eval_batches(self):
+        return self.batches[:2]
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return tiny_teacher()
+
+
+def config(length: int, *, kl: float, rows: int = 4) -> distill.DistillConfig:
+    """Programs of this file's own shapes (`length` tokens), so that no other test compiled them before."""
+    return distill.DistillConfig(stages=[distill.Stage(steps=2, weights=distill.LossWeights(kl=kl, ce=1.0),
+                                                       frozen=["embed_tokens"])],
+                                 batch_size=rows, seq_len=length, eval_every=1, eval_batches=1)
+
+
+def student(teacher, dtype):
+    model = student_from(teacher)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
+    return model
+
+
+def compiled_during(run) -> tuple[list[str], object]:
+    global COMPILED
+    COMPILED = []
+    try:
+        result = run()
+        return COMPILED, result
+    finally:
+        COMPILED = None
+
+
+@pytest.mark.parametrize("kl, dtype, length", [(1.0, jnp.float32, 11), (0.0, jnp.bfloat16, 13)],
+                         ids=["kl-with-teacher-float32", "ce-alone-bfloat16"])
+def test_the_run_calls_the_programs_compiled_ahead(teacher, kl, dtype, length):
+    samples = teacher_samples(teacher, 3)
+    settings, given = config(length, kl=kl), teacher if kl else None
+    stand_in = student(teacher, dtype)
+    before = (distill.weights_digest(stand_in), jax.tree.map(lambda x: x.dtype, nnx.state(stand_in)))
+    data = Batches(samples, length)
+    done = distill.compile_ahead(given, stand_in, data, settings).wait()
+    assert done["error"] is None and set(done["compiled_s"]) == {"train step", "evaluation"}, done
+    assert (distill.weights_digest(stand_in), jax.tree.map(lambda x: x.dtype, nnx.state(stand_in))) == before
+    assert data.taken == 0  # its data was copied, not read
+
+    names, result = compiled_during(lambda: distill.run(given, student(teacher, dtype), Batches(samples, length),
+                                                        settings))
+    assert "jit(step)" not in names and "jit(evaluate)" not in names, names
+    assert result.history[0]["compile_reused"] is True
+    assert len(result.evals) == 3  # steps 0, 1, 2: every evaluation ran on the program compiled ahead
+
+
+def test_a_run_of_another_shape_compiles_its_own(teacher):
+    samples = teacher_samples(teacher, 3)
+    done = distill.compile_ahead(None, student(teacher, jnp.float32), Batches(samples, 9), config(9, kl=0.0)).wait()
+    assert done["error"] is None
+    names, result = compiled_during(lambda: distill.run(None, student(teacher, jnp.float32),
+                                                        Batches(samples, 9, rows=2), config(9, kl=0.0, rows=2)))
+    assert "jit(step)" in names and "jit(evaluate)" in names, names
+    assert "compile_reused" not in result.history[0]
+
+
+def test_a_failed_compile_is_reported_and_the_rest_left_to_the_run():
+    def broken(x):
+        raise ValueError("no such program\nsecond line")
+
+    done = CompileAhead([AheadProgram("broken", jax.jit(broken), (jnp.zeros(2),), None)]).wait()
+    assert done == {"compiled_s": {}, "error": "broken: ValueError: no such program"}
