@@ -1,0 +1,68 @@
+"""bench/hyper_sweep.py on the tiny teacher: every variant and control starts from the same pruned student and reads
+the same batches (a variant of plain CE is the control again, to the last digit), each is scored against every
+control with paired intervals, and a rerun reads the trained students back instead of training them again."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recipe_env import TINY_TEACHER, recipe_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SWEEP = os.path.join(ROOT, "bench", "hyper_sweep.py")
+PLAIN_CE, MIXED, CONTROL = ("distilled lr=0.001 alpha=0 t=1", "distilled lr=0.001 alpha=0.5 t=2",
+                            "control lr=0.001")
+RECIPE = [*TINY_TEACHER, "--steps", "6", "--student", "layers=2,mlp=24", "--compression", "oneshot",
+          "--feature-weight", "0", "--calibration-samples", "8", "--eval-batches", "2"]
+
+
+def sweep(output, cache) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SWEEP, "--variants", "lr=1e-3,alpha=0 lr=1e-3,alpha=0.5,t=2",
+                           "--controls", "1e-3", "--", *RECIPE, "--output", str(output), "--cache-dir", str(cache)],
+                          capture_output=True, text=True, env=recipe_env(cache.parent), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, tiny_teacher_cache):
+    output = tmp_path_factory.mktemp("hyper-sweep") / "run"
+    first = sweep(output, tiny_teacher_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = json.loads((output / "sweep.json").read_text())
+    again = sweep(output, tiny_teacher_cache)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return output, record, first, again
+
+
+@pytest.mark.slow  # the recipe's phases, three trainings and the evaluation
+def test_every_variant_is_paired_with_every_control(swept):
+    output, record, first, _ = swept
+    rows = {row["model"]: row for row in record["results"]["rows"]}
+    assert set(rows) == {"teacher", "pruned (before distillation)", PLAIN_CE, MIXED, CONTROL}
+    assert set(record["versus"]) == {f"{PLAIN_CE} - {CONTROL}", f"{MIXED} - {CONTROL}"}
+    for title, closed in record["closed"].items():
+        assert set(closed) == {PLAIN_CE, MIXED, CONTROL}, title
+    # plain CE with a teacher beside it trains the control's very steps: same start, same batches
+    assert rows[PLAIN_CE]["loss"] == pytest.approx(rows[CONTROL]["loss"], rel=1e-5)
+    for title, difference in record["versus"][f"{PLAIN_CE} - {CONTROL}"].items():
+        assert abs(difference["difference"]) < 1e-4, (title, difference)
+    assert rows[MIXED]["loss"] != pytest.approx(rows[CONTROL]["loss"], rel=1e-4)  # the KL term changes it
+    histories = {name: json.loads((output / "phases" / name / "history.json").read_text())
+                 for name in os.listdir(output / "phases")}
+    assert len(histories) == 3
+    digests = {name: [step["batch_digest"] for step in history["train"]] for name, history in histories.items()}
+    assert len({tuple(d) for d in digests.values()}) == 1 and len(next(iter(digests.values()))) == 6
+    assert len({history["start"]["weights"] for history in histories.values()}) == 1
+    table = (output / "sweep.md").read_text()
+    assert f"| {MIXED} - {CONTROL} |" in table and "in-domain closed" in table
+
+
+@pytest.mark.slow
+def test_a_rerun_reads_the_trained_students_back(swept):
+    output, record, _, again = swept
+    assert again.stdout.count("finished in an earlier run") == 3
+    rerun = json.loads((output / "sweep.json").read_text())
+    assert rerun["closed"] == record["closed"] and rerun["versus"] == record["versus"]
