@@ -248,7 +248,8 @@ def compile_ahead(teacher: Any, student: Any, data: Any, config: DistillConfig, 
     out = None if mesh is None else (_placements(trained), _placements(opt), replicated(mesh))
     train = build_train_step(graph, runner.teacher_graph, runner.step_settings(0), runner.adam_settings, out,
                              config.compiler_options)
-    hyper = {key: jax.ShapeDtypeStruct((), jnp.float32) for key in terms.hyper_keys()}  # jnp.asarray: uncommitted
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():  # as the loop makes them
+        hyper = _mirrored({key: jnp.asarray(0.0, jnp.float32) for key in terms.hyper_keys()})
     arguments = (trained, opt, frozen, _mirrored(runner.teacher_state), _batch(host, mesh, leading=1), hyper)
     programs = [AheadProgram("train step", train, arguments, mesh)]
     held_out = stream.eval_batches(None, config.eval_batches) if evaluation and config.eval_every else []

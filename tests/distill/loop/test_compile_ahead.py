@@ -1,7 +1,14 @@
 """distill.compile_ahead: a run's first train step and evaluation compiled in a thread beforehand are the programs
 the run then calls (it compiles neither), from a model that stands in for the trained one and is left unchanged;
-a run of another shape compiles its own, and a failed compile is reported, not raised."""
+a run of another shape compiles its own, and a failed compile is reported, not raised. On one device and on a
+mesh."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +18,7 @@ from flax import nnx
 from distill_fixtures import student_from, teacher_samples, tiny_teacher
 from nnx_surgery import distill
 from nnx_surgery.distill.loop.lowering import AheadProgram, CompileAhead
+from recipe_env import with_host_devices
 
 COMPILED: list[str] | None = None  # the functions XLA compiles while a test records them
 
@@ -99,3 +107,53 @@ def test_a_failed_compile_is_reported_and_the_rest_left_to_the_run():
 
     done = CompileAhead([AheadProgram("broken", jax.jit(broken), (jnp.zeros(2),), None)]).wait()
     assert done == {"compiled_s": {}, "error": "broken: ValueError: no such program"}
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    from distill_fixtures import FAST_COMPILE, KEPT_LAYERS, student_from, teacher_samples, tiny_teacher
+    from nnx_surgery import distill
+
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **fields: compiled.append(fields.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    class Data:
+        def __init__(self):
+            self.batches, self.taken = teacher_samples(teacher, 3), 0
+
+        def next_batch(self):
+            self.taken += 1
+            return self.batches[(self.taken - 1) % 3]
+
+        def eval_batches(self):
+            return self.batches[:1]
+
+    teacher = tiny_teacher()
+    config = distill.DistillConfig(
+        stages=[distill.Stage(steps=2, weights=distill.LossWeights(kl=1.0, ce=0.5, feature=0.1))],
+        plan={{"kept_layers": list(KEPT_LAYERS)}}, feature_projection=True, batch_size=4, seq_len=16,
+        eval_every=1, eval_batches=1, mesh="fsdp=2,tp=2", compiler_options=FAST_COMPILE, progress=False)
+    done = distill.compile_ahead(teacher, student_from(teacher), Data(), config).wait()
+    compiled.clear()
+    result = distill.run(teacher, student_from(teacher), Data(), config)
+    print("RESULT " + json.dumps({{"done": done, "compiled": compiled, "first": result.history[0]}}))
+""")
+
+
+@pytest.mark.slow  # a process of its own with 4 CPU devices
+def test_on_a_mesh_the_run_calls_the_programs_compiled_ahead():
+    """Sharded parameters, Adam state, batch and the traced hyper-parameters (made on the mesh) placed as the run
+    places them, learned feature projections included."""
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(tests=tests)], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(tests), timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["done"]["error"] is None and set(out["done"]["compiled_s"]) == {"train step", "evaluation"}
+    assert "jit(step)" not in out["compiled"] and "jit(evaluate)" not in out["compiled"], out["compiled"]
+    assert out["first"]["compile_reused"] is True
