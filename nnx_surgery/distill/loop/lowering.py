@@ -29,7 +29,9 @@ structure, batch shape or placement) is compiled by the run as usual: nothing bu
 
 `student` is only read (its structure, dtypes and placement), never changed, so a model of the same structure that
 is training meanwhile can stand in for the one the later run trains (the pruned student for its CE control).
-Compiling needs no device memory for the arguments; the thread holds the GIL only while tracing and lowering.
+Compiling needs no device memory for the arguments; the thread holds the GIL only while tracing and lowering. It
+is not a daemon: a process that stops meanwhile (Ctrl-C, --halt-after, an error) exits once the program being
+compiled is done, with its own exit status (a daemon thread still in XLA at exit aborts the interpreter).
 """
 from __future__ import annotations
 
@@ -207,15 +209,15 @@ class AheadProgram:
 
 
 class CompileAhead:
-    """Programs compiling in a daemon thread, started at construction. `wait()` joins it and says what it did:
-    {"compiled_s": {name: seconds}, "error": the first failure's line or None}. A failure leaves the run to
-    compile that program itself."""
+    """Programs compiling in a thread (not a daemon: module docstring), started at construction. `wait()` joins
+    it and says what it did: {"compiled_s": {name: seconds}, "error": the first failure's line or None}. A failure
+    leaves the run to compile that program itself."""
 
     def __init__(self, programs: list[AheadProgram]):
         self.programs = programs
         self.compiled_s: dict[str, float] = {}
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._compile_all, name="compile-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._compile_all, name="compile-ahead")
         self._thread.start()
 
     def _compile_all(self) -> None:

@@ -157,3 +157,27 @@ def test_on_a_mesh_the_run_calls_the_programs_compiled_ahead():
     assert out["done"]["error"] is None and set(out["done"]["compiled_s"]) == {"train step", "evaluation"}
     assert "jit(step)" not in out["compiled"] and "jit(evaluate)" not in out["compiled"], out["compiled"]
     assert out["first"]["compile_reused"] is True
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import time, jax, jax.numpy as jnp
+    from nnx_surgery.distill.loop.lowering import AheadProgram, CompileAhead
+
+    def slow_to_compile(x):
+        for i in range(120):
+            x = jnp.tanh(x @ x) + jnp.sin(x * i)
+        return x
+
+    ahead = CompileAhead([AheadProgram("slow", jax.jit(slow_to_compile),
+                                       (jax.ShapeDtypeStruct((32, 32), jnp.float32),), None)])
+    time.sleep(0.2)
+    print("compiling" if ahead._thread.is_alive() else "done", flush=True)
+    raise SystemExit(3)
+""")
+
+
+def test_a_process_stopping_while_compiling_ahead_exits_with_its_own_status():
+    """As --halt-after's exit 3 does while the control's step compiles (a daemon thread aborted the process)."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.stdout.strip() == "compiling" and proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
