@@ -317,5 +317,5 @@ def _batch(host: dict[str, np.ndarray], mesh: Any, *, leading: int) -> dict[str,
     return out
 
 
-__all__ = ["AheadProgram", "CompileAhead", "compile_ahead", "Program", "abstract", "like_parameters", "batch_arguments", "train_step_program", "eval_step_program",
-           "target_logit_chunk"]
+__all__ = ["AheadProgram", "CompileAhead", "compile_ahead", "Program", "abstract", "like_parameters",
+           "batch_arguments", "train_step_program", "eval_step_program", "target_logit_chunk"]
