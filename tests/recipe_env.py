@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +34,18 @@ def with_host_devices(count: int) -> str:
     """XLA_FLAGS for a subprocess with `count` CPU devices, keeping the flags the session already set (conftest's
     compilation without LLVM's optimisation)."""
     return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+
+
+def result_on_host_devices(script: str, count: int, timeout: int = 600) -> dict:
+    """Run `script` (`python -c`, from the checkout) in a process of its own with `count` CPU devices (the device
+    count is fixed when jax starts) and return the JSON of its last line starting "RESULT "."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(count), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def shared_basetemp(tmp_path_factory) -> Path:

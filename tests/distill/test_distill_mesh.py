@@ -1,15 +1,12 @@
 """Sharded distillation on 8 CPU devices equals one device for (8,1), (4,2) and (2,4) meshes, and a checkpoint
 written on one mesh resumes on another (learned feature projections included). Runs in a subprocess: the device count is fixed when jax starts."""
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from recipe_env import with_host_devices
+from recipe_env import result_on_host_devices
 
 SCRIPT = textwrap.dedent("""
     import json, sys, tempfile
@@ -52,12 +49,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_mesh_losses_and_updates_equal_one_device_and_resume_across_meshes():
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": with_host_devices(8), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], capture_output=True, text=True,
-                          env=env, cwd=os.path.dirname(tests), timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = result_on_host_devices(SCRIPT.format(tests=tests), 8)
     single = out["None"]
     # Adam divides by sqrt(v): for near-zero gradients, float reordering across devices moves an update by a few
     # percent of the learning rate (1e-2), hence atol 1e-4 on parameters, while losses agree to ~1e-6.

@@ -4,7 +4,6 @@ a run of another shape compiles its own, and a failed compile is reported, not r
 mesh."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from flax import nnx
 from distill_fixtures import student_from, teacher_samples, tiny_teacher
 from nnx_surgery import distill
 from nnx_surgery.distill.loop.lowering import AheadProgram, CompileAhead
-from recipe_env import with_host_devices
+from recipe_env import result_on_host_devices
 
 COMPILED: list[str] | None = None  # the functions XLA compiles while a test records them
 
@@ -148,12 +147,7 @@ def test_on_a_mesh_the_run_calls_the_programs_compiled_ahead():
     """Sharded parameters, Adam state, batch and the traced hyper-parameters (made on the mesh) placed as the run
     places them, learned feature projections included."""
     tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "XLA_FLAGS": with_host_devices(4), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(tests=tests)], capture_output=True, text=True,
-                          env=env, cwd=os.path.dirname(tests), timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = result_on_host_devices(MESH_SCRIPT.format(tests=tests), 4)
     assert out["done"]["error"] is None and set(out["done"]["compiled_s"]) == {"train step", "evaluation"}
     assert "jit(step)" not in out["compiled"] and "jit(evaluate)" not in out["compiled"], out["compiled"]
     assert out["first"]["compile_reused"] is True
