@@ -58,8 +58,12 @@ def parse_variants(text: str) -> list[Variant]:
         for pair in item.split(","):
             key, _, value = pair.partition("=")
             if key not in KEYS:
-                raise SystemExit(f"--variants: {key!r} in {item!r} is not one of {sorted(KEYS)} (e.g. lr=1e-4,alpha=0.5).")
-            values[KEYS[key]] = float(value)
+                raise SystemExit(f"--variants: {key!r} in {item!r} is not one of {sorted(KEYS)} "
+                                 "(e.g. lr=1e-4,alpha=0.5).")
+            try:
+                values[KEYS[key]] = float(value)
+            except ValueError:
+                raise SystemExit(f"--variants: {pair!r} in {item!r} needs a number after '='.") from None
         if "learning_rate" not in values or not 0 <= values["alpha"] <= 1:
             raise SystemExit(f"--variants: {item!r} needs lr=... and an alpha from 0 to 1.")
         variants.append(Variant(**values))
@@ -180,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
         settings = scale_settings(args.scale)
         recipe = ["--batch-size", str(settings["batch"]), "--steps", str(settings["steps"]),
                   "--warmup-steps", str(settings["warmup"]), *recipe]
-    controls = [float(lr) for lr in args.controls.split(",") if lr.strip()]
+    try:
+        controls = [float(lr) for lr in args.controls.split(",") if lr.strip()]
+    except ValueError:
+        raise SystemExit(f"--controls {args.controls!r}: give comma-separated learning rates, e.g. "
+                         "2e-5,1e-4.") from None
     sweep([*recipe, "--control", "none", "--resume"], parse_variants(args.variants), controls)
 
 
