@@ -66,3 +66,16 @@ def test_a_rerun_reads_the_trained_students_back(swept):
     assert again.stdout.count("finished in an earlier run") == 3
     rerun = json.loads((output / "sweep.json").read_text())
     assert rerun["closed"] == record["closed"] and rerun["versus"] == record["versus"]
+
+
+def test_variants_take_their_defaults_and_bad_ones_are_refused_in_one_line():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import hyper_sweep
+
+    assert hyper_sweep.parse_variants("lr=1e-4 lr=2e-5,alpha=1,t=2") == [
+        hyper_sweep.Variant(learning_rate=1e-4, alpha=0.5, temperature=1.0),
+        hyper_sweep.Variant(learning_rate=2e-5, alpha=1.0, temperature=2.0)]
+    for bad, says in (("alpha=0.5", "needs lr="), ("lr=1e-4,beta=1", "'beta'"), ("lr=x", "needs a number"),
+                      ("lr=1e-4,alpha=2", "an alpha from 0 to 1")):
+        with pytest.raises(SystemExit, match=says):
+            hyper_sweep.parse_variants(bad)
