@@ -88,7 +88,8 @@ def one_stage(run) -> distill.Stage:
 
 
 def train_all(run, loaded, first, cut, variants: list[Variant], controls: list[float]) -> list[tuple[str, object]]:
-    """Every control and variant from the pruned student's very weights on the same batches (phases kept)."""
+    """Every control and variant from the pruned student's very weights on the same batches (phases kept). With
+    --compile-ahead (auto: on an accelerator) the variants' step compiles while the controls train."""
     start, stage, trained = cut.data.state(), one_stage(run), []
     recipe = run.config
     jobs = [(control_name(lr), None, phase_configs.control_stage(dataclasses.replace(
@@ -97,15 +98,20 @@ def train_all(run, loaded, first, cut, variants: list[Variant], controls: list[f
     jobs += [(v.name, loaded.teacher, dataclasses.replace(
         stage, name=v.name, learning_rate=v.learning_rate, temperature=v.temperature,
         weights=distill.LossWeights(kl=v.alpha, ce=1.0 - v.alpha))) for v in variants]
-    for name, teacher, job_stage in jobs:
+    configs = [run.phase_config(folder_name(name), [job_stage], cut.lineage, cut.data) if teacher is not None
+               else run.phase_config(folder_name(name), [job_stage])  # as distil() and train_control() make them
+               for name, teacher, job_stage in jobs]
+    ahead = (distill.compile_ahead(loaded.teacher, cut.student, cut.data, configs[len(controls)])
+             if controls and variants and run_phases.compiles_ahead(run) else None)
+    for (name, teacher, _), config in zip(jobs, configs):
+        if teacher is not None and ahead is not None:
+            print(f"[sweep] the variants' step compiled while the controls trained: {ahead.wait()}", flush=True)
+            ahead = None
         student = run_phases.make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)
         student_refit.restore(student, cut.refit)
         cut.data.restore(start)
-        phase = folder_name(name)
-        config = (run.phase_config(phase, [job_stage], cut.lineage, cut.data) if teacher is not None
-                  else run.phase_config(phase, [job_stage]))  # as distil() and train_control() make them
         print(f"[sweep] {name}", flush=True)
-        done = run_phases.train(run, phase, teacher, student, cut.data, config, loaded.mesh,
+        done = run_phases.train(run, folder_name(name), teacher, student, cut.data, config, loaded.mesh,
                                 source=cut.tokenizer or run.teacher.folder)
         trained.append((name, done.model))
     return trained

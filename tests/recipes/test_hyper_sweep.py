@@ -17,7 +17,7 @@ SWEEP = os.path.join(ROOT, "bench", "hyper_sweep.py")
 PLAIN_CE, MIXED, CONTROL = ("distilled lr=0.001 alpha=0 t=1", "distilled lr=0.001 alpha=0.5 t=2",
                             "control lr=0.001")
 RECIPE = [*TINY_TEACHER, "--steps", "6", "--student", "layers=2,mlp=24", "--compression", "oneshot",
-          "--feature-weight", "0", "--calibration-samples", "8", "--eval-batches", "2"]
+          "--feature-weight", "0", "--calibration-samples", "8", "--eval-batches", "2", "--compile-ahead", "on"]
 
 
 def sweep(output, cache) -> subprocess.CompletedProcess:
@@ -56,6 +56,12 @@ def test_every_variant_is_paired_with_every_control(swept):
     digests = {name: [step["batch_digest"] for step in history["train"]] for name, history in histories.items()}
     assert len({tuple(d) for d in digests.values()}) == 1 and len(next(iter(digests.values()))) == 6
     assert len({history["start"]["weights"] for history in histories.values()}) == 1
+    # --compile-ahead on: the variants' step compiled while the control trained, and the first variant ran it
+    assert "[sweep] the variants' step compiled while the controls trained: {'compiled_s': {'train step':" in \
+        first.stdout
+    first_steps = {name: history["train"][0] for name, history in histories.items()}
+    assert first_steps["sweep-distilled_lr0.001_alpha0_t1"].get("compile_reused") is True, first_steps
+    assert "compile_reused" not in first_steps["sweep-control_lr0.001"]
     table = (output / "sweep.md").read_text()
     assert f"| {MIXED} - {CONTROL} |" in table and "in-domain closed" in table
 
