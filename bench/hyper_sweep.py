@@ -102,7 +102,7 @@ def train_all(run, loaded, first, cut, variants: list[Variant], controls: list[f
                else run.phase_config(folder_name(name), [job_stage])  # as distil() and train_control() make them
                for name, teacher, job_stage in jobs]
     ahead = (distill.compile_ahead(loaded.teacher, cut.student, cut.data, configs[len(controls)])
-             if controls and variants and run_phases.compiles_ahead(run) else None)
+             if controls and variants and compile_cache.compiles_ahead(run) else None)
     for (name, teacher, _), config in zip(jobs, configs):
         if teacher is not None and ahead is not None:
             print(f"[sweep] the variants' step compiled while the controls trained: {ahead.wait()}", flush=True)

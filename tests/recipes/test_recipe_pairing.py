@@ -50,7 +50,7 @@ def histories(folder) -> dict[str, list[dict]]:
 def runs(tmp_path_factory, tiny_teacher_cache):
     base = tmp_path_factory.mktemp("pairing")
     cache = tiny_teacher_cache
-    whole = run(base / "whole", cache, "--compile-ahead", "on")  # the control's step compiled during stage B
+    whole = run(base / "whole", cache, "--compile-ahead", "on")  # steps compiled during the refit and stage B
     assert whole.returncode == 0, whole.stderr[-3000:]
     stops = []
     for extra in (["--halt-after", "stage_b:3"], ["--resume", "--halt-after", "control:5"], ["--resume"]):
@@ -85,18 +85,18 @@ def test_plain_ce_distillation_and_the_ce_control_take_the_same_steps(runs):
 
 
 @pytest.mark.slow
-def test_the_controls_step_compiled_ahead_is_the_one_it_runs(runs):
-    """--compile-ahead on: the control's first step reuses the program compiled while the distillation trained
-    (no compile of its own), and trains to the very losses of the resumed runs, which compiled it themselves (the
-    CPU's "auto" is off)."""
+def test_the_steps_compiled_ahead_are_the_ones_the_phases_run(runs):
+    """--compile-ahead on: the distillation's first step reuses the program compiled while the MLP refit ran, the
+    control's the one compiled while the distillation trained (no compile of their own), and both train to the very
+    losses of the resumed runs, which compiled them themselves (the CPU's "auto" is off)."""
     base, whole, _ = runs
+    assert "[stage_b] compiled during the refit: {'train step':" in whole.stdout, whole.stdout[-2000:]
     assert "[control] compiled during the distillation: {'train step':" in whole.stdout, whole.stdout[-2000:]
-    logged = histories(base / "whole")
-    assert logged["control"][0]["compile_reused"] is True, logged["control"][0]
-    assert "compile_reused" not in logged["stage_b"][0]  # the distillation compiled its own step
-    resumed = histories(base / "resumed")
-    assert "compile_reused" not in resumed["control"][0]
-    assert [r["loss"] for r in resumed["control"]] == [r["loss"] for r in logged["control"]]
+    logged, resumed = histories(base / "whole"), histories(base / "resumed")
+    for phase in ("stage_b", "control"):
+        assert logged[phase][0]["compile_reused"] is True, (phase, logged[phase][0])
+        assert "compile_reused" not in resumed[phase][0]
+        assert [r["loss"] for r in resumed[phase]] == [r["loss"] for r in logged[phase]]
 
 
 @pytest.mark.slow

@@ -114,7 +114,7 @@ def run_all(run: run_settings.RunSettings, clock: PhaseClock) -> dict:
         clock.lap("stage A")
     cut = run_phases.final_cut(run, loaded, teacher, first, chosen.teacher_scores)  # plans are data (plan.json)
     clock.lap("surgery")
-    ahead = run_phases.control_ahead(run, cut, first)  # on an accelerator: compiles while the distillation trains
+    ahead = compile_cache.control_ahead(run, cut, first)  # on an accelerator: compiles while the distillation trains
     distilled = run_phases.distil(run, loaded, teacher, first, cut)
     clock.lap("distillation")
     reads = run_phases.corpus_reads(run, loaded, first, cut, distilled)  # how often each source was read

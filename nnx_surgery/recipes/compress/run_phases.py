@@ -35,8 +35,8 @@ from nnx_surgery import distill
 from nnx_surgery import surgery
 from nnx_surgery.distill.inputs.source_reads import reads_line
 from nnx_surgery.recipes.inputs import corpus
-from nnx_surgery.recipes.compress import (phase_configs, search_phase, student_refit, teacher_caching,
-                                          vocabulary)
+from nnx_surgery.recipes.compress import (compile_cache, phase_configs, search_phase, student_refit,
+                                          teacher_caching, vocabulary)
 from nnx_surgery.refusals import RecipeError
 from nnx_surgery.recipes.compress.run_settings import RunSettings, for_student
 
@@ -79,6 +79,7 @@ class Cut:
     lineage: dict  # teacher layer -> student layer, teacher channels and pieces kept
     tokenizer: str | None  # the trimmed student's tokenizer folder
     refit: student_refit.Refit | None = None  # the refitted MLPs (the control starts from them too)
+    ahead: Any = None  # the distillation's step compiling since the refit started (compile_cache.ahead_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,43 +167,21 @@ def final_cut(run: RunSettings, loaded: Loaded, teacher, first: StageA,
     pruned = pruned_student(teacher, first.plan, plan)
     student = make_student(run, first.student, plan, "stage_b", loaded.mesh)
     print(surgery.format_report(plan))
+    lineage = composed_map(first.plan, plan)
+    ahead = compile_cache.ahead_of(run, "stage_b", teacher, student, data,  # while the refit runs on the device
+                                   lambda: run.phase_config("stage_b", run.stages.stage_b, lineage, data))
     refit = student_refit.refit_student(run, first.student, plan, student, data)
-    return Cut(plan, student, pruned, data, composed_map(first.plan, plan), tokenizer, refit)
+    return Cut(plan, student, pruned, data, lineage, tokenizer, refit, ahead)
 
 
 def distil(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut) -> Trained:
     """After a KV merge, a K/V warm-up with the rest frozen; then the main stages (one stage from the loss flags,
     --schedule, or the config file's stages). `steps` counts stage A's too."""
     config = run.phase_config("stage_b", run.stages.stage_b, cut.lineage, cut.data)
+    compile_cache.waited(cut.ahead, "stage_b", "the refit")
     trained = train(run, "stage_b", teacher, cut.student, cut.data, config, loaded.mesh,
                     source=cut.tokenizer or run.teacher.folder)
     return dataclasses.replace(trained, steps=first.steps + config.total_steps)
-
-
-def compiles_ahead(run: RunSettings) -> bool:
-    """--compile-ahead: "auto" is on an accelerator (a TPU compiles the control's step for about a minute while the
-    chip waits), not on the CPU, whose cores the distillation already uses."""
-    wanted = run.config.run.compile_ahead
-    return wanted == "on" or (wanted == "auto" and jax.default_backend() != "cpu")
-
-
-def control_ahead(run: RunSettings, cut: Cut, first: StageA) -> distill.CompileAhead | None:
-    """The control's first step and evaluation compiling in a thread from now (`distill.compile_ahead`, the cut
-    student standing in for the control's model of the same structure), so that `train_control` starts at once;
-    None where --compile-ahead says no (auto: on the CPU), without a control, or when the distillation or the
-    control is already done."""
-    phases = os.path.join(run.folder, "phases")
-    if run.config.student.control == "none" or not compiles_ahead(run) or any(
-            os.path.exists(os.path.join(phases, phase, "history.json")) for phase in ("stage_b", "control")):
-        return None
-    steps = first.steps + run.phase_config("stage_b", run.stages.stage_b, cut.lineage, cut.data).total_steps
-    config = run.phase_config("control", [phase_configs.control_stage(run.config, steps)])
-    try:
-        return distill.compile_ahead(None, cut.student, cut.data, config)
-    except Exception as error:  # noqa: BLE001 - only time is lost: the control compiles its step itself
-        print(f"[control] not compiled ahead ({type(error).__name__}: {error}); it compiles when it starts",
-              flush=True)
-        return None
 
 
 def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut: Cut, distilled: Trained,
@@ -210,14 +189,11 @@ def train_control(run: RunSettings, loaded: Loaded, teacher, first: StageA, cut:
     """The control on the distillation's steps (stage A's included) and batches: the same pruned student
     retrained with plain CE, or the shape from scratch. A one-shot cut's pruned-CE control is made as the
     distilled student was and must start from its very weights (RecipeError otherwise, before it trains).
-    `ahead`: its programs compiling since the distillation started (`control_ahead`), waited for here."""
+    `ahead`: its programs compiling since the distillation started (compile_cache.control_ahead), waited for."""
     config = run.config
     if config.student.control == "none":
         return None
-    if ahead is not None:
-        done = ahead.wait()
-        print(f"[control] compiled during the distillation: {done['compiled_s']} s"
-              + (f"; not compiled ahead ({done['error']}), so compiled now" if done["error"] else ""), flush=True)
+    compile_cache.waited(ahead, "control", "the distillation")
     same_start = starts_alike(run, first)
     if same_start:
         control = make_student(run, first.student, cut.plan, "stage_b", loaded.mesh)

@@ -64,10 +64,10 @@ class RunSection:
                                          flag="--push-to-hub", metavar="REPO_ID", saved=False)
     public: bool = documented(False, "make the pushed repo public", flag="--public", action="store_true",
                               saved=False)
-    compile_ahead: str = documented("auto", "compile the control's first step while the distillation trains, so "
-                                    "that the control starts at once: auto (on an accelerator, where a compile takes "
-                                    "a minute), on, off", flag="--compile-ahead", choices=("auto", "on", "off"),
-                                    saved=False)
+    compile_ahead: str = documented("auto", "compile a training phase's first step while the phase before it "
+                                    "runs (the distillation's during the MLP refit, the control's during the "
+                                    "distillation): auto (on an accelerator, where a compile takes a minute), on, "
+                                    "off", flag="--compile-ahead", choices=("auto", "on", "off"), saved=False)
 
 
 @dataclasses.dataclass(frozen=True)
