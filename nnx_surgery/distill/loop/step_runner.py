@@ -108,10 +108,10 @@ def compile_report(compiled: Any, seconds: float, hits_before: int | None = None
     not aliased to an argument. On a TPU that is what the chip holds for the step (`bytes_in_use +
     bytes_reserved`)."""
     report: dict[str, Any] = {"compile_s": round(seconds, 3)}
-    if hits_before is not None and getattr(jax.config, "jax_compilation_cache_dir"):
-        report["compile_cache"] = "hit" if _cache_counts["hits"] > hits_before else "miss"
     if compiles_before is not None and _cache_counts["compiles"] == compiles_before:
-        report["compile_reused"] = True
+        report["compile_reused"] = True  # neither compiled nor looked up in the persistent cache
+    elif hits_before is not None and getattr(jax.config, "jax_compilation_cache_dir"):
+        report["compile_cache"] = "hit" if _cache_counts["hits"] > hits_before else "miss"
     try:
         memory = compiled.memory_analysis()
     except Exception:  # noqa: BLE001  (a backend without the analysis: the time alone)

@@ -175,3 +175,22 @@ def test_a_process_stopping_while_compiling_ahead_exits_with_its_own_status():
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.stdout.strip() == "compiling" and proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_reused_program_is_not_reported_as_a_cache_miss(tmp_path):
+    """With a persistent cache folder set, a step that compiled says "hit" or "miss"; one the process already held
+    says `compile_reused` and no cache verdict (it looked nothing up)."""
+    from nnx_surgery.distill.loop import step_runner
+
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros(3)).compile()
+    counts, folder = step_runner._cache_counts, jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        reused = step_runner.compile_report(compiled, 0.01, counts["hits"], counts["compiles"])
+        before = counts["compiles"]
+        step_runner._count_compile("/jax/core/compile/backend_compile_duration", 2.0)  # as XLA's compile reports
+        built = step_runner.compile_report(compiled, 2.0, counts["hits"], before)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", folder)
+    assert reused["compile_reused"] is True and "compile_cache" not in reused
+    assert built["compile_cache"] == "miss" and "compile_reused" not in built
