@@ -12,6 +12,7 @@ stops with an error. The trainable parameters are float32 master weights whateve
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import time
@@ -95,8 +96,19 @@ def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
         _cache_counts["compiles"] += 1
 
 
-jax.monitoring.register_event_listener(_count_cache_event)
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
+def listen_for_compiles() -> None:
+    """(Re-)register the two counters. Another library may have cleared every listener of the process (Tunix's
+    metrics logger calls `jax.monitoring.clear_event_listeners()` when it closes), and a compile nobody counted
+    would read as reused; the runner calls this before each compile it reports."""
+    with contextlib.suppress(AssertionError, ValueError):  # not registered (any more)
+        jax.monitoring.unregister_event_listener(_count_cache_event)
+    jax.monitoring.register_event_listener(_count_cache_event)
+    with contextlib.suppress(AssertionError, ValueError):
+        jax.monitoring.unregister_event_duration_listener(_count_compile)
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+listen_for_compiles()
 
 
 def compile_report(compiled: Any, seconds: float, hits_before: int | None = None,
@@ -277,6 +289,7 @@ class StepRunner:
             if self.stage_index is None:
                 raise RuntimeError("no stage entered yet (StepRunner.enter_stage compiles its step).")
             run_compile_hooks(CompileRequest(self.stage_index, self.remat, int(rows), int(accum)))
+            listen_for_compiles()
             # Compile ahead of the first call (the call then reuses the executable) and return the compiler's
             # freed memory before the step allocates its buffers: otherwise both count in the peak RSS.
             started, hits_before, compiles_before = time.perf_counter(), _cache_counts["hits"], _cache_counts["compiles"]

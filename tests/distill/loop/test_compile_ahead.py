@@ -19,15 +19,6 @@ from nnx_surgery import distill
 from nnx_surgery.distill.loop.lowering import AheadProgram, CompileAhead
 from recipe_env import result_on_host_devices
 
-COMPILED: list[str] | None = None  # the functions XLA compiles while a test records them
-
-
-def _record(event: str, _seconds: float, **fields) -> None:
-    if COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
-        COMPILED.append(str(fields.get("fun_name")))
-
-
-jax.monitoring.register_event_duration_secs_listener(_record)
 
 
 class Batches:
@@ -61,13 +52,18 @@ def student(teacher, dtype):
 
 
 def compiled_during(run) -> tuple[list[str], object]:
-    global COMPILED
-    COMPILED = []
+    """(the functions XLA compiled while `run()` ran, its result)."""
+    compiled: list[str] = []
+
+    def record(event: str, _seconds: float, **fields) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(str(fields.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(record)
     try:
-        result = run()
-        return COMPILED, result
+        return compiled, run()
     finally:
-        COMPILED = None
+        jax.monitoring.unregister_event_duration_listener(record)
 
 
 @pytest.mark.parametrize("kl, dtype, length", [(1.0, jnp.float32, 11), (0.0, jnp.bfloat16, 13)],
@@ -98,6 +94,15 @@ def test_a_run_of_another_shape_compiles_its_own(teacher):
                                                         Batches(samples, 9, rows=2), config(9, kl=0.0, rows=2)))
     assert "jit(step)" in names and "jit(evaluate)" in names, names
     assert "compile_reused" not in result.history[0]
+
+
+def test_a_compile_is_counted_after_another_library_cleared_every_listener(teacher):
+    """Tunix's metrics logger clears every JAX monitoring listener of the process when it closes: the runner
+    registers its counters again before it compiles, so a step it compiled is never called reused."""
+    jax.monitoring.clear_event_listeners()
+    samples = teacher_samples(teacher, 3)
+    result = distill.run(None, student(teacher, jnp.float32), Batches(samples, 7), config(7, kl=0.0))
+    assert "compile_reused" not in result.history[0] and result.history[0]["compile_s"] > 0
 
 
 def test_a_failed_compile_is_reported_and_the_rest_left_to_the_run():
