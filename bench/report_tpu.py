@@ -126,7 +126,8 @@ def target_rows(records: list[dict], demo: dict | None = None,
     if phase_times:
         seconds = uninterrupted_seconds(phase_times)
         rows.append(("TPU demo: the whole run in <= 10 minutes of chip time",
-                     f"about {seconds:.0f} s by its phases ({len(phase_times['commands'])} commands: "
+                     f"about {seconds:.0f} s by its phases ({len(phase_times['commands'])} command"
+                     f"{'s' * (len(phase_times['commands']) > 1)}: "
                      + " + ".join(f"{c['wall_s']:.0f} s" for c in phase_times["commands"]) + ")", seconds <= 600))
     return rows
 
