@@ -59,13 +59,14 @@ test-fast: $(STAMP)
 	$(PY) -m mypy
 	$(PYTEST) $(PARALLEL) -m "not slow" $(TESTS)
 
-# llama.cpp's Python binding, built from source (a long build; pip caches the wheel), for the tests that read our
+# llama.cpp's Python binding, built from source (a long build, once per environment), for the tests that read our
 # GGUF exports with llama.cpp itself; `make test` skips them without it. The version the exports were checked with.
 # Built for AVX2 rather than for this CPU (GGML_NATIVE=OFF, no AMX): on a VM whose CPU reports AMX tiles that the
 # kernel has not enabled for the process, a native build segfaulted in its first decode (the published Gemma 3
-# 270M GGUF too); the portable build runs there.
+# 270M GGUF too); the portable build runs there. --no-cache-dir: pip's wheel cache keys a build by version, not by
+# CMAKE_ARGS, so a native build made earlier on the machine would be installed in place of the portable one.
 llama-cpp: $(STAMP)
-	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(VENV)/bin/pip install llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(VENV)/bin/pip install --no-cache-dir llama-cpp-python==0.3.36
 
 test-llama: llama-cpp
 	$(PY) -m pytest -q tests/export/test_gguf_export.py -k llama_cpp
