@@ -57,7 +57,7 @@ from ..losses.representations import init_projections
 from ..mesh import batch_spec, check_batch_fits, replicated
 from .train_step import build_eval_step, build_train_step
 from .feed import processes, stack_batches
-from .step_runner import StepRunner
+from .step_runner import StepRunner, _shardings
 from .trainer import DataStream, prepare_run, resolve_correspondence
 from ..trimmed_vocab import in_student_vocabulary
 
@@ -269,22 +269,19 @@ def _stage_state(runner: StepRunner, index: int) -> tuple[Any, dict[str, Any], A
     device, Adam's state placed alike; the frozen rest mirrored as it is."""
     stage = runner.config.stages[index]
     graph, trainable, frozen = freeze.split_trainable(runner.student, stage.trainable, stage.frozen)
-    mesh = runner.mesh
-    if mesh is not None:
-        def place(x):
-            return x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated(mesh)
-    else:
+    mesh, params = runner.mesh, {"student": trainable, "proj": runner.projections}
+    if mesh is not None:  # as enter_stage places them (step_runner._shardings)
+        placements = _shardings(params, mesh)
+    else:  # committed to the student's device
         device = SingleDeviceSharding(next(iter(jax.tree.leaves(trainable)[0].devices())))
-
-        def place(x):
-            return device
-    masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, freeze.master_dtype(x.dtype), sharding=place(x)),
-                           {"student": trainable, "proj": runner.projections})
+        placements = jax.tree.map(lambda _: device, params)
+    masters = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, freeze.master_dtype(x.dtype),
+                                                                 sharding=where), params, placements)
     opt = jax.eval_shape(runner.adam.init, masters)
     if mesh is not None:
         opt = like_parameters(opt, masters, mesh)
     else:
-        opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place(x)), opt)
+        opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), opt)
     return graph, masters, opt, _mirrored(frozen)
 
 
