@@ -130,10 +130,14 @@ def test_the_gemma3_270m_tpu_preset_is_the_cpu_demo_at_100x_the_tokens_in_bf16(t
     assert tpu.evaluation.tokens == 4 * cpu.evaluation.tokens and tpu.evaluation.prompts == 4 * cpu.evaluation.prompts
     assert (tpu.data.general_mix, tpu.data.general_source, cpu.data.general_source) == (0.5, "pydoc+packages", "pydoc")
     assert tpu.training.warmup_steps == round(cpu.training.warmup_steps / cpu.training.steps * tpu.training.steps)
-    same = ("teacher", "student", "surgery")  # the same teacher, student shape and cut
-    assert all(getattr(tpu, section) == getattr(cpu, section) for section in same)
-    assert (tpu.training.learning_rate, tpu.training.alpha, tpu.training.frozen, tpu.run.gguf) == \
-        (cpu.training.learning_rate, cpu.training.alpha, cpu.training.frozen, cpu.run.gguf)
+    # the same teacher, student shape and cut; the rates derived from the learning rate follow it
+    assert tpu.surgery == cpu.surgery
+    assert dataclasses.replace(tpu.teacher, correction_lr=cpu.teacher.correction_lr) == cpu.teacher
+    assert dataclasses.replace(tpu.student, scratch_learning_rate=cpu.student.scratch_learning_rate) == cpu.student
+    assert (tpu.teacher.correction_lr, tpu.student.scratch_learning_rate) == pytest.approx((1e-5, 1e-4))
+    assert (tpu.training.alpha, tpu.training.frozen, tpu.run.gguf) == \
+        (cpu.training.alpha, cpu.training.frozen, cpu.run.gguf)
+    assert (tpu.training.learning_rate, cpu.training.learning_rate) == (1e-4, 2e-5)  # chosen on the chip at 100x
     cpu_run, tpu_run = run_settings.for_config(cpu), run_settings.for_config(tpu)
     assert tpu_run.student.spec == cpu_run.student.spec and tpu_run.teacher.dtype == "bfloat16"
     assert tpu_run.data.corpus and len(tpu_run.data.corpus) > len(cpu_run.data.corpus)  # the stdlib, more of it
