@@ -33,7 +33,7 @@ from nnx_surgery import distill  # noqa: E402
 from nnx_surgery.recipes import compress_command  # noqa: E402
 from nnx_surgery.recipes.compress import (compile_cache, phase_configs, pipeline, run_phases,  # noqa: E402
                                           run_settings, student_refit, vocabulary)
-from nnx_surgery.recipes.compress.reporting import SET_KEYS  # noqa: E402
+from nnx_surgery.recipes.compress.reporting import gap_closed  # noqa: E402
 from nnx_surgery.evaluation import final_eval  # noqa: E402
 
 KEYS = {"lr": "learning_rate", "alpha": "alpha", "t": "temperature"}
@@ -120,14 +120,7 @@ def train_all(run, loaded, first, cut, variants: list[Variant], controls: list[f
 def closure_table(results: dict, variants: list[str], controls: list[str]) -> tuple[dict, str]:
     """Per model and set: the share of the pruned-to-teacher gap per byte it closed; per (variant, control) and
     set: distilled - control per byte [95% interval]. Returned as a record and a markdown table."""
-    rows = {r["model"]: r for r in results["rows"]}
-    teacher, pruned = rows["teacher"], rows["pruned (before distillation)"]
-    closed: dict = {}
-    for key, title in SET_KEYS:  # the sets the run scored, where pruning raised CE per byte
-        key = f"{key}_per_byte"
-        if key in teacher and key in pruned and pruned[key] > teacher[key]:
-            gap = pruned[key] - teacher[key]
-            closed[title] = {name: (pruned[key] - rows[name][key]) / gap for name in [*variants, *controls]}
+    closed = gap_closed(results, {name: name for name in [*variants, *controls]})
     versus: dict = {}
     for title, held in results["sets"].items():
         for comparison in held.get("comparisons", []):

@@ -76,8 +76,8 @@ def _donatable(tree: Any, stepped: set[int]) -> Any:
                         tree)
 
 
-# JAX's own event for an executable its persistent compilation cache supplied, counted for the whole process (a
-# listener cannot be removed through the public API, so one is registered once). With a cache folder set, a
+# JAX's own event for an executable its persistent compilation cache supplied, counted for the whole process (one
+# listener, registered again by `listen_for_compiles` if another library cleared it). With a cache folder set, a
 # compile during which it fired is a "hit", any other a "miss"; with none set, neither is recorded.
 # JAX's event around every executable it builds or loads from that cache (none when it reuses one this process
 # already holds, e.g. compiled ahead: lowering.compile_ahead), counted likewise.

@@ -222,8 +222,8 @@ def _projections(config: DistillConfig, corr: Correspondence, teacher: Any, stud
     return jax.device_put(projections, replicated(mesh)) if mesh is not None else projections
 
 
-def prepare_run(teacher: Any, student: Any, data: Any, config: DistillConfig, sampler: Sampler | None = None
-            ) -> tuple[Any, Any, DistillConfig, Any, StepRunner]:
+def prepare_run(teacher: Any, student: Any, data: Any, config: DistillConfig,
+                sampler: Sampler | None = None) -> tuple[Any, Any, DistillConfig, Any, StepRunner]:
     """What `run` does before its loop: (the teacher as the step sees it, the data stream, the config with its
     epochs in steps, the mesh, the StepRunner), with the models checked and placed. `lowering.compile_ahead` builds
     its programs from the same runner, so that they are the ones the run then calls."""

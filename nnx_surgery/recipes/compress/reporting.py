@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 
 import jax
 
@@ -225,14 +226,16 @@ def verdicts(results: dict) -> list[str]:
 SET_KEYS = (("loss", "in-domain"), ("general_loss", "general"), ("far_loss", "far-domain"))
 
 
-def gap_closed(results: dict) -> dict[str, dict[str, float]]:
+def gap_closed(results: dict, rows: Mapping[str, str] | None = None) -> dict[str, dict[str, float]]:
     """Per held-out set (in-domain, general, far-domain): the share of the pruned-to-teacher gap in CE per byte
     that the distilled student and the control closed (as the verdicts say it), from a results.json; a set the
-    run did not score, or where pruning raised no CE, is left out."""
+    run did not score, or where pruning raised no CE, is left out. `rows`: other models instead (label -> the
+    model's row name, e.g. a sweep's variants)."""
     by_name = {r["model"]: r for r in results["rows"]}
     teacher, pruned = by_name.get("teacher"), by_name.get("pruned (before distillation)")
-    models = {"distilled": by_name.get("distilled student"),
-              "control": next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)}
+    models = ({"distilled": by_name.get("distilled student"),
+               "control": next((by_name[name] for name in CONTROL_ROWS if name in by_name), None)}
+              if rows is None else {label: by_name.get(name) for label, name in rows.items()})
     out: dict[str, dict[str, float]] = {}
     for key, title in SET_KEYS:
         key = f"{key}_per_byte"
